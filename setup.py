@@ -1,0 +1,38 @@
+"""Install tree_grpo_jax: `pip install -e ".[test]"`."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tree_grpo_jax",
+    version="0.1.0",
+    description=(
+        "Online RL post-training of text-to-image diffusion and flow models with "
+        "tree-structured GRPO (TreeGRPO, BranchGRPO) and flat GRPO, in JAX/Flax."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]),
+    package_data={"tree_grpo_jax": ["assets/*", "assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "jax>=0.6",
+        "flax>=0.10",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "ml_collections>=1.0",
+        "absl-py>=2.0",
+        "chex>=0.1.89",
+        # The Flax model classes live only in these ranges (see README, "Dependencies").
+        "diffusers>=0.36,<0.40",
+        "transformers>=4.40,<5",
+        "safetensors>=0.4",
+        "numpy>=1.26",
+        "pillow>=10.0",
+        "scikit-learn>=1.3",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6"],
+    },
+)
