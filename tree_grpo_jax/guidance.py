@@ -1,0 +1,39 @@
+"""Calling the denoiser on a flat batch, with classifier-free guidance as one batched call."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models.base import DenoiseFn, PyTree
+
+
+def guided_prediction(
+    denoise_fn: DenoiseFn,
+    params: PyTree,
+    x: jax.Array,
+    t: jax.Array,
+    cond: jax.Array,
+    uncond: jax.Array | None = None,
+    guidance_scale: jax.Array | float = 1.0,
+) -> jax.Array:
+    """`pred_u + w * (pred_c - pred_u)`, or the plain conditional prediction if `uncond` is None.
+
+    x: [B, *S]; t: [B]; cond: [B, L, D]; uncond: [L, D], the empty prompt's embedding.
+    Conditional and unconditional rows go through the denoiser as one batch of 2B.
+    """
+    chex.assert_rank(cond, 3)
+    chex.assert_equal_shape_prefix([x, t, cond], 1)
+    if uncond is None:
+        return denoise_fn(params, x, t, cond)
+    chex.assert_rank(uncond, 2)
+    uncond = jnp.broadcast_to(uncond.astype(cond.dtype), cond.shape)
+    both = denoise_fn(
+        params,
+        jnp.concatenate([x, x]),
+        jnp.concatenate([t, t]),
+        jnp.concatenate([uncond, cond]),
+    )
+    pred_u, pred_c = jnp.split(both.astype(jnp.float32), 2)
+    return pred_u + guidance_scale * (pred_c - pred_u)

@@ -1,0 +1,261 @@
+"""Sampling maths: noise schedules and one denoising step as a Gaussian transition.
+
+Every stochastic step, DDIM with eta or the flow-matching SDE, is a diagonal Gaussian
+`x_next ~ N(mean, std^2)` whose mean depends on the denoiser's prediction. A schedule turns
+`(step index, x, prediction)` into that `(mean, std)`; sampling, scoring a stored action and
+the KL to a reference model are then the same few lines for every model family.
+
+All arithmetic runs in float32, whatever the dtype of the inputs (bf16 rollouts included).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+REDUCTIONS = ("mean", "sum")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+class Transition(NamedTuple):
+    """The Gaussian `N(mean, std^2)` of one step; `std` broadcasts against `mean`."""
+
+    mean: jax.Array
+    std: jax.Array
+
+
+class StepOutput(NamedTuple):
+    sample: jax.Array
+    mean: jax.Array
+    std: jax.Array
+    log_prob: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Densities.
+
+
+def reduce_event(values: jax.Array, event_ndim: int, reduce: str = "mean") -> jax.Array:
+    """Reduces the trailing `event_ndim` axes (the image) with `mean` or `sum`."""
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}.")
+    axes = tuple(range(values.ndim - event_ndim, values.ndim))
+    return jnp.mean(values, axis=axes) if reduce == "mean" else jnp.sum(values, axis=axes)
+
+
+def gaussian_log_prob(
+    sample: jax.Array, mean: jax.Array, std: jax.Array, event_ndim: int, reduce: str = "mean"
+) -> jax.Array:
+    """Diagonal Gaussian log-density, reduced over the event axes.
+
+    The sample is an action that was taken: no gradient flows into it.
+    """
+    sample = jax.lax.stop_gradient(sample.astype(jnp.float32))
+    mean = mean.astype(jnp.float32)
+    std = jnp.broadcast_to(jnp.asarray(std, jnp.float32), mean.shape)
+    per_dim = -((sample - mean) ** 2) / (2.0 * std**2) - jnp.log(std) - LOG_SQRT_2PI
+    return reduce_event(per_dim, event_ndim, reduce)
+
+
+def gaussian_kl(
+    mean: jax.Array, ref_mean: jax.Array, std: jax.Array, event_ndim: int, reduce: str = "mean"
+) -> jax.Array:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)) per dimension, reduced over the event axes."""
+    std = jnp.broadcast_to(jnp.asarray(std, jnp.float32), mean.shape)
+    diff = mean.astype(jnp.float32) - ref_mean.astype(jnp.float32)
+    return reduce_event(diff**2 / (2.0 * std**2), event_ndim, reduce)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules. Both are pytrees: the arrays are traced, the string fields are static.
+
+
+def scaled_linear_alphas_cumprod(
+    num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012
+) -> np.ndarray:
+    """Stable Diffusion's `scaled_linear` betas (linear in sqrt(beta)), as alpha-bar."""
+    betas = np.linspace(beta_start**0.5, beta_end**0.5, num_train_timesteps, dtype=np.float64) ** 2
+    return np.cumprod(1.0 - betas)
+
+
+@struct.dataclass
+class DDIMSchedule:
+    """DDIM over N inference steps (diffusers' `leading` spacing with `steps_offset`).
+
+    Step i goes from model timestep `timesteps[i]` (alpha-bar `alpha_bar[i]`) to
+    `timesteps[i] - num_train_timesteps // N` (alpha-bar `alpha_bar_prev[i]`, the final
+    alpha-bar when that is negative).
+    """
+
+    timesteps: jax.Array  # [N] int32, what the denoiser receives
+    alpha_bar: jax.Array  # [N]
+    alpha_bar_prev: jax.Array  # [N]
+    eta: jax.Array  # scalar, the stochasticity of SDE and branch steps
+    prediction_type: str = struct.field(pytree_node=False, default="epsilon")
+
+    @property
+    def num_steps(self) -> int:
+        return self.timesteps.shape[0]
+
+    def predict_eps_x0(self, i, x, prediction):
+        a = self.alpha_bar[i]
+        if self.prediction_type == "epsilon":
+            eps = prediction
+            x0 = (x - jnp.sqrt(1.0 - a) * eps) / jnp.sqrt(a)
+        else:  # v_prediction
+            x0 = jnp.sqrt(a) * x - jnp.sqrt(1.0 - a) * prediction
+            eps = jnp.sqrt(a) * prediction + jnp.sqrt(1.0 - a) * x
+        return eps, x0
+
+    def transition(self, i, x, prediction, stochastic: bool = True) -> Transition:
+        """The Gaussian of step i; `stochastic=False` is the deterministic (eta 0) step."""
+        x = x.astype(jnp.float32)
+        prediction = prediction.astype(jnp.float32)
+        eps, x0 = self.predict_eps_x0(i, x, prediction)
+        a, a_prev = self.alpha_bar[i], self.alpha_bar_prev[i]
+        eta = self.eta if stochastic else 0.0
+        std = eta * jnp.sqrt((1.0 - a_prev) / (1.0 - a)) * jnp.sqrt(1.0 - a / a_prev)
+        direction = jnp.sqrt(jnp.maximum(1.0 - a_prev - std**2, 0.0))
+        return Transition(jnp.sqrt(a_prev) * x0 + direction * eps, std)
+
+    def deterministic_step(self, i, x, prediction):
+        return self.transition(i, x, prediction, stochastic=False).mean
+
+
+def make_ddim_schedule(
+    num_steps: int,
+    *,
+    eta: float = 1.0,
+    num_train_timesteps: int = 1000,
+    beta_start: float = 0.00085,
+    beta_end: float = 0.012,
+    steps_offset: int = 1,
+    set_alpha_to_one: bool = False,
+    prediction_type: str = "epsilon",
+) -> DDIMSchedule:
+    if num_steps < 1 or num_steps > num_train_timesteps:
+        raise ValueError(f"num_steps must be in [1, {num_train_timesteps}], got {num_steps}.")
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(
+            f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}."
+        )
+    alphas_cumprod = scaled_linear_alphas_cumprod(num_train_timesteps, beta_start, beta_end)
+    final = 1.0 if set_alpha_to_one else alphas_cumprod[0]
+    ratio = num_train_timesteps // num_steps
+    timesteps = (np.arange(num_steps) * ratio).round()[::-1].astype(np.int64) + steps_offset
+    prev = timesteps - ratio
+    alpha_bar_prev = np.where(prev >= 0, alphas_cumprod[np.clip(prev, 0, None)], final)
+    return DDIMSchedule(
+        timesteps=jnp.asarray(timesteps, jnp.int32),
+        alpha_bar=jnp.asarray(alphas_cumprod[timesteps], jnp.float32),
+        alpha_bar_prev=jnp.asarray(alpha_bar_prev, jnp.float32),
+        eta=jnp.asarray(eta, jnp.float32),
+        prediction_type=prediction_type,
+    )
+
+
+@struct.dataclass
+class FlowSchedule:
+    """Rectified-flow sampling from sigma 1 (noise) to 0 (data); the model predicts velocity.
+
+    The SDE step is Flow-GRPO's: `sig_t = a * sqrt(sigma / (1 - sigma))` (sigma_1 in the
+    denominator at sigma = 1), a Gaussian with std `sig_t * sqrt(-dt)`.
+    """
+
+    sigmas: jax.Array  # [N + 1], from 1 down to 0
+    noise_level: jax.Array  # scalar a
+    timestep_scale: float = struct.field(pytree_node=False, default=1000.0)
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    @property
+    def timesteps(self) -> jax.Array:
+        return self.sigmas[:-1] * self.timestep_scale
+
+    def transition(self, i, x, prediction, stochastic: bool = True) -> Transition:
+        x = x.astype(jnp.float32)
+        v = prediction.astype(jnp.float32)
+        sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
+        dt = sigma_next - sigma
+        if not stochastic:
+            return Transition(x + v * dt, jnp.zeros((), jnp.float32))
+        denominator = 1.0 - jnp.where(sigma >= 1.0, self.sigmas[1], sigma)
+        sig_t = self.noise_level * jnp.sqrt(sigma / denominator)
+        mean = (
+            x * (1.0 + sig_t**2 * dt / (2.0 * sigma))
+            + v * (1.0 + sig_t**2 * (1.0 - sigma) / (2.0 * sigma)) * dt
+        )
+        return Transition(mean, sig_t * jnp.sqrt(-dt))
+
+    def deterministic_step(self, i, x, prediction):
+        return self.transition(i, x, prediction, stochastic=False).mean
+
+
+def make_flow_schedule(
+    num_steps: int, *, shift: float = 1.0, noise_level: float = 0.7, timestep_scale: float = 1000.0
+) -> FlowSchedule:
+    if num_steps < 2:
+        raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}.")
+    sigmas = np.linspace(1.0, 0.0, num_steps + 1)
+    sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+    return FlowSchedule(
+        sigmas=jnp.asarray(sigmas, jnp.float32),
+        noise_level=jnp.asarray(noise_level, jnp.float32),
+        timestep_scale=timestep_scale,
+    )
+
+
+Schedule = DDIMSchedule | FlowSchedule
+
+
+# ---------------------------------------------------------------------------------------------
+# One step.
+
+
+def sample_step(
+    schedule: Schedule,
+    i,
+    x: jax.Array,
+    prediction: jax.Array,
+    noise: jax.Array,
+    *,
+    event_ndim: int,
+    noise_scale: float = 1.0,
+    reduce: str = "mean",
+) -> StepOutput:
+    """Draws `x_next = mean + noise_scale * std * noise` and scores it.
+
+    `noise_scale` widens (or narrows) the Gaussian itself, so the log-prob is that of the
+    distribution the sample was really drawn from.
+    """
+    mean, std = schedule.transition(i, x, prediction)
+    std = std * noise_scale
+    sample = mean + std * noise.astype(jnp.float32)
+    return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, event_ndim, reduce))
+
+
+def score_step(
+    schedule: Schedule,
+    i,
+    x: jax.Array,
+    prediction: jax.Array,
+    sample: jax.Array,
+    *,
+    event_ndim: int,
+    noise_scale: float = 1.0,
+    reduce: str = "mean",
+) -> StepOutput:
+    """Log-prob of a given next sample under the transition that `prediction` implies."""
+    mean, std = schedule.transition(i, x, prediction)
+    std = std * noise_scale
+    return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, event_ndim, reduce))
