@@ -1,5 +1,7 @@
 """Install tree_grpo_jax: `pip install -e ".[test]"`."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -9,7 +11,7 @@ setup(
         "Online RL post-training of text-to-image diffusion and flow models with "
         "tree-structured GRPO (TreeGRPO, BranchGRPO) and flat GRPO, in JAX/Flax."
     ),
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]),
@@ -31,8 +33,11 @@ setup(
         "pillow>=10.0",
         "scikit-learn>=1.3",
         "tqdm>=4.66",
+        "matplotlib>=3.7",
+        "tensorboardX>=2.6",
     ],
     extras_require={
-        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6"],
+        # torch only builds PyTorch reference models in the tests (a CPU wheel is enough).
+        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6", "torch==2.13.0"],
     },
 )

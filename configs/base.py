@@ -1,0 +1,110 @@
+"""Every setting of a training run, with its default. Experiment files start from this one.
+
+Any field can be overridden on the command line, e.g. `--config.train.learning_rate=3e-5`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"  # names the default workdir: runs/<name>/<timestamp>
+    c.seed = 0  # the same seed gives the same run
+
+    # The model: "tiny" (DDIM, ships in the package), "tiny_flow" (rectified flow, ships in the
+    # package), "random_tiny" / "random_tiny_flow" (same architecture, random weights, for
+    # tests), or "sd" (Stable Diffusion 1.x from `path`: a local diffusers-layout folder or a
+    # hub id).
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "tiny"
+    c.model.path = ""  # only for "sd"
+    c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
+    c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
+    c.model.remat = False  # recompute the denoiser's activations in the backward pass
+
+    # Prompts: a built-in set name ("digits", "animals", ...) or a text file, one per line.
+    c.prompts = ml_collections.ConfigDict()
+    c.prompts.source = "digits"
+    c.prompts.batch_size = 4  # prompts per iteration (per host)
+    c.prompts.eval_source = ""  # defaults to `source`
+    c.prompts.eval_count = 10  # fixed evaluation prompts (the first of the eval set, cycled)
+
+    # Sampling.
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.num_steps = 10
+    c.sampling.eta = 1.0  # DDIM stochasticity of SDE and branch steps
+    c.sampling.noise_level = 0.7  # flow SDE's `a`
+    c.sampling.shift = 1.0  # flow sigma shift
+    c.sampling.guidance_scale = 1.0  # classifier-free guidance; 1.0 switches it off
+    c.sampling.log_prob_reduce = "mean"  # "mean" or "sum" over the image's dimensions
+
+    # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix".
+    c.tree = ml_collections.ConfigDict()
+    c.tree.method = "treegrpo"
+    c.tree.group_size = 16  # grpo / mixgrpo: chains per prompt
+    c.tree.shared_init_noise = False  # grpo: chains of a prompt share their initial noise
+    c.tree.window = 4  # treegrpo / mixgrpo / branchgrpo_mix: steps in the window
+    c.tree.window_start = 0  # where the window starts at iteration 0
+    c.tree.window_slide_every = 0  # slide the window one step every N iterations (0: fixed)
+    c.tree.k = 2  # children per branch
+    c.tree.num_trees = 1  # treegrpo / branchgrpo: roots per prompt
+    c.tree.split_steps = (0, 3, 6, 9)  # branchgrpo / branchgrpo_mix
+    c.tree.split_noise_scale = 1.0  # branchgrpo: widens the Gaussian at split steps
+
+    # Advantages and pruning.
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.clip = 5.0
+    c.advantage.fusion = "mean"  # branchgrpo: "mean" or "path_prob"
+    c.advantage.fusion_alpha = 1.0  # branchgrpo path-probability softmax temperature
+    c.advantage.stat_tracker = False  # grpo: per-prompt statistics across iterations
+    c.advantage.tracker_buffer = 32
+    c.advantage.tracker_min_count = 16
+    c.advantage.depth_pruning = ()  # branchgrpo: depths left out of the loss
+    c.advantage.depth_pruning_slide_every = 0  # slide pruned depths one down every N iters
+    c.advantage.depth_pruning_stop = -1  # deepest depth the slide may reach (-1: last)
+    c.advantage.width_pruning = "none"  # "none", "top_per_branch" or "best_worst"
+    c.advantage.width_pruning_ratio = 0.5
+
+    # Optimization.
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 20
+    c.train.learning_rate = 1e-4
+    c.train.lr_schedule = "constant"  # "constant" or "cosine"
+    c.train.warmup_iterations = 0
+    c.train.weight_decay = 1e-4
+    c.train.adam_b1 = 0.9
+    c.train.adam_b2 = 0.999
+    c.train.adam_eps = 1e-8
+    c.train.max_grad_norm = 1.0
+    c.train.inner_epochs = 1  # passes over each iteration's transitions
+    c.train.rows_per_minibatch = 32  # denoiser rows (parents) per train step
+    c.train.grad_accumulation = 1  # minibatches per optimizer update
+    c.train.clip_range = 1e-4  # PPO clip epsilon
+    c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
+
+    # Rewards: name -> weight, summed.
+    c.rewards = ml_collections.ConfigDict({"digit_alignment": 1.0})
+
+    # Evaluation on fixed prompts with fixed noise and the deterministic sampler.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 5  # iterations (0: only at the start and the end)
+    c.eval.seed = 1234
+    c.eval.num_steps = 0  # 0: the training steps
+    c.eval.extra_rewards = ()  # reported beside the training reward, e.g. ("digit_accuracy",)
+
+    # Checkpoints: in <workdir>/checkpoints; a restart with the same workdir resumes.
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 10
+    c.checkpoint.keep = 2
+
+    # Devices: mesh axes; -1 takes every remaining device.
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+
+    # Output.
+    c.log = ml_collections.ConfigDict()
+    c.log.progress = True
+    c.log.tensorboard = True
+    c.log.wandb_project = ""  # set to log to wandb as well
+    return c

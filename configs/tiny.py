@@ -1,0 +1,28 @@
+"""The embedded default: TreeGRPO on the tiny digits model, a few minutes on a laptop CPU.
+
+python -m tree_grpo_jax.main --config=configs/tiny.py
+"""
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.name = "tiny"
+    c.model.name = "tiny"
+    c.prompts.source = "digits"
+    c.prompts.batch_size = 4
+    c.sampling.num_steps = 10
+    c.sampling.guidance_scale = 3.0
+    c.tree.method = "treegrpo"
+    c.tree.window = 4
+    c.tree.k = 2
+    c.tree.window_slide_every = 0
+    c.rewards = {"digit_alignment": 1.0}
+    c.train.iterations = 20
+    c.train.learning_rate = 3e-4
+    c.train.rows_per_minibatch = 30
+    c.eval.every = 5
+    c.eval.extra_rewards = ("digit_accuracy",)
+    c.checkpoint.every = 10
+    return c

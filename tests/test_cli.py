@@ -1,0 +1,81 @@
+"""The command line: bad input gets one sentence on stderr and exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "tree_grpo_jax.main", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.fixture
+def empty_prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n   \n")
+    return str(path)
+
+
+@pytest.fixture
+def file_in_the_way(tmp_path):
+    path = tmp_path / "not_a_folder"
+    path.write_text("x")
+    return str(path / "run")
+
+
+BAD_INPUTS = [
+    (["--config.tree.method=bogus"], "unknown tree.method 'bogus'"),
+    (["--config.rewards.no_such_reward=1.0"], "unknown reward 'no_such_reward'"),
+    (["--config.model.name=sd"], "needs model.path"),
+    (["--config.model.name=sd", "--config.model.path=/nonexistent/sd15"], "/nonexistent/sd15"),
+    (["--config.train.learning_rate=-1.0"], "train.learning_rate must be a positive number"),
+    (["--config.tree.window=12"], "runs past the last step"),
+    (["--config.sampling.log_prob_reduce=max"], "log_prob_reduce"),
+    (["--config.tree.method=grpo", "--config.tree.group_size=1"], "need at least 2"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_config_exits_2_with_one_sentence(tmp_path, overrides, message):
+    result = run_main("--config=configs/tiny.py", f"--workdir={tmp_path}", *overrides)
+    assert result.returncode == 2
+    assert message in _one_error_line(result)
+
+
+def test_empty_prompt_file(tmp_path, empty_prompt_file):
+    result = run_main(
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path}",
+        f"--config.prompts.source={empty_prompt_file}",
+    )
+    assert result.returncode == 2
+    assert empty_prompt_file in _one_error_line(result)
+
+
+def test_unwritable_workdir(file_in_the_way):
+    result = run_main("--config=configs/tiny.py", f"--workdir={file_in_the_way}")
+    assert result.returncode == 2
+    assert "cannot write" in _one_error_line(result)
+
+
+def test_missing_config_flag():
+    result = run_main()
+    assert result.returncode != 0

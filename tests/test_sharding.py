@@ -1,0 +1,47 @@
+"""One train step on 8 simulated CPU devices equals the step on one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tree_grpo_jax import sharding
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sharded_step.py")
+
+
+def test_fsdp_rule_shards_largest_divisible_dimension():
+    assert sharding.fsdp_spec((64, 128), 4) == sharding.P(None, "fsdp")
+    assert sharding.fsdp_spec((128, 6), 4) == sharding.P("fsdp", None)
+    assert sharding.fsdp_spec((3, 5), 4) == sharding.P()
+    assert sharding.fsdp_spec((64,), 1) == sharding.P()
+
+
+def test_mesh_shape_resolves_and_rejects():
+    assert sharding.mesh_shape(-1, 4, num_devices=8) == (2, 4)
+    assert sharding.mesh_shape(2, -1, num_devices=8) == (2, 4)
+    with pytest.raises(ValueError, match="does not cover the 8 available device"):
+        sharding.mesh_shape(3, 1, num_devices=8)
+
+
+def test_train_step_on_8_devices_matches_one_device():
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(result["loss_8"], result["loss_1"], rtol=1e-5, atol=1e-6)
+    assert result["param_change"] > 1e-4  # the step really moved the parameters
+    assert result["max_param_diff"] < 1e-5
+    # [64, 64] kernel: split 4 ways over 'fsdp' along one dimension, spread over 8 devices.
+    assert "fsdp" in result["kernel_spec"] and "fsdp" in result["adam_mu_spec"]
+    assert sorted(result["kernel_shard_shape"]) == [16, 64]
+    assert result["devices"] == 8

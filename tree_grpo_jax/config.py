@@ -1,0 +1,142 @@
+"""From a config to the objects a run needs, and the checks that turn a bad value into one
+clear sentence before anything heavy starts."""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from tree_grpo_jax import tree_spec
+
+MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd")
+DTYPES = ("float32", "bfloat16")
+FUSIONS = ("mean", "path_prob")
+WIDTH_PRUNING = ("none", "top_per_branch", "best_worst")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message is one sentence for the user."""
+
+
+def build_spec(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
+    """The tree spec of an iteration (the window of windowed methods may slide)."""
+    t, n = config.tree, config.sampling.num_steps
+    start = window_start(config, iteration)
+    if t.method == "grpo":
+        return tree_spec.grpo(n, t.group_size, shared_init_noise=t.shared_init_noise)
+    if t.method == "mixgrpo":
+        return tree_spec.mixgrpo(n, t.group_size, t.window, start)
+    if t.method == "treegrpo":
+        return tree_spec.treegrpo(n, t.window, t.k, start, t.num_trees)
+    if t.method == "branchgrpo":
+        return tree_spec.branchgrpo(n, t.split_steps, t.k, t.split_noise_scale, t.num_trees)
+    if t.method == "branchgrpo_mix":
+        return tree_spec.branchgrpo_mix(
+            n, t.split_steps, t.k, t.split_noise_scale, t.window, start, t.num_trees
+        )
+    raise ConfigError(
+        f"unknown tree.method {t.method!r}; choose one of {', '.join(tree_spec.PRESETS)}."
+    )
+
+
+def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
+    t = config.tree
+    if not t.window_slide_every or t.method not in ("treegrpo", "mixgrpo", "branchgrpo_mix"):
+        return t.window_start
+    positions_from_start = tree_spec.sliding_window_start(
+        iteration, config.sampling.num_steps - t.window_start, t.window, t.window_slide_every
+    )
+    return t.window_start + positions_from_start
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
+    """Raises ConfigError with one sentence for the first bad value found."""
+    m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
+    _require(m.name in MODELS, f"unknown model.name {m.name!r}; choose one of {', '.join(MODELS)}.")
+    _require(
+        m.name != "sd" or bool(m.path),
+        "model.name 'sd' needs model.path: set --config.model.path to a diffusers-layout "
+        "Stable Diffusion folder (or a hub id).",
+    )
+    for field in ("param_dtype", "compute_dtype"):
+        _require(m[field] in DTYPES, f"model.{field} must be one of {DTYPES}, got {m[field]!r}.")
+
+    _require(config.prompts.batch_size >= 1, "prompts.batch_size must be at least 1.")
+    _require(config.prompts.eval_count >= 1, "prompts.eval_count must be at least 1.")
+
+    _require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
+    _require(s.eta > 0, f"sampling.eta must be positive for a stochastic policy, got {s.eta}.")
+    _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
+    _require(
+        s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
+    )
+    _require(
+        s.log_prob_reduce in ("mean", "sum"),
+        f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
+    )
+
+    try:
+        spec = build_spec(config, 0)
+        if t.window_slide_every < 0:
+            raise ConfigError("tree.window_slide_every must be 0 (fixed) or positive.")
+    except tree_spec.SpecError as e:
+        raise ConfigError(f"tree: {e}") from e
+    _require(spec.trainable_edges > 0, f"the {t.method} tree has no trainable step.")
+    _require(
+        spec.leaves >= 2,
+        f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
+        "need at least 2 (raise tree.group_size, tree.k or tree.num_trees).",
+    )
+
+    _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
+    _require(a.fusion in FUSIONS, f"advantage.fusion must be one of {FUSIONS}, got {a.fusion!r}.")
+    _require(
+        a.width_pruning in WIDTH_PRUNING,
+        f"advantage.width_pruning must be one of {WIDTH_PRUNING}, got {a.width_pruning!r}.",
+    )
+    _require(0 < a.width_pruning_ratio <= 1, "advantage.width_pruning_ratio must be in (0, 1].")
+    _require(
+        a.tracker_min_count >= 1 and a.tracker_buffer >= a.tracker_min_count,
+        "advantage.tracker_buffer must be at least advantage.tracker_min_count (>= 1).",
+    )
+
+    _require(tr.iterations >= 1, f"train.iterations must be at least 1, got {tr.iterations}.")
+    _require(
+        tr.learning_rate > 0 and math.isfinite(tr.learning_rate),
+        f"train.learning_rate must be a positive number, got {tr.learning_rate}.",
+    )
+    _require(tr.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {LR_SCHEDULES}.")
+    _require(tr.inner_epochs >= 1, "train.inner_epochs must be at least 1.")
+    _require(tr.rows_per_minibatch >= 1, "train.rows_per_minibatch must be at least 1.")
+    _require(tr.grad_accumulation >= 1, "train.grad_accumulation must be at least 1.")
+    _require(tr.clip_range > 0, f"train.clip_range must be positive, got {tr.clip_range}.")
+    _require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
+    _require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
+
+    rewards = dict(config.rewards)
+    _require(bool(rewards), "rewards is empty; give at least one reward name with a weight.")
+    for name, weight in rewards.items():
+        _require(
+            not known_rewards or name in known_rewards,
+            f"unknown reward {name!r}; known rewards: {', '.join(sorted(known_rewards))}.",
+        )
+        _require(
+            isinstance(weight, (int, float)) and math.isfinite(weight),
+            f"reward weight for {name!r} must be a finite number, got {weight!r}.",
+        )
+    for name in config.eval.extra_rewards:
+        _require(
+            not known_rewards or name in known_rewards,
+            f"unknown eval.extra_rewards entry {name!r}; known rewards: "
+            f"{', '.join(sorted(known_rewards))}.",
+        )
+    _require(config.eval.every >= 0, "eval.every must be >= 0.")
+    _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
+    _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")

@@ -1,0 +1,131 @@
+"""What a user sees and keeps: metric files, a progress line, sample grids and curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+from PIL import Image
+
+
+class MetricsWriter:
+    """Appends metrics as JSON lines, and to TensorBoard (and wandb) when asked."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True, wandb_project: str = ""):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if wandb_project:
+            import wandb  # optional; only imported when a project is configured
+
+            self._wandb = wandb.init(project=wandb_project, dir=workdir)
+
+    def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+        scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items() if _is_scalar(v)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _is_scalar(v) -> bool:
+    return np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 1) -> Image.Image:
+    """[N, H, W, C] floats in [0, 1] -> one PIL image, `scale` times larger (nearest)."""
+    images = np.clip(np.asarray(images, np.float32), 0.0, 1.0)
+    n, h, w, c = images.shape
+    columns = columns or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / columns)
+    grid = np.ones((rows * (h + 1) + 1, columns * (w + 1) + 1, c), np.float32)
+    for i, img in enumerate(images):
+        r, col = divmod(i, columns)
+        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + col * (w + 1) : 1 + col * (w + 1) + w] = img
+    pixels = (grid * 255).round().astype(np.uint8)
+    picture = Image.fromarray(pixels[..., 0] if c == 1 else pixels)
+    if scale > 1:
+        picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    return picture
+
+
+def save_grid(path: str, images: np.ndarray, columns: int | None = None) -> str:
+    height = np.shape(images)[1]
+    image_grid(images, columns, scale=max(1, 256 // max(height * 8, 1))).save(path)
+    return path
+
+
+def save_curve(path: str, steps, values, ylabel: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.plot(steps, values, marker="o", markersize=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+class Progress:
+    """One line per iteration with the key metrics, elapsed time and ETA."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.t0 = time.time()
+        self.times: list[float] = []
+
+    def update(self, iteration: int, seconds: float, metrics: dict) -> str:
+        self.times.append(seconds)
+        # The first iteration pays for compilation; the ETA uses the later ones when it can.
+        steady = self.times[1:] or self.times
+        eta = (self.total - iteration - 1) * float(np.median(steady))
+        fields = " ".join(f"{k}={_fmt(metrics[k])}" for k in metrics)
+        line = (
+            f"[{iteration + 1:>4}/{self.total}] {seconds:6.2f}s/it "
+            f"elapsed {_clock(time.time() - self.t0)} eta {_clock(eta)} | {fields}"
+        )
+        if self.enabled:
+            print(line, flush=True)
+        return line
+
+
+def _fmt(v) -> str:
+    v = float(v)
+    return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 60:d}:{seconds % 60:02d}"

@@ -1,0 +1,84 @@
+"""The optimizer and the one jitted, sharded train step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from flax import struct
+
+from tree_grpo_jax import sharding
+from tree_grpo_jax.loss import ppo_loss
+
+
+@struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    updates: jax.Array  # optimizer updates applied so far
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and the train step.
+
+
+def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW without its learning rate: the step scales updates by the iteration's rate,
+    so a schedule over iterations needs no guess of how many minibatches an iteration has."""
+    tx = optax.chain(
+        optax.clip_by_global_norm(train.max_grad_norm),
+        optax.scale_by_adam(b1=train.adam_b1, b2=train.adam_b2, eps=train.adam_eps),
+        optax.add_decayed_weights(train.weight_decay),
+    )
+    if train.grad_accumulation > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=train.grad_accumulation)
+    return tx
+
+
+def learning_rate(train: ml_collections.ConfigDict, iteration: int) -> float:
+    warm = train.warmup_iterations
+    if warm and iteration < warm:
+        return train.learning_rate * (iteration + 1) / warm
+    if train.lr_schedule == "cosine":
+        span = max(train.iterations - warm, 1)
+        progress = min(max(iteration - warm, 0) / span, 1.0)
+        return train.learning_rate * 0.5 * (1.0 + np.cos(np.pi * progress))
+    return train.learning_rate
+
+
+def make_train_step(tx, loss_kwargs: dict, mesh, state_shardings):
+    """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
+
+    loss_kwargs: the static arguments of `ppo_loss` (denoise_fn, reduce) and its scalars.
+    """
+
+    def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr):
+        def loss_fn(params):
+            return ppo_loss(
+                params,
+                batch,
+                schedule=schedule,
+                cond=cond,
+                uncond=uncond,
+                ref_params=ref_params,
+                **loss_kwargs,
+            )
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(params, opt_state, state.updates + 1), metrics
+
+    rep = sharding.replicated(mesh)
+    batch_sh = sharding.batch_sharding(mesh)
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_sh, rep, rep, rep, rep, rep),
+        out_shardings=(state_shardings, rep),
+        donate_argnums=(0,),
+    )
