@@ -82,8 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.clip_range = 1e-4  # PPO clip epsilon
     c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
 
-    # Rewards: name -> weight, summed.
-    c.rewards = ml_collections.ConfigDict({"digit_alignment": 1.0})
+    # Rewards: "name" or a weighted sum "name:weight,name:weight" (see tree_grpo_jax.rewards).
+    c.rewards = "digit_alignment"
 
     # Evaluation on fixed prompts with fixed noise and the deterministic sampler.
     c.eval = ml_collections.ConfigDict()

@@ -18,7 +18,7 @@ def get_config():
     c.tree.window = 4
     c.tree.k = 2
     c.tree.window_slide_every = 0
-    c.rewards = {"digit_alignment": 1.0}
+    c.rewards = "digit_alignment"
     c.train.iterations = 20
     c.train.learning_rate = 3e-4
     c.train.rows_per_minibatch = 30

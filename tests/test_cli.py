@@ -43,7 +43,8 @@ def file_in_the_way(tmp_path):
 
 BAD_INPUTS = [
     (["--config.tree.method=bogus"], "unknown tree.method 'bogus'"),
-    (["--config.rewards.no_such_reward=1.0"], "unknown reward 'no_such_reward'"),
+    (["--config.rewards=digit_alignment:1,no_such_reward:0.5"], "unknown reward 'no_such_reward'"),
+    (["--config.rewards=digit_alignment:x"], "reward weight"),
     (["--config.model.name=sd"], "needs model.path"),
     (["--config.model.name=sd", "--config.model.path=/nonexistent/sd15"], "/nonexistent/sd15"),
     (["--config.train.learning_rate=-1.0"], "train.learning_rate must be a positive number"),

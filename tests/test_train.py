@@ -30,7 +30,7 @@ def small_config(method: str):
     c.train.learning_rate = 1e-3
     c.train.clip_range = 0.2
     c.train.rows_per_minibatch = 8
-    c.rewards = {"jpeg_compressibility": 1.0}
+    c.rewards = "jpeg_compressibility"
     c.eval.every = 1
     c.checkpoint.every = 1
     c.log.progress = False
@@ -124,7 +124,7 @@ def test_nan_reward_stops_with_one_sentence_and_keeps_progress(tmp_path):
 
     registry.register("test_flaky", flaky, on_host=True, overwrite=True)
     c = small_config("treegrpo")
-    c.rewards = {"test_flaky": 1.0}
+    c.rewards = "test_flaky"
     c.train.iterations = 5
     c.eval.every = 0
     c.checkpoint.every = 0

@@ -51,6 +51,22 @@ def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
     return t.window_start + positions_from_start
 
 
+def parse_rewards(text: str) -> dict[str, float]:
+    """`"a"` -> {a: 1.0}; `"a:1,b:0.1"` -> {a: 1.0, b: 0.1}."""
+    weights = {}
+    for part in str(text).split(","):
+        name, _, weight = part.strip().partition(":")
+        if not name:
+            raise ConfigError(f"rewards {text!r} has an empty entry; write name[:weight],...")
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(
+                f"reward weight {weight!r} of {name!r} is not a number; write name:weight."
+            ) from None
+    return weights
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -120,17 +136,13 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
     _require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
     _require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
 
-    rewards = dict(config.rewards)
-    _require(bool(rewards), "rewards is empty; give at least one reward name with a weight.")
+    rewards = parse_rewards(config.rewards)
     for name, weight in rewards.items():
         _require(
             not known_rewards or name in known_rewards,
             f"unknown reward {name!r}; known rewards: {', '.join(sorted(known_rewards))}.",
         )
-        _require(
-            isinstance(weight, (int, float)) and math.isfinite(weight),
-            f"reward weight for {name!r} must be a finite number, got {weight!r}.",
-        )
+        _require(math.isfinite(weight), f"reward weight for {name!r} must be finite.")
     for name in config.eval.extra_rewards:
         _require(
             not known_rewards or name in known_rewards,

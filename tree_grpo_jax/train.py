@@ -29,7 +29,7 @@ import numpy as np
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import pruning, reporting, rollout, sharding, transitions
-from tree_grpo_jax.checkpoint import Checkpointer
+from tree_grpo_jax.checkpoint import Checkpointer, check_writable
 from tree_grpo_jax.models import DTYPES, load_model
 from tree_grpo_jax.models.base import TextToImageModel
 from tree_grpo_jax.prompts import PromptIterator, load_prompts
@@ -83,9 +83,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainSt
             f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
             f"of the {shards} devices the batch is split over."
         )
-    model = load_model(config.model, seed=config.seed)
-    weights = dict(config.rewards)
-    reward = reward_registry.combined_reward(weights)
+    reward = reward_registry.combined_reward(cfg.parse_rewards(config.rewards))
     eval_rewards = {n: reward_registry.get_reward(n) for n in config.eval.extra_rewards}
 
     prompts = load_prompts(config.prompts.source)
@@ -98,6 +96,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainSt
     )
     eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+    model = load_model(config.model, seed=config.seed)
 
     guidance = config.sampling.guidance_scale != 1.0
     uncond = model.encode_prompts([""])[0] if guidance else None
@@ -355,7 +354,7 @@ def save_eval(run: Run, iteration: int, params, history: dict, writer) -> dict:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs (or resumes) the configured training; returns the final summary."""
     cfg.validate(config, known_rewards=reward_registry.available_rewards())
-    os.makedirs(workdir, exist_ok=True)
+    check_writable(workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
