@@ -60,6 +60,16 @@ class Checkpointer:
         restored = self._manager.restore(step, args=args)
         return restored.state, restored.meta
 
+    def restore_params(self, step: int | None = None) -> Any:
+        """The trained parameters alone, as saved (no target needed): for export."""
+        step = self.latest_step if step is None else step
+        if step is None:
+            raise CheckpointError(f"there is no checkpoint in {self.directory}.")
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+        )
+        return restored.state["params"]
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

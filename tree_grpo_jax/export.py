@@ -1,7 +1,11 @@
 """Export trained UNet params as a diffusers pipeline folder that PyTorch users can load.
 
+    python -m tree_grpo_jax.export --workdir=<a training run> --out=<new folder>
     python -m tree_grpo_jax.export --params=<unet params .msgpack or orbax dir> \\
         --model_path=<the base SD folder> --out=<new folder>
+
+From a training run it takes the latest checkpoint's params and, unless `--model_path` is
+given, the base model path recorded in the run's config.json.
 
 writes `<out>/unet/` with `config.json`, Flax `diffusion_flax_model.msgpack` and PyTorch-named
 `diffusion_pytorch_model.safetensors` (numpy only, no torch), and copies the base folder's
@@ -24,6 +28,7 @@ from flax import serialization
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
+from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.models import convert, sd
 
 _PT_CLASS = "UNet2DConditionModel"
@@ -121,19 +126,40 @@ def load_params(path) -> dict:
     raise ValueError(f"params path {path} does not exist; pass a .msgpack file or an orbax folder.")
 
 
+def _source(args) -> tuple[dict, str]:
+    """(params, base model path) from --workdir or from --params and --model_path."""
+    if bool(args.workdir) == bool(args.params):
+        raise ValueError("give exactly one of --workdir (a training run) and --params.")
+    if args.params:
+        if not args.model_path:
+            raise ValueError("--params needs --model_path, the base SD folder it was trained from.")
+        return load_params(args.params), args.model_path
+    workdir = Path(args.workdir)
+    params = Checkpointer(str(workdir / "checkpoints")).restore_params()
+    model_path = args.model_path
+    if not model_path:
+        run_config = json.loads((workdir / "config.json").read_text())
+        model_path = run_config["model"]["path"]
+        if run_config["model"]["name"] != "sd" or not model_path:
+            raise ValueError(
+                f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
+            )
+    return params, model_path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tree_grpo_jax.export", description=__doc__)
-    parser.add_argument("--params", required=True, help="UNet params: .msgpack or orbax folder")
-    parser.add_argument("--model_path", required=True, help="the base SD folder (or hub id)")
+    parser.add_argument("--workdir", help="a training run: its latest checkpoint is exported")
+    parser.add_argument("--params", help="UNet params: .msgpack or orbax folder")
+    parser.add_argument("--model_path", help="the base SD folder (default: the run's model.path)")
     parser.add_argument("--out", required=True, help="the new pipeline folder")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     try:
-        out = export_from_params(
-            load_params(args.params), args.model_path, args.out, args.dtype, args.overwrite
-        )
-    except ValueError as e:
+        params, model_path = _source(args)
+        out = export_from_params(params, model_path, args.out, args.dtype, args.overwrite)
+    except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {out}")
