@@ -1,0 +1,234 @@
+"""Brute-force reference for credit assignment and pruning.
+
+The tree is rebuilt as explicit node objects by a recursion over the spec, and every
+quantity is computed by walking them in plain Python float64 (math.fsum, statistics):
+no arrays, no levels, no segment reductions. The only thing shared with the library is the
+documented layout: the children of node j are j*k .. j*k + k - 1 of the next level, which
+is how the reference reads a node's log-prob and a leaf's reward out of the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+
+from tree_grpo_jax.rollout import Segment, Tree
+from tree_grpo_jax.tree_spec import Kind, TreeSpec
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    prompt: int
+    tree: int  # which root of the prompt it descends from
+    depth: int  # steps from the root
+    index: int  # position within its level (all trees of the prompt)
+    step: int | None = None  # the step that made it; None for a root
+    kind: Kind | None = None  # that step's kind
+    logp: float | None = None  # log-prob of the edge into it (stochastic steps)
+    reward: float | None = None  # leaves only
+    parent: Node | None = None
+    children: list[Node] = dataclasses.field(default_factory=list)
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind in (Kind.SDE, Kind.BRANCH)
+
+
+def random_tree(spec: TreeSpec, num_prompts: int, rng: np.random.Generator) -> Tree:
+    """A Tree with the spec's segment layout, random log-probs and dummy states."""
+    segments = []
+    for run in spec.runs:
+        if not run.step.stochastic:
+            continue
+        n = spec.nodes_in[run.first_step]
+        k = run.step.k
+        t = run.num_steps
+        segments.append(
+            Segment(
+                parents=np.zeros((t, num_prompts, n, 1), np.float32),
+                children=np.zeros((t, num_prompts, n * k, 1), np.float32),
+                log_probs=rng.normal(0.0, 2.0, (t, num_prompts, n * k)).astype(np.float32),
+                first_step=run.first_step,
+                k=k,
+                noise_scale=run.step.noise_scale,
+            )
+        )
+    return Tree(segments=tuple(segments), leaves=np.zeros((num_prompts, spec.leaves, 1)))
+
+
+def build_forest(spec: TreeSpec, tree: Tree, rewards) -> list[list[Node]]:
+    """roots[p] = the prompt's root nodes, each grown to the leaves."""
+    logp_of_step = {}
+    for seg in tree.segments:
+        for t in range(seg.log_probs.shape[0]):
+            logp_of_step[seg.first_step + t] = np.asarray(seg.log_probs[t], np.float64)
+    rewards = np.asarray(rewards, np.float64)
+
+    def grow(node: Node) -> None:
+        if node.depth == spec.num_steps:
+            node.reward = float(rewards[node.prompt, node.index])
+            return
+        i = node.depth
+        step = spec.steps[i]
+        for c in range(step.k):
+            child = Node(
+                prompt=node.prompt,
+                tree=node.tree,
+                depth=i + 1,
+                index=node.index * step.k + c,
+                step=i,
+                kind=step.kind,
+                parent=node,
+            )
+            if step.stochastic:
+                child.logp = float(logp_of_step[i][node.prompt, child.index])
+            node.children.append(child)
+            grow(child)
+
+    forest = []
+    for p in range(rewards.shape[0]):
+        roots = [Node(prompt=p, tree=r, depth=0, index=r) for r in range(spec.num_trees)]
+        for root in roots:
+            grow(root)
+        forest.append(roots)
+    return forest
+
+
+def descendants(node: Node) -> list[Node]:
+    out = [node]
+    for child in node.children:
+        out.extend(descendants(child))
+    return out
+
+
+def leaves_below(node: Node) -> list[Node]:
+    if not node.children:
+        return [node]
+    return [leaf for child in node.children for leaf in leaves_below(child)]
+
+
+def edges(forest) -> list[Node]:
+    """Every trainable edge, represented by the node it produces."""
+    return [n for roots in forest for root in roots for n in descendants(root) if n.trainable]
+
+
+def _mean(values) -> float:
+    return math.fsum(values) / len(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages: dict node -> advantage of the edge into it.
+
+
+def leaf_group_advantages(forest) -> dict[Node, float]:
+    """(r - mean) / (pop std + 1e-8) over all leaves of each prompt."""
+    out = {}
+    for roots in forest:
+        leaves = [leaf for root in roots for leaf in leaves_below(root)]
+        rewards = [leaf.reward for leaf in leaves]
+        std = statistics.pstdev(rewards)
+        mean = _mean(rewards)
+        for leaf in leaves:
+            out[leaf] = (leaf.reward - mean) / (std + 1e-8)
+    return out
+
+
+def treegrpo_reference(forest) -> dict[Node, float]:
+    """Edge parent -> child: mean of the leaf advantages below the child."""
+    leaf_adv = leaf_group_advantages(forest)
+    return {n: _mean([leaf_adv[leaf] for leaf in leaves_below(n)]) for n in edges(forest)}
+
+
+def fused_reward(node: Node, fusion: str, alpha: float) -> float:
+    if not node.children:
+        return node.reward
+    if fusion == "mean":
+        return _mean([leaf.reward for leaf in leaves_below(node)])
+    values = [fused_reward(c, fusion, alpha) for c in node.children]
+    if len(node.children) == 1:
+        return values[0]
+    logits = [alpha * c.logp for c in node.children]
+    top = max(logits)
+    weights = [math.exp(z - top) for z in logits]
+    total = math.fsum(weights)
+    return math.fsum(w / total * v for w, v in zip(weights, values))
+
+
+def branchgrpo_reference(forest, fusion: str = "mean", alpha: float = 1.0) -> dict[Node, float]:
+    """Fuse, then normalize each depth of each tree with the sample std."""
+    advantage = {}
+    for roots in forest:
+        for root in roots:
+            by_depth: dict[int, list[Node]] = {}
+            for node in descendants(root):
+                by_depth.setdefault(node.depth, []).append(node)
+            for nodes in by_depth.values():
+                rewards = [fused_reward(n, fusion, alpha) for n in nodes]
+                if len(nodes) == 1:
+                    advantage[nodes[0]] = 0.0
+                    continue
+                mean, std = _mean(rewards), statistics.stdev(rewards)
+                for n, r in zip(nodes, rewards):
+                    advantage[n] = 0.0 if std < 1e-6 else (r - mean) / (std + 1e-8)
+    return {n: advantage[n] for n in edges(forest)}
+
+
+def edge_value(arrays, tree: Tree, node: Node) -> float:
+    """The entry of a per-segment array that belongs to the edge into `node`."""
+    for seg, array in zip(tree.segments, arrays):
+        t = node.step - seg.first_step
+        if 0 <= t < seg.log_probs.shape[0]:
+            return np.asarray(array)[t, node.prompt, node.index]
+    raise KeyError(f"no segment holds step {node.step}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruning: dict node -> kept?
+
+
+def depth_pruning_reference(forest, depths, iteration, slide_every, stop_depth, last_split):
+    depths = sorted(depths)
+    if slide_every is not None:
+        stop = last_split if stop_depth is None else stop_depth
+        stop = 0 if stop is None else stop
+        shift = 0
+        for _ in range(iteration // slide_every):  # one depth per interval, up to the stop
+            if depths[0] - shift > stop:
+                shift += 1
+        depths = [d - shift for d in depths]
+    return {n: n.depth not in depths for n in edges(forest)}
+
+
+def width_pruning_reference(forest, spec: TreeSpec, advantage_of, mode: str, ratio: float):
+    """advantage_of(node) -> the advantage of the edge into node (the arrays under test)."""
+    kept = {n: True for n in edges(forest)}
+    splits = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
+    if not splits:
+        return kept
+    last = splits[-1]
+
+    def selected(branches, take_best, take_worst):
+        ranked = sorted(branches, key=lambda b: (-advantage_of(b), b.index))
+        return set(ranked[:take_best]) | set(ranked[len(ranked) - take_worst :])
+
+    chosen = set()
+    for roots in forest:
+        for root in roots:
+            branches = [n for n in descendants(root) if n.step == last]
+            if mode == "top_per_branch":
+                for parent in {b.parent for b in branches}:
+                    group = parent.children
+                    chosen |= selected(group, max(1, int(len(group) * ratio)), 0)
+            else:
+                keep = min(len(branches), max(2, int(len(branches) * ratio)))
+                chosen |= selected(branches, keep // 2, keep - keep // 2)
+    for branch in {n for n in edges(forest) if n.step == last}:
+        if branch in chosen:
+            continue
+        for n in descendants(branch):
+            if n is not branch and n.trainable:
+                kept[n] = False
+    return kept

@@ -1,0 +1,144 @@
+"""The GRPO objective: PPO-clip over a minibatch of transitions.
+
+One denoiser forward per row (a parent) gives the step's Gaussian; all K actions taken from
+that parent are scored against it, so a BRANCH(k) parent costs one forward for k edges.
+Masked slots (chain padding, pruned edges, padded rows) contribute nothing, and a batch
+with no trained edge has loss 0 and zero gradient.
+
+Jit it with `denoise_fn` static (functools.partial, or `static_argnames`).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax import sampling
+from tree_grpo_jax.guidance import guided_prediction
+from tree_grpo_jax.models.base import DenoiseFn, PyTree
+from tree_grpo_jax.transitions import Transitions
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean over the True entries; 0 when there are none."""
+    count = jnp.sum(mask)
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1)
+
+
+def _per_row(values: jax.Array, ndim: int) -> jax.Array:
+    """[R] -> [R, 1, ...] with `ndim` trailing ones, to broadcast against [R, K, *S]."""
+    return values.reshape(values.shape[0], *([1] * ndim))
+
+
+def _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale):
+    """The step Gaussian of every row: (mean [R, 1, *S], std broadcastable to it)."""
+    event_ndim = batch.x.ndim - 1
+    t = schedule.timesteps[batch.step]
+    pred = guided_prediction(
+        denoise_fn, params, batch.x, t, cond[batch.prompt], uncond, guidance_scale
+    )
+    # Each row has its own step index: gather the schedule per row, broadcasting over
+    # the child axis and the sample axes.
+    i = _per_row(batch.step, event_ndim + 1)
+    mean, std = schedule.transition(i, batch.x[:, None], pred[:, None])
+    return mean, std * _per_row(batch.noise_scale, event_ndim + 1)
+
+
+def score_actions(
+    params: PyTree,
+    batch: Transitions,
+    *,
+    denoise_fn: DenoiseFn,
+    schedule: sampling.Schedule,
+    cond: jax.Array,
+    uncond: jax.Array | None = None,
+    guidance_scale: jax.Array | float = 1.0,
+    reduce: str = "mean",
+) -> jax.Array:
+    """Log-probs [R, K] of the batch's actions under `params`: one forward per row."""
+    mean, std = _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale)
+    event_ndim = batch.x.ndim - 1
+    return sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, reduce)
+
+
+def ppo_loss(
+    params: PyTree,
+    batch: Transitions,
+    *,
+    denoise_fn: DenoiseFn,
+    schedule: sampling.Schedule,
+    cond: jax.Array,
+    uncond: jax.Array | None = None,
+    guidance_scale: jax.Array | float = 1.0,
+    clip_range: jax.Array | float = 1e-4,
+    adv_clip: jax.Array | float = 5.0,
+    kl_beta: jax.Array | float = 0.0,
+    ref_params: PyTree | None = None,
+    reduce: str = "mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
+
+    per edge: max(-A * r, -A * clip(r, 1 - eps, 1 + eps)), r = exp(logp_new - logp_old),
+    A clipped to +-adv_clip. The KL term (when `ref_params` is given) is the KL between the
+    step Gaussians of the policy and the frozen reference, which share the policy's std
+    (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2), Flow-GRPO's form; it is
+    averaged over the rows that have a trained edge and costs one more forward per row.
+    `reduce` must match the rollout's.
+    """
+    chex.assert_rank(cond, 3)
+    chex.assert_equal_shape_prefix([batch.x, batch.actions, batch.mask], 1)
+    chex.assert_equal_shape([batch.old_log_probs, batch.advantages, batch.mask])
+    use_kl = ref_params is not None
+    if not use_kl and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
+        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+
+    event_ndim = batch.x.ndim - 1
+    mask = batch.mask.astype(bool)
+    mean, std = _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale)
+    new_log_probs = sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, reduce)
+
+    # Masked slots may hold anything: zero their log-ratio before exp so they stay finite.
+    log_ratio = jnp.where(mask, new_log_probs - batch.old_log_probs, 0.0)
+    ratio = jnp.exp(log_ratio)
+    advantages = jnp.clip(batch.advantages.astype(jnp.float32), -adv_clip, adv_clip)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = _masked_mean(jnp.maximum(unclipped, clipped), mask)
+
+    live_rows = mask.any(axis=1)
+    if use_kl:
+        ref_mean, _ = _row_gaussian(
+            denoise_fn,
+            jax.lax.stop_gradient(ref_params),
+            batch,
+            schedule,
+            cond,
+            uncond,
+            guidance_scale,
+        )
+        row_kl = sampling.gaussian_kl(mean, ref_mean, std, event_ndim, reduce)[:, 0]
+        kl = _masked_mean(row_kl, live_rows)
+    else:
+        kl = jnp.zeros((), jnp.float32)
+    loss = policy_loss + kl_beta * kl
+
+    big = jnp.finfo(jnp.float32).max
+    any_live = jnp.any(mask)
+    adv_mean = _masked_mean(advantages, mask)
+    metrics = {
+        "policy_loss": policy_loss,
+        "kl": kl,
+        "approx_kl": 0.5 * _masked_mean(log_ratio**2, mask),
+        "clip_fraction": _masked_mean(
+            (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask
+        ),
+        "ratio_mean": jnp.where(any_live, _masked_mean(ratio, mask), 1.0),
+        "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
+        "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
+        "advantage_mean": adv_mean,
+        "advantage_std": jnp.sqrt(_masked_mean((advantages - adv_mean) ** 2, mask)),
+        "trained_edges": jnp.sum(mask),
+        "rows": jnp.sum(live_rows),
+    }
+    return loss, metrics
