@@ -124,9 +124,7 @@ def test_flow_sde_preserves_gaussian_marginals():
         return (1 - sigma) ** 2 * s0**2 + sigma**2
 
     sigmas = np.array([0.5, 0.499, 0.0])
-    schedule = sampling.FlowSchedule(
-        sigmas=jnp.asarray(sigmas, jnp.float32), noise_level=jnp.float32(0.7)
-    )
+    schedule = sampling.flow_schedule_from_sigmas(sigmas, noise_level=0.7)
     sigma = sigmas[0]
     slope = (sigma - (1 - sigma) * s0**2) / variance(sigma)  # v(x) = slope * x, exactly
     x = jnp.linspace(-1.0, 1.0, 5)

@@ -10,7 +10,7 @@ import datetime
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
@@ -34,6 +34,7 @@ def default_workdir(name: str) -> str:
 
 def main(argv) -> None:
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
     # Imported here so that `--help` and flag errors answer before JAX starts.
     from tree_grpo_jax import config as cfg
     from tree_grpo_jax import train

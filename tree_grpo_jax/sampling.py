@@ -84,6 +84,12 @@ def scaled_linear_alphas_cumprod(
     return np.cumprod(1.0 - betas)
 
 
+# Per-step coefficients are tabulated on the host in float64. The rollout reads them with a
+# scalar step index and the loss with one index per row; with tables both paths do the same
+# float32 multiplies and adds, so the log-prob of an action is reproduced bit for bit and
+# the importance ratio before an update is exactly 1.
+
+
 @struct.dataclass
 class DDIMSchedule:
     """DDIM over N inference steps (diffusers' `leading` spacing with `steps_offset`).
@@ -96,6 +102,13 @@ class DDIMSchedule:
     timesteps: jax.Array  # [N] int32, what the denoiser receives
     alpha_bar: jax.Array  # [N]
     alpha_bar_prev: jax.Array  # [N]
+    sqrt_alpha_bar: jax.Array  # [N]
+    sqrt_one_minus_alpha_bar: jax.Array  # [N]
+    sqrt_alpha_bar_prev: jax.Array  # [N]
+    one_minus_alpha_bar_prev: jax.Array  # [N]
+    unit_std: jax.Array  # [N] the step's std at eta = 1
+    x0_scale_prev: jax.Array  # [N] sqrt(a_prev) / sqrt(a)
+    x0_eps_scale_prev: jax.Array  # [N] sqrt(a_prev) * sqrt(1 - a) / sqrt(a)
     eta: jax.Array  # scalar, the stochasticity of SDE and branch steps
     prediction_type: str = struct.field(pytree_node=False, default="epsilon")
 
@@ -104,28 +117,40 @@ class DDIMSchedule:
         return self.timesteps.shape[0]
 
     def predict_eps_x0(self, i, x, prediction):
-        a = self.alpha_bar[i]
+        sqrt_a, sqrt_1ma = self.sqrt_alpha_bar[i], self.sqrt_one_minus_alpha_bar[i]
         if self.prediction_type == "epsilon":
-            eps = prediction
-            x0 = (x - jnp.sqrt(1.0 - a) * eps) / jnp.sqrt(a)
-        else:  # v_prediction
-            x0 = jnp.sqrt(a) * x - jnp.sqrt(1.0 - a) * prediction
-            eps = jnp.sqrt(a) * prediction + jnp.sqrt(1.0 - a) * x
-        return eps, x0
+            return prediction, (x - sqrt_1ma * prediction) / sqrt_a
+        # v-prediction: v = sqrt(a) eps - sqrt(1 - a) x0.
+        return sqrt_a * prediction + sqrt_1ma * x, sqrt_a * x - sqrt_1ma * prediction
 
     def transition(self, i, x, prediction, stochastic: bool = True) -> Transition:
-        """The Gaussian of step i; `stochastic=False` is the deterministic (eta 0) step."""
+        """The Gaussian of step i; `stochastic=False` is the deterministic (eta 0) step.
+
+        The mean is linear in x and the prediction: mean = c_x * x + c_pred * prediction,
+        with coefficients from the tables (no division of arrays).
+        """
         x = x.astype(jnp.float32)
         prediction = prediction.astype(jnp.float32)
-        eps, x0 = self.predict_eps_x0(i, x, prediction)
-        a, a_prev = self.alpha_bar[i], self.alpha_bar_prev[i]
-        eta = self.eta if stochastic else 0.0
-        std = eta * jnp.sqrt((1.0 - a_prev) / (1.0 - a)) * jnp.sqrt(1.0 - a / a_prev)
-        direction = jnp.sqrt(jnp.maximum(1.0 - a_prev - std**2, 0.0))
-        return Transition(jnp.sqrt(a_prev) * x0 + direction * eps, std)
+        std = self.eta * self.unit_std[i] if stochastic else jnp.zeros_like(self.unit_std[i])
+        direction = jnp.sqrt(jnp.maximum(self.one_minus_alpha_bar_prev[i] - std**2, 0.0))
+        sqrt_a, sqrt_1ma = self.sqrt_alpha_bar[i], self.sqrt_one_minus_alpha_bar[i]
+        sqrt_a_prev = self.sqrt_alpha_bar_prev[i]
+        if self.prediction_type == "epsilon":
+            # x0 = (x - sqrt(1 - a) eps) / sqrt(a)
+            c_x = self.x0_scale_prev[i]
+            c_pred = direction - self.x0_eps_scale_prev[i]
+        else:
+            # v-prediction: x0 = sqrt(a) x - sqrt(1 - a) v, eps = sqrt(a) v + sqrt(1 - a) x.
+            c_x = sqrt_a_prev * sqrt_a + direction * sqrt_1ma
+            c_pred = direction * sqrt_a - sqrt_a_prev * sqrt_1ma
+        return Transition(c_x * x + c_pred * prediction, std)
 
     def deterministic_step(self, i, x, prediction):
         return self.transition(i, x, prediction, stochastic=False).mean
+
+
+def _f32(values) -> jax.Array:
+    return jnp.asarray(np.asarray(values, np.float64), jnp.float32)
 
 
 def make_ddim_schedule(
@@ -150,11 +175,19 @@ def make_ddim_schedule(
     ratio = num_train_timesteps // num_steps
     timesteps = (np.arange(num_steps) * ratio).round()[::-1].astype(np.int64) + steps_offset
     prev = timesteps - ratio
-    alpha_bar_prev = np.where(prev >= 0, alphas_cumprod[np.clip(prev, 0, None)], final)
+    a = alphas_cumprod[timesteps]
+    a_prev = np.where(prev >= 0, alphas_cumprod[np.clip(prev, 0, None)], final)
     return DDIMSchedule(
         timesteps=jnp.asarray(timesteps, jnp.int32),
-        alpha_bar=jnp.asarray(alphas_cumprod[timesteps], jnp.float32),
-        alpha_bar_prev=jnp.asarray(alpha_bar_prev, jnp.float32),
+        alpha_bar=_f32(a),
+        alpha_bar_prev=_f32(a_prev),
+        sqrt_alpha_bar=_f32(np.sqrt(a)),
+        sqrt_one_minus_alpha_bar=_f32(np.sqrt(1.0 - a)),
+        sqrt_alpha_bar_prev=_f32(np.sqrt(a_prev)),
+        one_minus_alpha_bar_prev=_f32(1.0 - a_prev),
+        unit_std=_f32(np.sqrt((1.0 - a_prev) / (1.0 - a) * (1.0 - a / a_prev))),
+        x0_scale_prev=_f32(np.sqrt(a_prev / a)),
+        x0_eps_scale_prev=_f32(np.sqrt(a_prev * (1.0 - a) / a)),
         eta=jnp.asarray(eta, jnp.float32),
         prediction_type=prediction_type,
     )
@@ -169,6 +202,9 @@ class FlowSchedule:
     """
 
     sigmas: jax.Array  # [N + 1], from 1 down to 0
+    dt: jax.Array  # [N] sigma_{i+1} - sigma_i < 0
+    sqrt_neg_dt: jax.Array  # [N]
+    unit_sig: jax.Array  # [N] sqrt(sigma / (1 - sigma)), sigma_1 in the denominator at 1
     noise_level: jax.Array  # scalar a
     timestep_scale: float = struct.field(pytree_node=False, default=1000.0)
 
@@ -183,17 +219,13 @@ class FlowSchedule:
     def transition(self, i, x, prediction, stochastic: bool = True) -> Transition:
         x = x.astype(jnp.float32)
         v = prediction.astype(jnp.float32)
-        sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
-        dt = sigma_next - sigma
+        sigma, dt = self.sigmas[i], self.dt[i]
         if not stochastic:
-            return Transition(x + v * dt, jnp.zeros((), jnp.float32))
-        denominator = 1.0 - jnp.where(sigma >= 1.0, self.sigmas[1], sigma)
-        sig_t = self.noise_level * jnp.sqrt(sigma / denominator)
-        mean = (
-            x * (1.0 + sig_t**2 * dt / (2.0 * sigma))
-            + v * (1.0 + sig_t**2 * (1.0 - sigma) / (2.0 * sigma)) * dt
-        )
-        return Transition(mean, sig_t * jnp.sqrt(-dt))
+            return Transition(x + v * dt, jnp.zeros_like(dt))
+        sig = self.noise_level * self.unit_sig[i]
+        x_coef = 1.0 + sig**2 * dt / (2.0 * sigma)
+        v_coef = (1.0 + sig**2 * (1.0 - sigma) / (2.0 * sigma)) * dt
+        return Transition(x * x_coef + v * v_coef, sig * self.sqrt_neg_dt[i])
 
     def deterministic_step(self, i, x, prediction):
         return self.transition(i, x, prediction, stochastic=False).mean
@@ -208,8 +240,22 @@ def make_flow_schedule(
         raise ValueError(f"shift must be positive, got {shift}.")
     sigmas = np.linspace(1.0, 0.0, num_steps + 1)
     sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+    return flow_schedule_from_sigmas(sigmas, noise_level, timestep_scale)
+
+
+def flow_schedule_from_sigmas(
+    sigmas, noise_level: float = 0.7, timestep_scale: float = 1000.0
+) -> FlowSchedule:
+    """A flow schedule over any decreasing sigmas from 1 to 0 (N + 1 values)."""
+    sigmas = np.asarray(sigmas, np.float64)
+    dt = sigmas[1:] - sigmas[:-1]
+    current = sigmas[:-1]
+    denominator = 1.0 - np.where(current >= 1.0, sigmas[1], current)
     return FlowSchedule(
-        sigmas=jnp.asarray(sigmas, jnp.float32),
+        sigmas=_f32(sigmas),
+        dt=_f32(dt),
+        sqrt_neg_dt=_f32(np.sqrt(-dt)),
+        unit_sig=_f32(np.sqrt(current / denominator)),
         noise_level=jnp.asarray(noise_level, jnp.float32),
         timestep_scale=timestep_scale,
     )
