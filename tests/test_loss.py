@@ -155,30 +155,21 @@ def test_minibatches_shuffle_by_key_and_pad_with_masked_rows():
 
 
 def test_ratio_is_one_before_any_update():
+    """The rollout and the loss are two compiled programs: XLA may contract multiply-adds
+    differently in each, so agreement is to float32 rounding amplified by 1 / std at the
+    late, low-noise steps, far inside the default clip range of 1e-4."""
     schedule, tree = rolled_out(MIXED)
     advantages = advantages_of("branchgrpo", MIXED, tree, random_rewards(MIXED))
     batch = one_batch(gather_transitions(tree, advantages))
     (loss, metrics), _ = loss_and_grad(PARAMS, batch, schedule, 1e-4)
     # Inside the default clip range, so clipping does nothing and the loss is -mean(A).
-    assert 1 - 1e-4 < metrics["ratio_min"] <= metrics["ratio_max"] < 1 + 1e-4
+    assert 1 - 1e-5 < metrics["ratio_min"] <= metrics["ratio_max"] < 1 + 1e-5
     assert metrics["clip_fraction"] == 0.0
     (unclipped, _), _ = loss_and_grad(PARAMS, batch, schedule, 1e9)
     assert loss == unclipped
     a = np.clip(batch.advantages[batch.mask], -5, 5)
     np.testing.assert_allclose(loss, -a.mean(), rtol=1e-5, atol=1e-6)
     assert metrics["trained_edges"] == MIXED.trainable_edges * P
-
-
-def test_ratio_is_one_before_any_update():
-    """The rollout and the loss are two compiled programs: XLA may contract multiply-adds
-    differently in each, so agreement is to float32 rounding amplified by 1 / std at the
-    late, low-noise steps, far inside the default clip range of 1e-4."""
-    schedule, tree = rolled_out(MIXED)
-    advantages = advantages_of("treegrpo", MIXED, tree, random_rewards(MIXED))
-    batch = one_batch(gather_transitions(tree, advantages))
-    (_, metrics), _ = loss_and_grad(PARAMS, batch, schedule, 1e-4)
-    assert 1.0 - 1e-5 < metrics["ratio_min"] <= metrics["ratio_max"] < 1.0 + 1e-5
-    assert metrics["clip_fraction"] == 0.0
 
 
 def edges_one_by_one(tree, advantages, masks):
