@@ -1,0 +1,12 @@
+"""TreeGRPO on the tiny rectified-flow twin: the Flow-GRPO SDE (a = 0.7) in the branch window."""
+
+from configs import tiny
+
+
+def get_config():
+    c = tiny.get_config()
+    c.name = "tiny_flow"
+    c.model.name = "tiny_flow"
+    c.sampling.noise_level = 0.7
+    c.sampling.shift = 1.0
+    return c
