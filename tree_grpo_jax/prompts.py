@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tree_grpo_jax.models.text import DIGIT_WORDS
+
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
 ANIMALS = (
     "cat", "dog", "horse", "cow", "pig", "sheep", "goat", "chicken", "duck", "goose",
@@ -22,8 +24,7 @@ ANIMALS = (
     "lizard", "crocodile", "fish", "shark", "dolphin", "whale", "octopus", "butterfly", "bee",
 )  # fmt: skip
 SIMPLE_ANIMALS = ("cat", "dog", "horse", "rabbit", "bird", "fish", "cow", "sheep")
-_NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-DIGITS = tuple(f"a handwritten digit {n}" for n in _NUMBERS)
+DIGITS = tuple(f"a handwritten digit {n}" for n in DIGIT_WORDS)  # the tiny model's prompts
 
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "animals": ANIMALS,

@@ -10,9 +10,9 @@ the text encoder and the VAE decoder are frozen and closed over by `encode_promp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import logging
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +26,7 @@ from safetensors.numpy import load_file
 
 from tree_grpo_jax.models import convert
 from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 _CONFIG_FILES = {
@@ -90,14 +91,6 @@ _SCHEDULER_FIXED = {
     "thresholding": False,
 }
 # Modules whose setup logs diffusers' Flax deprecation notice on every trace.
-_FLAX_LOGGERS = (
-    "diffusers.models.unets.unet_2d_condition_flax",
-    "diffusers.models.unets.unet_2d_blocks_flax",
-    "diffusers.models.resnet_flax",
-    "diffusers.models.embeddings_flax",
-    "diffusers.models.vae_flax",
-    "diffusers.models.attention_flax",
-)
 
 
 class ModelLoadError(ValueError):
@@ -112,21 +105,8 @@ class StableDiffusionModel(TextToImageModel):
         return super().make_schedule(num_steps, **{**self.extras["schedule_kwargs"], **kwargs})
 
 
-class _DropDeprecation(logging.Filter):
-    def filter(self, record):
-        return "Flax classes are deprecated" not in record.getMessage()
-
-
-def _quiet_flax_deprecation() -> None:
-    # The project pins diffusers < 0.40 on purpose; the notice repeats on every trace.
-    for name in _FLAX_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropDeprecation) for f in logger.filters):
-            logger.addFilter(_DropDeprecation())
-
-
 # Some of the notices are logged while diffusers' Flax modules are imported.
-_quiet_flax_deprecation()
+quiet_flax_deprecation_notices()
 
 
 class _LinenAsInPyTorch(types.ModuleType):
@@ -150,12 +130,19 @@ class _LinenAsInPyTorch(types.ModuleType):
         return linen.GroupNorm(*args, **{**kwargs, "epsilon": 1e-6})
 
 
-def match_pytorch_numerics() -> None:
-    """Makes diffusers' Flax UNet compute the PyTorch UNet's function (idempotent, global)."""
+@contextlib.contextmanager
+def pytorch_numerics():
+    """While tracing inside this block, diffusers' Flax UNet computes the PyTorch UNet's
+    function. The switch is scoped: other models built on the same diffusers classes (the
+    tiny model) keep the library's own numerics."""
     from diffusers.models import attention_flax
 
-    if not isinstance(attention_flax.nn, _LinenAsInPyTorch):
-        attention_flax.nn = _LinenAsInPyTorch("flax.linen")
+    saved = attention_flax.nn
+    attention_flax.nn = _LinenAsInPyTorch("flax.linen")
+    try:
+        yield
+    finally:
+        attention_flax.nn = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,12 +264,12 @@ def _reference_shapes(module, *args):
 def unet_module(config: dict, dtype=jnp.float32, **options):
     """diffusers' Flax UNet for a (PyTorch or Flax) UNet config; options go to the module.
 
-    The UNet is made to compute exactly what diffusers' PyTorch UNet computes (see
-    `match_pytorch_numerics`), so that weights trained here behave the same once exported.
+    Apply it inside `pytorch_numerics()` (as `denoise` does) to compute exactly what
+    diffusers' PyTorch UNet computes, so that weights trained here behave the same once
+    exported.
     """
     from diffusers import FlaxUNet2DConditionModel
 
-    match_pytorch_numerics()
     kwargs = _flax_kwargs(FlaxUNet2DConditionModel, config)
     # SD1.x's `attention_head_dim` is really the head count (as in diffusers' PyTorch UNet,
     # heads = num_attention_heads or attention_head_dim); the Flax UNet only reads the latter.
@@ -364,7 +351,8 @@ def _make_denoise(unet):
     def denoise(params, x, t, cond):
         # The Flax UNet wraps a non-jax `t` in another axis; make it a [B] jax array.
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
-        return unet.apply({"params": params}, x, t, cond).sample
+        with pytorch_numerics():  # runs while tracing: the compiled function keeps it
+            return unet.apply({"params": params}, x, t, cond).sample
 
     return denoise
 
