@@ -19,8 +19,8 @@ def get_config():
     c.tree.k = 2
     c.tree.window_slide_every = 0
     c.rewards = "digit_alignment"
-    c.train.iterations = 20
-    c.train.learning_rate = 3e-4
+    c.train.iterations = 30
+    c.train.learning_rate = 1e-4
     c.train.rows_per_minibatch = 30
     c.prompts.eval_count = 100  # ten fixed noises per digit
     c.eval.every = 5
