@@ -109,12 +109,12 @@ class Progress:
     def update(self, iteration: int, seconds: float, metrics: dict) -> str:
         self.times.append(seconds)
         # The first iteration pays for compilation; the ETA uses the later ones when it can.
-        steady = self.times[1:] or self.times
-        eta = (self.total - iteration - 1) * float(np.median(steady))
+        steady = self.times[1:]
+        eta = _clock((self.total - iteration - 1) * float(np.median(steady))) if steady else "-:--"
         fields = " ".join(f"{k}={_fmt(metrics[k])}" for k in metrics)
         line = (
             f"[{iteration + 1:>4}/{self.total}] {seconds:6.2f}s/it "
-            f"elapsed {_clock(time.time() - self.t0)} eta {_clock(eta)} | {fields}"
+            f"elapsed {_clock(time.time() - self.t0)} eta {eta} | {fields}"
         )
         if self.enabled:
             print(line, flush=True)

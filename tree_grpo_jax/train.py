@@ -348,6 +348,9 @@ def save_eval(run: Run, iteration: int, params, history: dict, writer) -> dict:
     reporting.save_grid(path, images, columns=min(10, len(images)))
     writer.write(iteration, metrics, prefix="eval/")
     history["eval"].append({"iteration": iteration, **metrics})
+    if run.config.log.progress:
+        shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        print(f"eval after {iteration} iterations: {shown} -> {path}", flush=True)
     return metrics
 
 
