@@ -285,9 +285,18 @@ def sample_step(
     distribution the sample was really drawn from.
     """
     mean, std = schedule.transition(i, x, prediction)
-    std = std * noise_scale
-    sample = mean + std * noise.astype(jnp.float32)
-    return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, event_ndim, reduce))
+    sample = mean + (std * noise_scale) * noise.astype(jnp.float32)
+    # Scored exactly as any stored action is scored later (XLA merges the repeated mean).
+    return score_step(
+        schedule,
+        i,
+        x,
+        prediction,
+        sample,
+        event_ndim=event_ndim,
+        noise_scale=noise_scale,
+        reduce=reduce,
+    )
 
 
 def score_step(
