@@ -1,0 +1,344 @@
+"""What every benchmark shares: the presets compared, their configs, statistics, a denoiser
+that counts its rows, a stand-in model for smoke runs, and writing results."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.models.base import TextToImageModel
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# ---------------------------------------------------------------------------------------------
+# The presets, all at 16 leaves per prompt and 10 denoising steps.
+
+SPLIT_STEPS = (0, 2, 4, 6)  # BranchGRPO's (0, 3, 6, 9) of 20 steps, on 10 steps
+DEPTH_PRUNED = (8, 9)  # BranchGRPO's example window (depths 15-18 of 20), on 10 steps
+
+PRESETS: dict[str, dict] = {
+    "grpo": {"tree.method": "grpo", "tree.group_size": 16},
+    "mixgrpo": {"tree.method": "mixgrpo", "tree.group_size": 16, "tree.window": 4},
+    "treegrpo": {"tree.method": "treegrpo", "tree.window": 4, "tree.k": 2},
+    "branchgrpo": {"tree.method": "branchgrpo", "tree.split_steps": SPLIT_STEPS, "tree.k": 2},
+    "branchgrpo_depth": {
+        "tree.method": "branchgrpo",
+        "tree.split_steps": SPLIT_STEPS,
+        "tree.k": 2,
+        "advantage.depth_pruning": DEPTH_PRUNED,
+    },
+    "branchgrpo_width": {
+        "tree.method": "branchgrpo",
+        "tree.split_steps": SPLIT_STEPS,
+        "tree.k": 2,
+        "advantage.width_pruning": "top_per_branch",
+        "advantage.width_pruning_ratio": 0.5,
+    },
+    "branchgrpo_mix": {
+        "tree.method": "branchgrpo_mix",
+        "tree.split_steps": SPLIT_STEPS,
+        "tree.k": 2,
+        "tree.window": 4,
+    },
+}
+
+LABELS = {
+    "grpo": "grpo",
+    "mixgrpo": "mixgrpo (window 4)",
+    "treegrpo": "treegrpo (w=4, k=2)",
+    "branchgrpo": "branchgrpo (splits 0,2,4,6)",
+    "branchgrpo_depth": "branchgrpo + depth pruning (8, 9)",
+    "branchgrpo_width": "branchgrpo + width pruning (top 0.5)",
+    "branchgrpo_mix": "branchgrpo_mix (window 4)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The run settings shared by every preset of a comparison."""
+
+    model: str = "tiny"  # "tiny" (the shipped DDIM model), "random_tiny" or "standin"
+    num_steps: int = 10
+    prompts: int = 4  # prompts per iteration; every preset has 16 leaves per prompt
+    guidance_scale: float = 1.0  # 1.0: no classifier-free guidance
+    learning_rate: float = 1e-4  # the base config's; stable for every preset here
+    rows_per_minibatch: int = 30
+    # One optimizer update per iteration for every preset: the gradient is accumulated over
+    # all of the iteration's minibatches (False: one update per minibatch, the trainer's
+    # default, which gives presets with more rows more updates per iteration).
+    one_update_per_iteration: bool = True
+    eval_count: int = 50  # fixed evaluation prompts (each digit five times, own noise)
+    reward: str = "digit_alignment"
+
+
+def make_config(preset: str, settings: Settings, seed: int = 0):
+    """The tiny demo config (configs/tiny.py) with the preset's tree and the shared settings."""
+    from configs import tiny
+
+    c = tiny.get_config()
+    c.name = f"bench_{preset}"
+    c.seed = seed
+    c.model.name = "random_tiny" if settings.model == "standin" else settings.model
+    c.prompts.batch_size = settings.prompts
+    c.prompts.eval_count = settings.eval_count
+    c.sampling.num_steps = settings.num_steps
+    c.sampling.guidance_scale = settings.guidance_scale
+    c.tree.window_slide_every = 0  # a fixed window: one compiled rollout per preset
+    c.rewards = settings.reward
+    c.train.learning_rate = settings.learning_rate
+    c.train.rows_per_minibatch = settings.rows_per_minibatch
+    c.eval.extra_rewards = ("digit_accuracy",)
+    c.checkpoint.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    for path, value in PRESETS[preset].items():
+        section, field = path.split(".")
+        c[section][field] = value
+    if settings.one_update_per_iteration:
+        c.train.grad_accumulation = minibatches_per_iteration(c)
+    return c
+
+
+def minibatches_per_iteration(config) -> int:
+    """Minibatches one iteration of `config` cuts its rows into (from the derived counts)."""
+    from benchmarks import costs
+
+    rows = costs.derived_counts(config)["train_rows"] * config.prompts.batch_size
+    return max(1, math.ceil(rows / config.train.rows_per_minibatch))
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and timing.
+
+
+def stats(values: Sequence[float]) -> dict:
+    """Median, min, max and count of a sample."""
+    values = [float(v) for v in values]
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[float, object]:
+    """(seconds, result) of `fn(*args)`, blocking until its arrays are computed."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return time.perf_counter() - start, out
+
+
+def fmt_stats(s: dict, digits: int = 3) -> str:
+    """`median [min, max]`."""
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting denoiser rows while running.
+
+
+class RowCounter:
+    """Adds up the rows every call of a wrapped denoiser sees, per phase.
+
+    The count is taken by a `jax.debug.callback` inside the jitted code, so it counts what
+    really ran (every scan iteration, every minibatch), not what was traced.
+    """
+
+    def __init__(self):
+        self.rows = collections.Counter()
+        self.calls = collections.Counter()
+        self._phase = "other"
+
+    def add(self, rows: int) -> None:
+        self.rows[self._phase] += rows
+        self.calls[self._phase] += 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        jax.effects_barrier()
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            jax.effects_barrier()
+            self._phase = previous
+
+    def reset(self) -> None:
+        self.rows.clear()
+        self.calls.clear()
+
+
+def counting_denoiser(denoise_fn, counter: RowCounter):
+    """`denoise_fn` that reports its batch size to `counter` each time it runs.
+
+    The callback takes one element of `x` as an operand so that it stays inside loops and
+    runs once per executed call (a callback without operands may be hoisted out of a scan).
+    """
+
+    def denoise(params, x, t, cond):
+        rows = x.shape[0]
+        jax.debug.callback(lambda _: counter.add(rows), x[(0,) * x.ndim])
+        return denoise_fn(params, x, t, cond)
+
+    return denoise
+
+
+@contextlib.contextmanager
+def smoke_rng():
+    """Non-partitionable threefry for smoke runs: the engine's random draws then compile
+    several times faster on CPU. It changes which random numbers a key gives, not what they
+    cost to draw, so smoke runs (a check of the code, not a measurement) use it; the quick
+    and full suites keep JAX's default."""
+    before = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+
+
+def with_denoiser(model: TextToImageModel, denoise_fn) -> TextToImageModel:
+    return dataclasses.replace(model, denoise=denoise_fn)
+
+
+@contextlib.contextmanager
+def shared_model(model: TextToImageModel):
+    """Makes `train.setup` use `model` (one loaded model, one denoiser object, for every
+    preset, so that identical computations compile once)."""
+    from tree_grpo_jax import train
+
+    original = train.load_model
+    train.load_model = lambda model_config, seed=0: model
+    try:
+        yield
+    finally:
+        train.load_model = original
+
+
+def load_model(settings: Settings) -> TextToImageModel:
+    if settings.model == "standin":
+        return standin_model()
+    from tree_grpo_jax.models import tiny
+
+    if settings.model == "random_tiny":
+        return tiny.build_tiny("ddim", seed=0)
+    return tiny.load_tiny("ddim")
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in model: the tiny model's interface around a two-parameter denoiser. It compiles in
+# a fraction of a second, so smoke runs exercise every code path of the suite quickly.
+
+_STANDIN_TOKENS, _STANDIN_WIDTH = 4, 8
+
+
+def _standin_denoise(params, x, t, cond):
+    shift = jnp.mean(cond, axis=(1, 2)).reshape(-1, *([1] * (x.ndim - 1)))
+    scale = 1.0 + 1e-4 * t.astype(jnp.float32).reshape(shift.shape)
+    return params["w"] * x * scale + params["b"] * shift
+
+
+def _standin_encode(prompts: Sequence[str]) -> jax.Array:
+    from tree_grpo_jax.models import tiny
+
+    def digit(p):
+        try:
+            return tiny.prompt_digit(p)
+        except ValueError:
+            return -1
+
+    codes = np.asarray([digit(p) for p in prompts], np.float32)
+    emb = np.broadcast_to(
+        codes[:, None, None] / 10.0, (len(codes), _STANDIN_TOKENS, _STANDIN_WIDTH)
+    )
+    return jnp.asarray(emb, jnp.float32)
+
+
+def standin_model() -> TextToImageModel:
+    from tree_grpo_jax.models import tiny
+
+    return TextToImageModel(
+        name="standin",
+        sample_shape=tiny.SAMPLE_SHAPE,
+        params={"w": jnp.float32(0.5), "b": jnp.float32(0.1)},
+        denoise=_standin_denoise,
+        encode_prompts=_standin_encode,
+        decode=tiny.decode,
+        schedule_kind="ddim",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Results.
+
+
+def machine() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    device = jax.devices()[0]
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(device, "device_kind", str(device)),
+        "devices": jax.device_count(),
+    }
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (np.generic, np.ndarray)):
+        return _plain(value.tolist())
+    if isinstance(value, jax.Array):
+        return _plain(np.asarray(value).tolist())
+    return value
+
+
+def save_json(out_dir: str, name: str, payload: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(_plain(payload), f, indent=2)
+        f.write("\n")
+    return path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""The benchmark suite's smoke paths: they run, write their files, and the counts they derive
+from the tree specs equal the counts measured while the trainer runs. No timing is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import costs, gpu_sd15, run
+from benchmarks.common import PRESETS, Settings, make_config, minibatches_per_iteration
+
+SUITE_FILES = (
+    "costs.json",
+    "costs.png",
+    "time_per_iteration.json",
+    "time_per_iteration.png",
+    "reward_vs_time.json",
+    "reward_vs_time.png",
+    "reward_vs_images.png",
+    "engine_vs_node_loop.json",
+    "engine_vs_node_loop.png",
+    "suite.json",
+    "tables.md",
+)
+
+
+def _load(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    info = run.main(["--smoke", "--out", str(out)])
+    return str(out), info
+
+
+def test_smoke_suite_writes_every_file(smoke):
+    out, info = smoke
+    for name in SUITE_FILES:
+        path = os.path.join(out, name)
+        assert os.path.getsize(path) > 0, name
+    with open(os.path.join(out, "tables.md")) as f:
+        tables = f.read()
+    for heading in ("Cost per leaf", "Time per iteration", "Reward vs wall-clock", "node-at-a"):
+        assert heading in tables
+    assert info["mode"] == "smoke"
+    assert set(info["presets"]) == set(PRESETS)
+
+
+def test_derived_counts_equal_measured_counts(smoke):
+    out, info = smoke
+    results = _load(out, "costs.json")["presets"]
+    assert set(results) == set(PRESETS)
+    for name, r in results.items():
+        assert r["all_match"], (name, r["expected"], r["measured"])
+        assert r["expected"] == {k: r["measured"][k] for k in r["expected"]}
+        d = r["derived_per_prompt"]
+        assert d["leaves"] == 16
+        # The rollout runs one denoiser call per step (each level one batch).
+        assert r["measured"]["rollout_denoiser_calls"] == 10
+    assert info["all_counts_match"]
+    # Pruning trains fewer edges on the same rollout; the spec's unpruned count is the upper
+    # bound.
+    full = results["branchgrpo"]["measured"]
+    for pruned in ("branchgrpo_depth", "branchgrpo_width"):
+        m = results[pruned]["measured"]
+        assert m["rollout_rows"] == full["rollout_rows"]
+        assert m["trained_edges"] < full["trained_edges"]
+        assert m["train_rows"] < full["train_rows"]
+
+
+def test_cost_counts_by_hand():
+    """A few counts worked out by hand (10 steps, 16 leaves, one prompt, no guidance)."""
+    settings = Settings(model="standin")
+    count = lambda preset: costs.derived_counts(make_config(preset, settings))
+    assert count("grpo")["rollout_rows"] == 160 and count("grpo")["train_rows"] == 160
+    tree = count("treegrpo")  # 1+2+4+8 branch parents, 16 ODE nodes for 6 steps
+    assert (tree["rollout_rows"], tree["trained_edges"], tree["train_rows"]) == (111, 30, 15)
+    branch = count("branchgrpo")  # levels 1,2,2,4,4,8,8,16,16,16
+    assert (branch["rollout_rows"], branch["trained_edges"], branch["train_rows"]) == (77, 92, 77)
+    depth = count("branchgrpo_depth")  # steps 7 and 8 (16 edges, 16 rows each) dropped
+    assert (depth["trained_edges"], depth["train_rows"]) == (60, 45)
+    width = count("branchgrpo_width")  # half of the 16 chains after step 6, for 3 steps
+    assert (width["trained_edges"], width["train_rows"]) == (68, 53)
+    mix = count("branchgrpo_mix")  # branch 0,2,4,6 and SDE 1,3
+    assert (mix["trained_edges"], mix["train_rows"]) == (36, 21)
+
+
+def test_one_update_per_iteration():
+    settings = Settings(model="standin")
+    config = make_config("grpo", settings)  # 4 prompts x 160 rows in minibatches of 30
+    assert minibatches_per_iteration(config) == 22
+    assert config.train.grad_accumulation == 22
+
+
+def test_time_and_reward_results(smoke):
+    out, _ = smoke
+    times = _load(out, "time_per_iteration.json")["presets"]
+    for r in times.values():
+        assert r["time_iteration"]["n"] == run.MODES["smoke"]["iterations"]
+    reward = _load(out, "reward_vs_time.json")
+    budget = reward["budget_s"]
+    for name, runs in reward["curves"].items():
+        assert len(runs) == len(run.MODES["smoke"]["seeds"]), name
+        for r in runs:
+            clock = [p["time"] for p in r["curve"]]
+            assert clock[0] == 0 and clock[-1] >= budget
+            assert clock == sorted(clock)
+            assert r["curve"][-1]["images"] == r["iterations"] * 64
+    assert set(reward["time_to_reward"]["presets"]) == set(PRESETS)
+
+
+def test_engine_and_node_loop_agree(smoke):
+    out, info = smoke
+    trees = _load(out, "engine_vs_node_loop.json")["trees"]
+    r = trees["treegrpo"]
+    assert r["same_leaves"]
+    assert r["loop_denoiser_calls"] == 111 * 4  # every node of 4 prompts' trees, one by one
+    assert r["engine_denoiser_calls"] == 10  # one batched call per level
+    assert info["same_leaves"]
+
+
+def test_gpu_script_smoke(tmp_path):
+    results = gpu_sd15.main(["--smoke", "--out", str(tmp_path), "--sections", "flops,rollout"])
+    saved = _load(tmp_path, "gpu_sd15_smoke.json")
+    assert saved["sections"]["flops"]["unet_forward_flops_per_row"] > 0
+    for name in ("grpo", "treegrpo"):
+        r = saved["sections"]["rollout"][name]
+        assert r["denoiser_rows_per_s"] > 0, r
+        assert r["leaves"] == results["leaves_per_prompt"] * results["prompts"]
+
+
+def test_replot_rebuilds_the_same_tables(smoke):
+    out, _ = smoke
+    with open(os.path.join(out, "tables.md")) as f:
+        before = f.read()
+    os.remove(os.path.join(out, "reward_vs_time.png"))
+    run.main(["--replot", out])
+    with open(os.path.join(out, "tables.md")) as f:
+        assert f.read() == before
+    assert os.path.getsize(os.path.join(out, "reward_vs_time.png")) > 0
