@@ -11,29 +11,29 @@ from flax.traverse_util import flatten_dict
 from safetensors.numpy import load_file
 
 from tree_grpo_jax import export
-from tree_grpo_jax.models.sd import load_sd
+from tree_grpo_jax.models.sd15 import load_sd
+from tree_grpo_jax.models.sd15.export import export_pipeline, export_unet
 
 torch = pytest.importorskip("torch")
-from sd_fixtures import make_tiny_sd_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny_sd_folder(tmp_path_factory.mktemp("tiny_sd"))
+def folder(sd_folder):
+    return sd_folder
 
 
 @pytest.fixture(scope="module")
-def model(folder):
-    return load_sd(str(folder))
+def model(sd_model):
+    return sd_model
 
 
 @pytest.fixture(scope="module")
-def trained(model):
+def trained(sd_model):
     """Params that differ from the folder's, as after training."""
     rng = np.random.default_rng(7)
     return jax.tree_util.tree_map(
         lambda x: np.asarray(x) + np.float32(0.01) * rng.standard_normal(x.shape, np.float32),
-        model.params,
+        sd_model.params,
     )
 
 
@@ -60,7 +60,7 @@ def _run_torch(unet, x, t, cond):
 
 
 def test_unchanged_params_export_to_the_original_torch_unet(model, folder, tmp_path):
-    unet_dir = export.export_unet(model.params, model.extras["unet_config"], tmp_path)
+    unet_dir = export_unet(model.params, model.unet_config, tmp_path)
     assert sorted(p.name for p in unet_dir.iterdir()) == [
         "config.json",
         "diffusion_flax_model.msgpack",
@@ -74,7 +74,7 @@ def test_unchanged_params_export_to_the_original_torch_unet(model, folder, tmp_p
 
 
 def test_trained_params_compute_the_same_in_torch(model, trained, tmp_path):
-    unet_dir = export.export_unet(trained, model.extras["unet_config"], tmp_path)
+    unet_dir = export_unet(trained, model.unet_config, tmp_path)
     x, t, cond = _inputs()
     ours = np.asarray(jax.jit(model.denoise)(trained, x, t, cond))
     theirs = _run_torch(_torch_unet(unet_dir), x, t, cond)
@@ -87,7 +87,7 @@ def test_trained_params_compute_the_same_in_torch(model, trained, tmp_path):
 
 
 def test_float16_export(model, tmp_path):
-    unet_dir = export.export_unet(model.params, model.extras["unet_config"], tmp_path, "float16")
+    unet_dir = export_unet(model.params, model.unet_config, tmp_path, "float16")
     tensors = load_file(unet_dir / "diffusion_pytorch_model.safetensors")
     assert {v.dtype for v in tensors.values()} == {np.dtype(np.float16)}
     _torch_unet(unet_dir)
@@ -97,7 +97,7 @@ def test_mismatched_params_are_named(model, tmp_path):
     params = dict(model.params)
     del params["conv_in"]
     with pytest.raises(ValueError, match="missing conv_in/bias, conv_in/kernel"):
-        export.export_unet(params, model.extras["unet_config"], tmp_path)
+        export_unet(params, model.unet_config, tmp_path)
 
 
 def test_pipeline_export_via_cli(folder, model, trained, tmp_path):
@@ -123,7 +123,7 @@ def test_pipeline_export_via_cli(folder, model, trained, tmp_path):
 def test_whole_pipeline_loads_in_torch(folder, model, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    out = export.export_from_params(model.params, str(folder), tmp_path / "pipe")
+    out = export_pipeline(model.params, str(folder), tmp_path / "pipe")
     pipe = StableDiffusionPipeline.from_pretrained(out, safety_checker=None)
     assert type(pipe.unet).__name__ == "UNet2DConditionModel"
 

@@ -4,6 +4,7 @@ import collections
 
 import pytest
 
+from tree_grpo_jax.models.tiny import DIGIT_PROMPTS
 from tree_grpo_jax.prompts import ANIMALS, PROMPT_SETS, PromptIterator, load_prompts
 
 PROMPTS = [f"prompt {i}" for i in range(12)]
@@ -16,7 +17,7 @@ def test_built_in_sets():
     assert "cat" in animals and animals == list(ANIMALS)
     digits = load_prompts("digits")
     assert digits[0] == "a handwritten digit zero" and digits[-1] == "a handwritten digit nine"
-    assert len(digits) == 10
+    assert len(digits) == 10 and digits == list(DIGIT_PROMPTS)  # the tiny model's prompts
     assert set(load_prompts("simple_animals")) <= set(animals) | {"bird"}
     # Callers get a copy they may change.
     load_prompts("digits").append("x")

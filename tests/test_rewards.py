@@ -9,6 +9,7 @@ from PIL import Image
 
 from tree_grpo_jax import rewards
 from tree_grpo_jax.models import tiny
+from tree_grpo_jax.models.tiny import classifier
 from tree_grpo_jax.rewards import digits
 
 
@@ -98,10 +99,10 @@ def test_classifier_takes_rgb_and_larger_images():
     images = jnp.asarray(images[:20])
     rgb = jnp.repeat(images, 3, axis=-1)
     np.testing.assert_allclose(
-        digits.digit_log_probs(rgb), digits.digit_log_probs(images), rtol=1e-5, atol=1e-5
+        classifier.digit_log_probs(rgb), classifier.digit_log_probs(images), rtol=1e-5, atol=1e-5
     )
     big = jnp.repeat(jnp.repeat(images, 4, axis=1), 4, axis=2)  # 32x32 nearest upsample
-    predicted = np.argmax(np.asarray(digits.digit_log_probs(big)), -1)
+    predicted = np.argmax(np.asarray(classifier.digit_log_probs(big)), -1)
     assert np.mean(predicted == labels[:20]) >= 0.8
 
 

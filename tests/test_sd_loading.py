@@ -16,24 +16,23 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax.models import convert
-from tree_grpo_jax.models.sd import ModelLoadError, load_sd
+from tree_grpo_jax.models.base import DDIMScheduleConfig, ModelLoadError, Sampling
+from tree_grpo_jax.models.sd15 import StableDiffusionModel, convert, load_sd
 
 torch = pytest.importorskip("torch")
-from sd_fixtures import make_tiny_sd_folder  # noqa: E402
 
 ATOL = 1e-4
 PROMPTS = ["a photo of a cat", "dog", "a digit of a dog of a cat"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny_sd_folder(tmp_path_factory.mktemp("tiny_sd"))
+def folder(sd_folder):
+    return sd_folder
 
 
 @pytest.fixture(scope="module")
-def model(folder):
-    return load_sd(str(folder))
+def model(sd_model):
+    return sd_model
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +76,21 @@ def _copy(folder, tmp_path, name="copy"):
     return Path(shutil.copytree(folder, tmp_path / name))
 
 
+def _diffusers_flax_unet(config: dict):
+    """diffusers' own Flax UNet class for a UNet config (library numerics)."""
+    from diffusers import FlaxUNet2DConditionModel
+
+    return FlaxUNet2DConditionModel.from_config(config)
+
+
 def test_model_fields(model, folder):
+    assert isinstance(model, StableDiffusionModel)
     assert model.sample_shape == (4, 8, 8)
-    assert model.schedule_kind == "ddim" and model.prediction_type == "epsilon"
-    assert set(model.extras) >= {"unet_config", "vae_config", "tokenizer"}
+    assert model.schedule_config == DDIMScheduleConfig(prediction_type="epsilon")
+    assert model.path == folder
+    assert model.unet_config == json.loads((folder / "unet" / "config.json").read_text())
+    assert model.vae_config["latent_channels"] == 4 and model.text_config["hidden_size"] == 32
+    assert model.tokenizer.model_max_length == 16
     # Only UNet weights are trainable.
     assert "conv_in" in model.params and "text_model" not in model.params
     leaves = jax.tree_util.tree_leaves(model.params)
@@ -93,6 +103,20 @@ def test_unet_matches_torch(model, torch_parts):
     theirs = _torch_unet(torch_parts["unet"], x, t, cond)
     assert ours.shape == theirs.shape == x.shape
     np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
+
+
+def test_unet_is_diffusers_tree_with_pytorch_numerics(model, torch_parts):
+    """Our UNet has diffusers' Flax parameter tree; with the same params, diffusers' Flax
+    class (tanh GELU, GroupNorm eps 1e-5 in its transformers) is visibly further from
+    PyTorch than ours."""
+    library = _diffusers_flax_unet(model.unet_config)
+    shapes = convert.shapes_of(jax.eval_shape(library.init_weights, jax.random.PRNGKey(0)))
+    assert shapes == convert.shapes_of(model.params)
+    x, t, cond = _unet_inputs(model)
+    theirs = _torch_unet(torch_parts["unet"], x, t, cond)
+    ours = np.asarray(jax.jit(model.denoise)(model.params, x, t, cond))
+    lib = np.asarray(library.apply({"params": model.params}, x, jnp.asarray(t), cond).sample)
+    assert np.abs(lib - theirs).max() > 10 * np.abs(ours - theirs).max()
 
 
 def test_text_encoder_matches_torch(model, torch_parts):
@@ -122,7 +146,7 @@ def test_schedule_follows_scheduler_config(model, folder):
 
     scheduler = DDIMScheduler.from_pretrained(folder / "scheduler")
     scheduler.set_timesteps(25)
-    schedule = model.make_schedule(25, eta=0.5)
+    schedule = model.make_schedule(25, Sampling(eta=0.5))
     np.testing.assert_array_equal(np.asarray(schedule.timesteps), scheduler.timesteps.numpy())
     alphas = scheduler.alphas_cumprod.numpy()[scheduler.timesteps.numpy()]
     np.testing.assert_allclose(np.asarray(schedule.alpha_bar), alphas, rtol=1e-6)
@@ -131,7 +155,7 @@ def test_schedule_follows_scheduler_config(model, folder):
 
 def test_our_conversion_equals_diffusers_converter(model, torch_parts):
     """diffusers' own PyTorch->Flax converter (which needs torch) gives the same UNet tree."""
-    theirs = _diffusers_convert(torch_parts["unet"], model.extras["unet_module"])
+    theirs = _diffusers_convert(torch_parts["unet"], model.unet)
     ours, theirs = flatten_dict(model.params), flatten_dict(dict(theirs))
     assert set(ours) == set(theirs)
     for key in ours:
@@ -148,7 +172,7 @@ def test_loading_path_runs_without_torch(folder):
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import jax
         import numpy as np
-        from tree_grpo_jax.models.sd import load_sd
+        from tree_grpo_jax.models.sd15 import load_sd
         m = load_sd({str(folder)!r})
         c = m.encode_prompts(["a cat"])
         x = np.zeros((1, 4, 8, 8), np.float32)
@@ -177,7 +201,7 @@ def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
     flax_folder = _copy(folder, tmp_path)
     for path in flax_folder.glob("*/*.safetensors"):
         path.unlink()
-    unet = model.extras["unet_module"]
+    unet = _diffusers_flax_unet(model.unet_config)
     unet.save_pretrained(flax_folder / "unet", params=_diffusers_convert(torch_parts["unet"], unet))
     vae = FlaxAutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
     vae.save_pretrained(flax_folder / "vae", params=_diffusers_convert(torch_parts["vae"], vae))

@@ -1,13 +1,16 @@
 """The embedded tiny model: shipped weights load, sample recognizable digits, and round-trip."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tree_grpo_jax import sampling
-from tree_grpo_jax.models import text, tiny
-from tree_grpo_jax.rewards import digits
+from tree_grpo_jax.models import load_model, tiny
+from tree_grpo_jax.models.base import DDIMScheduleConfig, FlowScheduleConfig, Sampling
+from tree_grpo_jax.models.tiny import classifier, networks, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +38,13 @@ def _guided_ddim_sample(model, prompts, key, num_steps, guidance):
 
 
 def test_shipped_ddim_model_interface(ddim_model):
-    assert ddim_model.schedule_kind == "ddim" and ddim_model.prediction_type == "epsilon"
+    assert isinstance(ddim_model, tiny.TinyModel) and ddim_model.kind == "ddim"
+    assert ddim_model.schedule_config == DDIMScheduleConfig(prediction_type="epsilon")
+    assert ddim_model.prompts == tiny.DIGIT_PROMPTS
+    assert ddim_model.styled_prompts == tiny.STYLED_PROMPTS
     assert ddim_model.sample_shape == (1, 8, 8)
     cond = ddim_model.encode_prompts(list(tiny.DIGIT_PROMPTS) * 2)
-    assert cond.shape == (20, text.MAX_LENGTH, tiny.TEXT_CONFIG["hidden_size"])
+    assert cond.shape == (20, tokenizer.MAX_LENGTH, networks.TEXT_CONFIG["hidden_size"])
     assert cond.dtype == jnp.float32
     x = jax.random.normal(jax.random.key(0), (20, 1, 8, 8))
     eps = jax.jit(ddim_model.denoise)(ddim_model.params, x, jnp.full((20,), 500), cond)
@@ -60,7 +66,7 @@ def test_prompts_encode_differently(ddim_model):
 def test_ddim_samples_are_the_prompted_digits(ddim_model):
     prompts = list(tiny.DIGIT_PROMPTS)
     images = _guided_ddim_sample(ddim_model, prompts, jax.random.key(0), num_steps=10, guidance=3.0)
-    predicted = np.argmax(np.asarray(digits.digit_log_probs(images)), axis=-1)
+    predicted = np.argmax(np.asarray(classifier.digit_log_probs(images)), axis=-1)
     correct = predicted == np.arange(10)
     # The shipped weights get 99% of such samples right (README); 7/10 leaves room for noise.
     assert correct.sum() >= 7, f"only {correct.sum()}/10 samples show the prompted digit"
@@ -68,16 +74,16 @@ def test_ddim_samples_are_the_prompted_digits(ddim_model):
 
 def test_flow_twin_loads_and_denoises():
     model = tiny.load_tiny("flow")
-    assert model.schedule_kind == "flow"
+    assert model.kind == "flow" and model.schedule_config == FlowScheduleConfig()
     cond = model.encode_prompts(list(tiny.DIGIT_PROMPTS) * 2)
     x = jax.random.normal(jax.random.key(1), (20, 1, 8, 8))
-    t = model.make_schedule(10).timesteps[:1].repeat(20)
+    t = model.make_schedule(10, Sampling()).timesteps[:1].repeat(20)
     v = jax.jit(model.denoise)(model.params, x, t, cond)
     assert v.shape == x.shape and bool(jnp.all(jnp.isfinite(v)))
 
 
 def test_weights_round_trip_through_the_loader(tmp_path):
-    weights = tiny.random_weights(seed=3)
+    weights = networks.random_weights(seed=3)
     path = tmp_path / "tiny_flow.msgpack"
     tiny.save_weights(path, weights, "flow", storage_dtype=np.float32)
     loaded = tiny.load_weights(path, "flow")
@@ -103,8 +109,33 @@ def test_prompt_digit_and_tokenizer():
     assert tiny.prompt_digit("a thick handwritten digit seven") == 7
     with pytest.raises(ValueError, match="names no digit"):
         tiny.prompt_digit("a handwritten letter")
-    ids, mask = text.tokenize(["", "a thin handwritten digit two"])
-    assert ids[0, :2].tolist() == [text.BOS_ID, text.EOS_ID] and mask[0].sum() == 2
-    assert mask[1].sum() == 7 and ids[1, 6] == text.EOS_ID
+    ids, mask = tokenizer.tokenize(["", "a thin handwritten digit two"])
+    assert ids[0, :2].tolist() == [tokenizer.BOS_ID, tokenizer.EOS_ID] and mask[0].sum() == 2
+    assert mask[1].sum() == 7 and ids[1, 6] == tokenizer.EOS_ID
     with pytest.raises(ValueError, match="at most"):
-        text.tokenize(["a " * 10])
+        tokenizer.tokenize(["a " * 10])
+    assert tiny.digit_prompt(7, "thick") == "a thick handwritten digit seven"
+    assert all(tokenizer.UNK_ID not in tokenizer.tokenize([p])[0] for p in tiny.STYLED_PROMPTS)
+
+
+def test_make_schedule_reads_the_sampling_options():
+    """DDIM twins read `eta`, flow twins `noise_level` and `shift`, from any object."""
+    options = types.SimpleNamespace(eta=0.3, noise_level=0.5, shift=3.0)
+    ddim = tiny.build_tiny("ddim").make_schedule(10, options)
+    expected = sampling.make_ddim_schedule(10, eta=0.3)
+    jax.tree.map(np.testing.assert_array_equal, ddim, expected)
+    flow = tiny.build_tiny("flow").make_schedule(10, options)
+    expected = sampling.make_flow_schedule(10, shift=3.0, noise_level=0.5)
+    jax.tree.map(np.testing.assert_array_equal, flow, expected)
+
+
+def test_load_model_by_name():
+    config = lambda name: types.SimpleNamespace(name=name, path="", compute_dtype="float32")
+    shipped = load_model(config("tiny_flow"))
+    assert shipped.name == "tiny-flow" and shipped.kind == "flow"
+    random = load_model(config("random_tiny"), seed=1)
+    jax.tree.map(
+        np.testing.assert_array_equal, random.params, tiny.build_tiny("ddim", seed=1).params
+    )
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model(config("nope"))

@@ -4,147 +4,107 @@
     python -m tree_grpo_jax.export --params=<unet params .msgpack or orbax dir> \\
         --model_path=<the base SD folder> --out=<new folder>
 
-From a training run it takes the latest checkpoint's params and, unless `--model_path` is
-given, the base model path recorded in the run's config.json.
+From a training run it takes the latest readable checkpoint's params (opened read-only:
+the run is never written to) and, unless `--model_path` is given, the base model path
+recorded in the run's config.json. Everything is checked (the checkpoint, the params against
+the base model's UNet, the export folder) before anything is written, and the folder is
+built beside `--out` and moved into place, so a failure leaves no half-built export; every
+failure is one `error:` line and exit status 2.
 
-writes `<out>/unet/` with `config.json`, Flax `diffusion_flax_model.msgpack` and PyTorch-named
-`diffusion_pytorch_model.safetensors` (numpy only, no torch), and copies the base folder's
-other components (text_encoder, vae, tokenizer, scheduler, model_index.json) beside it, so
-that `diffusers.StableDiffusionPipeline.from_pretrained(out)` and
-`UNet2DConditionModel.from_pretrained(out / "unet")` load it.
+It writes `<out>/unet/` with `config.json`, Flax `diffusion_flax_model.msgpack` and
+PyTorch-named `diffusion_pytorch_model.safetensors` (numpy only, no torch), and copies the
+base folder's other components (text_encoder, vae, tokenizer, scheduler, model_index.json)
+beside it, so that `diffusers.StableDiffusionPipeline.from_pretrained(out)` and
+`UNet2DConditionModel.from_pretrained(out / "unet")` load it. The writing itself is
+`models.sd15.export`; this module is the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 from flax import serialization
-from flax.traverse_util import flatten_dict
-from safetensors.numpy import save_file
 
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
-from tree_grpo_jax.models import convert, sd
-
-_PT_CLASS = "UNet2DConditionModel"
-_DTYPES = {"float32": np.float32, "float16": np.float16}
+from tree_grpo_jax.models.sd15.export import EXPORT_DTYPES, export_pipeline, unwrap_params
 
 
-def _to_numpy(params, dtype) -> dict:
-    return jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), dtype=dtype), params)
-
-
-def _unwrap(params) -> dict:
-    """Accepts a bare UNet tree or one wrapped as {"params": tree}."""
-    params = dict(params)
-    if set(params) == {"params"}:
-        params = dict(params["params"])
-    return params
-
-
-def export_unet(params, unet_config: dict, out_dir, dtype: str = "float32") -> Path:
-    """Writes `out_dir/unet/` (config, Flax msgpack, PyTorch safetensors); returns that folder.
-
-    `params` must match `unet_config`; a mismatch raises ValueError naming the keys.
-    """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}.")
-    params = _to_numpy(_unwrap(params), _DTYPES[dtype])
-    reference = convert.shapes_of(
-        jax.eval_shape(sd.unet_module(unet_config).init_weights, jax.random.PRNGKey(0))
-    )
-    try:
-        convert.check_against_reference(flatten_dict(params), reference)
-    except convert.ParamTreeMismatch as e:
-        raise ValueError(f"the params do not fit the UNet config ({e}).") from None
-
-    folder = Path(out_dir) / "unet"
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in unet_config.items() if k != "_name_or_path"}
-    config["_class_name"] = _PT_CLASS
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (folder / "diffusion_flax_model.msgpack").write_bytes(serialization.to_bytes(params))
-    save_file(
-        convert.flax_to_pytorch(params),
-        folder / "diffusion_pytorch_model.safetensors",
-        metadata={"format": "pt"},
-    )
-    return folder
-
-
-def _check_out_dir(base: Path, out: Path, overwrite: bool) -> None:
-    base, out = base.resolve(), out.resolve()
-    if out == base or base in out.parents:
-        raise ValueError(
-            f"the export folder {out} must not be inside the base model folder {base}."
-        )
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(
-                f"the export folder {out} is not empty; pass --overwrite or choose another."
-            )
-        shutil.rmtree(out)
-
-
-def export_from_params(
-    params, base_model_path: str, out_dir, dtype: str = "float32", overwrite: bool = False
-) -> Path:
-    """A whole pipeline folder: the base model's components with the UNet replaced."""
-    base = sd.resolve_model_path(base_model_path)
-    unet_config_file = base / "unet" / "config.json"
-    if not unet_config_file.is_file():
-        raise sd.ModelLoadError(f"model folder {base} has no unet/config.json to export against.")
-    out = Path(out_dir)
-    _check_out_dir(base, out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    for entry in base.iterdir():
-        if entry.name == "unet" or entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            shutil.copytree(entry, out / entry.name)
-        else:
-            shutil.copy2(entry, out / entry.name)
-    export_unet(params, json.loads(unet_config_file.read_text()), out, dtype)
-    return out
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0].rstrip(".")[:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load_params(path) -> dict:
     """UNet params from a msgpack file or an orbax checkpoint folder (its `params` item)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_file():
-        return _unwrap(serialization.msgpack_restore(path.read_bytes()))
+        try:
+            restored = serialization.msgpack_restore(path.read_bytes())
+        except OSError as e:
+            raise ValueError(f"could not read the params file {path}: {e.strerror or e}.") from None
+        except Exception as e:  # msgpack's FormatError, ExtraData, ValueError, ...
+            raise ValueError(
+                f"the params file {path} is damaged, truncated or not Flax msgpack ({_reason(e)})."
+            ) from None
+        if not isinstance(restored, dict):
+            raise ValueError(f"the params file {path} does not hold a tree of named arrays.")
+        return unwrap_params(restored)
     if path.is_dir():
         import orbax.checkpoint as ocp
 
-        restored = ocp.PyTreeCheckpointer().restore(str(path.resolve()))
-        return _unwrap(restored.get("params", restored) if isinstance(restored, dict) else restored)
+        try:
+            restored = ocp.PyTreeCheckpointer().restore(str(path.resolve()))
+        except Exception as e:  # any unreadable or foreign folder
+            raise ValueError(
+                f"the params folder {path} is not a readable orbax checkpoint ({_reason(e)})."
+            ) from None
+        restored = restored.get("params", restored) if isinstance(restored, dict) else restored
+        if not isinstance(restored, dict):
+            raise ValueError(f"the params folder {path} does not hold a tree of named arrays.")
+        return unwrap_params(restored)
     raise ValueError(f"params path {path} does not exist; pass a .msgpack file or an orbax folder.")
 
 
-def _source(args) -> tuple[dict, str]:
-    """(params, base model path) from --workdir or from --params and --model_path."""
+def _run_model_path(workdir: Path) -> str:
+    """The base SD folder recorded in a run's config.json (read only)."""
+    config_file = workdir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{workdir} has no config.json, so it is not a training run; "
+            "pass --model_path, the base SD folder it was trained from."
+        )
+    try:
+        run_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not read {config_file} ({_reason(e)}).") from None
+    model = run_config.get("model") if isinstance(run_config, dict) else None
+    if not isinstance(model, dict) or model.get("name") != "sd" or not model.get("path"):
+        raise ValueError(
+            f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
+        )
+    return str(model["path"])
+
+
+def _source(args) -> tuple[dict, str, Path]:
+    """(params, base model path, source path) from --workdir or --params and --model_path.
+
+    Nothing is written: a run's checkpoints are opened read-only.
+    """
     if bool(args.workdir) == bool(args.params):
         raise ValueError("give exactly one of --workdir (a training run) and --params.")
     if args.params:
         if not args.model_path:
             raise ValueError("--params needs --model_path, the base SD folder it was trained from.")
-        return load_params(args.params), args.model_path
-    workdir = Path(args.workdir)
-    params = Checkpointer(str(workdir / "checkpoints")).restore_params()
-    model_path = args.model_path
-    if not model_path:
-        run_config = json.loads((workdir / "config.json").read_text())
-        model_path = run_config["model"]["path"]
-        if run_config["model"]["name"] != "sd" or not model_path:
-            raise ValueError(
-                f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
-            )
-    return params, model_path
+        return load_params(args.params), args.model_path, Path(args.params).expanduser()
+    workdir = Path(args.workdir).expanduser()
+    if not workdir.is_dir():
+        raise ValueError(f"there is no training run at {workdir}; pass the --workdir of a run.")
+    model_path = args.model_path or _run_model_path(workdir)
+    params = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
+    return params, model_path, workdir
 
 
 def main(argv=None) -> int:
@@ -153,14 +113,20 @@ def main(argv=None) -> int:
     parser.add_argument("--params", help="UNet params: .msgpack or orbax folder")
     parser.add_argument("--model_path", help="the base SD folder (default: the run's model.path)")
     parser.add_argument("--out", required=True, help="the new pipeline folder")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     try:
-        params, model_path = _source(args)
-        out = export_from_params(params, model_path, args.out, args.dtype, args.overwrite)
+        params, model_path, source = _source(args)
+        out = export_pipeline(
+            params, model_path, args.out, args.dtype, args.overwrite, sources=[source]
+        )
     except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
         return 2
     print(f"exported {out}")
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tree_grpo_jax.models.text import DIGIT_WORDS
+from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
 
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
 ANIMALS = (
@@ -24,7 +24,7 @@ ANIMALS = (
     "lizard", "crocodile", "fish", "shark", "dolphin", "whale", "octopus", "butterfly", "bee",
 )  # fmt: skip
 SIMPLE_ANIMALS = ("cat", "dog", "horse", "rabbit", "bird", "fish", "cow", "sheep")
-DIGITS = tuple(f"a handwritten digit {n}" for n in DIGIT_WORDS)  # the tiny model's prompts
+DIGITS = DIGIT_PROMPTS  # the tiny model's prompts
 
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "animals": ANIMALS,
@@ -44,7 +44,17 @@ def load_prompts(source: str) -> list[str]:
             f"prompt source {source!r} is neither a built-in set ({names}) nor an existing "
             "text file with one prompt per line."
         )
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.object[e.start : e.start + 1].hex()
+        raise ValueError(
+            f"prompt file {path} is not UTF-8 text (byte 0x{bad} at offset {e.start} cannot "
+            "be decoded); save it as UTF-8 with one prompt per line."
+        ) from None
+    except OSError as e:
+        raise ValueError(f"prompt file {path} cannot be read: {e.strerror or e}.") from None
+    prompts = [line.strip() for line in text.splitlines()]
     prompts = [p for p in prompts if p]
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts; write one prompt per line.")

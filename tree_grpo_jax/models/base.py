@@ -1,33 +1,106 @@
 """The one interface every text-to-image model sits behind.
 
 The tree engine and the trainer see only this: a denoiser function over trainable params,
-a prompt encoder, a decoder and a schedule factory. Which library the networks come from
-(diffusers' and transformers' Flax classes today) stays inside `models/`.
+a prompt encoder, a decoder and `make_schedule`. Each model family (a sub-package of
+`models/`) returns a `TextToImageModel`, or a subclass of it with the family's own typed
+fields; which library the networks come from stays inside the family.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
-from tree_grpo_jax import sampling
+from tree_grpo_jax.sampling import Schedule, make_ddim_schedule, make_flow_schedule
 
 PyTree = Any
 # (params, x [B, *sample_shape], t [B], cond [B, L, D]) -> eps / v / velocity, shaped like x.
 DenoiseFn = Callable[[PyTree, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+class ModelLoadError(ValueError):
+    """A model folder or weights file is missing, incomplete, or not what the loader supports."""
+
+
+def cast_floats(tree: PyTree, dtype) -> PyTree:
+    """Every floating leaf as a jax array of `dtype`; integer and bool leaves unchanged."""
+
+    def cast(x):
+        x = jnp.asarray(x)
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+class SamplingOptions(Protocol):
+    """What a schedule reads from the run's sampling settings (the config's `sampling`)."""
+
+    eta: float  # DDIM: stochasticity of the stochastic steps
+    noise_level: float  # flow SDE: the noise scale `a`
+    shift: float  # flow: the sigma shift
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A plain `SamplingOptions`, with the defaults of configs/base.py."""
+
+    eta: float = 1.0
+    noise_level: float = 0.7
+    shift: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DDIMScheduleConfig:
+    """A model trained on a scaled_linear DDPM schedule and sampled with DDIM.
+
+    The defaults are Stable Diffusion 1.x's (`steps_offset=1`, `set_alpha_to_one=False`);
+    `eta` comes from the sampling options.
+    """
+
+    prediction_type: str = "epsilon"  # or "v_prediction"
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    steps_offset: int = 1
+    set_alpha_to_one: bool = False
+
+    def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
+        return make_ddim_schedule(num_steps, eta=sampling.eta, **dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowScheduleConfig:
+    """A rectified-flow (velocity) model; `noise_level` and `shift` come from the sampling
+    options, the model's timestep is `timestep_scale * sigma`."""
+
+    timestep_scale: float = 1000.0
+
+    def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
+        return make_flow_schedule(
+            num_steps,
+            shift=sampling.shift,
+            noise_level=sampling.noise_level,
+            timestep_scale=self.timestep_scale,
+        )
+
+
+ScheduleConfig = DDIMScheduleConfig | FlowScheduleConfig
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class TextToImageModel:
     """A loaded model.
 
     `denoise` must be the same function object for the life of the model so that jitted
     code that takes it as a static argument compiles once. `params` are the trainable
     denoiser weights; the text encoder and decoder weights are closed over by
-    `encode_prompts` and `decode` and never enter the optimizer.
+    `encode_prompts` and `decode` and never enter the optimizer. Families subclass this to
+    add what their own tools read (the tiny model's prompt lists, SD's folder and UNet
+    config); the trainer and the tree engine use only the fields here.
     """
 
     name: str
@@ -36,16 +109,10 @@ class TextToImageModel:
     denoise: DenoiseFn
     encode_prompts: Callable[[Sequence[str]], jax.Array]  # -> [P, L, D] float32
     decode: Callable[[jax.Array], jax.Array]  # [B, *sample_shape] -> [B, H, W, C] in [0, 1]
-    schedule_kind: str = "ddim"  # "ddim" or "flow"
-    prediction_type: str = "epsilon"  # "epsilon" / "v_prediction" (ddim); flow predicts velocity
-    extras: dict = dataclasses.field(default_factory=dict)
+    schedule_config: ScheduleConfig  # the model side of its sampling schedule
 
-    def make_schedule(self, num_steps: int, **kwargs) -> sampling.Schedule:
-        """kwargs: `eta` for DDIM; `noise_level` and `shift` for flow."""
-        if self.schedule_kind == "ddim":
-            return sampling.make_ddim_schedule(
-                num_steps, prediction_type=self.prediction_type, **kwargs
-            )
-        if self.schedule_kind == "flow":
-            return sampling.make_flow_schedule(num_steps, **kwargs)
-        raise ValueError(f"unknown schedule kind {self.schedule_kind!r}; use 'ddim' or 'flow'.")
+    def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
+        """The schedule of `num_steps` steps; `sampling` is any object with `eta` (read by
+        DDIM models), `noise_level` and `shift` (read by flow models), e.g. the config's
+        `sampling` section or a `Sampling`."""
+        return self.schedule_config.make_schedule(num_steps, sampling)

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tree_grpo_jax.models.tiny.grammar import DIGIT_WORDS, FILLER_WORDS, STYLE_WORDS
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-STYLE_WORDS = ("thin", "thick")
 # <eos> is not id 2: transformers' CLIP treats eos id 2 as a legacy config and pools at
 # the largest id instead of at <eos>.
-VOCAB = (PAD, UNK, BOS, EOS, "a", "handwritten", "digit", *STYLE_WORDS, *DIGIT_WORDS)
+VOCAB = (PAD, UNK, BOS, EOS, *FILLER_WORDS, *STYLE_WORDS, *DIGIT_WORDS)
 TOKEN_IDS = {word: i for i, word in enumerate(VOCAB)}
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = (TOKEN_IDS[w] for w in (PAD, BOS, EOS, UNK))
 MAX_LENGTH = 8

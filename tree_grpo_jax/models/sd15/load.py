@@ -1,32 +1,42 @@
-"""Stable Diffusion 1.x from a diffusers-layout folder, as a `TextToImageModel`.
+"""Stable Diffusion 1.x from a diffusers-layout folder, as a `StableDiffusionModel`.
 
 The folder holds `unet/`, `vae/`, `text_encoder/`, `tokenizer/` and `scheduler/`, each with
 its config. Weights are read from Flax msgpack files when present, otherwise from the
-PyTorch safetensors files real SD1.5 folders carry, converted in numpy by
-`models.convert` (torch is never imported). Only the UNet weights are trainable `params`;
-the text encoder and the VAE decoder are frozen and closed over by `encode_prompts` and
-`decode`.
+PyTorch safetensors files real SD1.5 folders carry, converted in numpy by `sd15.convert`
+(torch is never imported). Only the UNet weights are trainable `params`; the text encoder
+and the VAE decoder are frozen and closed over by `encode_prompts` and `decode`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import types
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen, serialization
+from flax import serialization
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import load_file
 
-from tree_grpo_jax.models import convert
-from tree_grpo_jax.models.base import TextToImageModel
-from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+from tree_grpo_jax.models.base import (
+    DDIMScheduleConfig,
+    ModelLoadError,
+    TextToImageModel,
+    cast_floats,
+)
+from tree_grpo_jax.models.sd15 import convert
+from tree_grpo_jax.models.sd15.unet import (
+    DOWN_BLOCKS,
+    MID_BLOCKS,
+    UP_BLOCKS,
+    UNet2DConditionModel,
+    unet_module,
+)
+from tree_grpo_jax.sampling import PREDICTION_TYPES
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 _CONFIG_FILES = {
@@ -42,10 +52,10 @@ _WEIGHT_NAMES = {
     "vae": ("diffusion_flax_model.msgpack", "diffusion_pytorch_model"),
     "text_encoder": ("flax_model.msgpack", "model"),
 }
-_POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion folder"
+POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion folder"
 _HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
 
-# PyTorch UNet config fields that the Flax UNet does not read, with the one value it implements.
+# PyTorch UNet config fields that our UNet does not read, with the one value it implements.
 _UNET_FIXED = {
     "act_fn": "silu",
     "norm_num_groups": 32,
@@ -53,6 +63,7 @@ _UNET_FIXED = {
     "center_input_sample": False,
     "class_embed_type": None,
     "num_class_embeds": None,
+    "addition_embed_type": None,
     "time_embedding_type": "positional",
     "resnet_time_scale_shift": "default",
     "upcast_attention": False,
@@ -72,10 +83,6 @@ _UNET_FIXED = {
     "cross_attention_norm": None,
     "class_embeddings_concat": False,
 }
-_UNET_BLOCKS = {
-    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
-}
 _VAE_FIXED = {
     "act_fn": "silu",
     "shift_factor": None,
@@ -90,59 +97,18 @@ _SCHEDULER_FIXED = {
     "timestep_spacing": "leading",
     "thresholding": False,
 }
-# Modules whose setup logs diffusers' Flax deprecation notice on every trace.
 
 
-class ModelLoadError(ValueError):
-    """A model folder is missing, incomplete or does not match what the loader supports."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StableDiffusionModel(TextToImageModel):
-    """A TextToImageModel whose DDIM schedules follow the folder's scheduler config."""
+    """A loaded SD1.x folder; its DDIM schedule follows the folder's scheduler config."""
 
-    def make_schedule(self, num_steps: int, **kwargs):
-        return super().make_schedule(num_steps, **{**self.extras["schedule_kwargs"], **kwargs})
-
-
-# Some of the notices are logged while diffusers' Flax modules are imported.
-quiet_flax_deprecation_notices()
-
-
-class _LinenAsInPyTorch(types.ModuleType):
-    """`flax.linen` as diffusers' Flax attention module sees it, with PyTorch's numerics.
-
-    diffusers' Flax UNet differs from the PyTorch UNet that SD was trained as in two places,
-    both in `attention_flax`: its GEGLU uses tanh-approximate GELU (PyTorch: exact erf) and
-    its Transformer2D input GroupNorm uses eps 1e-5 (PyTorch: 1e-6). Everything else
-    falls through to `flax.linen`.
-    """
-
-    def __getattr__(self, name):
-        return getattr(linen, name)
-
-    @staticmethod
-    def gelu(x):
-        return linen.gelu(x, approximate=False)
-
-    @staticmethod
-    def GroupNorm(*args, **kwargs):  # noqa: N802 - stands in for the class
-        return linen.GroupNorm(*args, **{**kwargs, "epsilon": 1e-6})
-
-
-@contextlib.contextmanager
-def pytorch_numerics():
-    """While tracing inside this block, diffusers' Flax UNet computes the PyTorch UNet's
-    function. The switch is scoped: other models built on the same diffusers classes (the
-    tiny model) keep the library's own numerics."""
-    from diffusers.models import attention_flax
-
-    saved = attention_flax.nn
-    attention_flax.nn = _LinenAsInPyTorch("flax.linen")
-    try:
-        yield
-    finally:
-        attention_flax.nn = saved
+    path: Path  # the local folder (a hub id resolved to its snapshot)
+    unet: UNet2DConditionModel  # the Flax module that `denoise` applies
+    unet_config: dict  # unet/config.json, as read
+    vae_config: dict
+    text_config: dict
+    tokenizer: Any  # transformers' CLIPTokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +121,7 @@ def resolve_model_path(path: str) -> Path:
     if local.is_dir():
         return local
     if local.exists():
-        raise ModelLoadError(f"model path {path} is a file, not a folder; {_POINT}.")
+        raise ModelLoadError(f"model path {path} is a file, not a folder; {POINT}.")
     try:
         from huggingface_hub import snapshot_download
 
@@ -173,19 +139,19 @@ def _component_dir(root: Path, name: str) -> Path:
     if not folder.is_dir():
         needed = ", ".join(c + "/" for c in COMPONENTS)
         raise ModelLoadError(
-            f"model folder {root} has no {name}/ folder (it needs {needed}); {_POINT}."
+            f"model folder {root} has no {name}/ folder (it needs {needed}); {POINT}."
         )
     for filename in _CONFIG_FILES[name]:
         if not (folder / filename).is_file():
-            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {_POINT}.")
+            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {POINT}.")
     return folder
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"could not read {path}: {e}; {_POINT}.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"could not read {path}: {e}; {POINT}.") from None
 
 
 def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
@@ -196,17 +162,62 @@ def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
             )
 
 
+def _damaged(path: Path, error: Exception) -> ModelLoadError:
+    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
+    name = type(error).__name__
+    reason = f" ({name}: {reason[:200]})" if reason else f" ({name})"
+    return ModelLoadError(
+        f"weights file {path} is damaged or truncated and cannot be read{reason}; "
+        f"download it again or {POINT}."
+    )
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; a damaged or truncated file is one ModelLoadError."""
+    try:
+        return load_file(path)
+    except OSError as e:
+        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
+    except Exception as e:  # SafetensorError, or anything a garbage header makes numpy raise
+        raise _damaged(path, e) from None
+
+
+def read_msgpack(path: Path):
+    """A Flax msgpack file's contents; a damaged or truncated file is one ModelLoadError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
+    try:
+        restored = serialization.msgpack_restore(data)
+    except Exception as e:  # msgpack's ExtraData, UnpackValueError, ValueError, ...
+        raise _damaged(path, e) from None
+    if not isinstance(restored, dict):
+        raise ModelLoadError(
+            f"weights file {path} does not hold a tree of named arrays "
+            f"(it decodes to a {type(restored).__name__}); download it again or {POINT}."
+        )
+    return restored
+
+
 def _load_safetensors(folder: Path, stem: str, variant: str | None) -> dict[str, np.ndarray] | None:
     names = [f"{stem}.{variant}.safetensors"] if variant else []
     names += [f"{stem}.safetensors", f"{stem}.fp16.safetensors"]
     for name in names:
         if (folder / name).is_file():
-            return load_file(folder / name)
+            return read_safetensors(folder / name)
     index = folder / f"{stem}.safetensors.index.json"
     if index.is_file():  # sharded: {"weight_map": {tensor: shard file}}
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(f"{index} has no valid weight_map; {POINT}.")
         state = {}
-        for shard in sorted(set(_read_json(index)["weight_map"].values())):
-            state.update(load_file(folder / shard))
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).is_file():
+                raise ModelLoadError(f"{index} names the shard {shard}, which is missing; {POINT}.")
+            state.update(read_safetensors(folder / shard))
         return state
     return None
 
@@ -217,7 +228,7 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
     wants_variant = variant is not None and (folder / f"{stem}.{variant}.safetensors").is_file()
     try:
         if (folder / flax_name).is_file() and not wants_variant:
-            params = serialization.msgpack_restore((folder / flax_name).read_bytes())
+            params = read_msgpack(folder / flax_name)
             convert.check_against_reference(flatten_dict(params), reference)
             return params
         state = _load_safetensors(folder, stem, variant)
@@ -227,24 +238,16 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
             return convert.pytorch_to_flax(state, reference, merge_indices=merge)
     except convert.ParamTreeMismatch as e:
         raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {_POINT}."
+            f"the weights in {folder} do not match its config ({e}); {POINT}."
         ) from None
     if list(folder.glob("*.bin")):
         raise ModelLoadError(
             f"{folder} holds only PyTorch pickle weights (*.bin), which need torch to read; "
-            f"save them as {stem}.safetensors or {_POINT} that has safetensors files."
+            f"save them as {stem}.safetensors or {POINT} that has safetensors files."
         )
     raise ModelLoadError(
-        f"{folder} has no weights (looked for {flax_name} and {stem}.safetensors); {_POINT}."
+        f"{folder} has no weights (looked for {flax_name} and {stem}.safetensors); {POINT}."
     )
-
-
-def _cast(params, dtype):
-    def cast(x):
-        x = jnp.asarray(x)
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree_util.tree_map(cast, params)
 
 
 def _flax_kwargs(cls, config: dict) -> dict:
@@ -253,63 +256,49 @@ def _flax_kwargs(cls, config: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
 
 
-def _reference_shapes(module, *args):
-    return convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0), *args))
+def unet_reference_shapes(unet: UNet2DConditionModel) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The flat {path: shape} of the UNet's params (no weights are computed)."""
+    return convert.shapes_of(jax.eval_shape(unet.init_weights, jax.random.PRNGKey(0)))
 
 
 # ---------------------------------------------------------------------------------------------
 # Components.
 
 
-def unet_module(config: dict, dtype=jnp.float32, **options):
-    """diffusers' Flax UNet for a (PyTorch or Flax) UNet config; options go to the module.
-
-    Apply it inside `pytorch_numerics()` (as `denoise` does) to compute exactly what
-    diffusers' PyTorch UNet computes, so that weights trained here behave the same once
-    exported.
-    """
-    from diffusers import FlaxUNet2DConditionModel
-
-    kwargs = _flax_kwargs(FlaxUNet2DConditionModel, config)
-    # SD1.x's `attention_head_dim` is really the head count (as in diffusers' PyTorch UNet,
-    # heads = num_attention_heads or attention_head_dim); the Flax UNet only reads the latter.
-    if kwargs.get("num_attention_heads") is not None:
-        kwargs["attention_head_dim"] = kwargs["num_attention_heads"]
-    kwargs["num_attention_heads"] = None
-    return FlaxUNet2DConditionModel(**{**kwargs, **options}, dtype=dtype)
-
-
-def _check_unet_config(config: dict, where: Path) -> None:
+def check_unet_config(config: dict, where: Path) -> None:
+    """Raises ModelLoadError unless our UNet computes what the config describes."""
     _check_fixed(config, _UNET_FIXED, where)
-    for key, supported in _UNET_BLOCKS.items():
+    for key, supported in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
         unknown = [b for b in config.get(key, ()) if b not in supported]
         if unknown:
             raise ModelLoadError(
                 f"{where} uses {key} {unknown}, but only {supported} are supported."
             )
     mid = config.get("mid_block_type", "UNetMidBlock2DCrossAttn")
-    if mid not in ("UNetMidBlock2DCrossAttn", None):
+    if mid not in MID_BLOCKS:
         raise ModelLoadError(f"{where} uses mid_block_type {mid!r}, which is not supported.")
 
 
 def load_unet(folder: Path, dtype, variant=None, **options):
-    config = _read_json(folder / "config.json")
-    _check_unet_config(config, folder / "config.json")
+    """`(module, params, config)` of a `unet/` folder; `options` go to the module."""
+    config = read_json(folder / "config.json")
+    check_unet_config(config, folder / "config.json")
     module = unet_module(config, dtype, **options)
-    params = _load_weights(folder, "unet", _reference_shapes(module), variant)
-    return module, _cast(params, dtype), config
+    params = _load_weights(folder, "unet", unet_reference_shapes(module), variant)
+    return module, cast_floats(params, dtype), config
 
 
 def _load_vae(folder: Path, dtype, variant=None):
     from diffusers import FlaxAutoencoderKL
 
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json")
     _check_fixed(config, _VAE_FIXED, folder / "config.json")
     module = FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
-    params = _load_weights(folder, "vae", _reference_shapes(module), variant)
+    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    params = _load_weights(folder, "vae", shapes, variant)
     # Only the decoder half is ever run; dropping the encoder saves its memory.
     params = {k: params[k] for k in ("post_quant_conv", "decoder")}
-    return module, _cast(params, dtype), config
+    return module, cast_floats(params, dtype), config
 
 
 def _load_text_encoder(folder: Path, dtype, variant=None):
@@ -323,7 +312,7 @@ def _load_text_encoder(folder: Path, dtype, variant=None):
         lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids), ids)["params"]
     )
     params = _load_weights(folder, "text_encoder", convert.shapes_of(shapes), variant)
-    return module, _cast(params, dtype), config
+    return module, cast_floats(params, dtype), config
 
 
 def _load_tokenizer(folder: Path):
@@ -332,27 +321,31 @@ def _load_tokenizer(folder: Path):
     try:
         return CLIPTokenizer.from_pretrained(str(folder))
     except Exception as e:  # a broken tokenizer folder is a load error
-        raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {_POINT}.") from None
+        raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {POINT}.") from None
 
 
-def schedule_kwargs(scheduler_config: dict, where: Path) -> tuple[dict, str]:
-    """`make_ddim_schedule` keyword arguments and the prediction type from a scheduler config."""
+def schedule_config(scheduler_config: dict, where: Path) -> DDIMScheduleConfig:
+    """The model side of the DDIM schedule, from a diffusers scheduler config."""
     _check_fixed(scheduler_config, _SCHEDULER_FIXED, where)
+    prediction_type = scheduler_config.get("prediction_type", "epsilon")
+    if prediction_type not in PREDICTION_TYPES:
+        raise ModelLoadError(
+            f"{where} sets prediction_type={prediction_type!r}, but only {PREDICTION_TYPES} "
+            "are supported."
+        )
     keys = ("num_train_timesteps", "beta_start", "beta_end", "steps_offset", "set_alpha_to_one")
     kwargs = {k: scheduler_config[k] for k in keys if k in scheduler_config}
-    return kwargs, scheduler_config.get("prediction_type", "epsilon")
+    return DDIMScheduleConfig(prediction_type=prediction_type, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
 # The model functions.
 
 
-def _make_denoise(unet):
+def _make_denoise(unet: UNet2DConditionModel):
     def denoise(params, x, t, cond):
-        # The Flax UNet wraps a non-jax `t` in another axis; make it a [B] jax array.
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
-        with pytorch_numerics():  # runs while tracing: the compiled function keeps it
-            return unet.apply({"params": params}, x, t, cond).sample
+        return unet.apply({"params": params}, x, t, cond).sample
 
     return denoise
 
@@ -410,15 +403,13 @@ def load_sd(
 
     `dtype` is the dtype of all params and of the computation (float32 or bfloat16).
     `variant` ("fp16") prefers `*.fp16.safetensors`. `decode_batch_size` bounds how many
-    latents the VAE decodes at once. The last two options go to diffusers' Flax UNet.
-    The UNet has no remat switch in diffusers 0.39: wrap `denoise` in `jax.checkpoint`.
+    latents the VAE decodes at once. The last two options go to the UNet's attention.
+    The UNet has no remat switch: wrap `denoise` in `jax.checkpoint`.
     """
     root = resolve_model_path(path)
     folders = {name: _component_dir(root, name) for name in COMPONENTS}
-    schedule, prediction_type = schedule_kwargs(
-        _read_json(folders["scheduler"] / "scheduler_config.json"),
-        folders["scheduler"] / "scheduler_config.json",
-    )
+    scheduler_file = folders["scheduler"] / "scheduler_config.json"
+    schedule = schedule_config(read_json(scheduler_file), scheduler_file)
     unet, unet_params, unet_config = load_unet(
         folders["unet"],
         dtype,
@@ -440,15 +431,11 @@ def load_sd(
         decode=_make_decode(
             vae, vae_params, vae_config.get("scaling_factor", 0.18215), decode_batch_size, dtype
         ),
-        schedule_kind="ddim",
-        prediction_type=prediction_type,
-        extras={
-            "path": str(root),
-            "unet_config": unet_config,
-            "vae_config": vae_config,
-            "text_config": text_config.to_dict(),
-            "tokenizer": tokenizer,
-            "unet_module": unet,
-            "schedule_kwargs": schedule,
-        },
+        schedule_config=schedule,
+        path=root,
+        unet=unet,
+        unet_config=unet_config,
+        vae_config=vae_config,
+        text_config=text_config.to_dict(),
+        tokenizer=tokenizer,
     )

@@ -1,8 +1,9 @@
 """PyTorch-named weights <-> Flax param trees, in numpy only (torch is never imported).
 
 Stable Diffusion folders ship PyTorch `*.safetensors` files. The Flax modules we run
-(diffusers' `FlaxUNet2DConditionModel` / `FlaxAutoencoderKL`, transformers'
-`FlaxCLIPTextModel`) hold the same tensors under other names and layouts:
+(our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; diffusers'
+`FlaxAutoencoderKL`; transformers' `FlaxCLIPTextModel`) hold the same tensors under other
+names and layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
   `down_blocks.0`; transformers' Flax CLIP keeps `layers/0` as two path segments;

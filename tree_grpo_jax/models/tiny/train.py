@@ -1,8 +1,8 @@
 """Trains the tiny text-to-image twins and the digit classifier, and evaluates them.
 
-    python -m tree_grpo_jax.models.train_tiny --kind=all          # classifier, ddim, flow
-    python -m tree_grpo_jax.models.train_tiny --kind=ddim
-    python -m tree_grpo_jax.models.train_tiny --evaluate          # figures of shipped weights
+    python -m tree_grpo_jax.models.tiny.train --kind=all          # classifier, ddim, flow
+    python -m tree_grpo_jax.models.tiny.train --kind=ddim
+    python -m tree_grpo_jax.models.tiny.train --evaluate          # figures of shipped weights
 
 Every run is deterministic (fixed seeds, fixed data split) and writes its weights into
 `tree_grpo_jax/assets/` (or `--out-dir`). The diffusion twins train their UNet and their text
@@ -22,8 +22,11 @@ import numpy as np
 import optax
 
 from tree_grpo_jax import sampling
-from tree_grpo_jax.models import text, tiny
-from tree_grpo_jax.rewards import digits as digit_rewards
+from tree_grpo_jax.models.base import Sampling
+from tree_grpo_jax.models.tiny import classifier, grammar, networks, tokenizer
+from tree_grpo_jax.models.tiny.data import digits_dataset
+from tree_grpo_jax.models.tiny.model import load_tiny
+from tree_grpo_jax.models.tiny.weights import ASSETS_DIR, save_weights, weights_path
 
 DEFAULT_STEPS = {"classifier": 1500, "ddim": 1000, "flow": 1000}
 SEEDS = {"classifier": 1, "ddim": 2, "flow": 3}
@@ -59,8 +62,8 @@ def prompt_tokens(images: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, n
     styles = ink_styles(images, labels)
     prompts = []
     for label, style in zip(labels, styles):
-        prompts += ["", tiny.digit_prompt(int(label)), tiny.digit_prompt(int(label), style)]
-    ids, mask = text.tokenize(prompts)
+        prompts += ["", grammar.digit_prompt(int(label)), grammar.digit_prompt(int(label), style)]
+    ids, mask = tokenizer.tokenize(prompts)
     return ids.reshape(len(images), 3, -1), mask.reshape(len(images), 3, -1)
 
 
@@ -97,10 +100,10 @@ def noisy_input(kind: str, key, x0):
 def diffusion_loss(weights, kind, key, images, ids, mask):
     prompt_key, noise_key = jax.random.split(key)
     ids, mask = choose_prompts(prompt_key, ids, mask)
-    cond = tiny.encode_tokens(weights["text_encoder"], ids, mask)
+    cond = networks.encode_tokens(weights["text_encoder"], ids, mask)
     x0 = jnp.transpose(images, (0, 3, 1, 2)) * 2.0 - 1.0  # [0, 1] NHWC -> [-1, 1] NCHW
     x_t, t, target = noisy_input(kind, noise_key, x0)
-    prediction = tiny.make_unet().apply({"params": weights["unet"]}, x_t, t, cond).sample
+    prediction = networks.make_unet().apply({"params": weights["unet"]}, x_t, t, cond).sample
     return jnp.mean((prediction - target) ** 2)
 
 
@@ -115,11 +118,11 @@ def sample_batch(key, n: int, batch_size: int):
 
 def train_diffusion(kind: str, steps: int, batch_size: int, seed: int, lr: float = 1e-3):
     """Returns the EMA weights `{"unet", "text_encoder"}` after `steps` Adam steps."""
-    images, labels = tiny.digits_dataset("train")
+    images, labels = digits_dataset("train")
     ids, mask = prompt_tokens(images, labels)
     images, ids, mask = jnp.asarray(images), jnp.asarray(ids), jnp.asarray(mask)
     init_key, loop_key = jax.random.split(jax.random.key(seed))
-    weights = jax.jit(tiny.init_weights)(init_key)
+    weights = jax.jit(networks.init_weights)(init_key)
     optimizer = make_optimizer(steps, lr)
     state = (weights, optimizer.init(weights), weights)
 
@@ -173,9 +176,9 @@ def augment(key, images):
 
 
 def train_classifier(steps: int, batch_size: int, seed: int, lr: float = 1e-3):
-    images, labels = map(jnp.asarray, tiny.digits_dataset("train"))
+    images, labels = map(jnp.asarray, digits_dataset("train"))
     init_key, loop_key = jax.random.split(jax.random.key(seed))
-    model = digit_rewards.DigitClassifier()
+    model = classifier.DigitClassifier()
     params = model.init(init_key, images[:1])["params"]
     optimizer = make_optimizer(steps, lr)
 
@@ -199,8 +202,8 @@ def train_classifier(steps: int, batch_size: int, seed: int, lr: float = 1e-3):
 
 
 def classifier_accuracy(params, split: str = "test") -> float:
-    images, labels = tiny.digits_dataset(split)
-    log_probs = digit_rewards.classifier_log_probs(params, jnp.asarray(images))
+    images, labels = digits_dataset(split)
+    log_probs = classifier.classifier_log_probs(params, jnp.asarray(images))
     return float(np.mean(np.asarray(jnp.argmax(log_probs, -1)) == labels))
 
 
@@ -213,7 +216,7 @@ def _sample(denoise, params, schedule, cond, uncond, guidance, key, *, stochasti
     """Classifier-free-guided sampling over the whole schedule; returns pixel-space x_0."""
     batch = cond.shape[0]
     x_key, step_key = jax.random.split(key)
-    x = jax.random.normal(x_key, (batch, *tiny.SAMPLE_SHAPE))
+    x = jax.random.normal(x_key, (batch, *networks.SAMPLE_SHAPE))
     both_cond = jnp.concatenate([cond, jnp.broadcast_to(uncond, cond.shape)])
 
     def body(x, i):
@@ -233,10 +236,7 @@ def _sample(denoise, params, schedule, cond, uncond, guidance, key, *, stochasti
 def generate(model, prompts, key, *, num_steps: int, guidance: float, eta: float = 0.0):
     """Images `[B, 8, 8, 1]` for `prompts`. `eta` is DDIM's eta, or the flow SDE's noise
     level a; 0 samples deterministically (DDIM eta 0, flow ODE)."""
-    if model.schedule_kind == "ddim":
-        schedule = model.make_schedule(num_steps, eta=eta)
-    else:
-        schedule = model.make_schedule(num_steps, noise_level=eta)
+    schedule = model.make_schedule(num_steps, Sampling(eta=eta, noise_level=eta))
     cond = model.encode_prompts(prompts)
     uncond = model.encode_prompts([""])
     guidance = jnp.float32(guidance)
@@ -246,9 +246,21 @@ def generate(model, prompts, key, *, num_steps: int, guidance: float, eta: float
     return model.decode(x)
 
 
+def prompted_log_probs(images, prompts) -> tuple[jax.Array, np.ndarray]:
+    """The shipped classifier's `[B, 10]` log-probabilities and the prompted digits `[B]`."""
+    labels = np.asarray([grammar.prompt_digit(p) for p in prompts], np.int32)
+    return classifier.digit_log_probs(images), labels
+
+
+def digit_alignment(images, prompts) -> float:
+    """The mean digit_alignment reward: log p(prompted digit | image)."""
+    log_probs, labels = prompted_log_probs(images, prompts)
+    return float(jnp.mean(jnp.take_along_axis(log_probs, jnp.asarray(labels)[:, None], -1)[:, 0]))
+
+
 def per_digit_accuracy(images, prompts) -> np.ndarray:
-    hits = np.asarray(digit_rewards.digit_accuracy(images, prompts))
-    labels = np.asarray([tiny.prompt_digit(p) for p in prompts])
+    log_probs, labels = prompted_log_probs(images, prompts)
+    hits = (np.asarray(jnp.argmax(log_probs, axis=-1)) == labels).astype(np.float32)
     return np.array([hits[labels == d].mean() for d in range(10)])
 
 
@@ -276,14 +288,14 @@ def evaluate(kind: str, per_digit: int, seed: int = 0, grid_dir=None) -> None:
     """Prints, per sampler setting, the classifier accuracy (overall and per digit) and the
     mean digit_alignment reward of `per_digit` samples of each digit prompt; then the ink mass
     of plain, thin and thick prompts under the headline setting."""
-    model = tiny.load_tiny(kind)
-    prompts = [p for p in tiny.DIGIT_PROMPTS for _ in range(per_digit)]
+    model = load_tiny(kind)
+    prompts = [p for p in grammar.DIGIT_PROMPTS for _ in range(per_digit)]
     for num_steps, guidance, eta in EVAL_SETTINGS[kind]:
         start = time.perf_counter()
         key = jax.random.key(seed)
         images = generate(model, prompts, key, num_steps=num_steps, guidance=guidance, eta=eta)
         acc = per_digit_accuracy(images, prompts)
-        alignment = float(jnp.mean(digit_rewards.digit_alignment(images, prompts)))
+        alignment = digit_alignment(images, prompts)
         noise = f"eta={eta}" if kind == "ddim" else (f"sde a={eta}" if eta else "ode")
         label = f"{kind} steps={num_steps} cfg={guidance} {noise}"
         per = " ".join(f"{a:.2f}" for a in acc)
@@ -298,11 +310,13 @@ def evaluate(kind: str, per_digit: int, seed: int = 0, grid_dir=None) -> None:
             name = f"{kind}_s{num_steps}_cfg{guidance}_eta{eta}.png"
             save_grid(np.asarray(images)[keep], pathlib.Path(grid_dir) / name, rows=10)
     # Style words: a thick prompt should ink more than a thin one (ink = sum of pixels).
-    data_ink = tiny.digits_dataset("test")[0].sum(axis=(1, 2, 3)).mean()
+    data_ink = digits_dataset("test")[0].sum(axis=(1, 2, 3)).mean()
     print(f"[eval] held-out data: mean ink {data_ink:.2f}")
     num_steps, guidance, eta = EVAL_SETTINGS[kind][0]
-    for style in (None, *text.STYLE_WORDS):
-        style_prompts = [tiny.digit_prompt(d, style) for d in range(10) for _ in range(per_digit)]
+    for style in (None, *grammar.STYLE_WORDS):
+        style_prompts = [
+            grammar.digit_prompt(d, style) for d in range(10) for _ in range(per_digit)
+        ]
         key = jax.random.key(seed + 1)
         images = generate(
             model, style_prompts, key, num_steps=num_steps, guidance=guidance, eta=eta
@@ -320,7 +334,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kind", default="all", choices=("all", "classifier", "ddim", "flow"))
     parser.add_argument("--steps", type=int, default=None, help="default: per kind")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--out-dir", default=str(tiny.ASSETS_DIR))
+    parser.add_argument("--out-dir", default=str(ASSETS_DIR))
     parser.add_argument("--evaluate", action="store_true", help="evaluate instead of training")
     parser.add_argument("--per-digit", type=int, default=50, help="samples per digit (evaluate)")
     parser.add_argument("--grid-dir", default=None, help="write sample grids here (evaluate)")
@@ -331,7 +345,7 @@ def main(argv=None) -> None:
     if args.evaluate:
         for kind in kinds:
             if kind == "classifier":
-                params = digit_rewards.load_classifier()
+                params = classifier.load_classifier()
                 print(f"[eval] classifier held-out accuracy {classifier_accuracy(params):.4f}")
                 continue
             evaluate(kind, args.per_digit, grid_dir=args.grid_dir)
@@ -343,13 +357,13 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         if kind == "classifier":
             params = train_classifier(steps, args.batch_size, SEEDS[kind])
-            path = out_dir / digit_rewards.CLASSIFIER_PATH.name
-            digit_rewards.save_classifier(path, params)
+            path = out_dir / classifier.CLASSIFIER_PATH.name
+            classifier.save_classifier(path, params)
             print(f"[classifier] held-out accuracy {classifier_accuracy(params):.4f}")
         else:
             weights = train_diffusion(kind, steps, args.batch_size, SEEDS[kind])
-            path = out_dir / tiny.weights_path(kind).name
-            tiny.save_weights(path, weights, kind)
+            path = out_dir / weights_path(kind).name
+            save_weights(path, weights, kind)
         elapsed = time.perf_counter() - start
         print(f"[{kind}] wrote {path} ({path.stat().st_size / 1e6:.2f} MB) in {elapsed:.0f} s")
 

@@ -1,0 +1,513 @@
+"""Stable Diffusion 1.x's UNet in Flax, computing what diffusers' PyTorch UNet computes.
+
+diffusers' `FlaxUNet2DConditionModel` differs from the PyTorch UNet that SD was trained as in
+two places, both in its spatial transformer: its GEGLU uses tanh-approximate GELU (PyTorch:
+exact erf) and its input GroupNorm uses eps 1e-5 (PyTorch: 1e-6). So the UNet here owns the
+spatial transformer and the blocks that hold it (`GEGLU`, `FeedForward`,
+`BasicTransformerBlock`, `Transformer2D`, the cross-attention down/mid/up blocks and the UNet
+itself) with PyTorch's numerics, and reuses diffusers' Flax leaves that already agree
+(attention, resnet, up/downsampling, timestep embedding, the attention-free blocks).
+
+Module and attribute names follow diffusers' Flax UNet, so the parameter tree is the same
+tree (`down_blocks_0/attentions_0/transformer_blocks_0/ff/net_0/proj/kernel`, ...): weights
+convert, load and export exactly as they would for diffusers' class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+
+# diffusers' Flax leaves log a deprecation notice when imported and set up.
+quiet_flax_deprecation_notices()
+
+from diffusers.models.attention_flax import FlaxAttention  # noqa: E402
+from diffusers.models.embeddings_flax import FlaxTimestepEmbedding, FlaxTimesteps  # noqa: E402
+from diffusers.models.resnet_flax import (  # noqa: E402
+    FlaxDownsample2D,
+    FlaxResnetBlock2D,
+    FlaxUpsample2D,
+)
+from diffusers.models.unets.unet_2d_blocks_flax import FlaxDownBlock2D, FlaxUpBlock2D  # noqa: E402
+
+TRANSFORMER_NORM_EPS = 1e-6  # PyTorch's Transformer2DModel input GroupNorm
+DOWN_BLOCKS = ("CrossAttnDownBlock2D", "DownBlock2D")
+UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
+MID_BLOCKS = ("UNetMidBlock2DCrossAttn", None)
+
+
+class GEGLU(nn.Module):
+    """A dense layer to twice 4x the width, gated by the exact (erf) GELU of its second half."""
+
+    dim: int
+    dropout: float = 0.0
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.proj = nn.Dense(self.dim * 4 * 2, dtype=self.dtype)
+        self.dropout_layer = nn.Dropout(rate=self.dropout)
+
+    def __call__(self, hidden_states, deterministic=True):
+        hidden_linear, hidden_gelu = jnp.split(self.proj(hidden_states), 2, axis=2)
+        gated = hidden_linear * nn.gelu(hidden_gelu, approximate=False)
+        return self.dropout_layer(gated, deterministic=deterministic)
+
+
+class FeedForward(nn.Module):
+    """GEGLU, then a dense layer back to `dim` (`net_2`, as PyTorch's Sequential index)."""
+
+    dim: int
+    dropout: float = 0.0
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.net_0 = GEGLU(self.dim, self.dropout, self.dtype)
+        self.net_2 = nn.Dense(self.dim, dtype=self.dtype)
+
+    def __call__(self, hidden_states, deterministic=True):
+        return self.net_2(self.net_0(hidden_states, deterministic=deterministic))
+
+
+class BasicTransformerBlock(nn.Module):
+    """Self-attention, cross-attention to the text, feed-forward; each pre-norm, residual."""
+
+    dim: int
+    n_heads: int
+    d_head: int
+    dropout: float = 0.0
+    only_cross_attention: bool = False
+    dtype: jnp.dtype = jnp.float32
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+
+    def setup(self):
+        attention = dict(
+            query_dim=self.dim,
+            heads=self.n_heads,
+            dim_head=self.d_head,
+            dropout=self.dropout,
+            use_memory_efficient_attention=self.use_memory_efficient_attention,
+            split_head_dim=self.split_head_dim,
+            dtype=self.dtype,
+        )
+        self.attn1 = FlaxAttention(**attention)
+        self.attn2 = FlaxAttention(**attention)
+        self.ff = FeedForward(dim=self.dim, dropout=self.dropout, dtype=self.dtype)
+        self.norm1 = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
+        self.norm2 = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
+        self.norm3 = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
+        self.dropout_layer = nn.Dropout(rate=self.dropout)
+
+    def __call__(self, hidden_states, context, deterministic=True):
+        self_context = context if self.only_cross_attention else None
+        normed = self.norm1(hidden_states)
+        hidden_states = hidden_states + self.attn1(normed, self_context, deterministic)
+        normed = self.norm2(hidden_states)
+        hidden_states = hidden_states + self.attn2(normed, context, deterministic)
+        normed = self.norm3(hidden_states)
+        hidden_states = hidden_states + self.ff(normed, deterministic=deterministic)
+        return self.dropout_layer(hidden_states, deterministic=deterministic)
+
+
+class Transformer2D(nn.Module):
+    """The spatial transformer: GroupNorm (eps 1e-6), project in, `depth` transformer
+    blocks over the H*W tokens, project out, plus the input."""
+
+    in_channels: int
+    n_heads: int
+    d_head: int
+    depth: int = 1
+    dropout: float = 0.0
+    use_linear_projection: bool = False
+    only_cross_attention: bool = False
+    dtype: jnp.dtype = jnp.float32
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+
+    def setup(self):
+        self.norm = nn.GroupNorm(num_groups=32, epsilon=TRANSFORMER_NORM_EPS)
+        inner_dim = self.n_heads * self.d_head
+        if self.use_linear_projection:
+            self.proj_in = nn.Dense(inner_dim, dtype=self.dtype)
+            self.proj_out = nn.Dense(inner_dim, dtype=self.dtype)
+        else:
+            conv = dict(kernel_size=(1, 1), strides=(1, 1), padding="VALID", dtype=self.dtype)
+            self.proj_in = nn.Conv(inner_dim, **conv)
+            self.proj_out = nn.Conv(inner_dim, **conv)
+        self.transformer_blocks = [
+            BasicTransformerBlock(
+                inner_dim,
+                self.n_heads,
+                self.d_head,
+                dropout=self.dropout,
+                only_cross_attention=self.only_cross_attention,
+                dtype=self.dtype,
+                use_memory_efficient_attention=self.use_memory_efficient_attention,
+                split_head_dim=self.split_head_dim,
+            )
+            for _ in range(self.depth)
+        ]
+        self.dropout_layer = nn.Dropout(rate=self.dropout)
+
+    def __call__(self, hidden_states, context, deterministic=True):
+        batch, height, width, channels = hidden_states.shape
+        residual = hidden_states
+        hidden_states = self.norm(hidden_states)
+        if self.use_linear_projection:
+            hidden_states = self.proj_in(hidden_states.reshape(batch, height * width, channels))
+        else:
+            hidden_states = self.proj_in(hidden_states).reshape(batch, height * width, channels)
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states, context, deterministic=deterministic)
+        if self.use_linear_projection:
+            hidden_states = self.proj_out(hidden_states).reshape(batch, height, width, channels)
+        else:
+            hidden_states = self.proj_out(hidden_states.reshape(batch, height, width, channels))
+        return self.dropout_layer(hidden_states + residual, deterministic=deterministic)
+
+
+def _transformer(block, channels: int, only_cross_attention: bool = False) -> Transformer2D:
+    """The spatial transformer of a block (called in the block's `setup`)."""
+    return Transformer2D(
+        in_channels=channels,
+        n_heads=block.num_attention_heads,
+        d_head=channels // block.num_attention_heads,
+        depth=block.transformer_layers_per_block,
+        use_linear_projection=block.use_linear_projection,
+        only_cross_attention=only_cross_attention,
+        use_memory_efficient_attention=block.use_memory_efficient_attention,
+        split_head_dim=block.split_head_dim,
+        dtype=block.dtype,
+    )
+
+
+def _resnet(block, in_channels: int, out_channels: int) -> FlaxResnetBlock2D:
+    return FlaxResnetBlock2D(
+        in_channels=in_channels,
+        out_channels=out_channels,
+        dropout_prob=block.dropout,
+        dtype=block.dtype,
+    )
+
+
+class CrossAttnDownBlock2D(nn.Module):
+    """`num_layers` x (resnet, spatial transformer), then an optional 2x downsample."""
+
+    in_channels: int
+    out_channels: int
+    dropout: float = 0.0
+    num_layers: int = 1
+    num_attention_heads: int = 1
+    add_downsample: bool = True
+    use_linear_projection: bool = False
+    only_cross_attention: bool = False
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+    dtype: jnp.dtype = jnp.float32
+    transformer_layers_per_block: int = 1
+
+    def setup(self):
+        channels = self.out_channels
+        self.resnets = [
+            _resnet(self, self.in_channels if i == 0 else channels, channels)
+            for i in range(self.num_layers)
+        ]
+        self.attentions = [
+            _transformer(self, channels, self.only_cross_attention) for _ in range(self.num_layers)
+        ]
+        if self.add_downsample:
+            self.downsamplers_0 = FlaxDownsample2D(channels, dtype=self.dtype)
+
+    def __call__(self, hidden_states, temb, encoder_hidden_states, deterministic=True):
+        output_states = ()
+        for resnet, attn in zip(self.resnets, self.attentions):
+            hidden_states = resnet(hidden_states, temb, deterministic=deterministic)
+            hidden_states = attn(hidden_states, encoder_hidden_states, deterministic=deterministic)
+            output_states += (hidden_states,)
+        if self.add_downsample:
+            hidden_states = self.downsamplers_0(hidden_states)
+            output_states += (hidden_states,)
+        return hidden_states, output_states
+
+
+class CrossAttnUpBlock2D(nn.Module):
+    """`num_layers` x (concatenate a skip, resnet, spatial transformer), then an optional
+    2x upsample."""
+
+    in_channels: int
+    out_channels: int
+    prev_output_channel: int
+    dropout: float = 0.0
+    num_layers: int = 1
+    num_attention_heads: int = 1
+    add_upsample: bool = True
+    use_linear_projection: bool = False
+    only_cross_attention: bool = False
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+    dtype: jnp.dtype = jnp.float32
+    transformer_layers_per_block: int = 1
+
+    def setup(self):
+        channels, resnets = self.out_channels, []
+        for i in range(self.num_layers):
+            skip = self.in_channels if i == self.num_layers - 1 else channels
+            resnet_in = self.prev_output_channel if i == 0 else channels
+            resnets.append(_resnet(self, resnet_in + skip, channels))
+        self.resnets = resnets
+        self.attentions = [
+            _transformer(self, channels, self.only_cross_attention) for _ in range(self.num_layers)
+        ]
+        if self.add_upsample:
+            self.upsamplers_0 = FlaxUpsample2D(channels, dtype=self.dtype)
+
+    def __call__(
+        self,
+        hidden_states,
+        res_hidden_states_tuple,
+        temb,
+        encoder_hidden_states,
+        deterministic=True,
+    ):
+        for resnet, attn in zip(self.resnets, self.attentions):
+            skip, res_hidden_states_tuple = (
+                res_hidden_states_tuple[-1],
+                res_hidden_states_tuple[:-1],
+            )
+            hidden_states = jnp.concatenate((hidden_states, skip), axis=-1)
+            hidden_states = resnet(hidden_states, temb, deterministic=deterministic)
+            hidden_states = attn(hidden_states, encoder_hidden_states, deterministic=deterministic)
+        if self.add_upsample:
+            hidden_states = self.upsamplers_0(hidden_states)
+        return hidden_states
+
+
+class UNetMidBlock2DCrossAttn(nn.Module):
+    """A resnet, then `num_layers` x (spatial transformer, resnet), at constant width."""
+
+    in_channels: int
+    dropout: float = 0.0
+    num_layers: int = 1
+    num_attention_heads: int = 1
+    use_linear_projection: bool = False
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+    dtype: jnp.dtype = jnp.float32
+    transformer_layers_per_block: int = 1
+
+    def setup(self):
+        channels = self.in_channels
+        self.resnets = [_resnet(self, channels, channels) for _ in range(self.num_layers + 1)]
+        self.attentions = [_transformer(self, channels) for _ in range(self.num_layers)]
+
+    def __call__(self, hidden_states, temb, encoder_hidden_states, deterministic=True):
+        hidden_states = self.resnets[0](hidden_states, temb)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+            hidden_states = attn(hidden_states, encoder_hidden_states, deterministic=deterministic)
+            hidden_states = resnet(hidden_states, temb, deterministic=deterministic)
+        return hidden_states
+
+
+class UNetOutput(NamedTuple):
+    sample: jax.Array  # [B, C, H, W], like the input
+
+
+def _per_block(value, n: int) -> tuple:
+    return tuple(value) if isinstance(value, tuple | list) else (value,) * n
+
+
+class UNet2DConditionModel(nn.Module):
+    """SD1.x/2.x's conditional UNet: `(sample [B, C, H, W], timesteps [B], text [B, L, D])
+    -> UNetOutput(sample)`. The fields are the diffusers config's, except `num_heads`, the
+    attention heads per block (SD1.x configs call it `attention_head_dim`)."""
+
+    sample_size: int = 32
+    in_channels: int = 4
+    out_channels: int = 4
+    down_block_types: tuple[str, ...] = (
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    )
+    up_block_types: tuple[str, ...] = (
+        "UpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+    )
+    mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
+    only_cross_attention: bool | tuple[bool, ...] = False
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int = 2
+    num_heads: int | tuple[int, ...] = 8
+    cross_attention_dim: int = 1280
+    dropout: float = 0.0
+    use_linear_projection: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    transformer_layers_per_block: int | tuple[int, ...] = 1
+    use_memory_efficient_attention: bool = False
+    split_head_dim: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    def init_weights(self, rng: jax.Array):
+        """Random params (the module's own init on a one-sample input)."""
+        size = self.sample_size
+        sample = jnp.zeros((1, self.in_channels, size, size), jnp.float32)
+        timesteps = jnp.ones((1,), jnp.int32)
+        text = jnp.zeros((1, 1, self.cross_attention_dim), jnp.float32)
+        params_rng, dropout_rng = jax.random.split(rng)
+        rngs = {"params": params_rng, "dropout": dropout_rng}
+        return self.init(rngs, sample, timesteps, text)["params"]
+
+    def setup(self):
+        for where, types, supported in (
+            ("down_block_types", self.down_block_types, DOWN_BLOCKS),
+            ("up_block_types", self.up_block_types, UP_BLOCKS),
+            ("mid_block_type", (self.mid_block_type,), MID_BLOCKS),
+        ):
+            if any(t not in supported for t in types):
+                raise ValueError(f"{where} {types} are not all among {supported}.")
+        channels = self.block_out_channels
+        n = len(self.down_block_types)
+        heads = _per_block(self.num_heads, n)
+        cross_only = _per_block(self.only_cross_attention, n)
+        depth = _per_block(self.transformer_layers_per_block, n)
+        options = dict(
+            dropout=self.dropout,
+            use_linear_projection=self.use_linear_projection,
+            use_memory_efficient_attention=self.use_memory_efficient_attention,
+            split_head_dim=self.split_head_dim,
+            dtype=self.dtype,
+        )
+
+        self.conv_in = nn.Conv(
+            channels[0], kernel_size=(3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype
+        )
+        self.time_proj = FlaxTimesteps(
+            channels[0], flip_sin_to_cos=self.flip_sin_to_cos, freq_shift=self.freq_shift
+        )
+        self.time_embedding = FlaxTimestepEmbedding(channels[0] * 4, dtype=self.dtype)
+
+        down_blocks, output_channel = [], channels[0]
+        for i, block_type in enumerate(self.down_block_types):
+            input_channel, output_channel = output_channel, channels[i]
+            last = i == len(channels) - 1
+            if block_type == "CrossAttnDownBlock2D":
+                block = CrossAttnDownBlock2D(
+                    in_channels=input_channel,
+                    out_channels=output_channel,
+                    num_layers=self.layers_per_block,
+                    transformer_layers_per_block=depth[i],
+                    num_attention_heads=heads[i],
+                    add_downsample=not last,
+                    only_cross_attention=cross_only[i],
+                    **options,
+                )
+            else:
+                block = FlaxDownBlock2D(
+                    in_channels=input_channel,
+                    out_channels=output_channel,
+                    dropout=self.dropout,
+                    num_layers=self.layers_per_block,
+                    add_downsample=not last,
+                    dtype=self.dtype,
+                )
+            down_blocks.append(block)
+        self.down_blocks = down_blocks
+
+        if self.mid_block_type is None:
+            self.mid_block = None
+        else:
+            self.mid_block = UNetMidBlock2DCrossAttn(
+                in_channels=channels[-1],
+                num_attention_heads=heads[-1],
+                transformer_layers_per_block=depth[-1],
+                **options,
+            )
+
+        up_blocks = []
+        reversed_channels = list(reversed(channels))
+        output_channel = reversed_channels[0]
+        for i, block_type in enumerate(self.up_block_types):
+            prev_output_channel, output_channel = output_channel, reversed_channels[i]
+            input_channel = reversed_channels[min(i + 1, len(channels) - 1)]
+            last = i == len(channels) - 1
+            if block_type == "CrossAttnUpBlock2D":
+                block = CrossAttnUpBlock2D(
+                    in_channels=input_channel,
+                    out_channels=output_channel,
+                    prev_output_channel=prev_output_channel,
+                    num_layers=self.layers_per_block + 1,
+                    transformer_layers_per_block=depth[::-1][i],
+                    num_attention_heads=heads[::-1][i],
+                    add_upsample=not last,
+                    only_cross_attention=cross_only[::-1][i],
+                    **options,
+                )
+            else:
+                block = FlaxUpBlock2D(
+                    in_channels=input_channel,
+                    out_channels=output_channel,
+                    prev_output_channel=prev_output_channel,
+                    num_layers=self.layers_per_block + 1,
+                    add_upsample=not last,
+                    dropout=self.dropout,
+                    dtype=self.dtype,
+                )
+            up_blocks.append(block)
+        self.up_blocks = up_blocks
+
+        self.conv_norm_out = nn.GroupNorm(num_groups=32, epsilon=1e-5)
+        self.conv_out = nn.Conv(
+            self.out_channels, kernel_size=(3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype
+        )
+
+    def __call__(self, sample, timesteps, encoder_hidden_states, train: bool = False) -> UNetOutput:
+        deterministic = not train
+        timesteps = jnp.atleast_1d(jnp.asarray(timesteps))  # a number for all, or [B]
+        temb = self.time_embedding(self.time_proj(timesteps))
+
+        sample = self.conv_in(jnp.transpose(sample, (0, 2, 3, 1)))  # NCHW -> NHWC
+        skips = (sample,)
+        for block in self.down_blocks:
+            if isinstance(block, CrossAttnDownBlock2D):
+                sample, res = block(sample, temb, encoder_hidden_states, deterministic)
+            else:
+                sample, res = block(sample, temb, deterministic=deterministic)
+            skips += res
+
+        if self.mid_block is not None:
+            sample = self.mid_block(sample, temb, encoder_hidden_states, deterministic)
+
+        width = self.layers_per_block + 1
+        for block in self.up_blocks:
+            res, skips = skips[-width:], skips[:-width]
+            if isinstance(block, CrossAttnUpBlock2D):
+                sample = block(sample, res, temb, encoder_hidden_states, deterministic)
+            else:
+                sample = block(sample, res, temb, deterministic=deterministic)
+
+        sample = self.conv_out(nn.silu(self.conv_norm_out(sample)))
+        return UNetOutput(sample=jnp.transpose(sample, (0, 3, 1, 2)))
+
+
+def unet_module(config: dict, dtype=jnp.float32, **options) -> UNet2DConditionModel:
+    """The UNet of a diffusers (PyTorch or Flax) UNet config; `options` override fields
+    (e.g. `use_memory_efficient_attention=True`). Config fields it does not read are left for
+    the loader to check."""
+    fields = {f.name for f in dataclasses.fields(UNet2DConditionModel)}
+    fields -= {"parent", "name", "dtype", "num_heads"}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
+    # SD1.x's `attention_head_dim` is really the head count (as in diffusers' PyTorch UNet,
+    # heads = num_attention_heads or attention_head_dim).
+    heads = config.get("num_attention_heads") or config.get("attention_head_dim", 8)
+    kwargs["num_heads"] = tuple(heads) if isinstance(heads, list) else heads
+    return UNet2DConditionModel(**{**kwargs, **options}, dtype=dtype)
