@@ -1,4 +1,4 @@
-"""What every benchmark shares: the presets compared, their configs, statistics, a denoiser
+"""What every benchmark shares: the presets compared and their labels, statistics, a denoiser
 that counts its rows, a stand-in model for smoke runs, and writing results."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -63,60 +62,6 @@ LABELS = {
     "branchgrpo_width": "branchgrpo + width pruning (top 0.5)",
     "branchgrpo_mix": "branchgrpo_mix (window 4)",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The run settings shared by every preset of a comparison."""
-
-    model: str = "tiny"  # "tiny" (the shipped DDIM model), "random_tiny" or "standin"
-    num_steps: int = 10
-    prompts: int = 4  # prompts per iteration; every preset has 16 leaves per prompt
-    guidance_scale: float = 1.0  # 1.0: no classifier-free guidance
-    learning_rate: float = 1e-4  # the base config's; stable for every preset here
-    rows_per_minibatch: int = 30
-    # One optimizer update per iteration for every preset: the gradient is accumulated over
-    # all of the iteration's minibatches (False: one update per minibatch, the trainer's
-    # default, which gives presets with more rows more updates per iteration).
-    one_update_per_iteration: bool = True
-    eval_count: int = 50  # fixed evaluation prompts (each digit five times, own noise)
-    reward: str = "digit_alignment"
-
-
-def make_config(preset: str, settings: Settings, seed: int = 0):
-    """The tiny demo config (configs/tiny.py) with the preset's tree and the shared settings."""
-    from configs import tiny
-
-    c = tiny.get_config()
-    c.name = f"bench_{preset}"
-    c.seed = seed
-    c.model.name = "random_tiny" if settings.model == "standin" else settings.model
-    c.prompts.batch_size = settings.prompts
-    c.prompts.eval_count = settings.eval_count
-    c.sampling.num_steps = settings.num_steps
-    c.sampling.guidance_scale = settings.guidance_scale
-    c.tree.window_slide_every = 0  # a fixed window: one compiled rollout per preset
-    c.rewards = settings.reward
-    c.train.learning_rate = settings.learning_rate
-    c.train.rows_per_minibatch = settings.rows_per_minibatch
-    c.eval.extra_rewards = ("digit_accuracy",)
-    c.checkpoint.every = 0
-    c.log.progress = False
-    c.log.tensorboard = False
-    for path, value in PRESETS[preset].items():
-        section, field = path.split(".")
-        c[section][field] = value
-    if settings.one_update_per_iteration:
-        c.train.grad_accumulation = minibatches_per_iteration(c)
-    return c
-
-
-def minibatches_per_iteration(config) -> int:
-    """Minibatches one iteration of `config` cuts its rows into (from the derived counts)."""
-    from benchmarks import costs
-
-    rows = costs.derived_counts(config)["train_rows"] * config.prompts.batch_size
-    return max(1, math.ceil(rows / config.train.rows_per_minibatch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,30 +161,6 @@ def with_denoiser(model: TextToImageModel, denoise_fn) -> TextToImageModel:
     return dataclasses.replace(model, denoise=denoise_fn)
 
 
-@contextlib.contextmanager
-def shared_model(model: TextToImageModel):
-    """Makes `train.setup` use `model` (one loaded model, one denoiser object, for every
-    preset, so that identical computations compile once)."""
-    from tree_grpo_jax import train
-
-    original = train.load_model
-    train.load_model = lambda model_config, seed=0: model
-    try:
-        yield
-    finally:
-        train.load_model = original
-
-
-def load_model(settings: Settings) -> TextToImageModel:
-    if settings.model == "standin":
-        return standin_model()
-    from tree_grpo_jax.models import tiny
-
-    if settings.model == "random_tiny":
-        return tiny.build_tiny("ddim", seed=0)
-    return tiny.load_tiny("ddim")
-
-
 # ---------------------------------------------------------------------------------------------
 # A stand-in model: the tiny model's interface around a two-parameter denoiser. It compiles in
 # a fraction of a second, so smoke runs exercise every code path of the suite quickly.
@@ -279,7 +200,7 @@ def standin_model() -> TextToImageModel:
         denoise=_standin_denoise,
         encode_prompts=_standin_encode,
         decode=tiny.decode,
-        schedule_kind="ddim",
+        schedule_config=DDIMScheduleConfig(),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from benchmarks.common import LABELS, fmt_stats, markdown_table
-from tree_grpo_jax import config as cfg
+from tree_grpo_jax import methods
 from tree_grpo_jax.tree_spec import Kind, TreeSpec
 
 
@@ -31,14 +31,14 @@ def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) ->
 
 def derived_counts(config, iteration: int = 0) -> dict:
     """Per-prompt counts of one iteration of `config`, from the spec and pruning settings."""
-    spec = cfg.build_spec(config, iteration)
+    spec = methods.build_spec(config, iteration)
     a = config.advantage
     guidance = config.sampling.guidance_scale != 1.0
-    pruned_steps = set()
-    if config.tree.method in ("branchgrpo", "branchgrpo_mix"):
-        pruned_steps = {d - 1 for d in a.depth_pruning}  # depth d = the nodes step d - 1 makes
+    prunes = methods.get(config.tree.method).pruning
+    # depth d = the nodes step d - 1 makes
+    pruned_steps = {d - 1 for d in a.depth_pruning} if prunes else set()
     splits = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
-    width = a.width_pruning if config.tree.method in ("branchgrpo", "branchgrpo_mix") else "none"
+    width = a.width_pruning if prunes else "none"
     edges = rows = 0
     for i in spec.trainable_steps:
         if i in pruned_steps:

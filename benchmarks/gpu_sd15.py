@@ -5,10 +5,11 @@ node-at-a-time loop at this size.
     python -m benchmarks.gpu_sd15           # SD1.5 size, bf16: one 10-minute run on one H200
     python -m benchmarks.gpu_sd15 --smoke   # the same code on a tiny UNet, on CPU
 
-The UNet is diffusers' Flax UNet built by `tree_grpo_jax.models.sd.unet_module` from SD1.5's
+The UNet is the trainer's SD UNet built by `tree_grpo_jax.models.sd15.unet_module` from SD1.5's
 config, with random weights (timing does not need trained ones); prompts are random text
-embeddings [P, 77, 768], and no text encoder or VAE runs. Master weights are float32 and the
-UNet computes in bfloat16, as the trainer's `model.compute_dtype="bfloat16"` does.
+embeddings [P, 77, 768], and no text encoder or VAE runs. The model is handed to
+`train.setup`, and everything is timed through the trainer's own methods. Master weights are
+float32 and the UNet computes in bfloat16, as the trainer's `model.compute_dtype="bfloat16"` does.
 FLOPs are XLA's own count (`cost_analysis()` of the lowered computation); achieved TFLOP/s is
 that count over the measured time, and utilisation is against the chip's dense bf16 peak.
 
@@ -30,6 +31,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tree_grpo_jax import train
 
 SD15_UNET = dict(
     sample_size=64,
@@ -103,9 +106,9 @@ def parse_args(argv=None):
 
 
 def build_unet(config: dict, dtype, **options):
-    from tree_grpo_jax.models import sd
+    from tree_grpo_jax.models.sd15.unet import unet_module
 
-    return sd.unet_module(config, dtype, **options)
+    return unet_module(config, dtype, **options)
 
 
 def random_params(unet, config: dict, seed: int = 0):
@@ -253,7 +256,7 @@ class Bench:
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
-        from tree_grpo_jax import sampling
+        from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 
         t0 = time.perf_counter()
         self.unet = build_unet(
@@ -268,21 +271,51 @@ class Bench:
         size, channels = self.config["sample_size"], self.config["in_channels"]
         self.sample_shape = (channels, size, size)
         width = self.config["cross_attention_dim"]
-        key = jax.random.PRNGKey(1)
-        self.cond = jax.random.normal(key, (self.prompts, TEXT_TOKENS, width), jnp.float32)
-        self.uncond = jax.random.normal(jax.random.PRNGKey(2), (TEXT_TOKENS, width), jnp.float32)
-        self.schedule = sampling.make_ddim_schedule(self.steps, eta=1.0)
+
+        def encode_prompts(prompts):
+            # Random text embeddings, one fixed draw per prompt position ("" is position 0).
+            keys = jax.random.split(jax.random.PRNGKey(1), len(prompts))
+            draw = lambda k: jax.random.normal(k, (TEXT_TOKENS, width), jnp.float32)  # noqa: E731
+            return jax.vmap(draw)(keys)
+
+        # The trainer is handed this model: SD1.5's UNet, random weights, no text encoder or
+        # VAE (timing needs neither); its DDIM schedule is SD1.5's.
+        self.model = TextToImageModel(
+            name="sd15-architecture-random",
+            sample_shape=self.sample_shape,
+            params=self.params,
+            denoise=self.denoise,
+            encode_prompts=encode_prompts,
+            decode=lambda latents: latents,
+            schedule_config=DDIMScheduleConfig(),
+        )
+        self.prompt_texts = [f"prompt {i}" for i in range(self.prompts)]
+        self.trainers = {}
+        for name in ("grpo", "treegrpo"):
+            trainer, state = train.setup(self.method_config(name), self.out, model=self.model)
+            self.trainers[name] = (trainer, state)
         self.results["params"] = count_params(self.params)
         self.results["setup_s"] = time.perf_counter() - t0
         self.log(f"UNet {self.results['params'] / 1e6:.0f}M params on {self.device_kind}")
 
-    def specs(self):
-        from tree_grpo_jax import tree_spec
+    def method_config(self, method: str):
+        from configs import base
 
-        return {
-            "grpo": tree_spec.grpo(self.steps, self.group),
-            "treegrpo": tree_spec.treegrpo(self.steps, window=self.window, k=2),
-        }
+        c = base.get_config()
+        c.tree.method = method
+        c.tree.group_size = self.group
+        c.tree.window = self.window
+        c.tree.k = 2
+        c.sampling.num_steps = self.steps
+        c.sampling.guidance_scale = self.args.guidance
+        c.prompts.source = "animals"
+        c.prompts.batch_size = self.prompts
+        c.prompts.eval_count = 1
+        c.rewards = "jpeg_compressibility"  # not called: rewards here are random numbers
+        c.train.rows_per_minibatch = self.train_rows
+        c.train.learning_rate = 1e-5
+        c.mesh.data, c.mesh.fsdp = 1, 1
+        return c
 
     # -- sections --------------------------------------------------------------------------
     def flops(self) -> dict:
@@ -306,24 +339,19 @@ class Bench:
         }
 
     def rollout(self) -> dict:
-        from tree_grpo_jax import rollout
-
         out = {}
-        self.trees = {}
-        for name, spec in self.specs().items():
+        self.rollouts = {}
+        for name, (trainer, state) in self.trainers.items():
             if time.perf_counter() > self.deadline:
                 out[name] = {"skipped": "time limit"}
                 continue
+            spec = trainer.spec(0)
 
-            def go(spec=spec):
-                return rollout.rollout(
-                    self.denoise, self.params, self.cond, jax.random.PRNGKey(0), self.schedule,
-                    spec=spec, sample_shape=self.sample_shape, uncond=self.uncond,
-                    guidance_scale=self.args.guidance,
-                )  # fmt: skip
+            def go(trainer=trainer, state=state):
+                return trainer.rollout(state.params, self.prompt_texts, jax.random.PRNGKey(0))
 
-            first, times = timed(go, self.reps)
-            self.trees[name] = (spec, go())
+            first, times = timed(lambda go=go: go().tree.leaves, self.reps)
+            self.rollouts[name] = go()
             rows = spec.rollout_denoiser_calls(True) * self.prompts
             med = float(np.median(times))
             flops = rows * self.flops_per_row if getattr(self, "flops_per_row", None) else None
@@ -351,39 +379,21 @@ class Bench:
         return out
 
     def train(self) -> dict:
-        import ml_collections
-
-        from configs import base
-        from tree_grpo_jax import advantages as adv
         from tree_grpo_jax import sharding, transitions
-        from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
 
-        c: ml_collections.ConfigDict = base.get_config()
-        mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-        tx = make_optimizer(c.train)
-        loss_kwargs = dict(
-            denoise_fn=self.denoise,
-            reduce="mean",
-            guidance_scale=self.args.guidance,
-            clip_range=c.train.clip_range,
-            adv_clip=c.advantage.clip,
-            kl_beta=0.0,
-        )
         out = {}
-        for name, (spec, tree) in getattr(self, "trees", {}).items():
+        for name, sampled in getattr(self, "rollouts", {}).items():
             if time.perf_counter() > self.deadline:
                 out[name] = {"skipped": "time limit"}
                 continue
+            trainer, state = self.trainers[name]
+            spec = sampled.spec
             rewards = jax.random.normal(jax.random.PRNGKey(3), (self.prompts, spec.leaves))
-            advantages = adv.compute_advantages(name, spec, tree, rewards, clip=5.0)
-            rows = transitions.gather_transitions(tree, advantages)
+            rows = trainer.trainable_rows(sampled, rewards)
             batch = transitions.minibatches(rows, jax.random.PRNGKey(4), self.train_rows)[0]
-            init = lambda p, tx=tx: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32))
-            shardings = sharding.param_shardings(mesh, jax.eval_shape(init, self.params))
-            step = make_train_step(tx, loss_kwargs, mesh, shardings)
-            state = jax.jit(init, out_shardings=shardings)(self.params)
-            batch = sharding.shard_batch(mesh, batch)
-            args = (self.cond, self.schedule, self.uncond, None, jnp.float32(1e-5))
+            batch = sharding.shard_batch(trainer.mesh, batch)
+            step = trainer.train_step
+            args = (sampled.cond, trainer.schedule(), trainer.uncond, None, jnp.float32(1e-5))
             flops = flops_of(step.lower(state, batch, *args))
             holder = {"state": state}
 
@@ -411,16 +421,18 @@ class Bench:
                 f"{out[name]['achieved_tflops'] or 0:.0f} TFLOP/s, peak memory "
                 f"{gib((memory() or {}).get('peak_bytes_in_use'))} (first call {first:.0f} s)"
             )
-            del holder, state
+            self.trainers[name] = (trainer, holder["state"])
+            del holder
         return out
 
     def node_loop(self) -> dict:
         from benchmarks import node_loop
 
-        spec = self.specs()["treegrpo"]
+        trainer, state = self.trainers["treegrpo"]
         r = node_loop.compare(
-            self.denoise, self.params, self.cond[:1], self.schedule, spec, self.sample_shape,
-            uncond=self.uncond, guidance_scale=self.args.guidance, reps=self.reps,
+            self.denoise, state.params, self.model.encode_prompts(self.prompt_texts[:1]),
+            trainer.schedule(), trainer.spec(0), self.sample_shape, uncond=trainer.uncond,
+            guidance_scale=self.args.guidance, reps=self.reps,
         )  # fmt: skip
         self.log(
             f"treegrpo rollout, 1 prompt: engine {r['engine_s']['median']:.3f} s, node loop "

@@ -34,11 +34,8 @@ from benchmarks.common import (
     LABELS,
     PRESETS,
     RESULTS_DIR,
-    Settings,
     fmt_stats,
-    load_model,
     machine,
-    make_config,
     markdown_table,
     pyplot,
     save_json,
@@ -46,8 +43,9 @@ from benchmarks.common import (
     stats,
     timed,
 )
-from tree_grpo_jax import config as cfg
-from tree_grpo_jax import rollout, tree_spec
+from benchmarks.presets import Settings, load_model, make_config
+from tree_grpo_jax import methods, train
+from tree_grpo_jax.prompts import load_prompts
 
 MODES = {
     # presets, timed iterations, seeds, budget s, evals per run, engine trees, engine reps
@@ -154,24 +152,21 @@ def log(message: str) -> None:
 def engine_vs_loop(model_settings: Settings, trees, reps: int) -> dict:
     model = load_model(model_settings)
     settings = Settings(model=model_settings.model, guidance_scale=ENGINE_GUIDANCE)
-    prompts = list(model.extras.get("prompts", ("a handwritten digit three",) * 4))[:4]
-    if len(prompts) < settings.prompts:
-        prompts = (prompts * settings.prompts)[: settings.prompts]
-    cond = model.encode_prompts(prompts[: settings.prompts])
-    uncond = model.encode_prompts([""])[0]
-    schedule = model.make_schedule(settings.num_steps, eta=1.0)
     out = {}
     for name in trees:
-        spec = cfg.build_spec(make_config(name, settings), 0)
+        config = make_config(name, settings)
+        prompts = load_prompts(config.prompts.source)
+        prompts = [prompts[i % len(prompts)] for i in range(settings.prompts)]
+        spec = methods.build_spec(config)
         log(f"[engine] {name}: {spec.describe()}")
         out[name] = node_loop.compare(
             model.denoise,
             model.params,
-            cond,
-            schedule,
+            model.encode_prompts(prompts),
+            model.make_schedule(settings.num_steps, config.sampling),
             spec,
             model.sample_shape,
-            uncond=uncond,
+            uncond=model.encode_prompts([""])[0],
             guidance_scale=settings.guidance_scale,
             reps=reps,
         )
@@ -187,25 +182,19 @@ def engine_vs_loop(model_settings: Settings, trees, reps: int) -> dict:
 def callback_overhead(runs: dict, settings: Settings, reps: int) -> dict:
     """The grpo rollout with the row-counting denoiser against the plain one, interleaved."""
     pr = runs["grpo"]
-    plain = load_model(settings)
-    run, c = pr.run, pr.config
-    spec = tree_spec.grpo(c.sampling.num_steps, c.tree.group_size)
-    cond = run.model.encode_prompts(run.prompts.prompts[: c.prompts.batch_size])
-    schedule = run.model.make_schedule(c.sampling.num_steps, eta=c.sampling.eta)
+    counting = pr.trainer
+    plain, _ = train.setup(pr.config, counting.workdir, model=load_model(settings))
+    prompts = counting.eval_prompts[: pr.config.prompts.batch_size]
 
-    def go(denoise):
-        return rollout.rollout(
-            denoise, pr.initial_state.params, cond, jax.random.PRNGKey(0), schedule, spec=spec,
-            sample_shape=run.model.sample_shape, uncond=run.uncond,
-            guidance_scale=c.sampling.guidance_scale,
-        ).leaves  # fmt: skip
+    def go(trainer):
+        return trainer.rollout(pr.initial_params, prompts, jax.random.PRNGKey(0)).tree.leaves
 
-    timed(go, plain.denoise)
-    timed(go, run.model.denoise)
+    timed(go, plain)
+    timed(go, counting)
     t_plain, t_count = [], []
     for _ in range(reps):
-        t_plain.append(timed(go, plain.denoise)[0])
-        t_count.append(timed(go, run.model.denoise)[0])
+        t_plain.append(timed(go, plain)[0])
+        t_count.append(timed(go, counting)[0])
     return {
         "plain_s": stats(t_plain),
         "counting_s": stats(t_count),

@@ -19,20 +19,15 @@ from benchmarks import costs
 from benchmarks.common import (
     LABELS,
     RowCounter,
-    Settings,
     counting_denoiser,
     fmt_stats,
-    load_model,
-    make_config,
     markdown_table,
     pyplot,
-    shared_model,
     stats,
     with_denoiser,
 )
-from tree_grpo_jax import config as cfg
-from tree_grpo_jax import rollout, train
-from tree_grpo_jax.prompts import PromptIterator, load_prompts
+from benchmarks.presets import Settings, load_model, make_config
+from tree_grpo_jax import train
 
 TIME_KEYS = ("time_rollout", "time_reward", "time_update", "time_iteration")
 
@@ -41,9 +36,9 @@ TIME_KEYS = ("time_rollout", "time_reward", "time_update", "time_iteration")
 class PresetRun:
     name: str
     config: object
-    run: train.Run
+    trainer: train.Trainer
     state: object  # advanced by the timing iterations
-    initial_state: object  # never donated: copied for every fresh training run
+    initial_params: object  # never donated: a fresh state for every training run
     iteration: int = 0
 
 
@@ -52,17 +47,16 @@ def _copy(tree):
 
 
 def setup_presets(presets, settings: Settings, workdir: str) -> tuple[dict, RowCounter]:
-    """One `train.Run` per preset, sharing one model with a counting denoiser."""
+    """One trainer per preset, all handed one model whose denoiser counts its rows (one
+    denoiser object, so identical computations compile once)."""
     counter = RowCounter()
     model = load_model(settings)
     model = with_denoiser(model, counting_denoiser(model.denoise, counter))
     runs = {}
-    with shared_model(model):
-        for name in presets:
-            config = make_config(name, settings)
-            cfg.validate(config)
-            run, state = train.setup(config, workdir)
-            runs[name] = PresetRun(name, config, run, state, _copy(state))
+    for name in presets:
+        config = make_config(name, settings)
+        trainer, state = train.setup(config, workdir, model=model)
+        runs[name] = PresetRun(name, config, trainer, state, _copy(state.params))
     return runs, counter
 
 
@@ -70,29 +64,17 @@ def measure_counts(pr: PresetRun, counter: RowCounter) -> dict:
     """Runs the preset's first iteration (it compiles) and counts what it ran.
 
     Denoiser rows of the whole iteration come from the callback; the rollout alone is run
-    again with the same arguments (already compiled) to split them into rollout and train
-    rows. Trained edges and rows are the gathered transitions' `num_edges` / `num_rows`.
+    again (already compiled) to split them into rollout and train rows. Trained edges and
+    rows are the gathered transitions' `num_edges` / `num_rows`.
     """
-    run, c = pr.run, pr.config
+    trainer, c = pr.trainer, pr.config
     with counter.phase("iteration"):
-        pr.state, metrics = train.iteration_step(run, pr.state, pr.iteration)
+        pr.state, metrics = trainer.iteration(pr.state, pr.iteration)
     pr.iteration += 1
-    spec = cfg.build_spec(c, 0)
-    cond = run.model.encode_prompts(run.prompts.prompts[: c.prompts.batch_size])
+    prompts = trainer.eval_prompts[: c.prompts.batch_size]
     with counter.phase("rollout"):
-        tree = rollout.rollout(
-            run.model.denoise,
-            pr.initial_state.params,
-            cond,
-            jax.random.PRNGKey(0),
-            train.make_schedule(run),
-            spec=spec,
-            sample_shape=run.model.sample_shape,
-            uncond=run.uncond,
-            guidance_scale=c.sampling.guidance_scale,
-            reduce=c.sampling.log_prob_reduce,
-        )
-        jax.block_until_ready(tree.leaves)
+        sampled = trainer.rollout(pr.initial_params, prompts, jax.random.PRNGKey(0))
+        jax.block_until_ready(sampled.tree.leaves)
     measured = {
         "rollout_rows": counter.rows["rollout"],
         "train_forward_rows_padded": counter.rows["iteration"] - counter.rows["rollout"],
@@ -116,7 +98,7 @@ def time_iterations(runs: dict, iterations: int) -> dict:
         order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
         for name in order:
             pr = runs[name]
-            pr.state, metrics = train.iteration_step(pr.run, pr.state, pr.iteration)
+            pr.state, metrics = pr.trainer.iteration(pr.state, pr.iteration)
             pr.iteration += 1
             for k in TIME_KEYS:
                 times[name][k].append(metrics[k])
@@ -206,18 +188,15 @@ def plot_times(summary: dict, path: str) -> None:
 # Reward against wall-clock.
 
 
-def fresh_run(pr: PresetRun, seed: int) -> tuple[train.Run, object]:
-    """The preset's run restarted with `seed`: its own key and prompt order, the initial
-    weights; compiled functions are kept."""
-    c = pr.config.copy_and_resolve_references()
-    c.seed = seed
-    prompts = PromptIterator(load_prompts(c.prompts.source), c.prompts.batch_size, seed=seed)
-    run = dataclasses.replace(pr.run, config=c, key=jax.random.PRNGKey(seed), prompts=prompts)
-    return run, _copy(pr.initial_state)
+def fresh_run(pr: PresetRun, seed: int) -> tuple[train.Trainer, object]:
+    """The preset's trainer started over with `seed` from the initial weights; compiled
+    functions are kept."""
+    trainer = pr.trainer.reseed(seed)
+    return trainer, trainer.init_state(_copy(pr.initial_params))
 
 
-def _eval_point(run, params, clock, images, iteration) -> dict:
-    metrics, _ = train.evaluate(run, params)
+def _eval_point(trainer, params, clock, images, iteration) -> dict:
+    metrics, _ = trainer.evaluate(params)
     return {
         "time": clock,
         "images": images,
@@ -240,20 +219,20 @@ def train_for_budget(pr: PresetRun, seed: int, budget_s: float, evals: int) -> d
     evaluation runs between iterations, off the clock, at the first iteration boundary past
     each of `eval_times`, and once at the end.
     """
-    run, state = fresh_run(pr, seed)
-    leaves = cfg.build_spec(pr.config, 0).leaves * pr.config.prompts.batch_size
-    curve = [_eval_point(run, state.params, 0.0, 0, 0)]
+    trainer, state = fresh_run(pr, seed)
+    leaves = trainer.spec(0).leaves * pr.config.prompts.batch_size
+    curve = [_eval_point(trainer, state.params, 0.0, 0, 0)]
     clock, images, iteration = 0.0, 0, 0
     pending = eval_times(budget_s, evals)
     times = []
     while clock < budget_s:
-        state, metrics = train.iteration_step(run, state, iteration)
+        state, metrics = trainer.iteration(state, iteration)
         iteration += 1
         clock += metrics["time_iteration"]
         images += leaves
         times.append(metrics["time_iteration"])
         if clock >= pending[0] or clock >= budget_s:
-            curve.append(_eval_point(run, state.params, clock, images, iteration))
+            curve.append(_eval_point(trainer, state.params, clock, images, iteration))
             pending = [t for t in pending if t > clock] or [budget_s]
     return {"seed": seed, "curve": curve, "iterations": iteration, "iteration_times": times}
 

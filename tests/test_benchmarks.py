@@ -9,7 +9,8 @@ import os
 import pytest
 
 from benchmarks import costs, gpu_sd15, run
-from benchmarks.common import PRESETS, Settings, make_config, minibatches_per_iteration
+from benchmarks.common import PRESETS
+from benchmarks.presets import Settings, make_config, minibatches_per_iteration
 
 SUITE_FILES = (
     "costs.json",

@@ -51,6 +51,15 @@ BAD_INPUTS = [
     (["--config.tree.window=12"], "runs past the last step"),
     (["--config.sampling.log_prob_reduce=max"], "log_prob_reduce"),
     (["--config.tree.method=grpo", "--config.tree.group_size=1"], "need at least 2"),
+    (["--config.sampling.eta=1.5"], "sampling.eta must be in (0, 1]"),
+    (["--config.train.iteratons=3"], "did you mean --config.train.iterations?"),
+    (["--config.tree.kk=3"], "the config has no field 'tree.kk'"),
+    (["--config.train.learning_rate=abc"], "has the wrong type"),
+    (["--config.train.iterations=2.5"], "has the wrong type"),
+    (["--confg.train.iterations=2"], "Unknown command line flag"),
+    (["--config.log.wandb_project=demo"], "wandb is not installed"),
+    (["--config.tree.k=1000", "--config.tree.window=8"], "one rollout stores about"),
+    (["--config.prompts.eval_count=100000000000"], "lower prompts.eval_count"),
 ]
 
 
@@ -79,4 +88,30 @@ def test_unwritable_workdir(file_in_the_way):
 
 def test_missing_config_flag():
     result = run_main()
-    assert result.returncode != 0
+    assert result.returncode == 2
+    assert "give a config file" in _one_error_line(result)
+
+
+@pytest.fixture
+def broken_configs(tmp_path):
+    raising = tmp_path / "raising.py"
+    raising.write_text("def get_config():\n    raise RuntimeError('no such experiment')\n")
+    not_python = tmp_path / "notes.py"
+    not_python.write_text("def get_config(:\n")
+    return {"raising": str(raising), "not_python": str(not_python)}
+
+
+@pytest.mark.parametrize(
+    "which, message",
+    [
+        ("missing", "there is no config file 'configs/does_not_exist.py'"),
+        ("raising", "RuntimeError: no such experiment"),
+        ("not_python", "could not be loaded (line 1): SyntaxError"),
+    ],
+)
+def test_broken_config_file_is_one_sentence(tmp_path, broken_configs, which, message):
+    path = broken_configs.get(which, "configs/does_not_exist.py")
+    result = run_main(f"--config={path}", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert message in _one_error_line(result)
+    assert not (tmp_path / "run").exists()  # a failed start leaves no folder behind

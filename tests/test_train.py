@@ -59,7 +59,7 @@ def test_two_iterations_of_every_preset(tmp_path, method):
 def _final_params(c, workdir):
     _, state = train.setup(c, str(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    restored, meta = ckpt.restore(state)
+    restored, meta, _ = ckpt.restore(state)
     return jax.device_get(restored.params), meta
 
 
@@ -76,18 +76,18 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
     train.train(c, str(straight))
 
     crashed = tmp_path / "crashed"
-    real_step = train.iteration_step
+    real_iteration = train.Trainer.iteration
 
-    def dies_at_iteration_3(run, state, iteration):
+    def dies_at_iteration_3(trainer, state, iteration):
         if iteration == 3:
             raise SystemExit("killed")  # like a kill: nothing is saved on the way out
-        return real_step(run, state, iteration)
+        return real_iteration(trainer, state, iteration)
 
-    monkeypatch.setattr(train, "iteration_step", dies_at_iteration_3)
+    monkeypatch.setattr(train.Trainer, "iteration", dies_at_iteration_3)
     with pytest.raises(SystemExit):
         train.train(c, str(crashed))
     assert Checkpointer(str(crashed / "checkpoints")).latest_step == 2
-    monkeypatch.setattr(train, "iteration_step", real_step)
+    monkeypatch.setattr(train.Trainer, "iteration", real_iteration)
     train.train(c, str(crashed))  # same command, same workdir: resumes after iteration 2
 
     expected, meta_a = _final_params(c, straight)

@@ -1,13 +1,18 @@
-"""Checkpoints that resume a run exactly.
+"""Checkpoints that resume a run exactly, and refuse to resume another run.
 
 Orbax saves the array state (params, optimizer state) and a small JSON document with
 everything else that decides the next iteration: the iteration count, the base RNG key,
-the tree-window position, the statistics trackers and the prompt iterator's position.
+the tree-window position, the statistics trackers, the prompt iterator's position and the
+run's fingerprint. A checkpoint that cannot be read is set aside (renamed, never deleted)
+and the newest readable one is used instead.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import time
 from typing import Any
 
 import jax
@@ -22,7 +27,7 @@ def check_writable(directory: str) -> None:
     """Fails before training starts rather than after the first hour."""
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, ".write_test")
+        probe = os.path.join(directory, f".write_test.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -30,16 +35,47 @@ def check_writable(directory: str) -> None:
         raise CheckpointError(f"cannot write checkpoints to {directory}: {e.strerror or e}.") from e
 
 
+def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
+    """One sentence naming what differs between two run fingerprints; None if they agree."""
+    keys = sorted(set(saved) | set(current))
+    differ = [k for k in keys if saved.get(k) != current.get(k)]
+    if not differ:
+        return None
+    shown = "; ".join(f"{k} was {saved.get(k)!r}, now {current.get(k)!r}" for k in differ[:3])
+    more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+    return f"{shown}{more}"
+
+
 class Checkpointer:
-    def __init__(self, directory: str, keep: int = 3):
+    """Orbax checkpoints of one run's state in `directory`.
+
+    `read_only` opens an existing folder for restoring (export) and never writes to it.
+    """
+
+    def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        check_writable(self.directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        if read_only:
+            if not os.path.isdir(self.directory):
+                raise CheckpointError(f"there is no checkpoint folder {self.directory}.")
+        else:
+            check_writable(self.directory)
+            # A save cut short by a kill leaves a temporary folder; the run holds the
+            # workdir's lock, so no other process is writing it.
+            for name in os.listdir(self.directory):
+                if ".orbax-checkpoint-tmp" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.read_only = read_only
 
     @property
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         if step in self._manager.all_steps():
@@ -48,27 +84,72 @@ class Checkpointer:
         self._manager.save(step, args=args)
         self._manager.wait_until_finished()
 
-    def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """Restores into the structure, dtypes and shardings of `target_state`."""
-        step = self.latest_step if step is None else step
-        if step is None:
-            raise CheckpointError(f"there is no checkpoint in {self.directory}.")
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target_state)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+    def _restore(self, step: int, target_state: Any | None) -> tuple[Any, dict]:
+        if target_state is None:
+            state_args = ocp.args.StandardRestore()
+        else:
+            abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target_state)
+            state_args = ocp.args.StandardRestore(abstract)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
         )
-        restored = self._manager.restore(step, args=args)
+        if restored.meta is None or restored.state is None:
+            raise CheckpointError(f"checkpoint {step} lacks its state or its meta document.")
         return restored.state, restored.meta
+
+    def restore(self, target_state: Any | None = None, step: int | None = None):
+        """(state, meta, step) of the newest readable checkpoint (or of `step`).
+
+        The state takes the structure, dtypes and shardings of `target_state` (as saved when
+        None). An unreadable checkpoint is reported in one line, set aside as
+        `<step>.unreadable-<time>` unless the folder is read-only, and the next older one is
+        tried.
+        """
+        steps = [step] if step is not None else self.all_steps()[::-1]
+        if not steps:
+            raise CheckpointError(f"there is no checkpoint in {self.directory}.")
+        for candidate in steps:
+            try:
+                state, meta = self._restore(candidate, target_state)
+                return state, meta, candidate
+            except Exception as e:  # noqa: BLE001 - any unreadable file: try an older one
+                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else repr(e)
+                print(
+                    f"warning: checkpoint {candidate} in {self.directory} cannot be read "
+                    f"({type(e).__name__}: {reason}); trying an older one.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if not self.read_only:
+                    self._set_aside(candidate)
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be read (tried {len(steps)}); "
+            "move the folder away to start over."
+        )
+
+    def read_meta(self) -> dict:
+        """The meta document of the newest checkpoint whose meta can be read ({} if none)."""
+        for step in self.all_steps()[::-1]:
+            try:
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )
+            except Exception:  # noqa: BLE001 - `restore` reports and sets it aside later
+                continue
+            if restored.meta is not None:
+                return restored.meta
+        return {}
 
     def restore_params(self, step: int | None = None) -> Any:
         """The trained parameters alone, as saved (no target needed): for export."""
-        step = self.latest_step if step is None else step
-        if step is None:
-            raise CheckpointError(f"there is no checkpoint in {self.directory}.")
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
-        )
-        return restored.state["params"]
+        state, _, _ = self.restore(None, step)
+        return state["params"]
+
+    def _set_aside(self, step: int) -> None:
+        path = os.path.join(self.directory, str(step))
+        if os.path.exists(path):
+            os.rename(path, f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -1,13 +1,15 @@
-"""From a config to the objects a run needs, and the checks that turn a bad value into one
-clear sentence before anything heavy starts."""
+"""The checks that turn a bad config value into one clear sentence before anything heavy
+starts, and the reward string's syntax."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 
 import ml_collections
 
-from tree_grpo_jax import tree_spec
+from tree_grpo_jax import methods, tree_spec
 
 MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd")
 DTYPES = ("float32", "bfloat16")
@@ -18,37 +20,6 @@ LR_SCHEDULES = ("constant", "cosine")
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message is one sentence for the user."""
-
-
-def build_spec(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
-    """The tree spec of an iteration (the window of windowed methods may slide)."""
-    t, n = config.tree, config.sampling.num_steps
-    start = window_start(config, iteration)
-    if t.method == "grpo":
-        return tree_spec.grpo(n, t.group_size, shared_init_noise=t.shared_init_noise)
-    if t.method == "mixgrpo":
-        return tree_spec.mixgrpo(n, t.group_size, t.window, start)
-    if t.method == "treegrpo":
-        return tree_spec.treegrpo(n, t.window, t.k, start, t.num_trees)
-    if t.method == "branchgrpo":
-        return tree_spec.branchgrpo(n, t.split_steps, t.k, t.split_noise_scale, t.num_trees)
-    if t.method == "branchgrpo_mix":
-        return tree_spec.branchgrpo_mix(
-            n, t.split_steps, t.k, t.split_noise_scale, t.window, start, t.num_trees
-        )
-    raise ConfigError(
-        f"unknown tree.method {t.method!r}; choose one of {', '.join(tree_spec.PRESETS)}."
-    )
-
-
-def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
-    t = config.tree
-    if not t.window_slide_every or t.method not in ("treegrpo", "mixgrpo", "branchgrpo_mix"):
-        return t.window_start
-    positions_from_start = tree_spec.sliding_window_start(
-        iteration, config.sampling.num_steps - t.window_start, t.window, t.window_slide_every
-    )
-    return t.window_start + positions_from_start
 
 
 def parse_rewards(text: str) -> dict[str, float]:
@@ -72,8 +43,9 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
-    """Raises ConfigError with one sentence for the first bad value found."""
+def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
+    """Raises ConfigError with one sentence for the first bad value found; returns the
+    parsed reward weights."""
     m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
     _require(m.name in MODELS, f"unknown model.name {m.name!r}; choose one of {', '.join(MODELS)}.")
     _require(
@@ -88,7 +60,10 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
     _require(config.prompts.eval_count >= 1, "prompts.eval_count must be at least 1.")
 
     _require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
-    _require(s.eta > 0, f"sampling.eta must be positive for a stochastic policy, got {s.eta}.")
+    _require(
+        0 < s.eta <= 1,
+        f"sampling.eta must be in (0, 1] (DDIM's stochasticity; 1 is DDPM-like), got {s.eta}.",
+    )
     _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
     _require(
         s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
@@ -99,9 +74,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
     )
 
     try:
-        spec = build_spec(config, 0)
+        spec = methods.build_spec(config, 0)
         if t.window_slide_every < 0:
             raise ConfigError("tree.window_slide_every must be 0 (fixed) or positive.")
+    except methods.UnknownMethodError as e:
+        raise ConfigError(str(e)) from e
     except tree_spec.SpecError as e:
         raise ConfigError(f"tree: {e}") from e
     _require(spec.trainable_edges > 0, f"the {t.method} tree has no trainable step.")
@@ -152,3 +129,42 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> None:
     _require(config.eval.every >= 0, "eval.every must be >= 0.")
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
+    _require(
+        not config.log.wandb_project or importlib.util.find_spec("wandb") is not None,
+        f"log.wandb_project is {config.log.wandb_project!r} but wandb is not installed; "
+        "pip install wandb, or leave log.wandb_project empty.",
+    )
+    return rewards
+
+
+# Fields a resumed run may change: they decide how long it runs and what it reports, not
+# what any finished iteration computed.
+RESUME_MAY_CHANGE = (
+    "name",
+    "train.iterations",
+    "model.remat",
+    "model.compute_dtype",
+    "prompts.eval_source",
+    "prompts.eval_count",
+    "eval.",
+    "checkpoint.",
+    "log.",
+    "mesh.",
+    "compile_cache.",
+)
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict:
+    """Every setting a resume must keep, flat (`section.field` -> JSON value)."""
+
+    def flat(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, ml_collections.ConfigDict):
+                yield from flat(value, f"{path}.")
+            elif not any(
+                path == k or (k.endswith(".") and path.startswith(k)) for k in RESUME_MAY_CHANGE
+            ):
+                yield path, json.loads(json.dumps(value, default=str))
+
+    return dict(flat(config))

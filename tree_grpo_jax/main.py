@@ -1,13 +1,19 @@
 """Command line: `python -m tree_grpo_jax.main --config=configs/tiny.py [--config.a.b=value]`.
 
-A restart with the same `--workdir` resumes from its last checkpoint. Bad input ends with one
-sentence on stderr and exit status 2; a failure during training keeps the last checkpoint.
+A restart with the same `--workdir` resumes exactly from its last checkpoint. Exit status:
+0 done (or already finished); 2 bad input (one `error:` sentence on stderr, nothing written);
+1 training failed (non-finite rewards, divergence; the last good checkpoint is kept);
+130 / 143 after Ctrl-C / SIGTERM (the current iteration finishes and is checkpointed first;
+a second signal stops at once, and the run resumes from its last checkpoint).
 """
 
 from __future__ import annotations
 
 import datetime
+import difflib
 import os
+import re
+import shutil
 import sys
 
 from absl import app, flags, logging
@@ -20,6 +26,7 @@ WORKDIR = flags.DEFINE_string(
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
 def _fail(message: str, status: int) -> None:
@@ -27,50 +34,144 @@ def _fail(message: str, status: int) -> None:
     sys.exit(status)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def default_workdir(name: str) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", name, stamp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags: every problem with the config file or an override is one sentence.
+
+
+def _config_path(argv) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _fields(config, prefix="") -> list[str]:
+    out = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        out.append(path)
+        if hasattr(value, "items"):
+            out += _fields(value, f"{path}.")
+    return out
+
+
+def _unknown_field(argv) -> str:
+    """The sentence for an override naming a field the config does not have."""
+    path = _config_path(argv)
+    try:
+        loader = config_flags.config_flags._LoadConfigModule  # the loader the flag uses
+        known = _fields(loader("config_check", path).get_config())
+    except Exception:  # noqa: BLE001 - fall back to a sentence without a suggestion
+        known = []
+    for arg in argv:
+        match = re.match(r"--config\.([\w.]+)", arg)
+        if match and match.group(1) not in known:
+            field = match.group(1)
+            close = difflib.get_close_matches(field, known, n=1)
+            hint = f"; did you mean --config.{close[0]}?" if close else "."
+            return f"the config has no field {field!r} (from {arg.split('=')[0]}){hint}"
+    return "an override names a field the config does not have."
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with the config file loaded and its overrides applied here, so
+    that a missing or broken file, an unknown field or a wrong type is one sentence."""
+    try:
+        rest = flags.FLAGS(argv)
+        if _config_path(argv) is not None:
+            # A file that failed to load yields a stand-in that raises when first read.
+            CONFIG.value.keys()
+    except flags.Error as e:
+        message = _first_line(e)
+        message = re.sub(r"^(FATAL )?Flags parsing error: ", "", message)
+        if "could not convert" in message or "invalid literal" in message:
+            flag = message.split(":", 1)[0].replace("flag ", "")
+            message = f"{flag} has the wrong type for that field ({message.split(': ')[-1]})"
+        _fail(message.rstrip(".") + ".", EXIT_BAD_INPUT)
+    except (AttributeError, KeyError) as e:
+        del e
+        _fail(_unknown_field(argv), EXIT_BAD_INPUT)
+    except Exception as e:  # noqa: BLE001 - the config file itself failed
+        path = _config_path(argv)
+        if isinstance(e, OSError) and path and not os.path.isfile(path):
+            _fail(f"there is no config file {path!r} (from {os.getcwd()}).", EXIT_BAD_INPUT)
+        reason = e.msg if isinstance(e, SyntaxError) else _first_line(e)
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        _fail(
+            f"the config file {path!r} could not be loaded{where}: {type(e).__name__}: {reason}.",
+            EXIT_BAD_INPUT,
+        )
+    return rest
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def _remove_if_empty(workdir: str) -> None:
+    """A start that failed before writing anything leaves no folder behind."""
+    if not os.path.isdir(workdir):
+        return
+    for _, _, files in os.walk(workdir):
+        if files:
+            return
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
     # Imported here so that `--help` and flag errors answer before JAX starts.
-    from tree_grpo_jax import config as cfg
     from tree_grpo_jax import train
-    from tree_grpo_jax.checkpoint import CheckpointError
 
     config = CONFIG.value
     if config is None:
         _fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
-    bad_input = [cfg.ConfigError, CheckpointError, FileNotFoundError]
-    try:
-        from tree_grpo_jax.models.sd import ModelLoadError
-
-        bad_input.append(ModelLoadError)
-    except ImportError:  # pragma: no cover - the SD path is optional at import time
-        pass
+    existed = os.path.exists(workdir)
     try:
         summary = train.train(config, workdir)
-    except tuple(bad_input) as e:
-        _fail(str(e), EXIT_BAD_INPUT)
-    except ValueError as e:
-        # Prompt files, reward names, shapes of user inputs: reported as one sentence.
-        _fail(str(e).splitlines()[0] if str(e) else repr(e), EXIT_BAD_INPUT)
-    except train.RewardError as e:
-        _fail(
-            f"{e} Progress up to the last finished iteration is in {workdir}/checkpoints.",
-            EXIT_FAILED,
-        )
+    except train.BAD_INPUT as e:
+        if not existed:
+            _remove_if_empty(workdir)
+        _fail(_first_line(e), EXIT_BAD_INPUT)
+    except train.Interrupted as e:
+        _fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))
     except KeyboardInterrupt:
-        _fail(f"interrupted; progress is saved in {workdir}/checkpoints.", 130)
+        _fail(
+            "stopped at once by a second signal; the run resumes exactly from its last "
+            f"checkpoint in {workdir}/checkpoints.",
+            130,
+        )
+    except (train.RewardError, train.DivergenceError) as e:
+        _fail(str(e), EXIT_FAILED)
 
+    if summary.get("already_finished"):
+        print(
+            f"already finished: {workdir} holds all {summary['iterations']} iterations "
+            f"(eval reward {summary['last_eval_reward']:.4f}); raise --config.train.iterations "
+            "to train further.",
+            flush=True,
+        )
+        return
     print(
         f"done: eval reward {summary['first_eval_reward']:.4f} -> "
-        f"{summary['last_eval_reward']:.4f} "
-        f"in {summary['wall_time_s']:.0f}s; {summary['rollout_denoiser_calls_per_leaf']:.2f} "
-        f"denoiser calls per leaf\n"
+        f"{summary['last_eval_reward']:.4f}; this process ran {summary['session_s']:.0f}s "
+        f"(model loading and compilation included), {summary['wall_time_s']:.0f}s of training "
+        f"and evaluation in all; {summary['rollout_denoiser_calls_per_leaf']:.2f} denoiser "
+        f"calls per leaf\n"
         f"  samples before: {summary['first_grid']}\n"
         f"  samples after:  {summary['last_grid']}\n"
         f"  reward curve:   {summary['reward_curve']}\n"
@@ -80,7 +181,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,44 @@ from PIL import Image
 
 
 class MetricsWriter:
-    """Appends metrics as JSON lines, and to TensorBoard (and wandb) when asked."""
+    """Appends metrics as JSON lines, and to TensorBoard (and wandb) when asked.
 
-    def __init__(self, workdir: str, tensorboard: bool = True, wandb_project: str = ""):
+    `resume_step`: the run resumes after that step, so rows written for later steps by an
+    interrupted process are dropped (JSON lines rewritten, TensorBoard purged) and the
+    re-run steps appear once.
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        resume_step: int | None = None,
+    ):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
         self._wandb = None
+        if resume_step is not None:
+            kept = [m for m in read_metrics(workdir) if m.get("step", 0) <= resume_step]
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in kept)
+            os.replace(tmp, self.path)
+        if wandb_project:
+            try:
+                import wandb  # optional; only imported when a project is configured
+            except ImportError:
+                raise ValueError(
+                    f"log.wandb_project is {wandb_project!r} but wandb is not installed; "
+                    "pip install wandb, or leave log.wandb_project empty."
+                ) from None
+            self._wandb = wandb.init(project=wandb_project, dir=workdir)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        if wandb_project:
-            import wandb  # optional; only imported when a project is configured
-
-            self._wandb = wandb.init(project=wandb_project, dir=workdir)
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items() if _is_scalar(v)}
@@ -50,11 +73,18 @@ def _is_scalar(v) -> bool:
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """The rows of metrics.jsonl; a line cut short by a kill is skipped."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
 
 
 def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 1) -> Image.Image:

@@ -10,6 +10,10 @@ One iteration, in order:
 Evaluation (fixed prompts, fixed noise, deterministic sampler) and checkpoints run between
 iterations. Every random draw comes from `fold_in(seed key, iteration)`, so a resumed run
 draws exactly what an uninterrupted one would.
+
+`setup(config, workdir, model=None)` gives a `Trainer` and its initial state; the trainer's
+methods (`rollout`, `update`, `iteration`, `evaluate`, `reseed`) are the seam that the loop
+below and the benchmarks use.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import sys
+import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,38 +36,63 @@ import numpy as np
 
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import pruning, reporting, rollout, sharding, transitions
-from tree_grpo_jax.checkpoint import Checkpointer, check_writable
+from tree_grpo_jax import methods, pruning, reporting, rollout, sharding, transitions
+from tree_grpo_jax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_writable,
+    fingerprint_mismatch,
+)
 from tree_grpo_jax.models import DTYPES, load_model
-from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
 from tree_grpo_jax.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.train_step import TrainState, learning_rate, make_optimizer, make_train_step
+from tree_grpo_jax.workdir import WorkdirBusy, WorkdirLock
 
 
 class RewardError(RuntimeError):
     """Rewards that cannot be trained on (NaN or infinite); one sentence for the user."""
 
 
+class DivergenceError(RuntimeError):
+    """Training produced non-finite numbers; the last checkpoint is kept as it was."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One iteration's sampled trees with what produced them."""
+
+    prompts: list[str]
+    cond: jax.Array  # [P, L, D]
+    spec: Any  # the TreeSpec rolled out
+    tree: rollout.Tree
+
+
 # ---------------------------------------------------------------------------------------------
-# The run.
+# The trainer.
 
 
-@dataclasses.dataclass
-class Run:
-    """Everything an iteration needs that does not change between iterations."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trainer:
+    """Everything an iteration needs that does not change between iterations.
+
+    Mutable parts (the prompt iterator's position, the stat tracker) belong to one trainer;
+    `reseed` gives a trainer with its own, sharing the model and the compiled step.
+    """
 
     config: ml_collections.ConfigDict
     workdir: str
     model: TextToImageModel
     mesh: Any
+    method: methods.Method
     reward: Any
     eval_rewards: dict
     prompts: PromptIterator
     eval_prompts: list[str]
     uncond: jax.Array | None
     train_step: Any
-    state_shardings: Any
+    init_state: Any  # params -> a fresh TrainState, laid out on the mesh
     tracker: adv.PerPromptStatTracker | None
     ref_params: Any
     key: jax.Array
@@ -68,200 +101,186 @@ class Run:
     def guidance(self) -> bool:
         return self.uncond is not None
 
+    # -- pieces of an iteration ------------------------------------------------------------
+    def spec(self, iteration: int = 0):
+        return methods.build_spec(self.config, iteration)
 
-def _cast(tree, dtype):
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), tree)
+    def schedule(self, num_steps: int | None = None):
+        s = self.config.sampling
+        return self.model.make_schedule(num_steps or s.num_steps, s)
 
-
-def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
-    """Builds the model, mesh, optimizer and state (fresh; `resume` may replace it)."""
-    sharding.maybe_initialize_distributed()
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
-    shards = sharding.num_batch_shards(mesh)
-    if config.train.rows_per_minibatch % shards:
-        raise cfg.ConfigError(
-            f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
-            f"of the {shards} devices the batch is split over."
+    def rollout(
+        self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
+    ) -> Rollout:
+        """The iteration's trees for `prompts` from `params` (no gradient, no update)."""
+        c = self.config
+        prompts = list(prompts)
+        cond = self.model.encode_prompts(prompts)
+        spec = self.spec(iteration)
+        tree = rollout.rollout(
+            self.model.denoise,
+            params,
+            cond,
+            key,
+            self.schedule(),
+            spec=spec,
+            sample_shape=self.model.sample_shape,
+            uncond=self.uncond,
+            guidance_scale=c.sampling.guidance_scale,
+            reduce=c.sampling.log_prob_reduce,
         )
-    reward = reward_registry.combined_reward(cfg.parse_rewards(config.rewards))
-    eval_rewards = {n: reward_registry.get_reward(n) for n in config.eval.extra_rewards}
+        return Rollout(prompts, cond, spec, tree)
 
-    prompts = load_prompts(config.prompts.source)
-    iterator = PromptIterator(
-        prompts,
-        config.prompts.batch_size,
-        seed=config.seed,
-        shard_index=jax.process_index(),
-        num_shards=jax.process_count(),
-    )
-    eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
-    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
-    model = load_model(config.model, seed=config.seed)
-
-    guidance = config.sampling.guidance_scale != 1.0
-    uncond = model.encode_prompts([""])[0] if guidance else None
-
-    params = _cast(model.params, DTYPES[config.model.param_dtype])
-    tx = make_optimizer(config.train)
-    abstract = jax.eval_shape(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)), params)
-    state_shardings = sharding.param_shardings(mesh, abstract)
-    state = jax.jit(
-        lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)), out_shardings=state_shardings
-    )(params)
-
-    denoise = jax.checkpoint(model.denoise) if config.model.remat else model.denoise
-    loss_kwargs = dict(
-        denoise_fn=denoise,
-        reduce=config.sampling.log_prob_reduce,
-        guidance_scale=config.sampling.guidance_scale,
-        clip_range=config.train.clip_range,
-        adv_clip=config.advantage.clip,
-        kl_beta=config.train.kl_beta,
-    )
-    tracker = None
-    if config.advantage.stat_tracker and config.tree.method in ("grpo", "mixgrpo"):
-        tracker = adv.PerPromptStatTracker(
-            config.advantage.tracker_buffer, config.advantage.tracker_min_count
-        )
-    ref_params = (
-        jax.tree_util.tree_map(jnp.copy, state.params) if config.train.kl_beta > 0 else None
-    )
-    run = Run(
-        config=config,
-        workdir=workdir,
-        model=model,
-        mesh=mesh,
-        reward=reward,
-        eval_rewards=eval_rewards,
-        prompts=iterator,
-        eval_prompts=eval_prompts,
-        uncond=uncond,
-        train_step=make_train_step(tx, loss_kwargs, mesh, state_shardings),
-        state_shardings=state_shardings,
-        tracker=tracker,
-        ref_params=ref_params,
-        key=jax.random.PRNGKey(config.seed),
-    )
-    return run, state
-
-
-def make_schedule(run: Run, num_steps: int | None = None):
-    s = run.config.sampling
-    num_steps = num_steps or s.num_steps
-    if run.model.schedule_kind == "flow":
-        return run.model.make_schedule(num_steps, noise_level=s.noise_level, shift=s.shift)
-    return run.model.make_schedule(num_steps, eta=s.eta)
-
-
-def score(run: Run, images: jax.Array, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
-    total, parts = run.reward(images, prompts, return_components=True)
-    total = np.asarray(total, np.float64)
-    bad = ~np.isfinite(total)
-    if bad.any():
-        raise RewardError(
-            f"reward {run.reward.name} returned {int(bad.sum())} non-finite value(s) out of "
-            f"{total.size} {where}; fix the reward (or its weights) before training on it."
-        )
-    return total, {n: np.asarray(v, np.float64) for n, v in parts.items()}
-
-
-def iteration_step(run: Run, state: TrainState, iteration: int) -> tuple[TrainState, dict]:
-    """One whole iteration; returns the new state and its metrics."""
-    c = run.config
-    timings = {}
-    t0 = time.perf_counter()
-    key = jax.random.fold_in(run.key, iteration)
-    rollout_key, shuffle_key = jax.random.split(key)
-    spec = cfg.build_spec(c, iteration)
-    schedule = make_schedule(run)
-
-    prompts = run.prompts.next_batch()
-    cond = run.model.encode_prompts(prompts)
-    tree = rollout.rollout(
-        run.model.denoise,
-        state.params,
-        cond,
-        rollout_key,
-        schedule,
-        spec=spec,
-        sample_shape=run.model.sample_shape,
-        uncond=run.uncond,
-        guidance_scale=c.sampling.guidance_scale,
-        reduce=c.sampling.log_prob_reduce,
-    )
-    jax.block_until_ready(tree.leaves)
-    timings["time_rollout"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    num_prompts, num_leaves = tree.leaves.shape[:2]
-    images = run.model.decode(
-        tree.leaves.reshape(num_prompts * num_leaves, *run.model.sample_shape)
-    )
-    leaf_prompts = [p for p in prompts for _ in range(num_leaves)]
-    rewards, parts = score(run, images, leaf_prompts, f"at iteration {iteration}")
-    timings["time_reward"] = time.perf_counter() - t1
-
-    t2 = time.perf_counter()
-    rewards = rewards.reshape(num_prompts, num_leaves)
-    method_kwargs = {}
-    if c.tree.method in ("grpo", "mixgrpo"):
-        method_kwargs = dict(tracker=run.tracker, prompt_ids=prompts)
-    elif c.tree.method in ("branchgrpo", "branchgrpo_mix"):
-        method_kwargs = dict(fusion=c.advantage.fusion, alpha=c.advantage.fusion_alpha)
-    advantages = adv.compute_advantages(
-        c.tree.method,
-        spec,
-        tree,
-        jnp.asarray(rewards, jnp.float32),
-        clip=c.advantage.clip,
-        **method_kwargs,
-    )
-    masks = edge_masks(c, spec, tree, advantages, iteration)
-    rows = transitions.gather_transitions(tree, advantages, masks)
-
-    step_metrics = []
-    for epoch in range(c.train.inner_epochs):
-        epoch_key = jax.random.fold_in(shuffle_key, epoch)
-        for batch in transitions.minibatches(rows, epoch_key, c.train.rows_per_minibatch):
-            batch = sharding.shard_batch(run.mesh, batch)
-            state, metrics = run.train_step(
-                state,
-                batch,
-                cond,
-                schedule,
-                run.uncond,
-                run.ref_params,
-                jnp.float32(learning_rate(c.train, iteration)),
+    def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
+        total, parts = self.reward(images, prompts, return_components=True)
+        total = np.asarray(total, np.float64)
+        bad = ~np.isfinite(total)
+        if bad.any():
+            raise RewardError(
+                f"reward {self.reward.name} returned {int(bad.sum())} non-finite value(s) out "
+                f"of {total.size} {where}; fix the reward (or its weights) before training on it."
             )
-            step_metrics.append(metrics)
-    step_metrics = jax.device_get(step_metrics)
-    timings["time_update"] = time.perf_counter() - t2
-    timings["time_iteration"] = time.perf_counter() - t0
+        return total, {n: np.asarray(v, np.float64) for n, v in parts.items()}
 
-    metrics = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
-        "trained_edges": rows.num_edges,
-        "train_rows": rows.num_rows,
-        "minibatches": len(step_metrics),
-        "learning_rate": learning_rate(c.train, iteration),
-        "window_start": cfg.window_start(c, iteration),
-        **timings,
-    }
-    if step_metrics:
-        for name in ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl"):
-            if name in step_metrics[0]:
-                metrics[name] = float(np.mean([m[name] for m in step_metrics]))
-        metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
-        metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
-    return state, metrics
+    def trainable_rows(
+        self, sampled: Rollout, rewards, iteration: int = 0
+    ) -> transitions.Transitions:
+        """The trainable edges of a rollout as rows, with their advantages (rewards [P, L]);
+        updates the stat tracker when the method uses one."""
+        c = self.config
+        advantages = methods.compute_advantages(
+            c,
+            sampled.spec,
+            sampled.tree,
+            jnp.asarray(rewards, jnp.float32),
+            prompt_ids=sampled.prompts,
+            tracker=self.tracker,
+        )
+        masks = edge_masks(c, self.method, sampled.spec, sampled.tree, advantages, iteration)
+        return transitions.gather_transitions(sampled.tree, advantages, masks)
+
+    def update(
+        self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
+    ) -> tuple[TrainState, dict]:
+        """Advantages, pruning and every minibatch step of one iteration's rollout."""
+        c = self.config
+        rows = self.trainable_rows(sampled, rewards, iteration)
+        lr = learning_rate(c.train, iteration)
+        schedule = self.schedule()
+        step_metrics = []
+        for epoch in range(c.train.inner_epochs):
+            epoch_key = jax.random.fold_in(key, epoch)
+            for batch in transitions.minibatches(rows, epoch_key, c.train.rows_per_minibatch):
+                state, metrics = self.train_step(
+                    state,
+                    sharding.shard_batch(self.mesh, batch),
+                    sampled.cond,
+                    schedule,
+                    self.uncond,
+                    self.ref_params,
+                    jnp.float32(lr),
+                )
+                step_metrics.append(metrics)
+        step_metrics = jax.device_get(step_metrics)
+        if not all(m["finite"] for m in step_metrics):
+            raise DivergenceError(self._diverged(f"the loss or gradient of iteration {iteration}"))
+        metrics = {
+            "trained_edges": rows.num_edges,
+            "train_rows": rows.num_rows,
+            "minibatches": len(step_metrics),
+            "learning_rate": lr,
+        }
+        if step_metrics:
+            for name in ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl"):
+                if name in step_metrics[0]:
+                    metrics[name] = float(np.mean([m[name] for m in step_metrics]))
+            metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
+            metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+        return state, metrics
+
+    def iteration(self, state: TrainState, iteration: int) -> tuple[TrainState, dict]:
+        """One whole iteration; returns the new state and its metrics."""
+        timings = {}
+        t0 = time.perf_counter()
+        rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
+        sampled = self.rollout(state.params, self.prompts.next_batch(), rollout_key, iteration)
+        if not bool(jnp.all(jnp.isfinite(sampled.tree.leaves))):
+            raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))
+        timings["time_rollout"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        leaves = sampled.tree.leaves
+        num_prompts, num_leaves = leaves.shape[:2]
+        images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
+        leaf_prompts = [p for p in sampled.prompts for _ in range(num_leaves)]
+        rewards, parts = self.score(images, leaf_prompts, f"at iteration {iteration}")
+        rewards = rewards.reshape(num_prompts, num_leaves)
+        timings["time_reward"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        state, update_metrics = self.update(state, sampled, rewards, iteration, shuffle_key)
+        timings["time_update"] = time.perf_counter() - t2
+        timings["time_iteration"] = time.perf_counter() - t0
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
+            **update_metrics,
+            "window_start": methods.window_start(self.config, iteration),
+            **timings,
+        }
+        return state, metrics
+
+    def evaluate(self, params) -> tuple[dict, np.ndarray]:
+        """Mean reward of fixed prompts from fixed noise with the deterministic sampler."""
+        c = self.config
+        prompts = self.eval_prompts
+        noise = _eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
+        samples = rollout.sample_deterministic(
+            self.model.denoise,
+            params,
+            self.model.encode_prompts(prompts),
+            jnp.asarray(noise),
+            self.schedule(c.eval.num_steps or None),
+            uncond=self.uncond,
+            guidance_scale=c.sampling.guidance_scale,
+        )
+        if not bool(jnp.all(jnp.isfinite(samples))):
+            raise DivergenceError(self._diverged("the evaluation samples"))
+        images = np.asarray(self.model.decode(samples))
+        total, parts = self.score(images, prompts, "in evaluation")
+        metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
+        if len(parts) > 1:
+            metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
+        for name, reward in self.eval_rewards.items():
+            metrics[name] = float(np.mean(np.asarray(reward(images, prompts))))
+        return metrics, images
+
+    def _diverged(self, what: str) -> str:
+        return (
+            f"{what} are not finite: training diverged (a lower train.learning_rate or "
+            f"train.max_grad_norm may help); the checkpoints in {self.workdir}/checkpoints "
+            "are kept as they were."
+        )
+
+    def reseed(self, seed: int) -> Trainer:
+        """The same trainer started over with `seed`: its own key, prompt order and a fresh
+        stat tracker; the model and the compiled step are shared."""
+        config = self.config.copy_and_resolve_references()
+        config.seed = seed
+        return dataclasses.replace(
+            self,
+            config=config,
+            prompts=_prompt_iterator(config),
+            tracker=_make_tracker(config, self.method),
+            key=jax.random.PRNGKey(seed),
+        )
 
 
-def edge_masks(c, spec, tree, advantages, iteration):
-    """Pruning masks for BranchGRPO methods; None (train every edge) otherwise."""
+def edge_masks(c, method: methods.Method, spec, tree, advantages, iteration):
+    """Pruning masks for methods that prune; None (train every edge) otherwise."""
     a = c.advantage
-    if c.tree.method not in ("branchgrpo", "branchgrpo_mix"):
+    if not method.pruning:
         return None
     masks = None
     if a.depth_pruning:
@@ -281,8 +300,22 @@ def edge_masks(c, spec, tree, advantages, iteration):
     return masks
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation.
+def _prompt_iterator(config) -> PromptIterator:
+    return PromptIterator(
+        load_prompts(config.prompts.source),
+        config.prompts.batch_size,
+        seed=config.seed,
+        shard_index=jax.process_index(),
+        num_shards=jax.process_count(),
+    )
+
+
+def _make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | None:
+    if not (config.advantage.stat_tracker and method.stat_tracker):
+        return None
+    return adv.PerPromptStatTracker(
+        config.advantage.tracker_buffer, config.advantage.tracker_min_count
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -290,65 +323,223 @@ def _eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndar
     return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))
 
 
-def evaluate(run: Run, params) -> tuple[dict, np.ndarray]:
-    """Mean reward of fixed prompts from fixed noise with the deterministic sampler."""
-    c = run.config
-    schedule = make_schedule(run, c.eval.num_steps or None)
-    prompts = run.eval_prompts
-    noise = _eval_noise(c.eval.seed, len(prompts), run.model.sample_shape)
-    samples = rollout.sample_deterministic(
-        run.model.denoise,
-        params,
-        run.model.encode_prompts(prompts),
-        jnp.asarray(noise),
-        schedule,
-        uncond=run.uncond,
-        guidance_scale=c.sampling.guidance_scale,
+def _memory_limit() -> tuple[int, str]:
+    """Bytes the first device can hold (host memory for CPU devices), and what it is."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def check_sizes(config, spec, sample_shape) -> None:
+    """Refuses, before anything is compiled, a rollout or eval set whose stored samples
+    alone cannot fit in memory (float32 states of every trained step, and the leaves)."""
+    sample_bytes = 4 * int(np.prod(sample_shape))
+    prompts = config.prompts.batch_size
+    states = sum(spec.nodes_in[i] + spec.nodes_out[i] for i in spec.trainable_steps)
+    rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
+    eval_bytes = 2 * config.prompts.eval_count * sample_bytes
+    limit, where = _memory_limit()
+    gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+    if rollout_bytes > limit:
+        raise cfg.ConfigError(
+            f"one rollout stores about {gib(rollout_bytes)} of samples ({prompts} prompts x "
+            f"{spec.leaves} leaves, {states} stored states per prompt), more than the "
+            f"{gib(limit)} of {where}; lower prompts.batch_size or the tree's size."
+        )
+    if eval_bytes > limit:
+        raise cfg.ConfigError(
+            f"prompts.eval_count={config.prompts.eval_count} needs about {gib(eval_bytes)} of "
+            f"samples, more than the {gib(limit)} of {where}; lower prompts.eval_count."
+        )
+
+
+def setup(
+    config: ml_collections.ConfigDict, workdir: str, model: TextToImageModel | None = None
+) -> tuple[Trainer, TrainState]:
+    """Checks the config, builds the rewards, mesh, model (or takes `model`), optimizer and
+    the initial state (fresh; `resume` may replace it)."""
+    reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
+    return _build(config, workdir, reward_weights, model)
+
+
+def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]:
+    sharding.maybe_initialize_distributed()
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    shards = sharding.num_batch_shards(mesh)
+    if config.train.rows_per_minibatch % shards:
+        raise cfg.ConfigError(
+            f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
+            f"of the {shards} devices the batch is split over."
+        )
+    method = methods.get(config.tree.method)
+    reward = reward_registry.combined_reward(reward_weights)
+    eval_rewards = {n: reward_registry.get_reward(n) for n in config.eval.extra_rewards}
+    prompts = _prompt_iterator(config)
+    eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
+    if model is None:
+        model = load_model(config.model, seed=config.seed)
+    check_sizes(config, methods.build_spec(config), model.sample_shape)
+    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+    guidance = config.sampling.guidance_scale != 1.0
+    uncond = model.encode_prompts([""])[0] if guidance else None
+
+    params = cast_floats(model.params, DTYPES[config.model.param_dtype])
+    tx = make_optimizer(config.train)
+
+    def fresh(p):
+        return TrainState(p, tx.init(p), jnp.zeros((), jnp.int32))
+
+    state_shardings = sharding.param_shardings(mesh, jax.eval_shape(fresh, params))
+    init_state = jax.jit(fresh, out_shardings=state_shardings)
+    state = init_state(params)
+
+    denoise = jax.checkpoint(model.denoise) if config.model.remat else model.denoise
+    loss_kwargs = dict(
+        denoise_fn=denoise,
+        reduce=config.sampling.log_prob_reduce,
+        guidance_scale=config.sampling.guidance_scale,
+        clip_range=config.train.clip_range,
+        adv_clip=config.advantage.clip,  # already clipped by the method table; kept in step
+        kl_beta=config.train.kl_beta,
     )
-    images = np.asarray(run.model.decode(samples))
-    total, parts = score(run, images, prompts, "in evaluation")
-    metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
-    if len(parts) > 1:
-        metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
-    for name, reward in run.eval_rewards.items():
-        metrics[name] = float(np.mean(np.asarray(reward(images, prompts))))
-    return metrics, images
+    ref_params = (
+        jax.tree_util.tree_map(jnp.copy, state.params) if config.train.kl_beta > 0 else None
+    )
+    trainer = Trainer(
+        config=config,
+        workdir=workdir,
+        model=model,
+        mesh=mesh,
+        method=method,
+        reward=reward,
+        eval_rewards=eval_rewards,
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        uncond=uncond,
+        train_step=make_train_step(tx, loss_kwargs, mesh, state_shardings),
+        init_state=init_state,
+        tracker=_make_tracker(config, method),
+        ref_params=ref_params,
+        key=jax.random.PRNGKey(config.seed),
+    )
+    return trainer, state
 
 
 # ---------------------------------------------------------------------------------------------
 # Resume and the loop.
 
+BAD_INPUT = (
+    cfg.ConfigError,
+    CheckpointError,
+    ModelLoadError,
+    WorkdirBusy,
+    FileNotFoundError,
+    ValueError,  # prompt files, reward names, shapes of user inputs
+)
 
-def _meta(run: Run, next_iteration: int, history: dict) -> dict:
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; the iteration then running finished and was saved."""
+
+    def __init__(self, signal_name: str, iteration: int, workdir: str):
+        self.signal_name = signal_name
+        super().__init__(
+            f"{signal_name} received; stopped after iteration {iteration}, saved in "
+            f"{workdir}/checkpoints; the same command resumes it exactly."
+        )
+
+
+class _Signals:
+    """While training, SIGINT and SIGTERM only ask the loop to stop after the iteration in
+    progress (a half-done iteration cannot be saved: its update has consumed the previous
+    state). A second signal stops at once (KeyboardInterrupt)."""
+
+    NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = self.NAMES[signum]
+        print(
+            f"\n{self.received}: finishing the current iteration, then saving "
+            "(send it again to stop at once).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.NAMES:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _host_state(trainer: Trainer) -> dict:
+    """What besides the arrays decides the next iteration, taken between iterations."""
     return {
-        "next_iteration": next_iteration,
-        "seed": run.config.seed,
-        "rng_key": np.asarray(jax.random.key_data(run.key)).tolist(),
-        "window_start": cfg.window_start(run.config, next_iteration),
-        "prompt_iterator": run.prompts.state_dict(),
-        "stat_tracker": run.tracker.state_dict() if run.tracker else None,
-        "history": history,
+        "prompt_iterator": trainer.prompts.state_dict(),
+        "stat_tracker": trainer.tracker.state_dict() if trainer.tracker else None,
     }
 
 
-def resume(run: Run, state: TrainState, ckpt: Checkpointer) -> tuple[TrainState, int, dict]:
-    """Restores the latest checkpoint in the workdir; a fresh start if there is none."""
+def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> dict:
+    return {
+        "next_iteration": next_iteration,
+        "seed": trainer.config.seed,
+        "rng_key": np.asarray(jax.random.key_data(trainer.key)).tolist(),
+        "window_start": methods.window_start(trainer.config, next_iteration),
+        "fingerprint": cfg.fingerprint(trainer.config),
+        "history": history,
+        **host,
+    }
+
+
+def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
+    """Refuses to resume checkpoints of another run, before anything heavy loads."""
+    if ckpt.latest_step is None:
+        return
+    saved = ckpt.read_meta().get("fingerprint")
+    if saved is None:
+        raise CheckpointError(
+            f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
+            "checked against this config; use another --workdir."
+        )
+    differs = fingerprint_mismatch(saved, cfg.fingerprint(config))
+    if differs:
+        raise CheckpointError(
+            f"{ckpt.directory} holds another run ({differs}); resume it with its own config "
+            "or choose another --workdir."
+        )
+
+
+def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
+    """Restores the newest readable checkpoint in the workdir; a fresh start if none."""
     if ckpt.latest_step is None:
         return state, 0, {"eval": [], "wall_time": 0.0}
-    state, meta = ckpt.restore(state)
-    run.prompts.load_state_dict(meta["prompt_iterator"])
-    if run.tracker is not None and meta.get("stat_tracker"):
-        run.tracker.load_state_dict(meta["stat_tracker"])
+    state, meta, _ = ckpt.restore(state)
+    trainer.prompts.load_state_dict(meta["prompt_iterator"])
+    if trainer.tracker is not None and meta.get("stat_tracker"):
+        trainer.tracker.load_state_dict(meta["stat_tracker"])
     return state, int(meta["next_iteration"]), meta["history"]
 
 
-def save_eval(run: Run, iteration: int, params, history: dict, writer) -> dict:
-    metrics, images = evaluate(run, params)
-    path = os.path.join(run.workdir, f"eval_{iteration:05d}.png")
+def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -> dict:
+    metrics, images = trainer.evaluate(params)
+    path = os.path.join(trainer.workdir, f"eval_{iteration:05d}.png")
     reporting.save_grid(path, images, columns=min(10, len(images)))
     writer.write(iteration, metrics, prefix="eval/")
     history["eval"].append({"iteration": iteration, **metrics})
-    if run.config.log.progress:
+    if trainer.config.log.progress:
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
         print(f"eval after {iteration} iterations: {shown} -> {path}", flush=True)
     return metrics
@@ -356,78 +547,102 @@ def save_eval(run: Run, iteration: int, params, history: dict, writer) -> dict:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs (or resumes) the configured training; returns the final summary."""
-    cfg.validate(config, known_rewards=reward_registry.available_rewards())
+    session_start = time.time()
+    reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
     check_writable(workdir)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    with WorkdirLock(workdir):
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+        try:
+            check_resume(config, ckpt)
+            trainer, state = _build(config, workdir, reward_weights, model=None)
+            state, start, history = resume(trainer, state, ckpt)
+            # Written only once the resume checks have passed: it describes the checkpoints.
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2))
+            summary = _loop(trainer, state, start, history, ckpt)
+        finally:
+            ckpt.close()
+    summary["session_s"] = time.time() - session_start
+    return summary
 
-    run, state = setup(config, workdir)
-    state, start, history = resume(run, state, ckpt)
-    c = config
+
+def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer) -> dict:
+    c, workdir = trainer.config, trainer.workdir
     total = c.train.iterations
-    writer = reporting.MetricsWriter(workdir, c.log.tensorboard, c.log.wandb_project)
+    spec = trainer.spec(0)
+    if start >= total and any(e["iteration"] == start for e in history["eval"]):
+        return {**summarize(trainer, spec, history, workdir), "already_finished": True}
+
+    writer = reporting.MetricsWriter(
+        workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else None
+    )
     progress = reporting.Progress(total, start, c.log.progress)
-    spec = cfg.build_spec(c, 0)
     if c.log.progress:
         print(
             f"{spec.describe()} | {c.prompts.batch_size} prompts x {spec.leaves} leaves | "
-            f"model {run.model.name} | mesh {dict(run.mesh.shape)} | workdir {workdir}",
+            f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | workdir {workdir}",
             flush=True,
         )
         if start:
             print(f"resumed from the checkpoint after iteration {start}", flush=True)
-    if start == 0 and not history["eval"]:
-        save_eval(run, 0, state.params, history, writer)
-
     wall_start = time.time() - history.get("wall_time", 0.0)
-    iteration = start
-    try:
-        for iteration in range(start, total):
-            state, metrics = iteration_step(run, state, iteration)
-            writer.write(iteration + 1, metrics, prefix="train/")
-            shown = {
-                k: metrics[k]
-                for k in ("reward_mean", "loss", "approx_kl", "clip_fraction")
-                if k in metrics
-            }
-            progress.update(iteration, metrics["time_iteration"], shown)
-            done = iteration + 1
-            if c.eval.every and done % c.eval.every == 0 and done != total:
-                save_eval(run, done, state.params, history, writer)
-            if c.checkpoint.every and done % c.checkpoint.every == 0 and done != total:
-                history["wall_time"] = time.time() - wall_start
-                ckpt.save(done, state, _meta(run, done, history))
-            iteration = done
-    except (KeyboardInterrupt, RewardError):
-        # Keep everything trained so far: the state holds `iteration` finished iterations.
+    host = _host_state(trainer)
+
+    def save(done: int) -> None:
         history["wall_time"] = time.time() - wall_start
-        if iteration > start:
-            ckpt.save(iteration, state, _meta(run, iteration, history))
-        ckpt.close()
+        ckpt.save(done, state, _meta(trainer, done, history, host))
+
+    try:
+        with _Signals() as signals:
+            if start == 0 and not history["eval"]:
+                save_eval(trainer, 0, state.params, history, writer)
+            for iteration in range(start, total):
+                try:
+                    state, metrics = trainer.iteration(state, iteration)
+                except RewardError:
+                    # The update had not started: `state` still holds `iteration` finished
+                    # iterations, and `host` the prompt/tracker state that goes with them.
+                    if iteration > start:
+                        save(iteration)
+                    raise
+                done = iteration + 1
+                host = _host_state(trainer)
+                writer.write(done, metrics, prefix="train/")
+                shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
+                progress.update(
+                    iteration,
+                    metrics["time_iteration"],
+                    {k: metrics[k] for k in shown if k in metrics},
+                )
+                if done == total:
+                    break
+                if c.eval.every and done % c.eval.every == 0:
+                    save_eval(trainer, done, state.params, history, writer)
+                if signals.received or (c.checkpoint.every and done % c.checkpoint.every == 0):
+                    save(done)
+                if signals.received:
+                    raise Interrupted(signals.received, done, workdir)
+            save_eval(trainer, total, state.params, history, writer)
+            save(total)
+    finally:
         writer.close()
-        raise
-
-    save_eval(run, total, state.params, history, writer)
-    history["wall_time"] = time.time() - wall_start
-    ckpt.save(total, state, _meta(run, total, history))
-    ckpt.close()
-    writer.close()
-    return summarize(run, spec, history, workdir)
+    return summarize(trainer, spec, history, workdir)
 
 
-def summarize(run: Run, spec, history: dict, workdir: str) -> dict:
+def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
     evals = history["eval"]
     steps = [e["iteration"] for e in evals]
     rewards = [e["reward_mean"] for e in evals]
     curve = reporting.save_curve(
-        os.path.join(workdir, "eval_reward.png"), steps, rewards, "eval reward", run.config.name
+        os.path.join(workdir, "eval_reward.png"), steps, rewards, "eval reward", trainer.config.name
     )
     summary = {
+        "iterations": trainer.config.train.iterations,
         "first_eval_reward": rewards[0],
         "last_eval_reward": rewards[-1],
         "wall_time_s": history["wall_time"],
-        "rollout_denoiser_calls_per_leaf": spec.rollout_denoiser_calls(run.guidance) / spec.leaves,
+        "rollout_denoiser_calls_per_leaf": spec.rollout_denoiser_calls(trainer.guidance)
+        / spec.leaves,
         "first_grid": os.path.join(workdir, f"eval_{steps[0]:05d}.png"),
         "last_grid": os.path.join(workdir, f"eval_{steps[-1]:05d}.png"),
         "reward_curve": curve,

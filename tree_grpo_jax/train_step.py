@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -49,6 +50,11 @@ def learning_rate(train: ml_collections.ConfigDict, iteration: int) -> float:
     return train.learning_rate
 
 
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
 def make_train_step(tx, loss_kwargs: dict, mesh, state_shardings):
     """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
 
@@ -71,8 +77,15 @@ def make_train_step(tx, loss_kwargs: dict, mesh, state_shardings):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
-        return TrainState(params, opt_state, state.updates + 1), metrics
+        grad_norm = optax.global_norm(grads)
+        # A non-finite loss, gradient or result leaves the state as it was and is reported:
+        # the trainer stops, and nothing non-finite can reach a checkpoint.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree_util.tree_map(keep, params, state.params)
+        opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite}
+        return TrainState(params, opt_state, state.updates + finite.astype(jnp.int32)), metrics
 
     rep = sharding.replicated(mesh)
     batch_sh = sharding.batch_sharding(mesh)

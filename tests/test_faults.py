@@ -1,0 +1,263 @@
+"""Fault injection: interrupts at awkward points, SIGTERM, divergence, damaged checkpoints,
+concurrent runs, resumes under another config. Each ends in an exact resume or one sentence,
+and nothing good is overwritten."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from test_train import small_config
+
+from tree_grpo_jax import reporting, train
+from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
+from tree_grpo_jax.workdir import WorkdirBusy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fault_config():
+    c = small_config("grpo")
+    c.advantage.stat_tracker = True
+    c.advantage.tracker_min_count = 2
+    c.train.iterations = 4
+    c.checkpoint.every = 2
+    c.eval.every = 2
+    return c
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce."""
+    workdir = tmp_path_factory.mktemp("straight")
+    train.train(fault_config(), str(workdir))
+    return workdir
+
+
+def final_params(workdir):
+    state, meta, _ = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore()
+    return jax.device_get(state["params"]), meta
+
+
+def train_rows(workdir):
+    return [m for m in reporting.read_metrics(str(workdir)) if "train/loss" in m]
+
+
+def assert_same_run(a, b):
+    params_a, meta_a = final_params(a)
+    params_b, meta_b = final_params(b)
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), params_a, params_b
+    )
+    assert meta_a["prompt_iterator"] == meta_b["prompt_iterator"]
+    assert meta_a["stat_tracker"] == meta_b["stat_tracker"]
+    rows_a, rows_b = train_rows(a), train_rows(b)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]  # every iteration once, none repeated
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["train/reward_mean"] == pytest.approx(rb["train/reward_mean"], abs=1e-6)
+    evals = [m["step"] for m in reporting.read_metrics(str(b)) if "eval/reward_mean" in m]
+    assert evals == [0, 2, 4]
+
+
+def signal_self():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+INTERRUPT_POINTS = ["after_prompts_drawn", "during_update", "during_save"]
+
+
+@pytest.mark.parametrize("point", INTERRUPT_POINTS)
+def test_interrupt_inside_an_iteration_resumes_exactly(tmp_path, monkeypatch, straight, point):
+    """SIGINT lands inside iteration 3 (index 2): the iteration finishes, is saved, the run
+    stops; the same command then ends exactly where the uninterrupted run ends."""
+    c = fault_config()
+    fired = {"done": False}
+
+    def fire_once(condition: bool):
+        if condition and not fired["done"]:
+            fired["done"] = True
+            signal_self()
+
+    if point == "after_prompts_drawn":
+        real = train.Trainer.rollout
+
+        def rollout(self, params, prompts, key, iteration=0):
+            fire_once(iteration == 2)
+            return real(self, params, prompts, key, iteration)
+
+        monkeypatch.setattr(train.Trainer, "rollout", rollout)
+    elif point == "during_update":
+        real = train.Trainer.update
+
+        def update(self, state, sampled, rewards, iteration, key):
+            fire_once(iteration == 2)
+            return real(self, state, sampled, rewards, iteration, key)
+
+        monkeypatch.setattr(train.Trainer, "update", update)
+    else:
+        real = Checkpointer.save
+
+        def save(self, step, state, meta):
+            fire_once(step == 2)
+            return real(self, step, state, meta)
+
+        monkeypatch.setattr(Checkpointer, "save", save)
+
+    with pytest.raises(train.Interrupted, match="SIGINT received; stopped after iteration"):
+        train.train(c, str(tmp_path))
+    stopped_at = Checkpointer(str(tmp_path / "checkpoints")).latest_step
+    assert stopped_at == (2 if point == "during_save" else 3)
+    monkeypatch.undo()
+    train.train(c, str(tmp_path))
+    assert_same_run(straight, tmp_path)
+
+
+def test_hard_kill_resumes_from_last_checkpoint_without_duplicate_rows(
+    tmp_path, monkeypatch, straight
+):
+    """kill -9 inside iteration 4 (nothing saved on the way out): the rows the dead process
+    wrote for iteration 3 are dropped on resume, and the result is the uninterrupted one."""
+    c = fault_config()
+    real = train.Trainer.iteration
+
+    def dies(self, state, iteration):
+        if iteration == 3:
+            raise SystemExit("killed")
+        return real(self, state, iteration)
+
+    monkeypatch.setattr(train.Trainer, "iteration", dies)
+    with pytest.raises(SystemExit):
+        train.train(c, str(tmp_path))
+    assert [r["step"] for r in train_rows(tmp_path)] == [1, 2, 3]
+    monkeypatch.undo()
+    train.train(c, str(tmp_path))
+    assert_same_run(straight, tmp_path)
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, straight, capsys):
+    c = fault_config()
+    c.checkpoint.every = 1
+    c.checkpoint.keep = 5
+    c.train.iterations = 3
+    train.train(c, str(tmp_path))
+    # Damage checkpoint 3: its meta document is gone and a state file is cut short.
+    step_dir = tmp_path / "checkpoints" / "3"
+    shutil.rmtree(step_dir / "meta")
+    files = sorted(p for p in (step_dir / "state").rglob("*") if p.is_file())
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:10])
+    c.train.iterations = 4
+    train.train(c, str(tmp_path))  # resumes from checkpoint 2, the newest readable one
+    assert "checkpoint 3" in capsys.readouterr().err
+    assert any(p.name.startswith("3.unreadable-") for p in (tmp_path / "checkpoints").iterdir())
+    assert_same_run(straight, tmp_path)
+
+
+def test_divergence_stops_and_keeps_checkpoints_finite(tmp_path, monkeypatch):
+    """Two good iterations are checkpointed; then the step size explodes: the run stops with
+    one sentence at the first non-finite number and the good checkpoints stay as they were."""
+    c = small_config("treegrpo")
+    c.train.iterations = 2
+    c.checkpoint.every = 1
+    c.checkpoint.keep = 10
+    train.train(c, str(tmp_path))
+    before, _ = final_params(tmp_path)
+    real_lr = train.learning_rate
+    monkeypatch.setattr(train, "learning_rate", lambda t, i: 1e30 if i >= 2 else real_lr(t, i))
+    c.train.iterations = 6
+    with pytest.raises(train.DivergenceError, match="not finite: training diverged") as info:
+        train.train(c, str(tmp_path))
+    assert "\n" not in str(info.value)
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), read_only=True)
+    for step in ckpt.all_steps():
+        state, _, _ = ckpt.restore(step=step)
+        for leaf in jax.tree_util.tree_leaves(state):
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    after, _ = final_params(tmp_path) if ckpt.latest_step == 2 else (None, None)
+    if after is not None:  # stopped inside iteration 3: checkpoint 2 untouched
+        jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+    assert ckpt.latest_step < 6
+
+
+def test_resume_under_another_config_is_refused_and_the_record_kept(tmp_path):
+    c = small_config("treegrpo")
+    c.train.iterations = 1
+    train.train(c, str(tmp_path))
+    record = (tmp_path / "config.json").read_text()
+    other = small_config("grpo")
+    other.train.iterations = 2
+    with pytest.raises(CheckpointError, match="tree.method was 'treegrpo', now 'grpo'"):
+        train.train(other, str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == record
+    c.train.iterations = 2  # a harmless override: allowed
+    c.eval.every = 0
+    summary = train.train(c, str(tmp_path))
+    assert not summary.get("already_finished")
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 2
+
+
+def test_finished_run_is_not_run_again(tmp_path):
+    c = small_config("treegrpo")
+    c.train.iterations = 1
+    train.train(c, str(tmp_path))
+    rows = reporting.read_metrics(str(tmp_path))
+    summary = train.train(c, str(tmp_path))
+    assert summary["already_finished"]
+    assert reporting.read_metrics(str(tmp_path)) == rows
+
+
+def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    c = small_config("treegrpo")
+    c.train.iterations = 1
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": holder.pid, "host": os.uname().nodename, "since": 0}
+        (tmp_path / "run.lock").write_text(json.dumps(lock))
+        with pytest.raises(WorkdirBusy, match=f"another run \\(pid {holder.pid}\\)"):
+            train.train(c, str(tmp_path))
+        assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
+    finally:
+        holder.kill()
+        holder.wait()
+    train.train(c, str(tmp_path))  # the owner is dead now: its lock is taken over
+    assert not (tmp_path / "run.lock").exists()
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 1
+
+
+def test_sigterm_from_outside_saves_and_exits_143(tmp_path):
+    """The command line as a cluster stops it: SIGTERM after the first iteration."""
+    args = [
+        sys.executable,
+        "-m",
+        "tree_grpo_jax.main",
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path}",
+        "--config.model.name=random_tiny",
+        "--config.sampling.num_steps=4",
+        "--config.tree.window=2",
+        "--config.prompts.eval_count=4",
+        "--config.train.iterations=200",
+        "--config.checkpoint.every=0",
+        "--config.eval.every=0",
+        "--config.log.tensorboard=False",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:
+        if line.startswith("[   2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "SIGTERM received" in errors[0], err[-2000:]
+    assert "Traceback" not in err
+    saved = Checkpointer(str(tmp_path / "checkpoints"), read_only=True).latest_step
+    assert saved is not None and saved >= 2

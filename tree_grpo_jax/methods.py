@@ -1,0 +1,158 @@
+"""The method table: every training method as one entry.
+
+A method is a tree (its spec builder), a credit assignment (its advantage function) and a few
+flags the trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat
+tracker, whether BranchGRPO's pruning applies. This is the one place that maps a method name
+to behaviour; the trainer, the benchmarks and the config checks look methods up here.
+
+Entries read their options from the config's `tree` and `advantage` sections; the library
+functions they call take plain values and static specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from tree_grpo_jax import advantages as adv
+from tree_grpo_jax import tree_spec
+from tree_grpo_jax.rollout import Tree
+
+# (tree section, number of steps, window start) -> the iteration's tree.
+SpecBuilder = Callable[[ml_collections.ConfigDict, int, int], tree_spec.TreeSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class Credit:
+    """What an advantage function may use besides the tree and the rewards."""
+
+    options: ml_collections.ConfigDict  # the config's `advantage` section
+    prompt_ids: Sequence[Hashable] = ()  # one per prompt row (the stat tracker's keys)
+    tracker: adv.PerPromptStatTracker | None = None
+
+
+# (spec, tree, rewards [P, L], credit) -> one advantage array per segment, unclipped.
+AdvantageFn = Callable[[tree_spec.TreeSpec, Tree, jax.Array, Credit], adv.Advantages]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    spec: SpecBuilder
+    advantages: AdvantageFn
+    windowed: bool = False  # has a window of trained steps that may slide
+    stat_tracker: bool = False  # may normalise with DDPO's per-prompt stat tracker
+    pruning: bool = False  # BranchGRPO's depth and width pruning apply
+
+
+def _grpo_credit(spec, tree, rewards, credit: Credit):
+    return adv.grpo_advantages(
+        spec,
+        tree,
+        rewards,
+        tracker=credit.tracker,
+        prompt_ids=list(credit.prompt_ids) if credit.tracker else None,
+    )
+
+
+def _treegrpo_credit(spec, tree, rewards, credit: Credit):
+    return adv.treegrpo_advantages(spec, tree, rewards)
+
+
+def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
+    o = credit.options
+    return adv.branchgrpo_advantages(spec, tree, rewards, fusion=o.fusion, alpha=o.fusion_alpha)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "grpo",
+            spec=lambda t, n, start: tree_spec.grpo(
+                n, t.group_size, shared_init_noise=t.shared_init_noise
+            ),
+            advantages=_grpo_credit,
+            stat_tracker=True,
+        ),
+        Method(
+            "mixgrpo",
+            spec=lambda t, n, start: tree_spec.mixgrpo(n, t.group_size, t.window, start),
+            advantages=_grpo_credit,
+            windowed=True,
+            stat_tracker=True,
+        ),
+        Method(
+            "treegrpo",
+            spec=lambda t, n, start: tree_spec.treegrpo(n, t.window, t.k, start, t.num_trees),
+            advantages=_treegrpo_credit,
+            windowed=True,
+        ),
+        Method(
+            "branchgrpo",
+            spec=lambda t, n, start: tree_spec.branchgrpo(
+                n, t.split_steps, t.k, t.split_noise_scale, t.num_trees
+            ),
+            advantages=_branchgrpo_credit,
+            pruning=True,
+        ),
+        Method(
+            "branchgrpo_mix",
+            spec=lambda t, n, start: tree_spec.branchgrpo_mix(
+                n, t.split_steps, t.k, t.split_noise_scale, t.window, start, t.num_trees
+            ),
+            advantages=_branchgrpo_credit,
+            windowed=True,
+            pruning=True,
+        ),
+    )
+}
+
+
+class UnknownMethodError(ValueError):
+    """A method name that is not in the table; the message is one sentence for the user."""
+
+
+def get(name: str) -> Method:
+    if name not in METHODS:
+        raise UnknownMethodError(
+            f"unknown tree.method {name!r}; choose one of {', '.join(METHODS)}."
+        )
+    return METHODS[name]
+
+
+def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
+    """Where the window of a windowed method starts at `iteration` (it slides one step every
+    `tree.window_slide_every` iterations, wrapping so it always ends by the last step)."""
+    t = config.tree
+    if not t.window_slide_every or not get(t.method).windowed:
+        return t.window_start
+    return t.window_start + tree_spec.sliding_window_start(
+        iteration, config.sampling.num_steps - t.window_start, t.window, t.window_slide_every
+    )
+
+
+def build_spec(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
+    """The tree of `iteration` (raises tree_spec.SpecError for a tree that cannot be built)."""
+    method = get(config.tree.method)
+    return method.spec(config.tree, config.sampling.num_steps, window_start(config, iteration))
+
+
+def compute_advantages(
+    config: ml_collections.ConfigDict,
+    spec: tree_spec.TreeSpec,
+    tree: Tree,
+    rewards: jax.Array,
+    *,
+    prompt_ids: Sequence[Hashable] = (),
+    tracker: adv.PerPromptStatTracker | None = None,
+) -> adv.Advantages:
+    """The configured method's advantages, clipped once to +-advantage.clip."""
+    credit = Credit(config.advantage, prompt_ids, tracker)
+    raw = get(config.tree.method).advantages(spec, tree, rewards, credit)
+    clip = config.advantage.clip
+    return tuple(jnp.clip(a, -clip, clip) for a in raw)

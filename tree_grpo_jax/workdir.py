@@ -1,0 +1,83 @@
+"""One run per workdir: a lock file naming its owner, taken over when the owner is dead."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live run holds the workdir; the message is one sentence for the user."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+class WorkdirLock:
+    """`<workdir>/run.lock` holds the owner's pid and host while a run uses the workdir.
+
+    A second run on the same workdir is refused with one sentence. A lock left by a process
+    that no longer exists on this host (kill -9, a crash) is taken over. A lock from another
+    host cannot be checked, so it is refused, naming the file to remove if that run is gone.
+    """
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, "run.lock")
+        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        self.held = False
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}  # unreadable or half-written: treated as a dead owner's
+
+    def acquire(self) -> WorkdirLock:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                other = self._read()
+                pid, host = other.get("pid"), other.get("host")
+                if host == self.owner["host"] and isinstance(pid, int) and _alive(pid):
+                    raise WorkdirBusy(
+                        f"another run (pid {pid}) is using {os.path.dirname(self.path)}; wait "
+                        "for it to finish or choose another --workdir."
+                    ) from None
+                if host and host != self.owner["host"]:
+                    raise WorkdirBusy(
+                        f"a run on host {host} (pid {pid}) holds {self.path}; if it has "
+                        "stopped, delete that file and start again."
+                    ) from None
+                with contextlib.suppress(FileNotFoundError):  # the owner is gone: take over
+                    os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+            self.held = True
+            return self
+        raise WorkdirBusy(f"could not take the lock {self.path}; another run keeps taking it.")
+
+    def release(self) -> None:
+        if self.held and self._read().get("pid") == self.owner["pid"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+        self.held = False
+
+    def __enter__(self) -> WorkdirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
