@@ -37,34 +37,48 @@ class Node:
         return self.kind in (Kind.SDE, Kind.BRANCH)
 
 
-def random_tree(spec: TreeSpec, num_prompts: int, rng: np.random.Generator) -> Tree:
-    """A Tree with the spec's segment layout, random log-probs and dummy states."""
+def random_tree(
+    spec: TreeSpec, num_prompts: int, rng: np.random.Generator, window_start: int = 0
+) -> Tree:
+    """A Tree with the spec's segment layout, random log-probs and dummy states.
+
+    For a sliding-window family the layout is the family's (the same at every position) and
+    the step indices and active flags those of `window_start`: inactive steps (a mixed
+    segment outside the window) get log-prob 0, as the rollout records them.
+    """
+    stochastic = set(spec.at(window_start).trainable_steps)
     segments = []
-    for run in spec.runs:
-        if not run.step.stochastic:
-            continue
-        n = spec.nodes_in[run.first_step]
-        k = run.step.k
-        t = run.num_steps
+    for block in spec.segment_blocks:
+        begin, _ = block.bounds(window_start)
+        t, n, k = block.num_steps, block.nodes_in, block.step.k
+        steps = np.arange(begin, begin + t, dtype=np.int32)
+        active = np.array([int(i) in stochastic for i in steps])
+        log_probs = rng.normal(0.0, 2.0, (t, num_prompts, n * k)).astype(np.float32)
         segments.append(
             Segment(
                 parents=np.zeros((t, num_prompts, n, 1), np.float32),
                 children=np.zeros((t, num_prompts, n * k, 1), np.float32),
-                log_probs=rng.normal(0.0, 2.0, (t, num_prompts, n * k)).astype(np.float32),
-                first_step=run.first_step,
+                log_probs=np.where(active[:, None, None], log_probs, 0.0).astype(np.float32),
+                steps=steps,
+                active=active,
                 k=k,
-                noise_scale=run.step.noise_scale,
+                noise_scale=block.step.noise_scale,
+                score_scale=block.step.noise_scale,
+                level=block.level,
             )
         )
     return Tree(segments=tuple(segments), leaves=np.zeros((num_prompts, spec.leaves, 1)))
 
 
-def build_forest(spec: TreeSpec, tree: Tree, rewards) -> list[list[Node]]:
-    """roots[p] = the prompt's root nodes, each grown to the leaves."""
+def build_forest(spec: TreeSpec, tree: Tree, rewards, window_start: int = 0) -> list[list[Node]]:
+    """roots[p] = the prompt's root nodes, each grown to the leaves (of the plain spec at
+    `window_start` when `spec` is a sliding-window family)."""
+    spec = spec.at(window_start)
     logp_of_step = {}
     for seg in tree.segments:
-        for t in range(seg.log_probs.shape[0]):
-            logp_of_step[seg.first_step + t] = np.asarray(seg.log_probs[t], np.float64)
+        for t, (step, active) in enumerate(zip(np.asarray(seg.steps), np.asarray(seg.active))):
+            if active:
+                logp_of_step[int(step)] = np.asarray(seg.log_probs[t], np.float64)
     rewards = np.asarray(rewards, np.float64)
 
     def grow(node: Node) -> None:
@@ -123,22 +137,26 @@ def _mean(values) -> float:
 # Advantages: dict node -> advantage of the edge into it.
 
 
-def leaf_group_advantages(forest) -> dict[Node, float]:
-    """(r - mean) / (pop std + 1e-8) over all leaves of each prompt."""
+def leaf_group_advantages(forest, ddof: int = 0) -> dict[Node, float]:
+    """(r - mean) / (std + 1e-8) over all leaves of each prompt: population std (ddof 0) or
+    sample std (ddof 1; 0 for a single leaf)."""
     out = {}
     for roots in forest:
         leaves = [leaf for root in roots for leaf in leaves_below(root)]
         rewards = [leaf.reward for leaf in leaves]
-        std = statistics.pstdev(rewards)
+        if ddof == 0:
+            std = statistics.pstdev(rewards)
+        else:
+            std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
         mean = _mean(rewards)
         for leaf in leaves:
             out[leaf] = (leaf.reward - mean) / (std + 1e-8)
     return out
 
 
-def treegrpo_reference(forest) -> dict[Node, float]:
+def treegrpo_reference(forest, ddof: int = 0) -> dict[Node, float]:
     """Edge parent -> child: mean of the leaf advantages below the child."""
-    leaf_adv = leaf_group_advantages(forest)
+    leaf_adv = leaf_group_advantages(forest, ddof)
     return {n: _mean([leaf_adv[leaf] for leaf in leaves_below(n)]) for n in edges(forest)}
 
 
@@ -179,9 +197,9 @@ def branchgrpo_reference(forest, fusion: str = "mean", alpha: float = 1.0) -> di
 def edge_value(arrays, tree: Tree, node: Node) -> float:
     """The entry of a per-segment array that belongs to the edge into `node`."""
     for seg, array in zip(tree.segments, arrays):
-        t = node.step - seg.first_step
-        if 0 <= t < seg.log_probs.shape[0]:
-            return np.asarray(array)[t, node.prompt, node.index]
+        for t, (step, active) in enumerate(zip(np.asarray(seg.steps), np.asarray(seg.active))):
+            if active and int(step) == node.step:
+                return np.asarray(array)[t, node.prompt, node.index]
     raise KeyError(f"no segment holds step {node.step}")
 
 
@@ -189,13 +207,17 @@ def edge_value(arrays, tree: Tree, node: Node) -> float:
 # Pruning: dict node -> kept?
 
 
-def depth_pruning_reference(forest, depths, iteration, slide_every, stop_depth, last_split):
+def depth_pruning_reference(
+    forest, depths, iteration, slide_every, stop_depth, last_split, count_from=0
+):
+    """count_from 1 counts iterations from 1, as the released code's `step` does."""
     depths = sorted(depths)
     if slide_every is not None:
         stop = last_split if stop_depth is None else stop_depth
         stop = 0 if stop is None else stop
         shift = 0
-        for _ in range(iteration // slide_every):  # one depth per interval, up to the stop
+        step = iteration + count_from
+        for _ in range(step // slide_every):  # one depth per interval, up to the stop
             if depths[0] - shift > stop:
                 shift += 1
         depths = [d - shift for d in depths]

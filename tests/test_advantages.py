@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference_tree as ref
+from method_advantages import METHOD_NAMES, advantages_of
 
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import tree_spec as ts
@@ -19,10 +20,10 @@ NUM_RANDOM_TREES = 20
 def all_methods(spec, tree, rewards, alpha):
     """Every method on one tree as one compiled function: one compile per random spec."""
     return {
-        "treegrpo": adv.compute_advantages("treegrpo", spec, tree, rewards, clip=1e9),
-        "grpo": adv.compute_advantages("grpo", spec, tree, rewards, clip=0.7),
-        "branchgrpo": adv.compute_advantages("branchgrpo", spec, tree, rewards, clip=1e9),
-        "branchgrpo_mix": adv.compute_advantages(
+        "treegrpo": advantages_of("treegrpo", spec, tree, rewards, clip=1e9),
+        "grpo": advantages_of("grpo", spec, tree, rewards, clip=0.7),
+        "branchgrpo": advantages_of("branchgrpo", spec, tree, rewards, clip=1e9),
+        "branchgrpo_mix": advantages_of(
             "branchgrpo_mix", spec, tree, rewards, clip=0.7, fusion="path_prob", alpha=alpha
         ),
         "mean_levels": adv.backup_mean(spec, rewards),
@@ -75,24 +76,30 @@ def random_case(seed: int):
 
 
 def expected_arrays(tree, reference: dict) -> list[np.ndarray]:
-    """The reference's per-edge values in the segment layout; NaN where it gave none."""
+    """The reference's per-edge values in the segment layout, found by step index; NaN
+    where it gave none (the inactive steps of a mixed segment)."""
     out = [np.full(seg.log_probs.shape, np.nan) for seg in tree.segments]
     for node, value in reference.items():
         for seg, array in zip(tree.segments, out):
-            t = node.step - seg.first_step
-            if 0 <= t < seg.log_probs.shape[0]:
-                array[t, node.prompt, node.index] = value
+            for t, step in enumerate(np.asarray(seg.steps)):
+                if int(step) == node.step and bool(np.asarray(seg.active)[t]):
+                    array[t, node.prompt, node.index] = value
     return out
 
 
-def assert_matches(got, tree, reference, clip=None):
+def assert_matches(got, tree, reference, clip=None, atol=1e-6):
     want = expected_arrays(tree, reference)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert not np.isnan(w).any(), "the reference left an edge without an advantage"
+    found = 0
+    for g, w, seg in zip(got, want, tree.segments):
+        active = np.broadcast_to(np.asarray(seg.active)[:, None, None], w.shape)
+        assert not np.isnan(w[active]).any(), "the reference left an edge without an advantage"
+        assert np.isnan(w[~active]).all(), "the reference trains an edge the tree did not sample"
         if clip is not None:
             w = np.clip(w, -clip, clip)
-        np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g)[active], w[active], rtol=0, atol=atol)
+        found += int(active.sum())
+    assert found == len(reference)
 
 
 @pytest.mark.parametrize("seed", range(NUM_RANDOM_TREES))
@@ -109,15 +116,17 @@ def test_random_trees_match_reference(seed):
     path_ref = ref.branchgrpo_reference(forest, "path_prob", alpha)
     assert_matches(got["branchgrpo_mix"], tree, path_ref, clip=0.7)
 
-    # The fused rewards themselves, node by node.
+    # The fused rewards themselves, node by node (structural levels expanded to depths).
+    mean_levels = adv.depth_levels(spec, got["mean_levels"])
+    prob_levels = adv.depth_levels(spec, got["prob_levels"])
     for roots in forest:
         for root in roots:
             for node in ref.descendants(root):
                 at = (node.prompt, node.index)
                 want_mean = ref.fused_reward(node, "mean", alpha)
                 want_prob = ref.fused_reward(node, "path_prob", alpha)
-                np.testing.assert_allclose(got["mean_levels"][node.depth][at], want_mean, atol=1e-6)
-                np.testing.assert_allclose(got["prob_levels"][node.depth][at], want_prob, atol=1e-6)
+                np.testing.assert_allclose(mean_levels[node.depth][at], want_mean, atol=1e-6)
+                np.testing.assert_allclose(prob_levels[node.depth][at], want_prob, atol=1e-6)
 
 
 def test_treegrpo_by_hand():
@@ -144,27 +153,155 @@ def test_branchgrpo_by_hand():
     np.testing.assert_allclose(split2, [[[-2.0, -1.0, 0.0, 3.0]]] / np.sqrt(14 / 3), atol=1e-6)
 
 
-@pytest.mark.parametrize("method", adv.METHODS)
+@pytest.mark.parametrize("method", METHOD_NAMES)
 @pytest.mark.parametrize("value", [0.0, 0.1, -3.7])
 def test_constant_rewards_give_zero_advantages(method, value):
     spec = ts.TreeSpec((ts.SDE, ts.BRANCH(3), ts.ODE, ts.BRANCH(2)), num_trees=2)
     tree = ref.random_tree(spec, 2, np.random.default_rng(1))
     rewards = jnp.full((2, spec.leaves), value, jnp.float32)
-    for array in adv.compute_advantages(method, spec, tree, rewards):
+    for array in advantages_of(method, spec, tree, rewards):
         assert np.all(np.asarray(array) == 0.0)
 
 
 def test_unknown_method_names_the_methods():
     spec = ts.grpo(2, 2)
     tree = ref.random_tree(spec, 1, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="use one of grpo, mixgrpo, treegrpo, branchgrpo"):
-        adv.compute_advantages("ppo", spec, tree, jnp.zeros((1, 2)))
+    with pytest.raises(ValueError, match="choose one of grpo, mixgrpo, treegrpo, branchgrpo"):
+        advantages_of("ppo", spec, tree, jnp.zeros((1, 2)))
 
 
 def test_mismatched_tree_is_rejected():
     tree = ref.random_tree(ts.grpo(3, 2), 1, np.random.default_rng(0))
     with pytest.raises(ValueError, match="segment"):
         adv.treegrpo_advantages(ts.treegrpo(3, window=2), tree, jnp.zeros((1, 4)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact under a constant shift.
+
+ALL_KW = {
+    "grpo": {},
+    "treegrpo": {},
+    "branchgrpo_mean": {"fusion": "mean"},
+    "branchgrpo_path_prob": {"fusion": "path_prob", "alpha": 1.0},
+}
+
+
+def method_advantages(name, spec, tree, rewards):
+    """Each advantage function called directly (no clip)."""
+    if name == "grpo":
+        return adv.grpo_advantages(spec, tree, rewards)
+    if name == "treegrpo":
+        return adv.treegrpo_advantages(spec, tree, rewards)
+    return adv.branchgrpo_advantages(spec, tree, rewards, **ALL_KW[name])
+
+
+def method_reference(name, forest):
+    if name in ("grpo", "treegrpo"):
+        return ref.treegrpo_reference(forest)
+    kw = ALL_KW[name]
+    return ref.branchgrpo_reference(forest, kw["fusion"], kw.get("alpha", 1.0))
+
+
+jitted_methods = jax.jit(method_advantages, static_argnums=(0, 1))
+
+
+def test_path_prob_fusion_of_constant_rewards_is_exactly_zero():
+    """The issue's case: four rewards of 50.0; fusing the raw rewards gave the step-0 edges
+    +-0.704 (softmax weights summing to 1 - ulp made the fused rewards 49.999996 and 50.0)."""
+    spec = ts.TreeSpec((ts.BRANCH(2), ts.BRANCH(2)))
+    tree = ref.random_tree(spec, 1, np.random.default_rng(0))
+    step0, step1 = tree.segments
+    tree = tree.replace(
+        segments=(
+            step0.replace(log_probs=np.array([[[-1.18, -0.81]]], np.float32)),
+            step1.replace(log_probs=np.array([[[-1.37, -0.19, -0.55, -2.99]]], np.float32)),
+        )
+    )
+    rewards = jnp.full((1, 4), 50.0, jnp.float32)
+    for a in adv.branchgrpo_advantages(spec, tree, rewards, fusion="path_prob"):
+        assert np.all(np.asarray(a) == 0.0)
+    # Relative fusion is exactly zero; the raw fusion is what the normalization used to see.
+    for level in adv.fused_rewards(spec, tree, rewards, fusion="path_prob", relative=True):
+        assert np.all(np.asarray(level) == 0.0)
+
+
+def grid_rewards(rng, spec, num_prompts, kind):
+    """Rewards on a 1/64 grid (so adding 1e4 is exact in float32): varied, constant per
+    prompt, or constant within each tree."""
+    per_tree = spec.leaves // spec.num_trees
+    if kind == "varied":
+        r = rng.normal(size=(num_prompts, spec.leaves))
+    elif kind == "constant":
+        r = np.repeat(rng.normal(size=(num_prompts, 1)) * 40, spec.leaves, axis=1)
+    else:  # constant within each tree, different across trees
+        r = np.repeat(rng.normal(size=(num_prompts, spec.num_trees)), per_tree, axis=1)
+    return (np.round(r * 64) / 64).astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", ["varied", "constant", "per_tree"])
+def test_every_method_is_exact_under_a_constant_shift(seed, kind):
+    """Adding 1e4 (or any constant) to the rewards changes no advantage; constant rewards
+    give exact zeros; rewards constant within each tree give BranchGRPO exact zeros. Both
+    against the float64 reference."""
+    rng = np.random.default_rng(100 + seed)
+    while True:
+        spec = random_spec(rng)
+        if spec.num_trees > 1 or kind != "per_tree":
+            break
+    num_prompts = int(rng.integers(1, 4))
+    tree = ref.random_tree(spec, num_prompts, rng)
+    rewards = grid_rewards(rng, spec, num_prompts, kind)
+    forest = ref.build_forest(spec, tree, rewards)
+    for name in ALL_KW:
+        base = jitted_methods(name, spec, tree, jnp.asarray(rewards))
+        shifted = jitted_methods(name, spec, tree, jnp.asarray(rewards + np.float32(1e4)))
+        assert_matches(base, tree, method_reference(name, forest))
+        for a, b in zip(base, shifted):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+        zero = kind == "constant" or (kind == "per_tree" and name.startswith("branchgrpo"))
+        if zero:
+            assert all(np.all(np.asarray(a) == 0.0) for a in base + shifted), name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_std_option_matches_reference(seed):
+    """ddof=1: DanceGRPO's torch.std (sample std) for the leaf normalization."""
+    _, spec, tree, rewards, forest = random_case(200 + seed)
+    want = ref.treegrpo_reference(forest, ddof=1)
+    for fn in (adv.grpo_advantages, adv.treegrpo_advantages):
+        got = jax.jit(functools.partial(fn, ddof=1), static_argnums=0)(spec, tree, rewards)
+        assert_matches(got, tree, want)
+    with pytest.raises(ValueError, match="ddof"):
+        adv.treegrpo_advantages(spec, tree, jnp.asarray(rewards), ddof=2)
+
+
+FAMILIES = [
+    ts.treegrpo(7, window=3, k=2, window_start=None, num_trees=2),
+    ts.mixgrpo(6, 3, window=2, window_start=None),
+    ts.branchgrpo_mix(8, (0, 3, 5), k=2, window=3, window_start=None, num_trees=2),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_sliding_window_families_match_reference_at_every_position(family):
+    """Advantages of a family's tree at each window start, against the reference built on
+    the plain spec of that position; one compile for all positions."""
+    rng = np.random.default_rng(7)
+
+    def advantages_of(name, spec, tree, rewards):  # its own jit cache
+        return method_advantages(name, spec, tree, rewards)
+
+    fn = jax.jit(advantages_of, static_argnums=(0, 1))
+    for start in range(family.window_positions):
+        tree = ref.random_tree(family, 2, rng, window_start=start)
+        rewards = rng.normal(size=(2, family.leaves)).astype(np.float32)
+        forest = ref.build_forest(family, tree, rewards, window_start=start)
+        for name in ALL_KW:
+            got = fn(name, family, tree, jnp.asarray(rewards))
+            assert_matches(got, tree, method_reference(name, forest))
+    assert fn._cache_size() == len(ALL_KW)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import method_advantages
 import numpy as np
 import pytest
 
-from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import pruning, sampling
 from tree_grpo_jax import tree_spec as ts
 from tree_grpo_jax.loss import ppo_loss, score_actions
@@ -36,7 +36,7 @@ def denoiser(params, x, t, cond):
 
 
 @functools.cache
-def rolled_out(spec):
+def rolled_out(spec, split_log_prob="sampled", window_start=0):
     """(schedule, tree) for P prompts, guidance on."""
     schedule = sampling.make_ddim_schedule(spec.num_steps, eta=1.0)
     tree = rollout(
@@ -49,6 +49,8 @@ def rolled_out(spec):
         sample_shape=SAMPLE_SHAPE,
         uncond=UNCOND,
         guidance_scale=GUIDANCE,
+        window_start=window_start,
+        split_log_prob=split_log_prob,
     )
     return schedule, jax.tree_util.tree_map(np.asarray, tree)
 
@@ -73,7 +75,7 @@ def loss_and_grad(params, batch, schedule, clip_range, ref_params=None, kl=False
 
 
 # The small advantage graphs compile faster than they run op by op.
-advantages_of = jax.jit(adv.compute_advantages, static_argnums=(0, 1))
+advantages_of = jax.jit(method_advantages.advantages_of, static_argnums=(0, 1))
 
 
 def random_rewards(spec, seed=0):
@@ -107,7 +109,7 @@ def test_gather_holds_every_edge_once_with_its_parent():
                 for c in range(seg.log_probs.shape[2]):
                     parent = seg.parents[t, p, c // seg.k]
                     rows = np.flatnonzero(
-                        (tr.step == seg.first_step + t)
+                        (tr.step == seg.step_indices[t])
                         & (tr.prompt == p)
                         & np.all(tr.x == parent, axis=(1, 2, 3))
                     )
@@ -118,7 +120,7 @@ def test_gather_holds_every_edge_once_with_its_parent():
                     np.testing.assert_array_equal(tr.actions[row, slot], seg.children[t, p, c])
                     assert tr.old_log_probs[row, slot] == seg.log_probs[t, p, c]
                     assert tr.advantages[row, slot] == np.asarray(a)[t, p, c]
-                    assert tr.noise_scale[row] == seg.noise_scale
+                    assert tr.noise_scale[row] == seg.score_scale == seg.noise_scale
                     found += 1
     assert found == tr.num_edges
 
@@ -154,22 +156,81 @@ def test_minibatches_shuffle_by_key_and_pad_with_masked_rows():
 # The loss.
 
 
-def test_ratio_is_one_before_any_update():
+@jax.jit
+def rescored(rows, schedule):
+    return score_actions(
+        PARAMS,
+        rows,
+        denoise_fn=denoiser,
+        schedule=schedule,
+        cond=COND,
+        uncond=UNCOND,
+        guidance_scale=GUIDANCE,
+    )
+
+
+def assert_log_ratio_is_rounding(rows, schedule):
+    """Per edge, |new - old log-prob| <= 1e-6 / std: a few float32 ulps of the states,
+    amplified by 1 / std (the std the actions are scored with, noise_scale included)."""
+    log_ratio = np.asarray(rescored(rows, schedule)) - rows.old_log_probs
+    std = np.asarray(schedule.unit_std)[rows.step] * np.asarray(schedule.eta) * rows.noise_scale
+    bound = np.broadcast_to((1e-6 / std)[:, None], log_ratio.shape)
+    assert np.all(np.abs(log_ratio[rows.mask]) <= bound[rows.mask])
+
+
+@pytest.mark.parametrize("split_log_prob", ["sampled", "unscaled"])
+def test_ratio_is_one_before_any_update(split_log_prob):
     """The rollout and the loss are two compiled programs: XLA may contract multiply-adds
     differently in each, so agreement is to float32 rounding amplified by 1 / std at the
-    late, low-noise steps, far inside the default clip range of 1e-4."""
-    schedule, tree = rolled_out(MIXED)
+    late, low-noise steps, far inside the default clip range of 1e-4. With the released
+    code's convention (split children scored with the unscaled std) the loss scores them
+    the same way, through the transitions' noise_scale."""
+    schedule, tree = rolled_out(MIXED, split_log_prob)
     advantages = advantages_of("branchgrpo", MIXED, tree, random_rewards(MIXED))
-    batch = one_batch(gather_transitions(tree, advantages))
+    rows = gather_transitions(tree, advantages)
+    split_rows = rows.step == 4  # the BRANCH(2, noise_scale=1.5) step
+    want_scale = 1.5 if split_log_prob == "sampled" else 1.0
+    assert np.all(rows.noise_scale[split_rows] == want_scale)
+    assert np.all(rows.noise_scale[~split_rows] == 1.0)
+    assert_log_ratio_is_rounding(rows, schedule)
+    batch = one_batch(rows)
     (loss, metrics), _ = loss_and_grad(PARAMS, batch, schedule, 1e-4)
     # Inside the default clip range, so clipping does nothing and the loss is -mean(A).
-    assert 1 - 1e-5 < metrics["ratio_min"] <= metrics["ratio_max"] < 1 + 1e-5
+    assert 1 - 5e-5 < metrics["ratio_min"] <= metrics["ratio_max"] < 1 + 5e-5
     assert metrics["clip_fraction"] == 0.0
     (unclipped, _), _ = loss_and_grad(PARAMS, batch, schedule, 1e9)
     assert loss == unclipped
     a = np.clip(batch.advantages[batch.mask], -5, 5)
-    np.testing.assert_allclose(loss, -a.mean(), rtol=1e-5, atol=1e-6)
+    # loss = -mean(A r) = -mean(A) - mean(A (r - 1)), the second term within rounding.
+    deviation = max(1 - float(metrics["ratio_min"]), float(metrics["ratio_max"]) - 1)
+    np.testing.assert_allclose(loss, -a.mean(), rtol=0, atol=np.abs(a).mean() * deviation + 1e-7)
     assert metrics["trained_edges"] == MIXED.trainable_edges * P
+
+
+@pytest.mark.parametrize(
+    "family, start",
+    [
+        (ts.treegrpo(5, window=2, k=2, window_start=None), 2),
+        (ts.branchgrpo_mix(6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=None), 1),
+    ],
+    ids=lambda f: getattr(f, "name", ""),
+)
+def test_sliding_window_tree_gathers_its_position_and_ratio_is_one(family, start):
+    """A family's tree at one window start: the rows are the plain spec's trainable edges
+    (BranchGRPO-Mix's steps outside the window are dropped), each at its own step index, and
+    the loss rescoring them gives ratio 1."""
+    schedule, tree = rolled_out(family, "sampled", start)
+    plain = family.at(start)
+    advantages = advantages_of(family.name, family, tree, random_rewards(family))
+    rows = gather_transitions(tree, advantages)
+    assert rows.num_edges == P * plain.trainable_edges
+    assert rows.num_rows == P * plain.training_forward_rows()
+    assert sorted(set(rows.step.tolist())) == list(plain.trainable_steps)
+    for i in plain.trainable_steps:
+        assert np.sum(rows.step == i) == P * plain.nodes_in[i]
+    assert_log_ratio_is_rounding(rows, schedule)
+    (_, metrics), _ = loss_and_grad(PARAMS, one_batch(rows), schedule, 1e-4)
+    assert metrics["clip_fraction"] == 0.0
 
 
 def edges_one_by_one(tree, advantages, masks):
@@ -184,9 +245,9 @@ def edges_one_by_one(tree, advantages, masks):
                             (
                                 seg.parents[t, p, c // seg.k],
                                 seg.children[t, p, c],
-                                seg.first_step + t,
+                                seg.step_indices[t],
                                 p,
-                                seg.noise_scale,
+                                seg.score_scale,
                                 seg.log_probs[t, p, c],
                                 np.asarray(a)[t, p, c],
                             )
@@ -259,9 +320,6 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
     edgewise_rows = list(ROWS_SEEN)
 
     assert 0 < metrics["clip_fraction"] < 1
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-7)
-    for key in params:
-        np.testing.assert_allclose(grad[key], ref_grad[key], rtol=1e-4, atol=1e-7)
     # Rows and slots are in the same order as the edges were walked.
     new_log_probs = jax.jit(
         lambda p: score_actions(
@@ -278,6 +336,12 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
     np.testing.assert_allclose(
         np.asarray(new_log_probs)[batch.mask], ref_log_probs, rtol=1e-4, atol=2e-5
     )
+    # The losses then agree to that rounding: |d loss| <= mean(|A| * |d ratio|), ratio ~ 1.
+    log_prob_error = float(np.max(np.abs(np.asarray(new_log_probs)[batch.mask] - ref_log_probs)))
+    a = np.abs(np.clip(batch.advantages[batch.mask], -5, 5))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=2 * a.mean() * log_prob_error)
+    for key in params:
+        np.testing.assert_allclose(grad[key], ref_grad[key], rtol=1e-4, atol=1e-7)
 
     # One forward per parent (x2 for guidance) against one per edge.
     num_edges = len(edges[0])
@@ -290,7 +354,7 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
         assert num_edges == MIXED.training_forward_rows(amortized=False) * P
 
 
-@pytest.mark.parametrize("method", adv.METHODS)
+@pytest.mark.parametrize("method", method_advantages.METHOD_NAMES)
 def test_constant_rewards_give_zero_gradient(method):
     schedule, tree = rolled_out(MIXED)
     rewards = jnp.full((P, MIXED.leaves), 0.3)

@@ -22,6 +22,13 @@ def random_case(seed):
     return rng, spec, tree, advantages, ref.build_forest(spec, tree, rewards)
 
 
+def last_split(spec, window_start=0):
+    """The last BRANCH step of the plain spec, counted by hand."""
+    steps = spec.at(window_start).steps
+    splits = [i for i, step in enumerate(steps) if step.kind is ts.Kind.BRANCH]
+    return splits[-1] if splits else None
+
+
 def assert_mask_matches(got, tree, reference):
     want = expected_arrays(tree, {n: float(kept) for n, kept in reference.items()})
     for g, w in zip(got, want):
@@ -38,11 +45,18 @@ def test_random_trees_match_reference(seed):
     slide_every = [None, 1, 3][rng.integers(3)]
     stop_depth = [None, 0, 1][rng.integers(3)]
     iteration = int(rng.integers(0, 10))
+    count_from = int(rng.integers(2))
     got = pruning.depth_pruning_mask(
-        spec, tree, depths, iteration=iteration, slide_every=slide_every, stop_depth=stop_depth
+        spec,
+        tree,
+        depths,
+        iteration=iteration,
+        slide_every=slide_every,
+        stop_depth=stop_depth,
+        count_from=count_from,
     )
     want = ref.depth_pruning_reference(
-        forest, depths, iteration, slide_every, stop_depth, pruning.last_split_step(spec)
+        forest, depths, iteration, slide_every, stop_depth, last_split(spec), count_from
     )
     assert_mask_matches(got, tree, want)
 
@@ -55,6 +69,81 @@ def test_random_trees_match_reference(seed):
         assert_mask_matches(
             got, tree, ref.width_pruning_reference(forest, spec, advantage_of, mode, ratio)
         )
+
+
+FAMILIES = [
+    ts.branchgrpo_mix(9, (0, 3, 5), k=2, window=3, window_start=None, num_trees=2),
+    ts.treegrpo(6, window=3, k=2, window_start=None),
+    ts.mixgrpo(6, 3, window=2, window_start=None),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_sliding_window_families_match_reference_at_every_position(family):
+    """Masks of a family's tree (step indices as data, BranchGRPO-Mix's steps outside the
+    window never trained) against the reference built on the plain spec of each start."""
+    rng = np.random.default_rng(3)
+    for start in range(family.window_positions):
+        tree = ref.random_tree(family, 2, rng, window_start=start)
+        forest = ref.build_forest(family, tree, np.zeros((2, family.leaves)), start)
+        advantages = tuple(rng.integers(-2, 3, seg.log_probs.shape) / 2 for seg in tree.segments)
+        full = pruning.full_masks(tree)
+        assert_mask_matches(full, tree, {n: True for n in ref.edges(forest)})
+        assert (
+            sum(int(m.sum()) for m in full)
+            == 2 * family.counts(window_start=start)["trainable_edges"]
+        )
+        depths = (2, family.num_steps - 1)
+        got = pruning.depth_pruning_mask(
+            family, tree, depths, iteration=4, slide_every=2, window_start=start
+        )
+        want = ref.depth_pruning_reference(forest, depths, 4, 2, None, last_split(family, start), 0)
+        assert_mask_matches(got, tree, want)
+        spec = family.at(start)
+
+        def advantage_of(node, tree=tree, advantages=advantages):
+            return ref.edge_value(advantages, tree, node)
+
+        for mode in pruning.WIDTH_MODES:
+            got = pruning.width_pruning_mask(family, tree, advantages, mode=mode, ratio=0.5)
+            want = ref.width_pruning_reference(forest, spec, advantage_of, mode, 0.5)
+            assert_mask_matches(got, tree, want)
+
+
+def test_pruning_active_is_the_released_codes_step_ratio():
+    """The released code: for step in 1..max_train_steps, should_prune = step <=
+    int(max_train_steps * pruning_step_ratio). Our iterations count from 0."""
+    for total in (1, 7, 100, 300):
+        for ratio in (0.0, 0.1, 0.29, 0.5, 0.999, 1.0, 1.5):
+            official = [step <= int(total * ratio) for step in range(1, total + 1)]
+            ours = [pruning.pruning_active(it, total, ratio) for it in range(total)]
+            assert ours == official, (total, ratio)
+    assert sum(pruning.pruning_active(it, 300, 0.5) for it in range(300)) == 150
+    assert pruning.pruning_active(10_000, 300, 1.0)  # ratio 1: always, also past the end
+    with pytest.raises(ValueError, match="ratio"):
+        pruning.pruning_active(0, 10, -0.5)
+
+
+def test_depth_window_counts_steps_like_the_released_code():
+    """The released script: depths 15..18, slide interval 30, stop depth 9; its shift is
+    step // 30 with step counted from 1, so it first moves at the 30th iteration (0-based
+    29). Counting from 0, it first moves at iteration 30."""
+    spec = ts.branchgrpo(20, (0, 3, 6, 9))
+    depths = (15, 16, 17, 18)
+
+    def active(it, count_from):
+        return pruning.active_pruned_depths(
+            spec, depths, iteration=it, slide_every=30, stop_depth=9, count_from=count_from
+        )
+
+    assert active(28, 1) == depths and active(29, 1) == (14, 15, 16, 17)
+    assert active(29, 0) == depths and active(30, 0) == (14, 15, 16, 17)
+    assert active(1000, 1) == (9, 10, 11, 12)
+    # With an interval of 1 the released window has already moved at its first step.
+    one = pruning.active_pruned_depths(spec, depths, iteration=0, slide_every=1, count_from=1)
+    assert one == (14, 15, 16, 17)
+    with pytest.raises(ValueError, match="count_from"):
+        pruning.active_pruned_depths(spec, depths, count_from=2)
 
 
 def test_depth_pruning_slides_towards_the_root_and_stops():

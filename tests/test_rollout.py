@@ -7,10 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from diffusers import FlaxDDIMScheduler
+from scipy import stats
 
 from tree_grpo_jax import guidance, sampling
 from tree_grpo_jax import tree_spec as ts
-from tree_grpo_jax.rollout import initial_noise, rollout, split_rollout_key, step_noise
+from tree_grpo_jax.rollout import (
+    initial_noise,
+    noise_by_step,
+    rollout,
+    segment_noise,
+    segment_noise_shapes,
+    split_rollout_key,
+)
 
 SAMPLE_SHAPE = (1, 4, 4)
 P, L, D = 2, 3, 5
@@ -53,11 +61,15 @@ def _ref_ddim(schedule, i, x, eps, eta):
     return mean, s
 
 
-def reference_tree(spec, schedule, key, eta):
-    """Python recursion over explicit nodes, one denoiser call per node."""
-    init_key, step_key = split_rollout_key(key)
-    roots_noise = np.asarray(initial_noise(init_key, P, spec, SAMPLE_SHAPE), np.float64)
-    level_sizes = spec.nodes_in
+def reference_tree(spec, schedule, key, eta, window_start=0, split_log_prob="sampled"):
+    """Python recursion over explicit nodes, one denoiser call per node.
+
+    `spec` may be a sliding-window family: the recursion walks the plain spec of
+    `window_start`, with the noise the rollout documents for that position.
+    """
+    roots_noise, noise_of_step = noise_by_step(key, spec, P, SAMPLE_SHAPE, window_start)
+    roots_noise = np.asarray(roots_noise, np.float64)
+    spec = spec.at(window_start)
 
     def expand(node, p, j, i):
         """Node j (index within its level) of prompt p, entering step i."""
@@ -69,13 +81,12 @@ def reference_tree(spec, schedule, key, eta):
         if step.kind is ts.Kind.ODE:
             node.children = [Node(mean)]
         else:
-            noise = np.asarray(step_noise(step_key, i, (P, level_sizes[i], step.k, *SAMPLE_SHAPE)))
+            noise = np.asarray(noise_of_step[i], np.float64)
             std = s * step.noise_scale
+            score_std = std if split_log_prob == "sampled" else s
             for c in range(step.k):
                 child = mean + std * noise[p, j, c]
-                logp = np.mean(
-                    -((child - mean) ** 2) / (2 * std**2) - np.log(std) - 0.5 * np.log(2 * np.pi)
-                )
+                logp = np.mean(stats.norm.logpdf(child, loc=mean, scale=score_std))
                 node.children.append(Node(child, log_prob=logp))
         for c, child in enumerate(node.children):
             expand(child, p, j * step.k + c, i + 1)
@@ -103,15 +114,9 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
-def test_engine_equals_node_by_node_reference(spec):
-    schedule = sampling.make_ddim_schedule(spec.num_steps, eta=1.0)
-    key = jax.random.PRNGKey(5)
-    tree = rollout(
-        analytic_denoiser, PARAMS, COND, key, schedule,
-        spec=spec, sample_shape=SAMPLE_SHAPE, uncond=UNCOND, guidance_scale=GUIDANCE,
-    )  # fmt: skip
-    ref = reference_tree(spec, schedule, key, eta=1.0)
+def assert_tree_matches_reference(tree, ref):
+    """Every recorded step, node by node; steps recorded without sampling (a mixed segment
+    outside its window) must hold the reference's deterministic children and log-prob 0."""
     for p in range(P):
         levels = _levels(ref[p])
         leaves = np.stack([n.state for n in levels[-1]])
@@ -120,10 +125,146 @@ def test_engine_equals_node_by_node_reference(spec):
             for t, i in enumerate(seg.step_indices):
                 parents = np.stack([n.state for n in levels[i]])
                 children = np.stack([n.state for n in levels[i + 1]])
-                logps = np.array([n.log_prob for n in levels[i + 1]])
                 np.testing.assert_allclose(seg.parents[t, p], parents, rtol=1e-4, atol=1e-5)
                 np.testing.assert_allclose(seg.children[t, p], children, rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(seg.log_probs[t, p], logps, rtol=1e-4, atol=1e-4)
+                if bool(seg.active[t]):
+                    logps = np.array([n.log_prob for n in levels[i + 1]])
+                    assert None not in logps, f"step {i} is not stochastic in the reference"
+                    np.testing.assert_allclose(seg.log_probs[t, p], logps, rtol=1e-4, atol=1e-4)
+                else:
+                    assert all(n.log_prob is None for n in levels[i + 1])
+                    assert np.all(np.asarray(seg.log_probs[t, p]) == 0.0)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_engine_equals_node_by_node_reference(spec):
+    schedule = sampling.make_ddim_schedule(spec.num_steps, eta=1.0)
+    key = jax.random.PRNGKey(5)
+    tree = rollout(
+        analytic_denoiser, PARAMS, COND, key, schedule,
+        spec=spec, sample_shape=SAMPLE_SHAPE, uncond=UNCOND, guidance_scale=GUIDANCE,
+    )  # fmt: skip
+    assert all(bool(np.all(seg.active)) for seg in tree.segments)
+    assert_tree_matches_reference(tree, reference_tree(spec, schedule, key, eta=1.0))
+
+
+# Sliding-window families and the window positions each is checked at.
+FAMILIES = [
+    (ts.treegrpo(5, window=2, k=2, window_start=None), (0, 1, 3)),
+    (ts.mixgrpo(5, 2, window=2, window_start=None), (0, 2, 3)),
+    (ts.branchgrpo_mix(6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=None),
+     (0, 2, 4)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, starts", FAMILIES, ids=lambda f: getattr(f, "name", ""))
+def test_window_position_as_data_equals_node_by_node_reference(family, starts):
+    """One family spec, the window start an argument: at every start the tree is the plain
+    spec's tree of that position, node for node."""
+    schedule = sampling.make_ddim_schedule(family.num_steps, eta=1.0)
+    key = jax.random.PRNGKey(7)
+    for start in starts:
+        tree = rollout(
+            analytic_denoiser, PARAMS, COND, key, schedule, spec=family,
+            sample_shape=SAMPLE_SHAPE, uncond=UNCOND, guidance_scale=GUIDANCE,
+            window_start=start,
+        )  # fmt: skip
+        ref = reference_tree(family, schedule, key, eta=1.0, window_start=start)
+        assert_tree_matches_reference(tree, ref)
+        stochastic = sorted(
+            int(i) for seg in tree.segments for i, a in zip(seg.step_indices, seg.active) if a
+        )
+        assert stochastic == list(family.at(start).trainable_steps)
+
+
+def test_one_compile_serves_every_window_position():
+    """A fresh denoiser so the jit cache starts empty for it: each family compiles once for
+    all its positions, and no backend compile happens after the first position."""
+
+    def denoiser(params, x, t, cond):
+        return analytic_denoiser(params, x, t, cond)
+
+    families = [
+        ts.treegrpo(6, window=3, k=2, window_start=None),
+        ts.mixgrpo(6, 2, window=2, window_start=None),
+        ts.branchgrpo_mix(6, (0, 3), window=2, window_start=None),
+    ]
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    schedule = sampling.make_ddim_schedule(6, eta=1.0)
+    key = jax.random.PRNGKey(0)
+    for family in families:
+        before = rollout.jitted._cache_size()
+        leaves = []
+        for start in range(family.window_positions):
+            if start == 1:
+                compiles.clear()
+            tree = rollout(
+                denoiser, PARAMS, COND, key, schedule, spec=family,
+                sample_shape=SAMPLE_SHAPE, window_start=start,
+            )  # fmt: skip
+            leaves.append(np.asarray(tree.leaves))
+        assert rollout.jitted._cache_size() == before + 1, family.describe()
+        assert compiles == [], family.describe()
+        assert not np.allclose(leaves[0], leaves[-1])  # the window really moved
+
+
+def test_family_at_a_position_equals_the_plain_spec():
+    """TreeGRPO's and MixGRPO's families lay noise out like the plain spec of a position, so
+    the same key gives the same tree either way."""
+    schedule = sampling.make_ddim_schedule(6, eta=1.0)
+    key = jax.random.PRNGKey(2)
+    cases = [(ts.treegrpo(6, 3, 2, None, num_trees=2), (1, 3)), (ts.mixgrpo(6, 3, 2, None), (2,))]
+    for family, starts in cases:
+        for start in starts:
+            a = rollout(analytic_denoiser, PARAMS, COND, key, schedule, spec=family,
+                        sample_shape=SAMPLE_SHAPE, window_start=start)  # fmt: skip
+            b = rollout(analytic_denoiser, PARAMS, COND, key, schedule,
+                        spec=family.at(start), sample_shape=SAMPLE_SHAPE)  # fmt: skip
+            np.testing.assert_allclose(a.leaves, b.leaves, rtol=1e-5, atol=1e-6)
+            for sa, sb in zip(a.segments, b.segments, strict=True):
+                np.testing.assert_array_equal(sa.steps, sb.steps)
+                np.testing.assert_allclose(sa.log_probs, sb.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_window_start_out_of_range_is_one_sentence():
+    family = ts.treegrpo(5, window=2, k=2, window_start=None)
+    schedule = sampling.make_ddim_schedule(5)
+    with pytest.raises(ts.SpecError, match="runs past the last step"):
+        rollout(analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule,
+                spec=family, sample_shape=SAMPLE_SHAPE, window_start=4)  # fmt: skip
+    with pytest.raises(ValueError, match="split_log_prob"):
+        rollout(analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule,
+                spec=family, sample_shape=SAMPLE_SHAPE, split_log_prob="official")  # fmt: skip
+
+
+def test_noise_is_one_draw_cut_in_segment_order():
+    """The documented layout: the roots from the first key of the split, every segment's
+    noise [T, P, n, k, *S] cut in order from one standard normal draw of the second."""
+    spec = ts.branchgrpo(6, (0, 3), k=3, num_trees=2)
+    key = jax.random.PRNGKey(9)
+    init_key, noise_key = jax.random.split(key)
+    shapes = segment_noise_shapes(spec, P, SAMPLE_SHAPE)
+    assert shapes == [
+        (1, P, 2, 3, *SAMPLE_SHAPE),  # BRANCH(3) at step 0 on the 2 roots
+        (2, P, 6, 1, *SAMPLE_SHAPE),  # SDE steps 1, 2
+        (1, P, 6, 3, *SAMPLE_SHAPE),  # BRANCH(3) at step 3
+        (2, P, 18, 1, *SAMPLE_SHAPE),  # SDE steps 4, 5
+    ]
+    flat = np.asarray(jax.random.normal(noise_key, (sum(int(np.prod(s)) for s in shapes),)))
+    noise = segment_noise(noise_key, spec, P, SAMPLE_SHAPE)
+    np.testing.assert_array_equal(np.concatenate([np.ravel(n) for n in noise]), flat)
+    roots, by_step = noise_by_step(key, spec, P, SAMPLE_SHAPE)
+    np.testing.assert_array_equal(roots, initial_noise(init_key, P, spec, SAMPLE_SHAPE))
+    assert sorted(by_step) == list(range(6))
+    np.testing.assert_array_equal(by_step[5], noise[3][1])
+    assert len(np.unique(flat)) == flat.size  # no two nodes share noise
 
 
 def test_shared_ancestors_and_distinct_siblings():
@@ -201,26 +342,38 @@ def test_denoiser_rows_equal_derived_counts(use_guidance):
         jax.debug.callback(lambda n: seen.append(int(n)), x.shape[0])
         return analytic_denoiser(params, x, t, cond)
 
-    for spec in ALL_PRESETS:
+    cases = [(spec, 0) for spec in ALL_PRESETS]
+    if use_guidance:  # the families once (each compile costs seconds on a small CPU)
+        cases += [
+            (ts.treegrpo(6, window=3, k=2, window_start=None), 2),
+            (ts.mixgrpo(6, 4, window=2, window_start=None), 3),
+            (ts.branchgrpo_mix(6, (0, 3), window=2, window_start=None), 1),
+        ]
+    for spec, start in cases:
         seen.clear()
         schedule = sampling.make_ddim_schedule(spec.num_steps)
         tree = rollout(
             counting_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule,
             spec=spec, sample_shape=SAMPLE_SHAPE, uncond=UNCOND if use_guidance else None,
+            window_start=start,
         )  # fmt: skip
         jax.block_until_ready(tree.leaves)
         jax.effects_barrier()
+        counts = spec.counts(use_guidance, window_start=start)
         assert len(seen) == spec.num_steps
-        assert sum(seen) == P * spec.rollout_denoiser_calls(guidance=use_guidance), spec.describe()
-        assert sum(seg.log_probs.size for seg in tree.segments) == P * spec.trainable_edges
+        assert sum(seen) == P * counts["rollout_denoiser_calls"], spec.describe()
+        trained = sum(int(np.sum(seg.active)) * seg.log_probs[0].size for seg in tree.segments)
+        assert trained == P * counts["trainable_edges"], spec.describe()
 
 
-def test_rescoring_with_same_params_gives_ratio_one():
-    spec = ts.branchgrpo(6, (0, 3), num_trees=2)
+@pytest.mark.parametrize("split_log_prob", ["sampled", "unscaled"])
+def test_rescoring_with_same_params_gives_ratio_one(split_log_prob):
+    spec = ts.branchgrpo(6, (0, 3), split_noise_scale=1.7, num_trees=2)
     schedule = sampling.make_ddim_schedule(6, eta=1.0)
     tree = rollout(
         analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(4), schedule,
         spec=spec, sample_shape=SAMPLE_SHAPE, uncond=UNCOND, guidance_scale=GUIDANCE,
+        split_log_prob=split_log_prob,
     )  # fmt: skip
 
     @jax.jit
@@ -244,10 +397,40 @@ def test_rescoring_with_same_params_gives_ratio_one():
         return out.log_prob.reshape(P, n * k)
 
     for seg in tree.segments:
+        assert seg.score_scale == (seg.noise_scale if split_log_prob == "sampled" else 1.0)
         for t, i in enumerate(seg.step_indices):
-            new = rescore(seg.parents[t], seg.children[t], int(i), seg.noise_scale)
+            new = rescore(seg.parents[t], seg.children[t], int(i), seg.score_scale)
             np.testing.assert_allclose(new, seg.log_probs[t], rtol=0, atol=1e-6)
             assert float(jnp.max(jnp.abs(jnp.exp(new - seg.log_probs[t]) - 1))) < 1e-5
+
+
+def test_unscaled_split_log_probs_against_scipy():
+    """split_log_prob="unscaled": children drawn with noise_scale * std, scored under the
+    unscaled std, as BranchGRPO's released code does; checked against the reference
+    recursion, which scores with scipy.stats.norm."""
+    spec = ts.branchgrpo(4, (0, 2), split_noise_scale=2.5)
+    schedule = sampling.make_ddim_schedule(4, eta=1.0)
+    key = jax.random.PRNGKey(3)
+    tree = rollout(
+        analytic_denoiser, PARAMS, COND, key, schedule, spec=spec, sample_shape=SAMPLE_SHAPE,
+        uncond=UNCOND, guidance_scale=GUIDANCE, split_log_prob="unscaled",
+    )  # fmt: skip
+    ref = reference_tree(spec, schedule, key, eta=1.0, split_log_prob="unscaled")
+    assert_tree_matches_reference(tree, ref)
+    sampled = rollout(
+        analytic_denoiser, PARAMS, COND, key, schedule, spec=spec, sample_shape=SAMPLE_SHAPE,
+        uncond=UNCOND, guidance_scale=GUIDANCE,
+    )  # fmt: skip
+    np.testing.assert_array_equal(sampled.leaves, tree.leaves)  # same draws, other scores
+    # Mean-reduced, with z the standard noise and sigma the step's std: sampled scores
+    # -mean(z^2)/2 - log(s sigma) - c, unscaled -s^2 mean(z^2)/2 - log(sigma) - c.
+    c, scale = 0.5 * np.log(2 * np.pi), 2.5
+    for j in (0, 2):  # the two split segments
+        sigma = float(schedule.unit_std[int(tree.segments[j].first_step)])
+        half_z2 = -(np.asarray(sampled.segments[j].log_probs) + np.log(scale * sigma) + c)
+        want = -(scale**2) * half_z2 - np.log(sigma) - c
+        np.testing.assert_allclose(tree.segments[j].log_probs, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(tree.segments[1].log_probs, sampled.segments[1].log_probs)
 
 
 def test_compiles_once_per_spec_and_shape_and_is_deterministic():

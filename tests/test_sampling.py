@@ -107,6 +107,32 @@ def test_bf16_inputs_are_computed_in_float32():
     assert out.sample.dtype == out.log_prob.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("score_scale", [None, 1.0, 0.5])
+def test_split_scoring_conventions_match_scipy(score_scale):
+    """Drawn with noise_scale * std; scored under the Gaussian drawn from (score_scale None,
+    our default) or under score_scale * std (1.0: BranchGRPO's released code)."""
+    schedule = sampling.make_flow_schedule(10, shift=3.0)
+    rng = np.random.default_rng(4)
+    x, v, noise = rng.normal(size=(3, 5, 1, 4, 4)).astype(np.float32)
+    scale = 4.0
+    out = sampling.sample_step(
+        schedule, 3, x, v, noise, event_ndim=3, noise_scale=scale, score_scale=score_scale
+    )
+    mean, std = (np.asarray(a, np.float64) for a in schedule.transition(3, x, v))
+    np.testing.assert_allclose(out.sample, mean + scale * std * noise, rtol=1e-5, atol=1e-6)
+    score_std = std * (scale if score_scale is None else score_scale)
+    dense = stats.norm.logpdf(np.asarray(out.sample, np.float64), loc=mean, scale=score_std)
+    np.testing.assert_allclose(out.log_prob, dense.mean(axis=(1, 2, 3)), rtol=1e-5)
+
+
+def test_ddim_eta_above_one_is_refused():
+    with pytest.raises(ValueError, match="eta must be in"):
+        sampling.make_ddim_schedule(10, eta=1.5)
+    with pytest.raises(ValueError, match="eta must be in"):
+        sampling.make_ddim_schedule(10, eta=-0.1)
+    assert float(sampling.make_ddim_schedule(10, eta=1.0).eta) == 1.0
+
+
 def test_score_step_reproduces_sample_step_log_prob():
     schedule = sampling.make_flow_schedule(8)
     x, v, noise = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 1, 4, 4))

@@ -46,6 +46,7 @@ def test_counts_match_enumeration(spec):
     assert spec.training_forward_rows() == ref["rows"]
     assert spec.training_forward_rows(amortized=False) == ref["rows_edgewise"]
     assert spec.training_forward_rows(guidance=True) == 2 * ref["rows"]
+    assert spec.recorded_states == ref["rows"] + ref["edges"]  # parents + children
 
 
 def test_documented_counts():
@@ -106,3 +107,127 @@ def test_bad_specs_raise_one_sentence(make, message):
 def test_specs_are_hashable_static_values():
     assert hash(ts.treegrpo(10)) == hash(ts.treegrpo(10))
     assert ts.treegrpo(10) != ts.treegrpo(10, window_start=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding-window families.
+
+FAMILIES = [
+    (ts.treegrpo(10, window=4, k=2, window_start=None), ts.BRANCH(2), ()),
+    (ts.treegrpo(8, window=3, k=3, window_start=None, num_trees=2), ts.BRANCH(3), ()),
+    (ts.mixgrpo(10, 6, window=4, window_start=None), ts.SDE, ()),
+    (ts.branchgrpo_mix(12, (0, 3, 6), k=2, window=4, window_start=None), ts.SDE, (0, 3, 6)),
+]
+
+
+def _by_hand(num_steps, start, width, inside, splits):
+    """The plain spec of a window position, written out step by step (splits BRANCH(2))."""
+    steps = []
+    for i in range(num_steps):
+        if i in splits:
+            steps.append(ts.BRANCH(2))
+        elif start <= i < start + width:
+            steps.append(inside)
+        else:
+            steps.append(ts.ODE)
+    return tuple(steps)
+
+
+@pytest.mark.parametrize("family, inside, splits", FAMILIES, ids=lambda f: getattr(f, "name", ""))
+def test_family_is_one_value_and_each_position_is_the_plain_spec(family, inside, splits):
+    assert family.sliding and family.window_positions == family.num_steps - family.window.width + 1
+    for start in range(family.window_positions):
+        plain = family.at(start)
+        assert not plain.sliding and plain.name == family.name
+        width = family.window.width
+        assert plain.steps == _by_hand(family.num_steps, start, width, inside, splits)
+        ref = _enumerate(plain)
+        counts = family.counts(window_start=start)
+        assert counts == plain.counts()
+        assert counts["leaves"] == family.leaves == ref["leaves"]
+        assert counts["rollout_denoiser_calls"] == ref["calls"]
+        assert counts["trainable_edges"] == ref["edges"]
+        assert counts["training_forward_rows"] == ref["rows"]
+        assert family.branch_ks == plain.branch_ks
+        assert family.level_sizes == plain.level_sizes
+        # Stored states: the plain spec's stochastic steps, or for a mixed family every
+        # non-split step (recorded with its window flag).
+        recorded = [i for i, step in enumerate(plain.steps) if step.stochastic]
+        if family.name == "branchgrpo_mix":
+            recorded = list(range(family.num_steps))
+        want = sum(plain.nodes_in[i] + plain.nodes_out[i] for i in recorded)
+        assert family.recorded_states == want
+
+
+def test_presets_give_equal_families_for_every_position():
+    for make in (
+        lambda: ts.treegrpo(10, 4, 2, None),
+        lambda: ts.mixgrpo(10, 4, 3, None),
+        lambda: ts.branchgrpo_mix(20, (0, 3, 6, 9), window=4, window_start=None),
+    ):
+        a, b = make(), make()
+        assert a == b and hash(a) == hash(b)
+        assert a != a.at(0) and a.at(1) != a.at(2)
+    # The int form of a preset is the family's plain spec of that position.
+    assert ts.treegrpo(10, 4, 2, 3) == ts.treegrpo(10, 4, 2, None).at(3)
+    assert ts.mixgrpo(10, 4, 3, 5) == ts.mixgrpo(10, 4, 3, None).at(5)
+
+
+@pytest.mark.parametrize("family, inside, splits", FAMILIES, ids=lambda f: getattr(f, "name", ""))
+def test_family_blocks_cover_the_steps_of_every_position(family, inside, splits):
+    """The rollout program: at each start the blocks' bounds tile 0..N in order, ODE blocks
+    over ODE steps, stochastic blocks over stochastic steps, mixed blocks' window flags
+    matching the plain spec, and the segment blocks' shapes never move."""
+    shapes = None
+    for start in range(family.window_positions):
+        plain = family.at(start)
+        covered = []
+        for block in family.blocks:
+            begin, end = block.bounds(start)
+            covered += list(range(begin, end))
+            for i in range(begin, end):
+                assert plain.nodes_in[i] == block.nodes_in
+                assert plain.level_of_depth(i + 1) == block.level
+                kind = plain.steps[i].kind
+                if block.kind == "ode":
+                    assert kind is ts.Kind.ODE
+                elif block.kind == "stochastic":
+                    assert plain.steps[i] == block.step
+                else:
+                    assert kind in (ts.Kind.ODE, ts.Kind.SDE)
+        assert covered == list(range(family.num_steps))
+        now = [(b.num_steps, b.nodes_in, b.step.k, b.level) for b in family.segment_blocks]
+        assert shapes is None or now == shapes
+        shapes = now
+
+
+def test_position_dependent_counts_need_a_window_start():
+    family = ts.treegrpo(10, 4, 2, None)
+    assert family.leaves == 16
+    for ask in (
+        lambda: family.counts(),
+        lambda: family.nodes_in,
+        lambda: family.rollout_denoiser_calls(),
+        lambda: family.trainable_edges,
+    ):
+        with pytest.raises(ts.SpecError, match="depends on the window position") as info:
+            ask()
+        assert "\n" not in str(info.value) and str(info.value).endswith(".")
+    assert ts.grpo(4, 2).counts(window_start=3) == ts.grpo(4, 2).counts()  # no window: ignored
+    assert ts.grpo(4, 2).at(3) == ts.grpo(4, 2)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ts.TreeSpec((ts.SDE,) * 4, window=ts.Window(2, ts.BRANCH(2))), "ODE steps"),
+        (lambda: ts.TreeSpec((ts.ODE,) * 4, window=ts.Window(5, ts.SDE)), "does not fit"),
+        (lambda: ts.TreeSpec((ts.ODE,) * 4, window=ts.Window(2, ts.ODE)), "no window"),
+        (lambda: ts.treegrpo(10, 4, 2, None).at(7), "runs past the last step"),
+        (lambda: ts.treegrpo(10, 0, 2, None), "at least one step"),
+    ],
+)
+def test_bad_windows_raise_one_sentence(make, message):
+    with pytest.raises(ts.SpecError, match=message) as info:
+        make()
+    assert "\n" not in str(info.value) and str(info.value).endswith(".")

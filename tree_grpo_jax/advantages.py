@@ -1,18 +1,27 @@
 """Credit assignment: from leaf rewards to one advantage per trainable edge.
 
-Everything here is indexed the way the rollout lays the tree out. Level d of a prompt holds
-the nodes at depth d: the `num_trees` roots at depth 0, and the children of step i at depth
-i + 1 (every step, ODE included, makes one level). The children of node j are j*k .. j*k+k-1,
-so a node's descendants are one contiguous block of the level below, and backing values up
-the tree is one segment reduction per step over parent ids `arange(n * k) // k`.
+Everything here is indexed the way the rollout lays the tree out. The children of node j
+are j*k .. j*k+k-1 of the next level, so a node's descendants are one contiguous block of
+every level below, and backing values up the tree is one segment reduction per BRANCH step
+over parent ids `arange(n * k) // k`.
+
+Structural levels. Level 0 holds the `num_trees` roots of each prompt; level b the nodes
+after the b-th BRANCH step. An ODE or SDE step has one child per node, so every depth
+between two BRANCH steps holds the same nodes' values: the mean of the leaves below, the
+path-probability fusion and BranchGRPO's depth-wise normalization all give the same numbers
+at each of those depths. The advantages are therefore computed per structural level, and a
+segment's edges take the values of its children's level (`Segment.level`). None of it
+depends on step indices, so a sliding window changes nothing here and one compiled
+function serves every window position.
 
 An edge is (parent, child) at a stochastic step; its advantage is laid out like the
 segment's `log_probs`, `[T, P, n * k]`, and is a value of its child node. The methods differ
 only in what that value is:
 
 - grpo / mixgrpo: leaf A = (r - mean_p) / (std_p + 1e-8) over the prompt's leaves
-  (population std), or from a DDPO per-prompt stat tracker; an edge takes the mean of the
-  leaf advantages below its child. On chains that is simply the leaf's advantage.
+  (population std, or the sample std with `ddof=1` as DanceGRPO's code), or from a DDPO
+  per-prompt stat tracker; an edge takes the mean of the leaf advantages below its child.
+  On chains that is simply the leaf's advantage.
 - treegrpo: the TreeGRPO advantage, `treegrpo_advantages`: the same leaf normalization over
   all leaves of the prompt (all its trees), and an edge parent -> child takes the mean of the
   leaf advantages below the child. Branch edges therefore get step-specific credit.
@@ -20,7 +29,14 @@ only in what that value is:
   path-probability weighting), then normalized per depth within each tree with the sample
   std; a depth with one node, or with std < 1e-6, gets advantage 0.
 
-`compute_advantages` dispatches by method name and clips to +-clip.
+Exact under a constant shift: every normalization first subtracts a member of its own group
+(the prompt's first leaf; for BranchGRPO, each tree's first leaf, and then the mean of the
+differences, before fusing), so constant rewards give exact zeros and adding a constant to a
+prompt's (or a tree's) rewards changes nothing beyond the rounding of the rewards
+themselves. (Fusing raw rewards of size ~20 and more turned the float32 rounding of the
+softmax weights into depth-wise "credit".)
+
+Which method uses which function, and the clipping, is `tree_grpo_jax.methods`' table.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from tree_grpo_jax.tree_spec import TreeSpec
 EPS = 1e-8  # added to the std in every normalization (GRPO, TreeGRPO, BranchGRPO)
 DEPTH_STD_FLOOR = 1e-6  # BranchGRPO: a depth whose fused rewards are this flat gets A = 0
 FUSIONS = ("mean", "path_prob")
-METHODS = ("grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix")
+DDOFS = (0, 1)  # leaf normalization: population std (0) or sample std (1, DanceGRPO's code)
 
 Advantages = tuple[jax.Array, ...]  # one [T, P, n * k] array per segment
 
@@ -49,23 +65,22 @@ Advantages = tuple[jax.Array, ...]  # one [T, P, n * k] array per segment
 
 
 def check_tree(spec: TreeSpec, tree: Tree, rewards: jax.Array | None = None) -> int:
-    """Asserts the tree's segments are the spec's stochastic runs; returns the prompt count."""
-    runs = [run for run in spec.runs if run.step.stochastic]
-    if len(runs) != len(tree.segments):
+    """Asserts the tree's segments are the spec's segment blocks; returns the prompt count."""
+    blocks = spec.segment_blocks
+    if len(blocks) != len(tree.segments):
         raise ValueError(
-            f"the tree has {len(tree.segments)} segments but the spec has {len(runs)} "
-            "stochastic runs; was it rolled out with this spec?"
+            f"the tree has {len(tree.segments)} segments but the spec has {len(blocks)}; "
+            "was it rolled out with this spec?"
         )
     num_prompts = tree.leaves.shape[0]
-    for run, seg in zip(runs, tree.segments):
-        if (seg.first_step, seg.num_steps, seg.k) != (run.first_step, run.num_steps, run.step.k):
+    for j, (block, seg) in enumerate(zip(blocks, tree.segments)):
+        if (seg.num_steps, seg.k, seg.level) != (block.num_steps, block.step.k, block.level):
             raise ValueError(
-                f"segment at step {seg.first_step} ({seg.num_steps} steps, k={seg.k}) does not "
-                f"match the spec's run at step {run.first_step} ({run.num_steps} steps, "
-                f"k={run.step.k})."
+                f"segment {j} ({seg.num_steps} steps, k={seg.k}, level {seg.level}) does not "
+                f"match the spec's ({block.num_steps} steps, k={block.step.k}, level "
+                f"{block.level})."
             )
-        n_out = spec.nodes_out[run.first_step]
-        chex.assert_shape(seg.log_probs, (run.num_steps, num_prompts, n_out))
+        chex.assert_shape(seg.log_probs, (block.num_steps, num_prompts, block.nodes_out))
     if rewards is not None:
         chex.assert_shape(rewards, (num_prompts, spec.leaves))
     return num_prompts
@@ -85,20 +100,30 @@ def _sum_siblings(values: jax.Array, k: int) -> jax.Array:
     return summed.T
 
 
-def step_log_probs(tree: Tree) -> dict[int, jax.Array]:
-    """Step index -> the log-probs of that step's children, [P, n * k]."""
-    return {
-        int(step): seg.log_probs[t]
-        for seg in tree.segments
-        for t, step in enumerate(seg.step_indices)
-    }
+def branch_log_probs(spec: TreeSpec, tree: Tree) -> list[jax.Array]:
+    """The log-probs of the children of each BRANCH step, in order, [P, n * k] each."""
+    out = [seg.log_probs[0] for seg in tree.segments if seg.k > 1]  # one step each
+    if len(out) != len(spec.branch_ks):
+        raise ValueError(
+            f"the tree has {len(out)} branching segments but the spec has "
+            f"{len(spec.branch_ks)} BRANCH steps."
+        )
+    return out
 
 
 def per_segment(tree: Tree, levels: Sequence[jax.Array]) -> Advantages:
-    """Edge values from node values: the edge of step i takes its child's value, levels[i+1]."""
+    """Edge values from node values: a segment's edges take its children's structural level,
+    `levels[seg.level]`, at every one of its steps."""
     return tuple(
-        jnp.stack([levels[int(step) + 1] for step in seg.step_indices]) for seg in tree.segments
+        jnp.broadcast_to(levels[seg.level][None], seg.log_probs.shape).astype(jnp.float32)
+        for seg in tree.segments
     )
+
+
+def depth_levels(spec: TreeSpec, levels: Sequence[jax.Array]) -> list[jax.Array]:
+    """Structural levels expanded to one per depth (0..num_steps) of a spec without a window:
+    depth d holds the level of the nodes d steps below the roots."""
+    return [levels[spec.level_of_depth(d)] for d in range(spec.num_steps + 1)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,30 +135,28 @@ ChildWeights = Callable[[int, jax.Array], jax.Array]
 def backup(spec: TreeSpec, leaf_values: jax.Array, child_weights: ChildWeights) -> list[jax.Array]:
     """Backs leaf values up the tree: a parent is the weighted sum of its children.
 
-    `child_weights(i, children)` gives the weights of step i's children, [P, n * k], summing
-    to one within each sibling group; it is only called at steps with k > 1 (a single child,
-    SDE or ODE, passes its value through). Returns the values of every level, levels[d] of
-    shape [P, nodes at depth d]: levels[0] are the roots, levels[-1] the leaves.
+    `child_weights(b, children)` gives the weights of the children of the b-th BRANCH step
+    (0-based), [P, n * k], summing to one within each sibling group; a step with a single
+    child (SDE or ODE) passes values through. Returns the values of every structural level,
+    levels[b] of shape [P, spec.level_sizes[b]]: levels[0] are the roots, levels[-1] the
+    leaves.
     """
     levels = [leaf_values]
-    for i in reversed(range(spec.num_steps)):
-        k = spec.steps[i].k
+    ks = spec.branch_ks
+    for b in reversed(range(len(ks))):
         children = levels[0]
-        if k > 1:
-            children = _sum_siblings(child_weights(i, children) * children, k)
-        levels.insert(0, children)
+        levels.insert(0, _sum_siblings(child_weights(b, children) * children, ks[b]))
     return levels
 
 
 def backup_mean(spec: TreeSpec, leaf_values: jax.Array) -> list[jax.Array]:
-    """levels[d][p, j]: the mean of the leaf values below node j at depth d.
+    """levels[b][p, j]: the mean of the leaf values below node j of structural level b.
 
     Every node's block of leaves has the same size, so the mean of the children's means is
     the mean over the node's leaves.
     """
-    return backup(
-        spec, leaf_values, lambda i, children: jnp.full_like(children, 1.0 / spec.steps[i].k)
-    )
+    ks = spec.branch_ks
+    return backup(spec, leaf_values, lambda b, children: jnp.full_like(children, 1.0 / ks[b]))
 
 
 def backup_path_prob(
@@ -142,12 +165,12 @@ def backup_path_prob(
     """BranchGRPO's path-probability fusion: value(node) = sum over its children c of
     softmax(alpha * logp_c) * value(c), the softmax over the node's children, logp_c the
     log-prob of the edge into c. Steps with one child pass the value through."""
-    log_probs = step_log_probs(tree)
+    log_probs = branch_log_probs(spec, tree)
+    ks = spec.branch_ks
 
-    def weights(i, children):
+    def weights(b, children):
         num_prompts, num_children = children.shape
-        k = spec.steps[i].k
-        logits = alpha * log_probs[i].astype(jnp.float32).reshape(num_prompts, -1, k)
+        logits = alpha * log_probs[b].astype(jnp.float32).reshape(num_prompts, -1, ks[b])
         return jax.nn.softmax(logits, axis=-1).reshape(num_prompts, num_children)
 
     return backup(spec, leaf_values, weights)
@@ -171,9 +194,16 @@ def normalize(values: jax.Array, *, ddof: int = 0, eps: float = EPS) -> tuple[ja
     return deviations / (std + eps), std
 
 
-def group_normalize(rewards: jax.Array) -> jax.Array:
-    """Per-prompt GRPO normalization of rewards [P, L] over each prompt's L leaves."""
-    return normalize(rewards.astype(jnp.float32), ddof=0)[0]
+def _check_ddof(ddof: int) -> int:
+    if ddof not in DDOFS:
+        raise ValueError(f"ddof must be 0 (population std) or 1 (sample std), got {ddof!r}.")
+    return int(ddof)
+
+
+def group_normalize(rewards: jax.Array, ddof: int = 0) -> jax.Array:
+    """Per-prompt GRPO normalization of rewards [P, L] over each prompt's L leaves, with the
+    population std (`ddof=0`) or the sample std (`ddof=1`, DanceGRPO's `torch.std`)."""
+    return normalize(rewards.astype(jnp.float32), ddof=_check_ddof(ddof))[0]
 
 
 class PerPromptStatTracker:
@@ -252,17 +282,20 @@ def grpo_advantages(
     *,
     tracker: PerPromptStatTracker | None = None,
     prompt_ids: Sequence[Hashable] | None = None,
+    ddof: int = 0,
 ) -> Advantages:
     """Flat GRPO (DDPO / DanceGRPO / Flow-GRPO) and MixGRPO.
 
-    Leaf advantages are the per-prompt group normalization of the rewards [P, L], or, with a
-    `tracker`, DDPO's per-prompt statistics (host side: not jittable; `prompt_ids` names the
-    prompt of each row). Every edge of a chain takes its leaf's advantage; where chains share
-    a prefix, the shared edges take the mean of the leaves below them.
+    Leaf advantages are the per-prompt group normalization of the rewards [P, L] (std with
+    `ddof`: 0 population, 1 sample as DanceGRPO's code), or, with a `tracker`, DDPO's
+    per-prompt statistics (host side: not jittable; `prompt_ids` names the prompt of each
+    row; the tracker keeps its own population std). Every edge of a chain takes its leaf's
+    advantage; where chains share a prefix, the shared edges take the mean of the leaves
+    below them.
     """
     check_tree(spec, tree, rewards)
     if tracker is None:
-        leaf_advantages = group_normalize(rewards)
+        leaf_advantages = group_normalize(rewards, ddof)
     else:
         if prompt_ids is None:
             raise ValueError("the per-prompt stat tracker needs prompt_ids, one per prompt row.")
@@ -270,28 +303,58 @@ def grpo_advantages(
     return _edge_means_of_leaves(spec, tree, leaf_advantages)
 
 
-def treegrpo_advantages(spec: TreeSpec, tree: Tree, rewards: jax.Array) -> Advantages:
+def treegrpo_advantages(
+    spec: TreeSpec, tree: Tree, rewards: jax.Array, *, ddof: int = 0
+) -> Advantages:
     """TreeGRPO: leaf A = (r - mean_p) / (std_p + 1e-8) over all leaves of the prompt (all
-    its trees, population std); the edge parent -> child takes the mean of the leaf
-    advantages below the child.
+    its trees; population std, or the sample std with `ddof=1`); the edge parent -> child
+    takes the mean of the leaf advantages below the child.
 
     A branch edge is thus credited with how good the subtree it chose is relative to the
     prompt's other samples, which differs step by step along a path.
     """
     check_tree(spec, tree, rewards)
-    return _edge_means_of_leaves(spec, tree, group_normalize(rewards))
+    return _edge_means_of_leaves(spec, tree, group_normalize(rewards, ddof))
+
+
+def centre_per_tree(spec: TreeSpec, rewards: jax.Array) -> jax.Array:
+    """[P, leaves] rewards relative to their tree: minus the tree's first leaf (exact in
+    floating point for nearby values, so a constant tree becomes exact zeros and a constant
+    offset cancels exactly), then minus the mean of those differences (small numbers, so
+    the fusion's rounding stays at the scale of the rewards' spread)."""
+    num_prompts, num_leaves = rewards.shape
+    per_tree = rewards.reshape(num_prompts, spec.num_trees, num_leaves // spec.num_trees)
+    per_tree = per_tree - per_tree[..., :1]
+    per_tree = per_tree - jnp.mean(per_tree, axis=-1, keepdims=True)
+    return per_tree.reshape(num_prompts, num_leaves)
 
 
 def fused_rewards(
-    spec: TreeSpec, tree: Tree, rewards: jax.Array, *, fusion: str = "mean", alpha: float = 1.0
+    spec: TreeSpec,
+    tree: Tree,
+    rewards: jax.Array,
+    *,
+    fusion: str = "mean",
+    alpha: float = 1.0,
+    relative: bool = False,
 ) -> list[jax.Array]:
-    """BranchGRPO's reward fusion: every node's reward from its leaves, per level."""
+    """BranchGRPO's reward fusion: every node's reward from its leaves, per structural level.
+
+    With `relative`, each tree's rewards are first centred (`centre_per_tree`), so the
+    fused values are relative to a per-tree baseline: exact zeros for a constant tree,
+    whatever its size (the softmax weights of path-probability fusion sum to one only up to
+    rounding, so fusing raw rewards of size ~20 and more spreads a constant tree by more
+    than the 1e-6 floor). The depth-wise normalization is shift-invariant within a tree, so
+    it is the same either way, up to that rounding.
+    """
+    if fusion not in FUSIONS:
+        raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}.")
     rewards = rewards.astype(jnp.float32)
+    if relative:
+        rewards = centre_per_tree(spec, rewards)
     if fusion == "mean":
         return backup_mean(spec, rewards)
-    if fusion == "path_prob":
-        return backup_path_prob(spec, tree, rewards, alpha)
-    raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}.")
+    return backup_path_prob(spec, tree, rewards, alpha)
 
 
 def depthwise_normalize(spec: TreeSpec, level: jax.Array) -> jax.Array:
@@ -317,37 +380,9 @@ def branchgrpo_advantages(
     fusion: str = "mean",
     alpha: float = 1.0,
 ) -> Advantages:
-    """BranchGRPO: fuse rewards up each tree, normalize each depth within each tree; an edge
-    takes the advantage of the node it produces."""
+    """BranchGRPO: fuse rewards up each tree (relative to a per-tree baseline, so the result
+    is exact under a constant shift), normalize each depth within each tree; an edge takes
+    the advantage of the node it produces."""
     check_tree(spec, tree, rewards)
-    levels = fused_rewards(spec, tree, rewards, fusion=fusion, alpha=alpha)
+    levels = fused_rewards(spec, tree, rewards, fusion=fusion, alpha=alpha, relative=True)
     return per_segment(tree, [depthwise_normalize(spec, level) for level in levels])
-
-
-_METHODS: dict[str, Callable[..., Advantages]] = {
-    "grpo": grpo_advantages,
-    "mixgrpo": grpo_advantages,
-    "treegrpo": treegrpo_advantages,
-    "branchgrpo": branchgrpo_advantages,
-    "branchgrpo_mix": branchgrpo_advantages,
-}
-
-
-def compute_advantages(
-    method: str,
-    spec: TreeSpec,
-    tree: Tree,
-    rewards: jax.Array,
-    *,
-    clip: float = 5.0,
-    **method_kwargs,
-) -> Advantages:
-    """The advantages of `method`, clipped to +-clip, one [T, P, n * k] array per segment.
-
-    method_kwargs go to the method: `tracker`, `prompt_ids` for grpo / mixgrpo; `fusion`,
-    `alpha` for branchgrpo / branchgrpo_mix.
-    """
-    if method not in _METHODS:
-        raise ValueError(f"unknown advantage method {method!r}; use one of {', '.join(METHODS)}.")
-    advantages = _METHODS[method](spec, tree, rewards, **method_kwargs)
-    return tuple(jnp.clip(a, -clip, clip) for a in advantages)

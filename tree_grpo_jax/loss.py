@@ -5,6 +5,11 @@ that parent are scored against it, so a BRANCH(k) parent costs one forward for k
 Masked slots (chain padding, pruned edges, padded rows) contribute nothing, and a batch
 with no trained edge has loss 0 and zero gradient.
 
+Each row's std is multiplied by its `noise_scale`, the multiplier the rollout scored the
+actions with (`Segment.score_scale`): the split's noise scale by default, 1 when the rollout
+ran with `split_log_prob="unscaled"` (BranchGRPO's released convention). The loss thus
+follows the rollout's convention and the importance ratio is 1 before an update either way.
+
 Jit it with `denoise_fn` static (functools.partial, or `static_argnames`).
 """
 
@@ -72,7 +77,6 @@ def ppo_loss(
     uncond: jax.Array | None = None,
     guidance_scale: jax.Array | float = 1.0,
     clip_range: jax.Array | float = 1e-4,
-    adv_clip: jax.Array | float = 5.0,
     kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     reduce: str = "mean",
@@ -80,11 +84,11 @@ def ppo_loss(
     """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
 
     per edge: max(-A * r, -A * clip(r, 1 - eps, 1 + eps)), r = exp(logp_new - logp_old),
-    A clipped to +-adv_clip. The KL term (when `ref_params` is given) is the KL between the
-    step Gaussians of the policy and the frozen reference, which share the policy's std
-    (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2), Flow-GRPO's form; it is
-    averaged over the rows that have a trained edge and costs one more forward per row.
-    `reduce` must match the rollout's.
+    A as given (the method table has clipped it). The KL term (when `ref_params` is given)
+    is the KL between the step Gaussians of the policy and the frozen reference, which
+    share the policy's std (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2),
+    Flow-GRPO's form; it is averaged over the rows that have a trained edge and costs one
+    more forward per row. `reduce` must match the rollout's.
     """
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape_prefix([batch.x, batch.actions, batch.mask], 1)
@@ -101,7 +105,7 @@ def ppo_loss(
     # Masked slots may hold anything: zero their log-ratio before exp so they stay finite.
     log_ratio = jnp.where(mask, new_log_probs - batch.old_log_probs, 0.0)
     ratio = jnp.exp(log_ratio)
-    advantages = jnp.clip(batch.advantages.astype(jnp.float32), -adv_clip, adv_clip)
+    advantages = batch.advantages.astype(jnp.float32)  # clipped once, by the method table
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
     policy_loss = _masked_mean(jnp.maximum(unclipped, clipped), mask)

@@ -3,10 +3,20 @@
 Pruning changes the loss only: the rollout, the rewards and the advantages are computed on
 the whole tree. A mask is one boolean array per segment shaped like its `log_probs`,
 `[T, P, n * k]`, True where the edge is trained. Masks combine with `combine_masks` (AND).
+Every mask here is already False on the steps a segment recorded without sampling (the
+steps of BranchGRPO-Mix outside the window, `Segment.active`).
 
 Depth: the depth of a node is the number of denoising steps from its root (roots are depth
 0), so the edge of step i produces a node at depth i + 1 and "pruning depth d" drops every
-edge of step d - 1. This is the official code's `child_depth`.
+edge of step d - 1. This is the official code's `child_depth`. Step indices are read from
+the segments (they are data: a sliding window moves them).
+
+When to prune: the released code (`fastvideo/train_branchgrpo_flux.py`) prunes, depth and
+width alike, only while `step <= int(max_train_steps * pruning_step_ratio)`, its `step`
+counting iterations from 1; `pruning_active` is that rule for 0-based iterations. Its
+sliding depth window moves by `step // depth_pruning_slide_interval`, also counted from 1:
+`active_pruned_depths(..., count_from=1)` reproduces it (our default counts from 0, so the
+set first moves after `slide_every` iterations rather than `slide_every - 1`).
 
 These run once per iteration on the host (numpy), between the advantages and the gather.
 """
@@ -26,8 +36,11 @@ Masks = tuple[np.ndarray, ...]
 
 
 def full_masks(tree: Tree) -> Masks:
-    """Every edge trained."""
-    return tuple(np.ones(seg.log_probs.shape, bool) for seg in tree.segments)
+    """Every trainable edge: all edges of every segment, less the steps it did not sample."""
+    return tuple(
+        np.broadcast_to(np.asarray(seg.active, bool)[:, None, None], seg.log_probs.shape).copy()
+        for seg in tree.segments
+    )
 
 
 def combine_masks(*masks: Masks | None) -> Masks | None:
@@ -43,10 +56,37 @@ def edge_depth(step_index: int) -> int:
     return step_index + 1
 
 
-def last_split_step(spec: TreeSpec) -> int | None:
-    """Index of the last BRANCH step, None if the spec never branches."""
+def last_split_step(spec: TreeSpec, window_start: int | None = None) -> int | None:
+    """Index of the last BRANCH step, None if the spec never branches. A spec whose window
+    holds its BRANCH steps (TreeGRPO's family) needs the `window_start`."""
+    if spec.sliding and spec.window.step.kind is Kind.BRANCH:
+        if window_start is None:
+            raise ValueError(
+                f"the BRANCH steps of {spec.name!r} move with its window: give window_start."
+            )
+        spec = spec.at(window_start)
     splits = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
     return splits[-1] if splits else None
+
+
+# ---------------------------------------------------------------------------------------------
+# When pruning applies.
+
+
+def pruning_active(iteration: int, total_iterations: int, ratio: float = 1.0) -> bool:
+    """Whether pruning (depth and width) applies at 0-based `iteration` of a run of
+    `total_iterations`: during the first `int(total_iterations * ratio)` iterations.
+
+    This is the released BranchGRPO code's `pruning_step_ratio` (default 1.0, always):
+    `should_prune = step <= int(max_train_steps * pruning_step_ratio)` with `step` counted
+    from 1, i.e. `iteration < int(total_iterations * ratio)`. A ratio of 1 or more prunes at
+    every iteration, also past `total_iterations`.
+    """
+    if not ratio >= 0:
+        raise ValueError(f"the pruning ratio must be at least 0, got {ratio}.")
+    if ratio >= 1:
+        return True
+    return iteration + 1 <= int(total_iterations * ratio)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,14 +100,18 @@ def active_pruned_depths(
     iteration: int = 0,
     slide_every: int | None = None,
     stop_depth: int | None = None,
+    count_from: int = 0,
+    window_start: int | None = None,
 ) -> tuple[int, ...]:
-    """The depths pruned at `iteration`.
+    """The depths pruned at `iteration` (0-based).
 
     Without sliding that is `pruned_depths`. With `slide_every`, the whole set moves one
-    depth towards the root (earlier steps) every `slide_every` iterations, until its
-    shallowest depth reaches `stop_depth`; that defaults to the last split step's index,
-    the depth of the last split's parents, so the last split's own edges are never pruned
-    by the slide (the official default).
+    depth towards the root (earlier steps) every `slide_every` iterations, shift =
+    (iteration + count_from) // slide_every, until its shallowest depth reaches
+    `stop_depth`; that defaults to the last split step's index, the depth of the last
+    split's parents, so the last split's own edges are never pruned by the slide (the
+    official default). `count_from=1` counts iterations from 1 as the released code does
+    (shift = step // depth_pruning_slide_interval with step = iteration + 1).
     """
     depths = sorted(set(int(d) for d in pruned_depths))
     bad = [d for d in depths if not 1 <= d <= spec.num_steps]
@@ -76,13 +120,15 @@ def active_pruned_depths(
             f"pruned depths {bad} are outside 1..{spec.num_steps}: depth d is the node made by "
             f"step d - 1."
         )
+    if count_from not in (0, 1):
+        raise ValueError(f"count_from must be 0 or 1, got {count_from!r}.")
     if not depths or slide_every is None:
         return tuple(depths)
     if slide_every < 1:
         raise ValueError(f"depth pruning slides every {slide_every} iterations; use at least 1.")
     if stop_depth is None:
-        stop_depth = last_split_step(spec) or 0
-    shift = min(iteration // slide_every, max(0, depths[0] - stop_depth))
+        stop_depth = last_split_step(spec, window_start) or 0
+    shift = min((iteration + count_from) // slide_every, max(0, depths[0] - stop_depth))
     return tuple(d - shift for d in depths)
 
 
@@ -94,17 +140,25 @@ def depth_pruning_mask(
     iteration: int = 0,
     slide_every: int | None = None,
     stop_depth: int | None = None,
+    count_from: int = 0,
+    window_start: int | None = None,
 ) -> Masks:
     """False on every edge whose child is at a pruned depth (see `active_pruned_depths`)."""
     active = set(
         active_pruned_depths(
-            spec, pruned_depths, iteration=iteration, slide_every=slide_every, stop_depth=stop_depth
+            spec,
+            pruned_depths,
+            iteration=iteration,
+            slide_every=slide_every,
+            stop_depth=stop_depth,
+            count_from=count_from,
+            window_start=window_start,
         )
     )
     masks = []
-    for seg in tree.segments:
+    for seg, trainable in zip(tree.segments, full_masks(tree)):
         kept = np.array([edge_depth(int(i)) not in active for i in seg.step_indices])
-        masks.append(np.broadcast_to(kept[:, None, None], seg.log_probs.shape).copy())
+        masks.append(trainable & kept[:, None, None])
     return tuple(masks)
 
 
@@ -142,19 +196,35 @@ def width_pruning_mask(
       stay.
 
     Ties go to the lower node index. A spec without a BRANCH step has nothing to prune.
+    Branches are found by structure (the segments after the last branching one), so this
+    works the same at every window position.
+
+    How this differs from the released BranchGRPO code (`width_pruning_mode` 1 and 2), by
+    design: that code ranks individual transitions (steps), not chains. Its mode 1 groups
+    the steps after the last split by the branch they descend from and keeps the top
+    `max(1, int(group_size * ratio))` steps of each group; a chain's steps all carry the same
+    advantage, so its stable sort keeps the *earliest* steps of *every* chain (with ratio
+    0.5, the first half of each chain below the last split): a depth cut, not a choice
+    between branches. Its mode 2 pools the steps after the last split over the whole
+    per-GPU batch (every prompt and tree on that process) and keeps the best keep // 2 and
+    worst keep - keep // 2 steps, keep = max(2, int(steps * ratio)), so what is kept depends
+    on the per-device batch and a chain at the cut may be kept in part. Here a branch is
+    kept or dropped whole, compared within its sibling group ("top_per_branch") or within
+    its own tree ("best_worst").
     """
     if mode not in WIDTH_MODES:
         raise ValueError(f"width pruning mode must be one of {WIDTH_MODES}, got {mode!r}.")
     if not 0 < ratio <= 1:
         raise ValueError(f"width pruning ratio must be in (0, 1], got {ratio}.")
     masks = list(full_masks(tree))
-    split = last_split_step(spec)
-    if split is None:
+    ks = spec.branch_ks
+    if not ks:
         return tuple(masks)
-    split_seg = next(j for j, s in enumerate(tree.segments) if s.first_step == split)
+    last_level = len(ks)
+    split_seg = next(j for j, s in enumerate(tree.segments) if s.k > 1 and s.level == last_level)
     scores = np.asarray(advantages[split_seg], np.float64)[0]  # [P, branches]
     num_prompts, branches = scores.shape
-    k = spec.steps[split].k
+    k = ks[-1]
 
     if mode == "top_per_branch":
         ranks = _descending_rank(scores.reshape(num_prompts, branches // k, k))
@@ -168,6 +238,6 @@ def width_pruning_mask(
     keep = keep.reshape(num_prompts, branches)
 
     for j, seg in enumerate(tree.segments):
-        if seg.first_step > split:  # no split after: node c at this level is branch c
-            masks[j] = np.broadcast_to(keep[None], seg.log_probs.shape).copy()
+        if seg.level == last_level and seg.k == 1:  # after the last split: node c is branch c
+            masks[j] = masks[j] & keep[None]
     return tuple(masks)

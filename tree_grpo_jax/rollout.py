@@ -1,18 +1,30 @@
 """The batched tree rollout engine.
 
-The live nodes of a level are one array `[prompts, nodes, *sample_shape]`. Runs of identical
-ODE or SDE steps are one `lax.scan`; a BRANCH(k) step computes the level's Gaussian once and
-broadcasts it along a new child axis, so a shared prefix is never recomputed. The static
-Python loop is over the spec's runs, a handful per tree.
+The live nodes of a level are one array `[prompts, nodes, *sample_shape]`. The spec's
+`blocks` are the program: an ODE block is one loop, a stochastic block (a run of SDE steps,
+or one BRANCH(k) step) is one segment of the tree. A BRANCH(k) step computes the level's
+Gaussian once and broadcasts it along a new child axis, so a shared prefix is never
+recomputed. The static Python loop is over the blocks, a handful per tree.
 
-What comes back is the tree as the trainer needs it: for every stochastic step, the parent
-states, the children drawn from them (node j's children at j*k .. j*k + k - 1), and the
-children's log-probs under the sampling parameters; and the leaves.
+The window position is data. For a sliding-window spec (`spec.sliding`) the blocks' bounds
+move with `window_start`, an int32 argument: the ODE steps before and after the window are
+loops with dynamic bounds, and the window's steps run at dynamic step indices with fixed
+shapes (TreeGRPO, MixGRPO); or, with BRANCH steps fixed in the spec (BranchGRPO-Mix), every
+non-branch step is recorded and is stochastic or deterministic by a flag computed from the
+window start. Either way one compiled rollout serves every window position.
+
+Noise: the roots come from one draw and all stochastic steps' noise from one more, cut into
+the segments in order (`segment_noise`), so the same key and spec give the same tree.
+
+What comes back is the tree as the trainer needs it: for every segment, the parent states,
+the children drawn from them (node j's children at j*k .. j*k + k - 1), the children's
+log-probs under the sampling parameters, and the step indices as data; and the leaves.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import chex
 import jax
@@ -23,24 +35,43 @@ from flax import struct
 from tree_grpo_jax import sampling
 from tree_grpo_jax.guidance import guided_prediction
 from tree_grpo_jax.models.base import DenoiseFn, PyTree
-from tree_grpo_jax.tree_spec import Kind, Step, TreeSpec
+from tree_grpo_jax.tree_spec import Block, TreeSpec
+
+# How a split child's log-prob is computed. "sampled" (default): under the Gaussian it was
+# drawn from, std widened by the split's noise_scale. "unscaled": under the unscaled std,
+# as BranchGRPO's released code does; the loss follows through the transitions' noise_scale.
+SPLIT_LOG_PROBS = ("sampled", "unscaled")
 
 
 @struct.dataclass
 class Segment:
-    """T consecutive stochastic steps with the same node count (or one BRANCH step).
+    """T stochastic steps with the same node count (a run of SDE steps, or one BRANCH step).
 
     parents:   [T, P, n, *S]      the states the steps start from
     children:  [T, P, n * k, *S]  the sampled next states (the actions)
     log_probs: [T, P, n * k]      log-prob of each child under the rollout's parameters
+    steps:     [T] int32          the step index of each of the T steps (data: it moves
+                                  with a sliding window)
+    active:    [T] bool           True where the step was stochastic; False only in the
+                                  mixed segments of BranchGRPO-Mix, for steps outside the
+                                  window (deterministic: children = the ODE step, log-prob 0,
+                                  never trained)
+
+    k, noise_scale: the step's children per parent and std multiplier used to draw them;
+    score_scale: the std multiplier of `log_probs` (noise_scale, or 1 with
+    split_log_prob="unscaled"); level: the structural level of the children (the number of
+    BRANCH steps at or before this segment), which is all the advantages need.
     """
 
     parents: jax.Array
     children: jax.Array
     log_probs: jax.Array
-    first_step: int = struct.field(pytree_node=False)
+    steps: jax.Array
+    active: jax.Array
     k: int = struct.field(pytree_node=False)
     noise_scale: float = struct.field(pytree_node=False)
+    score_scale: float = struct.field(pytree_node=False)
+    level: int = struct.field(pytree_node=False)
 
     @property
     def num_steps(self) -> int:
@@ -48,13 +79,29 @@ class Segment:
 
     @property
     def step_indices(self) -> np.ndarray:
-        return np.arange(self.first_step, self.first_step + self.num_steps)
+        """The step indices on the host (not under a trace)."""
+        return np.asarray(self.steps)
+
+    @property
+    def first_step(self) -> int:
+        """The first step index on the host (not under a trace)."""
+        return int(np.asarray(self.steps)[0])
 
 
 @struct.dataclass
 class Tree:
-    segments: tuple[Segment, ...]  # in step order, one per stochastic run of the spec
+    segments: tuple[Segment, ...]  # in step order, one per segment block of the spec
     leaves: jax.Array  # [P, leaves, *S]
+
+
+# ---------------------------------------------------------------------------------------------
+# Noise.
+
+
+def split_rollout_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(key for the roots, key for every stochastic step's noise)."""
+    init_key, noise_key = jax.random.split(key)
+    return init_key, noise_key
 
 
 def initial_noise(key: jax.Array, num_prompts: int, spec: TreeSpec, sample_shape) -> jax.Array:
@@ -64,15 +111,49 @@ def initial_noise(key: jax.Array, num_prompts: int, spec: TreeSpec, sample_shape
     return jnp.broadcast_to(noise, (num_prompts, spec.num_trees, *sample_shape))
 
 
-def step_noise(key: jax.Array, step_index, shape) -> jax.Array:
-    """Standard normal noise of step `step_index`, shaped [P, n, k, *S]."""
-    return jax.random.normal(jax.random.fold_in(key, step_index), shape, jnp.float32)
+def segment_noise_shapes(spec: TreeSpec, num_prompts: int, sample_shape) -> list[tuple]:
+    """[T, P, n, k, *S] for each segment, in order."""
+    return [
+        (b.num_steps, num_prompts, b.nodes_in, b.step.k, *sample_shape) for b in spec.segment_blocks
+    ]
 
 
-def split_rollout_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(key for the roots, key folded with the step index for each step's noise)."""
-    init_key, step_key = jax.random.split(key)
-    return init_key, step_key
+def segment_noise(key: jax.Array, spec: TreeSpec, num_prompts: int, sample_shape) -> list:
+    """Standard normal noise of every segment, [T, P, n, k, *S] each: one draw of all of it,
+    cut in segment order (row-major within a segment). The same for every window position:
+    the segments' shapes do not move with the window."""
+    shapes = segment_noise_shapes(spec, num_prompts, sample_shape)
+    sizes = [math.prod(s) for s in shapes]
+    if not sizes:
+        return []
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    offsets = np.cumsum([0] + sizes)
+    return [flat[a:b].reshape(s) for a, b, s in zip(offsets[:-1], offsets[1:], shapes)]
+
+
+def noise_by_step(
+    key: jax.Array, spec: TreeSpec, num_prompts: int, sample_shape, window_start: int = 0
+) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """(roots [P, num_trees, *S], {step: noise [P, n, k, *S]}) exactly as the rollout draws
+    them with this key, for every step that is stochastic at `window_start`. Host side: for
+    references and node-by-node baselines."""
+    init_key, noise_key = split_rollout_key(key)
+    roots = initial_noise(init_key, num_prompts, spec, sample_shape)
+    plain = spec.at(window_start)
+    stochastic = set(plain.trainable_steps)
+    out = {}
+    for block, noise in zip(
+        spec.segment_blocks, segment_noise(noise_key, spec, num_prompts, sample_shape)
+    ):
+        begin, _ = block.bounds(int(window_start))
+        for t in range(block.num_steps):
+            if begin + t in stochastic:
+                out[begin + t] = noise[t]
+    return roots, out
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine.
 
 
 def _level_prediction(denoise_fn, params, schedule, i, x, cond, uncond, guidance_scale):
@@ -85,12 +166,9 @@ def _level_prediction(denoise_fn, params, schedule, i, x, cond, uncond, guidance
     return pred.reshape(x.shape)
 
 
-def _stochastic_step(predict, schedule, step: Step, step_key, i, x, event_ndim, reduce):
-    """One SDE/BRANCH step on a level: (children [P, n*k, *S], log-probs [P, n*k])."""
+def _draw(schedule, i, x, pred, noise, k, noise_scale, score_scale, event_ndim, reduce):
+    """k children per node of a level: (children [P, n*k, *S], log-probs [P, n*k])."""
     num_prompts, n = x.shape[:2]
-    sample_shape = x.shape[2:]
-    pred = predict(i, x)
-    noise = step_noise(step_key, i, (num_prompts, n, step.k, *sample_shape))
     # [P, n, 1, *S] against [P, n, k, *S]: one mean per parent, k draws around it.
     out = sampling.sample_step(
         schedule,
@@ -99,14 +177,21 @@ def _stochastic_step(predict, schedule, step: Step, step_key, i, x, event_ndim, 
         pred[:, :, None],
         noise,
         event_ndim=event_ndim,
-        noise_scale=step.noise_scale,
+        noise_scale=noise_scale,
+        score_scale=score_scale,
         reduce=reduce,
     )
-    children = out.sample.reshape(num_prompts, n * step.k, *sample_shape)
-    return children, out.log_prob.reshape(num_prompts, n * step.k)
+    children = out.sample.reshape(num_prompts, n * k, *x.shape[2:])
+    return children, out.log_prob.reshape(num_prompts, n * k)
 
 
-@functools.partial(jax.jit, static_argnames=("denoise_fn", "spec", "sample_shape", "reduce"))
+def _window_flags(block: Block, spec: TreeSpec, steps: jax.Array, start: jax.Array) -> jax.Array:
+    """Which steps of a mixed block are stochastic: the base's SDE steps and the window's."""
+    width = spec.window.width
+    inside = (steps >= start) & (steps < start + width)
+    return inside | jnp.asarray(block.always_stochastic, bool)
+
+
 def rollout(
     denoise_fn: DenoiseFn,
     params: PyTree,
@@ -119,55 +204,146 @@ def rollout(
     uncond: jax.Array | None = None,
     guidance_scale: jax.Array | float = 1.0,
     reduce: str = "mean",
+    window_start: jax.Array | int = 0,
+    split_log_prob: str = "sampled",
 ) -> Tree:
     """Rolls out `spec.num_trees` trees for each of the P prompts in `cond` [P, L, D].
 
-    Guidance is on when `uncond` ([L, D]) is given. Compiles once per spec, batch shape and
-    denoiser; the same key gives the same tree.
+    Guidance is on when `uncond` ([L, D]) is given. `window_start` (an int or an int32
+    array) places the window of a sliding-window spec and is ignored by other specs; a
+    Python int is checked against the spec, a traced one is clipped into range.
+    `split_log_prob` is "sampled" (score split children under the widened Gaussian they were
+    drawn from) or "unscaled" (under the unscaled std, BranchGRPO's released code).
+
+    Compiles once per spec, batch shape, denoiser and options, for every window position;
+    the same key gives the same tree.
     """
     chex.assert_rank(cond, 3)
     if schedule.num_steps != spec.num_steps:
         raise ValueError(
             f"the schedule has {schedule.num_steps} steps but the tree spec has {spec.num_steps}."
         )
+    if split_log_prob not in SPLIT_LOG_PROBS:
+        raise ValueError(
+            f"split_log_prob must be one of {SPLIT_LOG_PROBS}, got {split_log_prob!r}."
+        )
+    if spec.sliding and not isinstance(window_start, jax.core.Tracer):
+        spec.at(int(window_start))  # raises SpecError for a window that does not fit
+    return _rollout(
+        denoise_fn,
+        params,
+        cond,
+        key,
+        schedule,
+        jnp.asarray(window_start, jnp.int32),
+        uncond,
+        guidance_scale,
+        spec=spec,
+        sample_shape=tuple(sample_shape),
+        reduce=reduce,
+        split_log_prob=split_log_prob,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("denoise_fn", "spec", "sample_shape", "reduce", "split_log_prob")
+)
+def _rollout(
+    denoise_fn,
+    params,
+    cond,
+    key,
+    schedule,
+    window_start,
+    uncond,
+    guidance_scale,
+    *,
+    spec: TreeSpec,
+    sample_shape: tuple[int, ...],
+    reduce: str,
+    split_log_prob: str,
+) -> Tree:
     num_prompts = cond.shape[0]
     event_ndim = len(sample_shape)
-    init_key, step_key = split_rollout_key(key)
+    start = jnp.clip(window_start, 0, spec.window_positions - 1)
+    init_key, noise_key = split_rollout_key(key)
+    noises = segment_noise(noise_key, spec, num_prompts, sample_shape)
     predict = functools.partial(_level_prediction, denoise_fn, params, schedule)
 
     def level_predict(i, x):
         return predict(i, x, cond, uncond, guidance_scale)
 
+    def ode_body(i, x):
+        return schedule.deterministic_step(i, x, level_predict(i, x))
+
     x = initial_noise(init_key, num_prompts, spec, sample_shape)
     segments = []
-    for run in spec.runs:
-        steps = jnp.arange(run.first_step, run.first_step + run.num_steps)
-        if run.step.kind is Kind.ODE:
-
-            def ode_body(x, i):
-                return schedule.deterministic_step(i, x, level_predict(i, x)), None
-
-            x, _ = jax.lax.scan(ode_body, x, steps)
+    for block in spec.blocks:
+        begin, end = block.bounds(start)
+        if block.kind == "ode":
+            static = isinstance(begin, int) and isinstance(end, int)
+            if not (static and begin >= end):
+                x = jax.lax.fori_loop(begin, end, ode_body, x)
             continue
 
-        def stochastic_body(x, i, step=run.step):
-            children, log_probs = _stochastic_step(
-                level_predict, schedule, step, step_key, i, x, event_ndim, reduce
-            )
-            return children, (x, children, log_probs)
+        step = block.step
+        score_scale = step.noise_scale if split_log_prob == "sampled" else 1.0
+        steps = begin + jnp.arange(block.num_steps, dtype=jnp.int32)
+        draw = functools.partial(
+            _draw,
+            schedule,
+            k=step.k,
+            noise_scale=step.noise_scale,
+            score_scale=score_scale,
+            event_ndim=event_ndim,
+            reduce=reduce,
+        )
+        if block.kind == "stochastic":
+            active = jnp.ones((block.num_steps,), bool)
 
-        if run.step.kind is Kind.BRANCH:  # changes the level's size: no scan, one step
-            x, record = stochastic_body(x, run.first_step)
+            def body(x, inputs, draw=draw):
+                i, noise, _ = inputs
+                children, log_probs = draw(i, x, level_predict(i, x), noise)
+                return children, (x, children, log_probs)
+
+        else:  # mixed: stochastic inside the window, deterministic outside
+            active = _window_flags(block, spec, steps, start)
+
+            def body(x, inputs, draw=draw):
+                i, noise, stochastic = inputs
+                pred = level_predict(i, x)
+                drawn, log_probs = draw(i, x, pred, noise)
+                children = jnp.where(stochastic, drawn, schedule.deterministic_step(i, x, pred))
+                return children, (x, children, jnp.where(stochastic, log_probs, 0.0))
+
+        inputs = (steps, noises[len(segments)], active)
+        if block.num_steps == 1:  # a BRANCH step changes the level's size: no scan
+            x, record = body(x, jax.tree_util.tree_map(lambda a: a[0], inputs))
             record = jax.tree_util.tree_map(lambda a: a[None], record)
         else:
-            x, record = jax.lax.scan(stochastic_body, x, steps)
+            x, record = jax.lax.scan(body, x, inputs)
         parents, children, log_probs = record
         segments.append(
-            Segment(parents, children, log_probs, run.first_step, run.step.k, run.step.noise_scale)
+            Segment(
+                parents,
+                children,
+                log_probs,
+                steps,
+                active,
+                k=step.k,
+                noise_scale=step.noise_scale,
+                score_scale=score_scale,
+                level=block.level,
+            )
         )
 
     chex.assert_shape(x, (num_prompts, spec.leaves, *sample_shape))
     return Tree(segments=tuple(segments), leaves=x)
+
+
+# The jitted function behind `rollout`: `rollout.jitted._cache_size()` counts its compiles.
+rollout.jitted = _rollout
+rollout._cache_size = _rollout._cache_size
 
 
 def sample_deterministic(

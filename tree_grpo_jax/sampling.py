@@ -166,6 +166,10 @@ def make_ddim_schedule(
 ) -> DDIMSchedule:
     if num_steps < 1 or num_steps > num_train_timesteps:
         raise ValueError(f"num_steps must be in [1, {num_train_timesteps}], got {num_steps}.")
+    if not 0.0 <= float(eta) <= 1.0:
+        # Above 1 the step's variance exceeds 1 - alpha_bar_prev and the direction term's
+        # square root would have to be clamped: the step is no longer DDIM's.
+        raise ValueError(f"DDIM eta must be in [0, 1], got {float(eta)}.")
     if prediction_type not in PREDICTION_TYPES:
         raise ValueError(
             f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}."
@@ -277,12 +281,15 @@ def sample_step(
     *,
     event_ndim: int,
     noise_scale: float = 1.0,
+    score_scale: float | None = None,
     reduce: str = "mean",
 ) -> StepOutput:
     """Draws `x_next = mean + noise_scale * std * noise` and scores it.
 
-    `noise_scale` widens (or narrows) the Gaussian itself, so the log-prob is that of the
-    distribution the sample was really drawn from.
+    By default (`score_scale=None`) the log-prob is that of the Gaussian the sample was
+    really drawn from, std widened by `noise_scale`. `score_scale` scores it under
+    `N(mean, (score_scale * std)^2)` instead: BranchGRPO's released code draws split children
+    with `noise_scale` and scores them with the unscaled std (`score_scale=1`).
     """
     mean, std = schedule.transition(i, x, prediction)
     sample = mean + (std * noise_scale) * noise.astype(jnp.float32)
@@ -294,7 +301,7 @@ def sample_step(
         prediction,
         sample,
         event_ndim=event_ndim,
-        noise_scale=noise_scale,
+        noise_scale=noise_scale if score_scale is None else score_scale,
         reduce=reduce,
     )
 
@@ -310,7 +317,8 @@ def score_step(
     noise_scale: float = 1.0,
     reduce: str = "mean",
 ) -> StepOutput:
-    """Log-prob of a given next sample under the transition that `prediction` implies."""
+    """Log-prob of a given next sample under the transition that `prediction` implies, its
+    std multiplied by `noise_scale`."""
     mean, std = schedule.transition(i, x, prediction)
     std = std * noise_scale
     return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, event_ndim, reduce))

@@ -31,7 +31,7 @@ class Transitions:
     x: np.ndarray  # [R, *S] parent states
     step: np.ndarray  # [R] int32, step index into the schedule
     prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
-    noise_scale: np.ndarray  # [R] float32, the step's std multiplier
+    noise_scale: np.ndarray  # [R] float32, the std multiplier the actions are scored with
     actions: np.ndarray  # [R, K, *S] the children drawn from the parent
     old_log_probs: np.ndarray  # [R, K] under the rollout's parameters
     advantages: np.ndarray  # [R, K]
@@ -72,7 +72,11 @@ def gather_transitions(
     """Flattens every segment's edges into rows; drops rows with no trained edge.
 
     advantages, masks: one array per segment shaped like its log_probs ([T, P, n * k]);
-    masks default to all True.
+    masks default to all True. Steps a segment recorded without sampling (`Segment.active`
+    False: BranchGRPO-Mix outside its window) are never trained, whatever the mask says.
+    Step indices come from the segments (data, so a sliding window needs no new shapes),
+    and `noise_scale` is the segment's `score_scale`, the std multiplier its log-probs were
+    computed with, so the loss scores every action as the rollout did.
     """
     if len(advantages) != len(tree.segments):
         raise ValueError(
@@ -88,14 +92,15 @@ def gather_transitions(
         chex.assert_shape(advantages[j], seg.log_probs.shape)
         mask = np.ones(seg.log_probs.shape, bool) if masks is None else np.asarray(masks[j], bool)
         chex.assert_shape(mask, seg.log_probs.shape)
+        mask = mask & np.asarray(seg.active, bool)[:, None, None]
         num_rows = num_steps * num_prompts * n
-        steps = np.repeat(np.asarray(seg.step_indices, np.int32), num_prompts * n)
+        steps = np.repeat(np.asarray(seg.steps, np.int32), num_prompts * n)
         parts.append(
             Transitions(
                 x=_rows(np.asarray(seg.parents)),
                 step=steps,
                 prompt=np.tile(np.repeat(np.arange(num_prompts, dtype=np.int32), n), num_steps),
-                noise_scale=np.full((num_rows,), seg.noise_scale, np.float32),
+                noise_scale=np.full((num_rows,), seg.score_scale, np.float32),
                 actions=_pad_children(np.asarray(seg.children), seg.k, max_k, None),
                 old_log_probs=_pad_children(np.asarray(seg.log_probs, np.float32), seg.k, max_k, 0),
                 advantages=_pad_children(np.asarray(advantages[j], np.float32), seg.k, max_k, 0),

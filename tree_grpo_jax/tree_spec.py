@@ -7,12 +7,29 @@ training forward rows) follows from it without running anything.
 Node layout: level 0 holds `num_trees` roots per prompt. A step maps a level of n nodes to
 n * k nodes (k = 1 for ODE and SDE); the children of node j are j*k .. j*k + k - 1. So every
 node at a level owns one contiguous block of leaves.
+
+Sliding windows. A spec may carry a `Window`: `width` consecutive steps whose position is
+*data*, the rollout's `window_start`, not part of the spec. Inside the window every ODE step
+of the spec's `steps` (the base) becomes `window.step` (BRANCH(k) for TreeGRPO, SDE for
+MixGRPO and BranchGRPO-Mix). Such a spec is a *family*: it is equal (and hashes equal) for
+every window position, so one compiled rollout serves them all, and `spec.at(start)` is the
+plain spec of one position. Counts that depend on the position (denoiser calls, trained
+edges) are asked of `spec.at(start)` or `spec.counts(window_start=start)`; the number of
+leaves and the branching structure do not move with the window.
+
+Structure. The `blocks` of a spec are the rollout's program: ODE loops and stochastic
+segments, each with bounds that are either fixed or move with the window start. A
+segment's `level` is its place in the branching structure: the number of BRANCH steps at or
+before its steps. Nodes between two BRANCH steps are all at one structural level; the
+advantages and the width pruning need no more than that, so they do not depend on where the
+window is either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterable, Sequence
 
 
@@ -47,7 +64,7 @@ class SpecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Consecutive steps of one kind: the unit the rollout turns into one `lax.scan`."""
+    """Consecutive steps of one kind: the unit the rollout turns into one loop."""
 
     first_step: int
     num_steps: int
@@ -59,11 +76,61 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True)
+class Window:
+    """`width` consecutive steps at a position given at run time; inside it every ODE step of
+    the spec's base becomes `step`."""
+
+    width: int
+    step: Step
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One piece of the rollout program.
+
+    kind: "ode" (a deterministic loop, nothing recorded), "stochastic" (SDE or BRANCH steps,
+    recorded as one segment) or "mixed" (steps that are SDE inside the window and ODE outside,
+    recorded as one segment whose `active` flags say which steps were stochastic).
+
+    The block covers steps [begin, end), plus the window start where `moves` says so:
+    `bounds(s)` gives them. Stochastic and mixed blocks have a fixed length; an ODE block
+    whose two ends move differently has a length that depends on the window start.
+    """
+
+    kind: str
+    step: Step  # ODE; the SDE or BRANCH step; SDE for a mixed block
+    begin: int
+    end: int
+    begin_moves: bool = False
+    end_moves: bool = False
+    nodes_in: int = 1  # nodes per prompt entering each step of the block
+    level: int = 0  # structural level of the nodes the block produces
+    always_stochastic: tuple[bool, ...] = ()  # mixed: base SDE steps, stochastic anywhere
+
+    @property
+    def num_steps(self) -> int:
+        if self.begin_moves != self.end_moves:
+            raise SpecError("the length of this block depends on the window position.")
+        return self.end - self.begin
+
+    @property
+    def nodes_out(self) -> int:
+        return self.nodes_in * self.step.k
+
+    def bounds(self, window_start=0):
+        """(first step, end) for a window start (an int or a traced int32)."""
+        begin = self.begin + window_start if self.begin_moves else self.begin
+        end = self.end + window_start if self.end_moves else self.end
+        return begin, end
+
+
+@dataclasses.dataclass(frozen=True)
 class TreeSpec:
     steps: tuple[Step, ...]
     num_trees: int = 1  # roots per prompt
     shared_init_noise: bool = False  # all roots of a prompt start from the same noise
     name: str = "custom"
+    window: Window | None = None  # a sliding window: the spec is a family over positions
 
     def __post_init__(self):
         object.__setattr__(self, "steps", tuple(self.steps))
@@ -74,20 +141,59 @@ class TreeSpec:
                 f"num_trees must be at least 1 (got {self.num_trees}), or the tree has no leaves."
             )
         for i, step in enumerate(self.steps):
-            if not isinstance(step, Step):
-                raise SpecError(f"step {i} is {step!r}, not a Step (use ODE, SDE or BRANCH(k)).")
-            if step.kind is Kind.BRANCH and step.k < 2:
-                raise SpecError(
-                    f"BRANCH at step {i} has k={step.k}; a branch needs k >= 2 children."
-                )
-            if step.kind is not Kind.BRANCH and step.k != 1:
-                raise SpecError(
-                    f"step {i} is {step.kind.value} with k={step.k}; only BRANCH steps have k > 1."
-                )
-            if not step.noise_scale > 0:
-                raise SpecError(
-                    f"step {i} has noise_scale {step.noise_scale}; it must be positive."
-                )
+            _check_step(f"step {i}", step)
+        if self.window is not None:
+            self._validate_window()
+
+    def _validate_window(self) -> None:
+        w = self.window
+        if not isinstance(w, Window):
+            raise SpecError(f"window is {w!r}, not a Window(width, step).")
+        if not 1 <= w.width <= self.num_steps:
+            raise SpecError(
+                f"a sliding window of {w.width} steps does not fit in {self.num_steps} steps."
+            )
+        _check_step("the window step", w.step)
+        if not w.step.stochastic:
+            raise SpecError("the window step must be SDE or BRANCH(k); an ODE window is no window.")
+        base_all_ode = all(s.kind is Kind.ODE for s in self.steps)
+        if w.step.kind is Kind.BRANCH and not base_all_ode:
+            raise SpecError(
+                "a sliding window of BRANCH steps needs ODE steps everywhere else, so the tree's "
+                "shape does not move with the window."
+            )
+
+    # -- windows ----------------------------------------------------------------------------
+    @property
+    def sliding(self) -> bool:
+        """True for a family whose window position is given at run time."""
+        return self.window is not None
+
+    @property
+    def window_positions(self) -> int:
+        """How many window starts there are (1 for a spec without a window)."""
+        return 1 if self.window is None else self.num_steps - self.window.width + 1
+
+    def at(self, window_start: int) -> TreeSpec:
+        """The plain spec of one window position (the spec itself if it has no window)."""
+        if self.window is None:
+            return self
+        start = int(window_start)
+        _check_window(self.name, self.num_steps, start, self.window.width)
+        inside = range(start, start + self.window.width)
+        steps = tuple(
+            self.window.step if i in inside and s.kind is Kind.ODE else s
+            for i, s in enumerate(self.steps)
+        )
+        return TreeSpec(steps, self.num_trees, self.shared_init_noise, self.name)
+
+    def _plain(self, what: str) -> TreeSpec:
+        if self.window is not None:
+            raise SpecError(
+                f"{what} of the sliding-window spec {self.name!r} depends on the window "
+                "position; ask spec.at(window_start) or spec.counts(window_start=...)."
+            )
+        return self
 
     # -- structure --------------------------------------------------------------------------
     @property
@@ -98,7 +204,7 @@ class TreeSpec:
     def nodes_in(self) -> tuple[int, ...]:
         """Nodes per prompt entering each step."""
         counts, n = [], self.num_trees
-        for step in self.steps:
+        for step in self._plain("nodes_in").steps:
             counts.append(n)
             n *= step.k
         return tuple(counts)
@@ -112,7 +218,7 @@ class TreeSpec:
     def runs(self) -> tuple[Run, ...]:
         """Maximal runs of identical consecutive steps; every BRANCH step is a run of its own."""
         runs: list[Run] = []
-        for i, step in enumerate(self.steps):
+        for i, step in enumerate(self._plain("runs").steps):
             last = runs[-1] if runs else None
             if last and last.step == step and step.kind is not Kind.BRANCH:
                 runs[-1] = Run(last.first_step, last.num_steps + 1, step)
@@ -122,12 +228,94 @@ class TreeSpec:
 
     @property
     def trainable_steps(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.steps) if s.stochastic)
+        return tuple(i for i, s in enumerate(self._plain("trainable_steps").steps) if s.stochastic)
+
+    @property
+    def branch_ks(self) -> tuple[int, ...]:
+        """k of every BRANCH step, in step order; the same at every window position."""
+        if self.window is not None and self.window.step.kind is Kind.BRANCH:
+            return (self.window.step.k,) * self.window.width
+        return tuple(s.k for s in self.steps if s.kind is Kind.BRANCH)
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        """Nodes per prompt at each structural level: the roots, then after each BRANCH step."""
+        sizes = [self.num_trees]
+        for k in self.branch_ks:
+            sizes.append(sizes[-1] * k)
+        return tuple(sizes)
+
+    def level_of_depth(self, depth: int) -> int:
+        """Structural level of the nodes at `depth` (steps from the root) of a plain spec."""
+        steps = self._plain("the level of a depth").steps[:depth]
+        return sum(1 for s in steps if s.kind is Kind.BRANCH)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """The rollout program: ODE loops and stochastic segments, in step order."""
+        if self.window is None:
+            return self._plain_blocks()
+        if all(s.kind is Kind.ODE for s in self.steps):
+            return self._sliding_blocks()
+        return self._mixed_blocks()
+
+    @property
+    def segment_blocks(self) -> tuple[Block, ...]:
+        """The blocks that the rollout records as segments, in order."""
+        return tuple(b for b in self.blocks if b.kind != "ode")
+
+    def _plain_blocks(self) -> tuple[Block, ...]:
+        blocks, level, n = [], 0, self.num_trees
+        for run in self.runs:
+            if run.step.kind is Kind.BRANCH:
+                level += 1
+            kind = "stochastic" if run.step.stochastic else "ode"
+            end = run.first_step + run.num_steps
+            blocks.append(Block(kind, run.step, run.first_step, end, nodes_in=n, level=level))
+            n *= run.step.k
+        return tuple(blocks)
+
+    def _sliding_blocks(self) -> tuple[Block, ...]:
+        """ODE before and after the window: loops whose bounds move with it (TreeGRPO,
+        MixGRPO). The window's steps have fixed shapes at moving step indices."""
+        w, n = self.window, self.num_trees
+        blocks = [Block("ode", ODE, 0, 0, False, True, nodes_in=n, level=0)]
+        if w.step.kind is Kind.BRANCH:
+            for j in range(w.width):
+                blocks.append(Block("stochastic", w.step, j, j + 1, True, True, n, j + 1))
+                n *= w.step.k
+            level = w.width
+        else:
+            blocks.append(Block("stochastic", w.step, 0, w.width, True, True, n, 0))
+            level = 0
+        blocks.append(Block("ode", ODE, w.width, self.num_steps, True, False, n, level))
+        return tuple(blocks)
+
+    def _mixed_blocks(self) -> tuple[Block, ...]:
+        """Fixed BRANCH steps with a window of SDE steps moving between them (BranchGRPO-Mix):
+        every run of non-BRANCH steps is one mixed segment; the window only decides which of
+        its steps are stochastic, never the tree's shape."""
+        blocks, level, n, i = [], 0, self.num_trees, 0
+        while i < self.num_steps:
+            step = self.steps[i]
+            if step.kind is Kind.BRANCH:
+                level += 1
+                blocks.append(Block("stochastic", step, i, i + 1, nodes_in=n, level=level))
+                n *= step.k
+                i += 1
+                continue
+            j = i
+            while j < self.num_steps and self.steps[j].kind is not Kind.BRANCH:
+                j += 1
+            base_sde = tuple(s.kind is Kind.SDE for s in self.steps[i:j])
+            blocks.append(Block("mixed", self.window.step, i, j, False, False, n, level, base_sde))
+            i = j
+        return tuple(blocks)
 
     # -- derived counts, per prompt ---------------------------------------------------------
     @property
     def leaves(self) -> int:
-        return self.nodes_out[-1]
+        return self.num_trees * math.prod(self.branch_ks)
 
     def rollout_denoiser_calls(self, guidance: bool = False) -> int:
         """Denoiser rows in one rollout: one per node per step (two with guidance)."""
@@ -146,7 +334,20 @@ class TreeSpec:
         per_step = self.nodes_in if amortized else self.nodes_out
         return sum(per_step[i] for i in self.trainable_steps) * (2 if guidance else 1)
 
-    def counts(self, guidance: bool = False) -> dict[str, int]:
+    @property
+    def recorded_states(self) -> int:
+        """States per prompt the rollout keeps (every segment's parents and children; the
+        leaves not included), the same at every window position. For BranchGRPO-Mix's family
+        that is every non-split step's, since each is recorded with its window flag."""
+        return sum(b.num_steps * (b.nodes_in + b.nodes_out) for b in self.segment_blocks)
+
+    def counts(self, guidance: bool = False, window_start: int | None = None) -> dict[str, int]:
+        """The derived counts per prompt; a sliding-window spec needs its `window_start`
+        (ignored by a spec without a window)."""
+        if self.window is not None:
+            if window_start is None:
+                self._plain("the counts")
+            return self.at(window_start).counts(guidance)
         return {
             "leaves": self.leaves,
             "rollout_denoiser_calls": self.rollout_denoiser_calls(guidance),
@@ -159,11 +360,29 @@ class TreeSpec:
         def short(s: Step) -> str:
             return f"B{s.k}" if s.kind is Kind.BRANCH else s.kind.value.upper()[0]
 
-        return f"{self.name}: {self.num_trees} tree(s) x [{' '.join(short(s) for s in self.steps)}]"
+        text = f"{self.name}: {self.num_trees} tree(s) x [{' '.join(short(s) for s in self.steps)}]"
+        if self.window is not None:
+            text += f" + sliding window of {self.window.width} x {short(self.window.step)}"
+        return text
+
+
+def _check_step(where: str, step) -> None:
+    if not isinstance(step, Step):
+        raise SpecError(f"{where} is {step!r}, not a Step (use ODE, SDE or BRANCH(k)).")
+    if step.kind is Kind.BRANCH and step.k < 2:
+        raise SpecError(f"BRANCH at {where} has k={step.k}; a branch needs k >= 2 children.")
+    if step.kind is not Kind.BRANCH and step.k != 1:
+        raise SpecError(
+            f"{where} is {step.kind.value} with k={step.k}; only BRANCH steps have k > 1."
+        )
+    if not step.noise_scale > 0:
+        raise SpecError(f"{where} has noise_scale {step.noise_scale}; it must be positive.")
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets.
+# Presets. Windowed presets take `window_start`: an int gives the plain spec of that
+# position; None gives the family (one spec for every position, the start given to the
+# rollout), which is what a run with a sliding window should use.
 
 
 def _check_steps(num_steps: int) -> None:
@@ -192,6 +411,12 @@ def sliding_window_start(iteration: int, num_steps: int, width: int, every: int)
     return (iteration // every) % positions
 
 
+def _windowed(spec: TreeSpec, window_start: int | None) -> TreeSpec:
+    if window_start is None:
+        return spec
+    return spec.at(window_start)  # checks that the window fits
+
+
 def grpo(num_steps: int, group_size: int, shared_init_noise: bool = False) -> TreeSpec:
     """Flat GRPO: G independent SDE chains per prompt.
 
@@ -207,26 +432,44 @@ def grpo(num_steps: int, group_size: int, shared_init_noise: bool = False) -> Tr
     return TreeSpec((SDE,) * num_steps, num_trees=group_size, name="grpo")
 
 
-def mixgrpo(num_steps: int, group_size: int, window: int, window_start: int = 0) -> TreeSpec:
-    """As grpo, but SDE only inside a window of steps and ODE elsewhere (MixGRPO)."""
+def mixgrpo(num_steps: int, group_size: int, window: int, window_start: int | None = 0) -> TreeSpec:
+    """As grpo, but SDE only inside a window of steps and ODE elsewhere (MixGRPO).
+
+    `window_start=None` gives the family whose window position is the rollout's argument.
+    """
     _check_steps(num_steps)
-    _check_window("mixgrpo", num_steps, window_start, window)
-    steps = tuple(
-        SDE if window_start <= i < window_start + window else ODE for i in range(num_steps)
+    if group_size < 1:
+        raise SpecError(f"mixgrpo: group_size must be at least 1, got {group_size}.")
+    if window < 1:
+        raise SpecError(f"mixgrpo: the window must hold at least one step, got width {window}.")
+    family = TreeSpec(
+        (ODE,) * num_steps, num_trees=group_size, name="mixgrpo", window=_window(window, SDE)
     )
-    return TreeSpec(steps, num_trees=group_size, name="mixgrpo")
+    return _windowed(family, window_start)
+
+
+def _window(width: int, step: Step) -> Window:
+    return Window(int(width), step)
 
 
 def treegrpo(
-    num_steps: int, window: int = 4, k: int = 2, window_start: int = 0, num_trees: int = 1
+    num_steps: int,
+    window: int = 4,
+    k: int = 2,
+    window_start: int | None = 0,
+    num_trees: int = 1,
 ) -> TreeSpec:
-    """TreeGRPO: a window of consecutive BRANCH(k) steps, ODE everywhere else."""
+    """TreeGRPO: a window of consecutive BRANCH(k) steps, ODE everywhere else.
+
+    `window_start=None` gives the family whose window position is the rollout's argument.
+    """
     _check_steps(num_steps)
-    _check_window("treegrpo", num_steps, window_start, window)
-    steps = tuple(
-        BRANCH(k) if window_start <= i < window_start + window else ODE for i in range(num_steps)
+    if window < 1:
+        raise SpecError(f"treegrpo: the window must hold at least one step, got width {window}.")
+    family = TreeSpec(
+        (ODE,) * num_steps, num_trees=num_trees, name="treegrpo", window=_window(window, BRANCH(k))
     )
-    return TreeSpec(steps, num_trees=num_trees, name="treegrpo")
+    return _windowed(family, window_start)
 
 
 def _check_splits(name: str, num_steps: int, split_steps: Sequence[int]) -> tuple[int, ...]:
@@ -261,34 +504,27 @@ def branchgrpo_mix(
     k: int = 2,
     split_noise_scale: float = 1.0,
     window: int = 4,
-    window_start: int = 0,
+    window_start: int | None = 0,
     num_trees: int = 1,
 ) -> TreeSpec:
-    """BranchGRPO-Mix: SDE only inside a window, ODE elsewhere; split steps always branch."""
+    """BranchGRPO-Mix: SDE only inside a window, ODE elsewhere; split steps always branch.
+
+    `window_start=None` gives the family whose window position is the rollout's argument:
+    the tree's shape is fixed by the split steps, and the rollout records every non-split
+    step with a flag saying whether it was inside the window (stochastic, trained) or not.
+    """
     _check_steps(num_steps)
     splits = _check_splits("branchgrpo_mix", num_steps, split_steps)
-    _check_window("branchgrpo_mix", num_steps, window_start, window)
-
-    def kind(i: int) -> Step:
-        if i in splits:
-            return BRANCH(k, split_noise_scale)
-        return SDE if window_start <= i < window_start + window else ODE
-
-    return TreeSpec(
-        tuple(kind(i) for i in range(num_steps)), num_trees=num_trees, name="branchgrpo_mix"
-    )
+    if window < 1:
+        raise SpecError(
+            f"branchgrpo_mix: the window must hold at least one step, got width {window}."
+        )
+    base = tuple(BRANCH(k, split_noise_scale) if i in splits else ODE for i in range(num_steps))
+    family = TreeSpec(base, num_trees=num_trees, name="branchgrpo_mix", window=_window(window, SDE))
+    return _windowed(family, window_start)
 
 
 def deterministic(num_steps: int, num_trees: int = 1) -> TreeSpec:
     """All ODE steps: the deterministic sampler used for evaluation."""
     _check_steps(num_steps)
     return TreeSpec((ODE,) * num_steps, num_trees=num_trees, name="deterministic")
-
-
-PRESETS = {
-    "grpo": grpo,
-    "mixgrpo": mixgrpo,
-    "treegrpo": treegrpo,
-    "branchgrpo": branchgrpo,
-    "branchgrpo_mix": branchgrpo_mix,
-}

@@ -1,0 +1,18 @@
+"""Advantages of a method by name, through the method table, for tests."""
+
+import ml_collections
+
+from tree_grpo_jax import methods
+
+METHOD_NAMES = tuple(methods.METHODS)
+
+
+def advantages_of(method, spec, tree, rewards, clip=5.0, fusion="mean", alpha=1.0, ddof=0):
+    """The table entry's advantages, clipped to +-clip, as the trainer computes them."""
+    config = ml_collections.ConfigDict(
+        {
+            "tree": {"method": method},
+            "advantage": {"clip": clip, "fusion": fusion, "fusion_alpha": alpha, "std_ddof": ddof},
+        }
+    )
+    return methods.compute_advantages(config, spec, tree, rewards)
