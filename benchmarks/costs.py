@@ -31,7 +31,7 @@ def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) ->
 
 def derived_counts(config, iteration: int = 0) -> dict:
     """Per-prompt counts of one iteration of `config`, from the spec and pruning settings."""
-    spec = methods.build_spec(config, iteration)
+    spec = methods.spec_at(config, iteration)
     a = config.advantage
     guidance = config.sampling.guidance_scale != 1.0
     prunes = methods.get(config.tree.method).pruning

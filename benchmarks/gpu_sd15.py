@@ -345,7 +345,7 @@ class Bench:
             if time.perf_counter() > self.deadline:
                 out[name] = {"skipped": "time limit"}
                 continue
-            spec = trainer.spec(0)
+            spec = trainer.spec().at(trainer.window_start(0))
 
             def go(trainer=trainer, state=state):
                 return trainer.rollout(state.params, self.prompt_texts, jax.random.PRNGKey(0))
@@ -431,7 +431,7 @@ class Bench:
         trainer, state = self.trainers["treegrpo"]
         r = node_loop.compare(
             self.denoise, state.params, self.model.encode_prompts(self.prompt_texts[:1]),
-            trainer.schedule(), trainer.spec(0), self.sample_shape, uncond=trainer.uncond,
+            trainer.schedule(), trainer.spec().at(0), self.sample_shape, uncond=trainer.uncond,
             guidance_scale=self.args.guidance, reps=self.reps,
         )  # fmt: skip
         self.log(

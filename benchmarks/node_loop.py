@@ -51,14 +51,7 @@ def node_functions(denoise_fn, event_ndim: int, reduce: str = "mean"):
 
 def engine_noise(key, spec: TreeSpec, num_prompts: int, sample_shape):
     """The roots and every stochastic step's noise exactly as the engine draws them."""
-    init_key, step_key = rollout.split_rollout_key(key)
-    roots = rollout.initial_noise(init_key, num_prompts, spec, sample_shape)
-    steps = {
-        i: rollout.step_noise(step_key, i, (num_prompts, spec.nodes_in[i], s.k, *sample_shape))
-        for i, s in enumerate(spec.steps)
-        if s.stochastic
-    }
-    return roots, steps
+    return rollout.noise_by_step(key, spec, num_prompts, sample_shape)
 
 
 def per_node_inputs(roots, step_noise, spec: TreeSpec, cond):

@@ -220,7 +220,7 @@ def train_for_budget(pr: PresetRun, seed: int, budget_s: float, evals: int) -> d
     each of `eval_times`, and once at the end.
     """
     trainer, state = fresh_run(pr, seed)
-    leaves = trainer.spec(0).leaves * pr.config.prompts.batch_size
+    leaves = trainer.spec().leaves * pr.config.prompts.batch_size
     curve = [_eval_point(trainer, state.params, 0.0, 0, 0)]
     clock, images, iteration = 0.0, 0, 0
     pending = eval_times(budget_s, evals)

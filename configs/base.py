@@ -50,12 +50,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.tree.num_trees = 1  # treegrpo / branchgrpo: roots per prompt
     c.tree.split_steps = (0, 3, 6, 9)  # branchgrpo / branchgrpo_mix
     c.tree.split_noise_scale = 1.0  # branchgrpo: widens the Gaussian at split steps
+    # How split children are scored: "sampled" (under the widened Gaussian they were drawn
+    # from) or "unscaled" (under the unwidened one, as the released BranchGRPO code does).
+    c.tree.split_log_prob = "sampled"
 
     # Advantages and pruning.
     c.advantage = ml_collections.ConfigDict()
     c.advantage.clip = 5.0
     c.advantage.fusion = "mean"  # branchgrpo: "mean" or "path_prob"
     c.advantage.fusion_alpha = 1.0  # branchgrpo path-probability softmax temperature
+    c.advantage.std_ddof = 0  # grpo / treegrpo leaf std: 0 population, 1 sample (DanceGRPO)
     c.advantage.stat_tracker = False  # grpo: per-prompt statistics across iterations
     c.advantage.tracker_buffer = 32
     c.advantage.tracker_min_count = 16
@@ -64,6 +68,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.advantage.depth_pruning_stop = -1  # deepest depth the slide may reach (-1: last)
     c.advantage.width_pruning = "none"  # "none", "top_per_branch" or "best_worst"
     c.advantage.width_pruning_ratio = 0.5
+    # Prune only during the first `pruning_step_ratio` of train.iterations (BranchGRPO's
+    # pruning_step_ratio; 1.0: always).
+    c.advantage.pruning_step_ratio = 1.0
+    # Count iterations for the depth-pruning slide from 0, or from 1 as the released
+    # BranchGRPO code does (its window has already moved once when the slide interval is 1).
+    c.advantage.depth_pruning_count_from = 0
 
     # Optimization.
     c.train = ml_collections.ConfigDict()
@@ -96,6 +106,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10
     c.checkpoint.keep = 2
+
+    # JAX's persistent compilation cache (the command line only): a second run starts warm.
+    c.compile_cache = ml_collections.ConfigDict()
+    c.compile_cache.enabled = True
+    c.compile_cache.dir = ""  # "" = $TREE_GRPO_JAX_COMPILE_CACHE or ~/.cache/tree_grpo_jax/jax
 
     # Devices: mesh axes; -1 takes every remaining device.
     c.mesh = ml_collections.ConfigDict()

@@ -9,11 +9,11 @@ import math
 
 import ml_collections
 
-from tree_grpo_jax import methods, tree_spec
+from tree_grpo_jax import advantages as adv
+from tree_grpo_jax import methods, rollout, tree_spec
 
 MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd")
 DTYPES = ("float32", "bfloat16")
-FUSIONS = ("mean", "path_prob")
 WIDTH_PRUNING = ("none", "top_per_branch", "best_worst")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -73,8 +73,12 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
     )
 
+    _require(
+        t.split_log_prob in rollout.SPLIT_LOG_PROBS,
+        f"tree.split_log_prob must be one of {rollout.SPLIT_LOG_PROBS}, got {t.split_log_prob!r}.",
+    )
     try:
-        spec = methods.build_spec(config, 0)
+        spec = methods.spec_at(config, 0)
         if t.window_slide_every < 0:
             raise ConfigError("tree.window_slide_every must be 0 (fixed) or positive.")
     except methods.UnknownMethodError as e:
@@ -89,7 +93,18 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     )
 
     _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
-    _require(a.fusion in FUSIONS, f"advantage.fusion must be one of {FUSIONS}, got {a.fusion!r}.")
+    _require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
+    _require(
+        a.pruning_step_ratio >= 0,
+        f"advantage.pruning_step_ratio must be >= 0, got {a.pruning_step_ratio}.",
+    )
+    _require(
+        a.depth_pruning_count_from in (0, 1),
+        f"advantage.depth_pruning_count_from must be 0 or 1, got {a.depth_pruning_count_from}.",
+    )
+    _require(
+        a.fusion in adv.FUSIONS, f"advantage.fusion must be one of {adv.FUSIONS}, got {a.fusion!r}."
+    )
     _require(
         a.width_pruning in WIDTH_PRUNING,
         f"advantage.width_pruning must be one of {WIDTH_PRUNING}, got {a.width_pruning!r}.",

@@ -141,6 +141,14 @@ def main(argv) -> None:
         _fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     existed = os.path.exists(workdir)
+    cache = config.get("compile_cache")
+    if cache is not None and cache.enabled:
+        from tree_grpo_jax import compile_cache
+
+        try:
+            compile_cache.enable(cache.dir or None)
+        except OSError as e:  # a cold start, not a failure
+            print(f"warning: no compilation cache ({_first_line(e)}).", file=sys.stderr)
     try:
         summary = train.train(config, workdir)
     except train.BAD_INPUT as e:

@@ -22,8 +22,9 @@ from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import tree_spec
 from tree_grpo_jax.rollout import Tree
 
-# (tree section, number of steps, window start) -> the iteration's tree.
-SpecBuilder = Callable[[ml_collections.ConfigDict, int, int], tree_spec.TreeSpec]
+# (tree section, number of steps) -> the run's tree. A windowed method's tree is a family
+# whose window position is the rollout's argument: one compiled rollout serves them all.
+SpecBuilder = Callable[[ml_collections.ConfigDict, int], tree_spec.TreeSpec]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +57,12 @@ def _grpo_credit(spec, tree, rewards, credit: Credit):
         rewards,
         tracker=credit.tracker,
         prompt_ids=list(credit.prompt_ids) if credit.tracker else None,
+        ddof=credit.options.std_ddof,
     )
 
 
 def _treegrpo_credit(spec, tree, rewards, credit: Credit):
-    return adv.treegrpo_advantages(spec, tree, rewards)
+    return adv.treegrpo_advantages(spec, tree, rewards, ddof=credit.options.std_ddof)
 
 
 def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
@@ -73,7 +75,7 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "grpo",
-            spec=lambda t, n, start: tree_spec.grpo(
+            spec=lambda t, n: tree_spec.grpo(
                 n, t.group_size, shared_init_noise=t.shared_init_noise
             ),
             advantages=_grpo_credit,
@@ -81,20 +83,20 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "mixgrpo",
-            spec=lambda t, n, start: tree_spec.mixgrpo(n, t.group_size, t.window, start),
+            spec=lambda t, n: tree_spec.mixgrpo(n, t.group_size, t.window, None),
             advantages=_grpo_credit,
             windowed=True,
             stat_tracker=True,
         ),
         Method(
             "treegrpo",
-            spec=lambda t, n, start: tree_spec.treegrpo(n, t.window, t.k, start, t.num_trees),
+            spec=lambda t, n: tree_spec.treegrpo(n, t.window, t.k, None, t.num_trees),
             advantages=_treegrpo_credit,
             windowed=True,
         ),
         Method(
             "branchgrpo",
-            spec=lambda t, n, start: tree_spec.branchgrpo(
+            spec=lambda t, n: tree_spec.branchgrpo(
                 n, t.split_steps, t.k, t.split_noise_scale, t.num_trees
             ),
             advantages=_branchgrpo_credit,
@@ -102,8 +104,8 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "branchgrpo_mix",
-            spec=lambda t, n, start: tree_spec.branchgrpo_mix(
-                n, t.split_steps, t.k, t.split_noise_scale, t.window, start, t.num_trees
+            spec=lambda t, n: tree_spec.branchgrpo_mix(
+                n, t.split_steps, t.k, t.split_noise_scale, t.window, None, t.num_trees
             ),
             advantages=_branchgrpo_credit,
             windowed=True,
@@ -136,10 +138,16 @@ def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
     )
 
 
-def build_spec(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
-    """The tree of `iteration` (raises tree_spec.SpecError for a tree that cannot be built)."""
-    method = get(config.tree.method)
-    return method.spec(config.tree, config.sampling.num_steps, window_start(config, iteration))
+def build_spec(config: ml_collections.ConfigDict) -> tree_spec.TreeSpec:
+    """The run's tree: the same for every iteration (a windowed method's is a family; its
+    position at an iteration is `window_start`). Raises tree_spec.SpecError for a tree that
+    cannot be built."""
+    return get(config.tree.method).spec(config.tree, config.sampling.num_steps)
+
+
+def spec_at(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
+    """The plain tree of `iteration` (the family at its window position): for counting."""
+    return build_spec(config).at(window_start(config, iteration))
 
 
 def compute_advantages(

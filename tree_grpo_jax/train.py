@@ -65,7 +65,8 @@ class Rollout:
 
     prompts: list[str]
     cond: jax.Array  # [P, L, D]
-    spec: Any  # the TreeSpec rolled out
+    spec: Any  # the TreeSpec rolled out (a windowed method's family)
+    window_start: int  # the family's window position in this rollout
     tree: rollout.Tree
 
 
@@ -102,8 +103,12 @@ class Trainer:
         return self.uncond is not None
 
     # -- pieces of an iteration ------------------------------------------------------------
-    def spec(self, iteration: int = 0):
-        return methods.build_spec(self.config, iteration)
+    def spec(self):
+        """The run's tree spec, the same at every iteration (windowed methods: a family)."""
+        return methods.build_spec(self.config)
+
+    def window_start(self, iteration: int) -> int:
+        return methods.window_start(self.config, iteration)
 
     def schedule(self, num_steps: int | None = None):
         s = self.config.sampling
@@ -116,7 +121,8 @@ class Trainer:
         c = self.config
         prompts = list(prompts)
         cond = self.model.encode_prompts(prompts)
-        spec = self.spec(iteration)
+        spec = self.spec()
+        start = self.window_start(iteration)
         tree = rollout.rollout(
             self.model.denoise,
             params,
@@ -128,8 +134,10 @@ class Trainer:
             uncond=self.uncond,
             guidance_scale=c.sampling.guidance_scale,
             reduce=c.sampling.log_prob_reduce,
+            window_start=jnp.int32(start),  # data: one compiled rollout for every position
+            split_log_prob=c.tree.split_log_prob,
         )
-        return Rollout(prompts, cond, spec, tree)
+        return Rollout(prompts, cond, spec, start, tree)
 
     def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
         total, parts = self.reward(images, prompts, return_components=True)
@@ -156,7 +164,7 @@ class Trainer:
             prompt_ids=sampled.prompts,
             tracker=self.tracker,
         )
-        masks = edge_masks(c, self.method, sampled.spec, sampled.tree, advantages, iteration)
+        masks = edge_masks(c, self.method, sampled, advantages, iteration)
         return transitions.gather_transitions(sampled.tree, advantages, masks)
 
     def update(
@@ -226,7 +234,7 @@ class Trainer:
             "reward_std": float(rewards.std()),
             **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
             **update_metrics,
-            "window_start": methods.window_start(self.config, iteration),
+            "window_start": self.window_start(iteration),
             **timings,
         }
         return state, metrics
@@ -277,24 +285,33 @@ class Trainer:
         )
 
 
-def edge_masks(c, method: methods.Method, spec, tree, advantages, iteration):
-    """Pruning masks for methods that prune; None (train every edge) otherwise."""
+def edge_masks(c, method: methods.Method, sampled: Rollout, advantages, iteration):
+    """Pruning masks for methods that prune, while pruning is on; None (train every edge)
+    otherwise."""
     a = c.advantage
-    if not method.pruning:
+    if not method.pruning or not pruning.pruning_active(
+        iteration, c.train.iterations, a.pruning_step_ratio
+    ):
         return None
     masks = None
     if a.depth_pruning:
         masks = pruning.depth_pruning_mask(
-            spec,
-            tree,
+            sampled.spec,
+            sampled.tree,
             tuple(a.depth_pruning),
             iteration=iteration,
             slide_every=a.depth_pruning_slide_every or None,
             stop_depth=None if a.depth_pruning_stop < 0 else a.depth_pruning_stop,
+            count_from=a.depth_pruning_count_from,
+            window_start=sampled.window_start,
         )
     if a.width_pruning != "none":
         width = pruning.width_pruning_mask(
-            spec, tree, advantages, mode=a.width_pruning, ratio=a.width_pruning_ratio
+            sampled.spec,
+            sampled.tree,
+            advantages,
+            mode=a.width_pruning,
+            ratio=a.width_pruning_ratio,
         )
         masks = pruning.combine_masks(masks, width)
     return masks
@@ -337,7 +354,7 @@ def check_sizes(config, spec, sample_shape) -> None:
     alone cannot fit in memory (float32 states of every trained step, and the leaves)."""
     sample_bytes = 4 * int(np.prod(sample_shape))
     prompts = config.prompts.batch_size
-    states = sum(spec.nodes_in[i] + spec.nodes_out[i] for i in spec.trainable_steps)
+    states = spec.recorded_states
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
     eval_bytes = 2 * config.prompts.eval_count * sample_bytes
     limit, where = _memory_limit()
@@ -401,7 +418,6 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
         reduce=config.sampling.log_prob_reduce,
         guidance_scale=config.sampling.guidance_scale,
         clip_range=config.train.clip_range,
-        adv_clip=config.advantage.clip,  # already clipped by the method table; kept in step
         kl_beta=config.train.kl_beta,
     )
     ref_params = (
@@ -569,7 +585,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer) -> dict:
     c, workdir = trainer.config, trainer.workdir
     total = c.train.iterations
-    spec = trainer.spec(0)
+    spec = trainer.spec().at(trainer.window_start(0))
     if start >= total and any(e["iteration"] == start for e in history["eval"]):
         return {**summarize(trainer, spec, history, workdir), "already_finished": True}
 

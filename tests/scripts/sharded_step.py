@@ -86,7 +86,6 @@ def one_step(mesh, params, batch, cond, schedule):
         reduce="mean",
         guidance_scale=1.0,
         clip_range=0.2,
-        adv_clip=5.0,
         kl_beta=0.0,
     )
     step = make_train_step(tx, loss_kwargs, mesh, shardings)
