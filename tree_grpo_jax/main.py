@@ -157,11 +157,14 @@ def main(argv) -> None:
         _fail(_first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
         _fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))
-    except KeyboardInterrupt:
+    except train.Stopped as e:
+        if not existed:
+            _remove_if_empty(workdir)
         _fail(
-            "stopped at once by a second signal; the run resumes exactly from its last "
-            f"checkpoint in {workdir}/checkpoints.",
-            130,
+            f"{e.signal_name} stopped the run at once (while starting, or a second signal); the "
+            f"same command resumes exactly from the last checkpoint in {workdir}/checkpoints, "
+            "if any.",
+            EXIT_SIGNAL.get(e.signal_name, 130),
         )
     except (train.RewardError, train.DivergenceError) as e:
         _fail(str(e), EXIT_FAILED)

@@ -467,23 +467,38 @@ class Interrupted(Exception):
         )
 
 
+class Stopped(BaseException):
+    """A signal stopped the run at once (while starting, or a second signal); nothing was
+    saved beyond the last checkpoint. A BaseException, so no `except Exception` swallows it."""
+
+    def __init__(self, signal_name: str):
+        self.signal_name = signal_name
+        super().__init__(signal_name)
+
+
 class _Signals:
-    """While training, SIGINT and SIGTERM only ask the loop to stop after the iteration in
-    progress (a half-done iteration cannot be saved: its update has consumed the previous
-    state). A second signal stops at once (KeyboardInterrupt)."""
+    """SIGINT and SIGTERM as the run wants them.
+
+    `defer=True` (the training loop): the first signal only asks the loop to stop after the
+    iteration in progress (a half-done iteration cannot be saved: its update has consumed the
+    previous state); a second one stops at once. `defer=False` (starting up, nothing to save
+    yet): stop at once. A signal the parent process ignores stays ignored.
+    """
 
     NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
-    def __init__(self):
+    def __init__(self, defer: bool = True):
+        self.defer = defer
         self.received: str | None = None
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.received:
-            raise KeyboardInterrupt
-        self.received = self.NAMES[signum]
+        name = self.NAMES[signum]
+        if not self.defer or self.received:
+            raise Stopped(name)
+        self.received = name
         print(
-            f"\n{self.received}: finishing the current iteration, then saving "
+            f"\n{name}: finishing the current iteration, then saving "
             "(send it again to stop at once).",
             file=sys.stderr,
             flush=True,
@@ -492,7 +507,8 @@ class _Signals:
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
             for signum in self.NAMES:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -566,7 +582,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     session_start = time.time()
     reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
     check_writable(workdir)
-    with WorkdirLock(workdir):
+    with _Signals(defer=False), WorkdirLock(workdir):
         ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
         try:
             check_resume(config, ckpt)
