@@ -4,6 +4,8 @@ base    the interface, the schedule configs, `ModelLoadError`, `cast_floats`
 tiny    the embedded tiny digits model (names "tiny", "tiny_flow", "random_tiny",
         "random_tiny_flow")
 sd15    Stable Diffusion 1.x from a diffusers folder (name "sd")
+convert PyTorch-named weights <-> Flax param trees (numpy only)
+files   reading safetensors, msgpack and JSON files, each failure one sentence
 """
 
 from __future__ import annotations

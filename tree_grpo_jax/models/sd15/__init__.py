@@ -1,7 +1,6 @@
 """Stable Diffusion 1.x: a diffusers-layout folder behind the `TextToImageModel` interface.
 
 unet      the UNet in Flax with PyTorch's numerics, diffusers' parameter tree
-convert   PyTorch-named weights <-> Flax param trees (numpy only)
 load      the folder, its components and `load_sd` -> `StableDiffusionModel`
 export    trained UNet params -> a diffusers folder PyTorch loads
 """

@@ -22,8 +22,8 @@ from flax import serialization
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
+from tree_grpo_jax.models import convert
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.models.sd15 import convert
 from tree_grpo_jax.models.sd15.load import (
     check_unet_config,
     read_json,

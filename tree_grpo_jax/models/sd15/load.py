@@ -2,7 +2,7 @@
 
 The folder holds `unet/`, `vae/`, `text_encoder/`, `tokenizer/` and `scheduler/`, each with
 its config. Weights are read from Flax msgpack files when present, otherwise from the
-PyTorch safetensors files real SD1.5 folders carry, converted in numpy by `sd15.convert`
+PyTorch safetensors files real SD1.5 folders carry, converted in numpy by `models.convert`
 (torch is never imported). Only the UNet weights are trainable `params`; the text encoder
 and the VAE decoder are frozen and closed over by `encode_prompts` and `decode`.
 """
@@ -10,25 +10,21 @@ and the VAE decoder are frozen and closed over by `encode_prompts` and `decode`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import serialization
 from flax.traverse_util import flatten_dict
-from safetensors.numpy import load_file
 
+from tree_grpo_jax.models import convert, files
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     ModelLoadError,
     TextToImageModel,
     cast_floats,
 )
-from tree_grpo_jax.models.sd15 import convert
 from tree_grpo_jax.models.sd15.unet import (
     DOWN_BLOCKS,
     MID_BLOCKS,
@@ -117,21 +113,7 @@ class StableDiffusionModel(TextToImageModel):
 
 def resolve_model_path(path: str) -> Path:
     """A local folder as is; anything else through the hub (one clear sentence on failure)."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists():
-        raise ModelLoadError(f"model path {path} is a file, not a folder; {POINT}.")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(path), allow_patterns=_HUB_PATTERNS))
-    except Exception as e:  # any hub failure becomes the same sentence
-        reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-        raise ModelLoadError(
-            f"model path {path} is not a folder and could not be downloaded: {reason}; "
-            "point --config.model.path at a local diffusers-layout folder."
-        ) from None
+    return files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
 
 
 def _component_dir(root: Path, name: str) -> Path:
@@ -148,10 +130,7 @@ def _component_dir(root: Path, name: str) -> Path:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"could not read {path}: {e}; {POINT}.") from None
+    return files.read_json(path, POINT)
 
 
 def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
@@ -162,76 +141,16 @@ def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
             )
 
 
-def _damaged(path: Path, error: Exception) -> ModelLoadError:
-    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
-    name = type(error).__name__
-    reason = f" ({name}: {reason[:200]})" if reason else f" ({name})"
-    return ModelLoadError(
-        f"weights file {path} is damaged or truncated and cannot be read{reason}; "
-        f"download it again or {POINT}."
-    )
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors; a damaged or truncated file is one ModelLoadError."""
-    try:
-        return load_file(path)
-    except OSError as e:
-        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
-    except Exception as e:  # SafetensorError, or anything a garbage header makes numpy raise
-        raise _damaged(path, e) from None
-
-
-def read_msgpack(path: Path):
-    """A Flax msgpack file's contents; a damaged or truncated file is one ModelLoadError."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
-    try:
-        restored = serialization.msgpack_restore(data)
-    except Exception as e:  # msgpack's ExtraData, UnpackValueError, ValueError, ...
-        raise _damaged(path, e) from None
-    if not isinstance(restored, dict):
-        raise ModelLoadError(
-            f"weights file {path} does not hold a tree of named arrays "
-            f"(it decodes to a {type(restored).__name__}); download it again or {POINT}."
-        )
-    return restored
-
-
-def _load_safetensors(folder: Path, stem: str, variant: str | None) -> dict[str, np.ndarray] | None:
-    names = [f"{stem}.{variant}.safetensors"] if variant else []
-    names += [f"{stem}.safetensors", f"{stem}.fp16.safetensors"]
-    for name in names:
-        if (folder / name).is_file():
-            return read_safetensors(folder / name)
-    index = folder / f"{stem}.safetensors.index.json"
-    if index.is_file():  # sharded: {"weight_map": {tensor: shard file}}
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()
-        ):
-            raise ModelLoadError(f"{index} has no valid weight_map; {POINT}.")
-        state = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (folder / shard).is_file():
-                raise ModelLoadError(f"{index} names the shard {shard}, which is missing; {POINT}.")
-            state.update(read_safetensors(folder / shard))
-        return state
-    return None
-
-
 def _load_weights(folder: Path, component: str, reference, variant: str | None):
     """The component's params as a nested numpy dict, checked against `reference` shapes."""
     flax_name, stem = _WEIGHT_NAMES[component]
     wants_variant = variant is not None and (folder / f"{stem}.{variant}.safetensors").is_file()
     try:
         if (folder / flax_name).is_file() and not wants_variant:
-            params = read_msgpack(folder / flax_name)
+            params = files.read_msgpack(folder / flax_name, POINT)
             convert.check_against_reference(flatten_dict(params), reference)
             return params
-        state = _load_safetensors(folder, stem, variant)
+        state = files.read_safetensors_stem(folder, stem, POINT, variant)
         if state is not None:
             # diffusers names module lists `down_blocks_0`; transformers keeps `layers/0`.
             merge = component != "text_encoder"

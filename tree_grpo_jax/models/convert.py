@@ -1,8 +1,8 @@
 """PyTorch-named weights <-> Flax param trees, in numpy only (torch is never imported).
 
-Stable Diffusion folders ship PyTorch `*.safetensors` files. The Flax modules we run
+Model and reward folders ship PyTorch `*.safetensors` files. The Flax modules we run
 (our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; diffusers'
-`FlaxAutoencoderKL`; transformers' `FlaxCLIPTextModel`) hold the same tensors under other
+`FlaxAutoencoderKL`; transformers' Flax CLIP towers) hold the same tensors under other
 names and layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says

@@ -1,0 +1,121 @@
+"""Reading weight and config files from local folders, each failure one `ModelLoadError`.
+
+Shared by every model family and by the reward models. Only safetensors, Flax msgpack and
+JSON are read (no pickle, so torch is never needed). `hint` is the sentence's ending: what
+the user should do instead (e.g. "point --config.model.path at ...").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from flax import serialization
+from safetensors.numpy import load_file
+
+from tree_grpo_jax.models.base import ModelLoadError
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else ""
+
+
+def read_json(path: Path, hint: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"could not read {path}: {e}; {hint}.") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object; {hint}.")
+    return data
+
+
+def damaged(path: Path, error: Exception, hint: str) -> ModelLoadError:
+    reason = _first_line(error)
+    name = type(error).__name__
+    reason = f" ({name}: {reason[:200]})" if reason else f" ({name})"
+    return ModelLoadError(
+        f"weights file {path} is damaged or truncated and cannot be read{reason}; "
+        f"download it again or {hint}."
+    )
+
+
+def read_safetensors(path: Path, hint: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; a damaged or truncated file is one ModelLoadError."""
+    try:
+        return load_file(path)
+    except OSError as e:
+        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
+    except Exception as e:  # SafetensorError, or anything a garbage header makes numpy raise
+        raise damaged(path, e, hint) from None
+
+
+def read_msgpack(path: Path, hint: str):
+    """A Flax msgpack file's tree; a damaged or truncated file is one ModelLoadError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ModelLoadError(f"could not read weights file {path}: {e.strerror or e}.") from None
+    try:
+        restored = serialization.msgpack_restore(data)
+    except Exception as e:  # msgpack's ExtraData, UnpackValueError, ValueError, ...
+        raise damaged(path, e, hint) from None
+    if not isinstance(restored, dict):
+        raise ModelLoadError(
+            f"weights file {path} does not hold a tree of named arrays "
+            f"(it decodes to a {type(restored).__name__}); download it again or {hint}."
+        )
+    return restored
+
+
+def read_safetensors_stem(
+    folder: Path, stem: str, hint: str, variant: str | None = None
+) -> dict[str, np.ndarray] | None:
+    """`stem[.variant].safetensors`, or the shards its `.index.json` names; None if absent."""
+    names = [f"{stem}.{variant}.safetensors"] if variant else []
+    names += [f"{stem}.safetensors", f"{stem}.fp16.safetensors"]
+    for name in names:
+        if (folder / name).is_file():
+            return read_safetensors(folder / name, hint)
+    index = folder / f"{stem}.safetensors.index.json"
+    if index.is_file():  # sharded: {"weight_map": {tensor: shard file}}
+        weight_map = read_json(index, hint).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(f"{index} has no valid weight_map; {hint}.")
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).is_file():
+                raise ModelLoadError(f"{index} names the shard {shard}, which is missing; {hint}.")
+            state.update(read_safetensors(folder / shard, hint))
+        return state
+    return None
+
+
+def has_pickles(folder: Path) -> bool:
+    """True when the folder holds PyTorch pickle weights (which need torch to read)."""
+    return any(list(Path(folder).glob(p)) for p in ("*.bin", "*.pt", "*.pth", "*.ckpt"))
+
+
+def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> Path:
+    """A local folder as is; anything else is tried as a hub id (one sentence on failure).
+
+    `what` names the path in the sentence ("model path", "reward model path").
+    """
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ModelLoadError(f"{what} {path} is a file, not a folder; {hint}.")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=hub_patterns))
+    except Exception as e:  # any hub failure becomes the same sentence
+        reason = _first_line(e) or type(e).__name__
+        raise ModelLoadError(
+            f"{what} {path} is not a folder and could not be downloaded: {reason}; {hint}."
+        ) from None
