@@ -37,7 +37,15 @@ setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        # torch only builds PyTorch reference models in the tests (a CPU wheel is enough).
-        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6", "torch==2.13.0"],
+        # torch, torchvision and open_clip only build PyTorch reference models in the tests
+        # (open_clip imports torchvision, whose wheels need this torch release beside them).
+        "test": [
+            "pytest>=8",
+            "scipy>=1.11",
+            "ruff>=0.6",
+            "torch==2.14.1",
+            "torchvision==0.29.1",
+            "open-clip-torch>=2.24",
+        ],
     },
 )

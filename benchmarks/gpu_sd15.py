@@ -1,6 +1,7 @@
 """The Stable Diffusion 1.5 UNet on one accelerator: rollout throughput, train-step time, peak
 memory and achieved TFLOP/s, for grpo and treegrpo, and the batched engine against a
-node-at-a-time loop at this size.
+node-at-a-time loop at this size, and the reward models' scoring throughput (section
+`rewards`: ViT-L/14 and ViT-H/14, bf16, 16 images of 512x512 per call).
 
     python -m benchmarks.gpu_sd15           # SD1.5 size, bf16: one 10-minute run on one H200
     python -m benchmarks.gpu_sd15 --smoke   # the same code on a tiny UNet, on CPU
@@ -95,8 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--split-head-dim", action="store_true", help="diffusers' split_head_dim")
     p.add_argument(
         "--sections",
-        default="flops,rollout,train,node_loop",
-        help="comma-separated subset of flops,rollout,train,node_loop",
+        default="flops,rollout,train,node_loop,rewards",
+        help="comma-separated subset of flops,rollout,train,node_loop,rewards",
     )
     return p.parse_args(argv)
 
@@ -440,6 +441,19 @@ class Bench:
         )
         return r
 
+    def rewards(self) -> dict:
+        """The reward models beside the UNet: ViT-L/14 and ViT-H/14 scoring throughput on
+        decoded 512x512 images, in bfloat16 as configs/sd15_hps.py runs them."""
+        from benchmarks import rewards
+
+        batch = 2 if self.smoke else 16
+        argv = ["--batch", str(batch), "--dtype", "bfloat16", "--reps", str(self.reps)]
+        if self.smoke:
+            argv.append("--smoke")
+        args = rewards.parse_args(argv)
+        fields = {n: rewards.SMOKE if self.smoke else f for n, f in rewards.ARCHITECTURES.items()}
+        return {name: rewards.measure(name, f, args) for name, f in fields.items()}
+
 
 def gflops(flops_per_row) -> str:
     return "n/a" if not flops_per_row else f"{flops_per_row / 1e9:.0f}"
@@ -454,7 +468,7 @@ def main(argv=None) -> dict:
         bench.setup()
         bench.save()
         chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-        for name in ("flops", "rollout", "train", "node_loop"):
+        for name in ("flops", "rollout", "train", "node_loop", "rewards"):
             if name in chosen:
                 bench.section(name, getattr(bench, name))
     bench.log(f"done; results in {bench.path}")

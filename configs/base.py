@@ -94,6 +94,17 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Rewards: "name" or a weighted sum "name:weight,name:weight" (see tree_grpo_jax.rewards).
     c.rewards = "digit_alignment"
+    # Folders of the rewards that read a model (README, "Rewards"); "" = none configured
+    # (clip_score then falls back to the hub id openai/clip-vit-large-patch14).
+    c.reward_models = ml_collections.ConfigDict()
+    c.reward_models.hpsv2 = ""  # written by `python -m tree_grpo_jax.rewards.convert hpsv2`
+    c.reward_models.pickscore = ""  # yuvalkirstain/PickScore_v1
+    c.reward_models.aesthetic = ""  # written by `... rewards.convert aesthetic`
+    c.reward_models.clip_score = ""  # any Hugging Face CLIP folder
+    c.reward_options = ml_collections.ConfigDict()
+    c.reward_options.dtype = "float32"  # the reward models' compute dtype (or "bfloat16")
+    c.reward_options.chunk_size = 16  # images through a reward model at once (bounds memory)
+    c.reward_options.pickscore_divisor = 1.0  # 1: the authors' scale; Flow-GRPO uses 26
 
     # Evaluation on fixed prompts with fixed noise and the deterministic sampler.
     c.eval = ml_collections.ConfigDict()

@@ -126,13 +126,18 @@ def test_engine_and_node_loop_agree(smoke):
 
 
 def test_gpu_script_smoke(tmp_path):
-    results = gpu_sd15.main(["--smoke", "--out", str(tmp_path), "--sections", "flops,rollout"])
+    results = gpu_sd15.main(
+        ["--smoke", "--out", str(tmp_path), "--sections", "flops,rollout,rewards"]
+    )
     saved = _load(tmp_path, "gpu_sd15_smoke.json")
     assert saved["sections"]["flops"]["unet_forward_flops_per_row"] > 0
     for name in ("grpo", "treegrpo"):
         r = saved["sections"]["rollout"][name]
         assert r["denoiser_rows_per_s"] > 0, r
         assert r["leaves"] == results["leaves_per_prompt"] * results["prompts"]
+    for name in ("vit_l14", "vit_h14"):
+        r = saved["sections"]["rewards"][name]
+        assert r["images_per_s"] > 0 and r["prompts_per_s"] > 0 and r["dtype"] == "bfloat16"
 
 
 def test_replot_rebuilds_the_same_tables(smoke):

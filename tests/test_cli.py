@@ -58,6 +58,13 @@ BAD_INPUTS = [
     (["--config.train.iteratons=3"], "did you mean --config.train.iterations?"),
     (["--config.tree.kk=3"], "the config has no field 'tree.kk'"),
     (["--config.train.learning_rate=abc"], "has the wrong type"),
+    (["--config.rewards=hpsv2"], "--config.reward_models.hpsv2=/path"),
+    (["--config.eval.extra_rewards=('pickscore',)"], "reward 'pickscore' needs a PickScore_v1"),
+    (
+        ["--config.rewards=aesthetic", "--config.reward_models.aesthetic=/nonexistent/aes"],
+        "/nonexistent/aes",
+    ),
+    (["--config.reward_options.dtype=float16"], "reward_options.dtype must be"),
     (["--config.train.iterations=2.5"], "has the wrong type"),
     (["--confg.train.iterations=2"], "Unknown command line flag"),
     (["--config.log.wandb_project=demo"], "wandb is not installed"),

@@ -67,8 +67,12 @@ def test_jax_only_combination_stays_on_device():
 
 
 def test_unknown_reward_names_known_ones():
-    with pytest.raises(ValueError, match="unknown reward 'aesthetic'.*digit_alignment.*jpeg_"):
-        rewards.get_reward("aesthetic")
+    with pytest.raises(ValueError, match="unknown reward 'beauty'.*digit_alignment.*jpeg_"):
+        rewards.get_reward("beauty")
+    with pytest.raises(ValueError, match="reward 'hpsv2' needs a converted HPS-v2.1 folder"):
+        rewards.load_reward("hpsv2")
+    with pytest.raises(ValueError, match="reads no model folder and takes no path"):
+        rewards.load_reward("digit_alignment", "/some/folder")
     with pytest.raises(ValueError, match="known rewards"):
         rewards.combined_reward({"digit_alignment": 1.0, "nope": 1.0})
 

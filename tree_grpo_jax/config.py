@@ -11,6 +11,7 @@ import ml_collections
 
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import methods, rollout, tree_spec
+from tree_grpo_jax.rewards import registry as reward_registry
 
 MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd")
 DTYPES = ("float32", "bfloat16")
@@ -141,6 +142,20 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
             f"unknown eval.extra_rewards entry {name!r}; known rewards: "
             f"{', '.join(sorted(known_rewards))}.",
         )
+    for name in (*rewards, *config.eval.extra_rewards):
+        if name in reward_registry.available_rewards():
+            sentence = reward_registry.missing_weights(name, config.reward_models.get(name))
+            _require(sentence is None, sentence)
+    opts = config.reward_options
+    _require(
+        opts.dtype in ("float32", "bfloat16"),
+        f"reward_options.dtype must be float32 or bfloat16, got {opts.dtype!r}.",
+    )
+    _require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
+    _require(
+        opts.pickscore_divisor > 0 and math.isfinite(opts.pickscore_divisor),
+        f"reward_options.pickscore_divisor must be positive, got {opts.pickscore_divisor}.",
+    )
     _require(config.eval.every >= 0, "eval.every must be >= 0.")
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
@@ -166,6 +181,8 @@ RESUME_MAY_CHANGE = (
     "log.",
     "mesh.",
     "compile_cache.",
+    "reward_models.",  # where the same reward weights live now
+    "reward_options.chunk_size",
 )
 
 

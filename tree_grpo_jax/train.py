@@ -381,6 +381,22 @@ def setup(
     return _build(config, workdir, reward_weights, model)
 
 
+def load_rewards(config, names, mesh=None) -> dict[str, reward_registry.Reward]:
+    """Each named reward built once, the model-based ones from `config.reward_models`."""
+    loaded = {}
+    for name in dict.fromkeys(names):
+        if reward_registry.needs_weights(name):
+            opts = config.reward_options
+            options = dict(dtype=opts.dtype, chunk_size=opts.chunk_size, mesh=mesh)
+            if name == "pickscore":
+                options["divisor"] = opts.pickscore_divisor
+            path = config.reward_models.get(name) or None
+            loaded[name] = reward_registry.load_reward(name, path, **options)
+        else:
+            loaded[name] = reward_registry.load_reward(name)
+    return loaded
+
+
 def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]:
     sharding.maybe_initialize_distributed()
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
@@ -391,8 +407,9 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
             f"of the {shards} devices the batch is split over."
         )
     method = methods.get(config.tree.method)
-    reward = reward_registry.combined_reward(reward_weights)
-    eval_rewards = {n: reward_registry.get_reward(n) for n in config.eval.extra_rewards}
+    loaded = load_rewards(config, (*reward_weights, *config.eval.extra_rewards), mesh)
+    reward = reward_registry.combined_reward(reward_weights, loaded)
+    eval_rewards = {n: loaded[n] for n in config.eval.extra_rewards}
     prompts = _prompt_iterator(config)
     eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
     if model is None:
