@@ -272,8 +272,11 @@ def test_pickle_is_refused_naming_the_converter(tmp_path, clip_folder):
     pickled.mkdir()
     (pickled / "config.json").write_bytes((folder / "config.json").read_bytes())
     torch.save({"w": torch.zeros(1)}, pickled / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="pickle.*python -m tree_grpo_jax.rewards.convert"):
+    with pytest.raises(ModelLoadError, match="only PyTorch pickle weights.*model.safetensors"):
         rewards.load_reward("clip_score", str(pickled))
+    (pickled / "reward_config.json").write_text(json.dumps({"reward": "hpsv2"}))
+    with pytest.raises(ModelLoadError, match="pickle.*python -m tree_grpo_jax.rewards.convert"):
+        rewards.load_reward("hpsv2", str(pickled))
 
 
 def test_truncated_weights(tmp_path, clip_folder):

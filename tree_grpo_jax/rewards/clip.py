@@ -241,7 +241,7 @@ def load_clip(
     layout: str,
     towers: Sequence[str] = (IMAGE, TEXT),
     hint: str = "point the reward at a Hugging Face CLIP folder",
-    convert_hint: str = "convert them with python -m tree_grpo_jax.rewards.convert",
+    convert_hint: str = "convert the release with python -m tree_grpo_jax.rewards.convert",
     **options,
 ) -> CLIPScorer:
     """Loads a Hugging Face CLIP folder (or hub id) as a frozen `CLIPScorer`.

@@ -47,6 +47,8 @@ HINTS = {
 # The aesthetic MLP's linear layers, as the release names them (dropouts in between).
 AESTHETIC_LAYERS = ("layers.0", "layers.2", "layers.4", "layers.6", "layers.7")
 REWARD_CONFIG = "reward_config.json"
+# Folders from the hub carry safetensors next to any pickle: fetch those instead.
+SAFETENSORS_HINT = "fetch the folder's model.safetensors instead (the hub repositories carry one)"
 
 
 def _check_converted(path: str, reward: str) -> None:
@@ -100,7 +102,13 @@ def pickscore(path: str, divisor: float = 1.0, **options) -> Callable:
     """PickScore_v1 from its Hugging Face folder; `divisor` rescales (1: the authors')."""
     if not divisor or not float(divisor) > 0:
         raise ValueError(f"pickscore divisor must be a positive number, got {divisor!r}.")
-    scorer = clip.load_clip(path, layout="resize_crop_hf", hint=HINTS["pickscore"], **options)
+    scorer = clip.load_clip(
+        path,
+        layout="resize_crop_hf",
+        hint=HINTS["pickscore"],
+        convert_hint=SAFETENSORS_HINT,
+        **options,
+    )
 
     def combine(params, image_features, prompt_features):
         scale = jnp.exp(params["logit_scale"].astype(jnp.float32))
@@ -111,7 +119,13 @@ def pickscore(path: str, divisor: float = 1.0, **options) -> Callable:
 
 def clip_score(path: str, **options) -> Callable:
     """torchmetrics' CLIPScore, `100 * max(cosine, 0)`, with any Hugging Face CLIP folder."""
-    scorer = clip.load_clip(path, layout="resize_crop_hf", hint=HINTS["clip_score"], **options)
+    scorer = clip.load_clip(
+        path,
+        layout="resize_crop_hf",
+        hint=HINTS["clip_score"],
+        convert_hint=SAFETENSORS_HINT,
+        **options,
+    )
     return _image_text_reward(scorer, lambda params, i, t: 100.0 * jnp.maximum(_cosine(i, t), 0.0))
 
 
