@@ -17,3 +17,17 @@ def sd_model(sd_folder):
     from tree_grpo_jax.models.sd15 import load_sd
 
     return load_sd(str(sd_folder))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """One persistent compilation cache for the whole session (and the command-line runs it
+    starts): the many small trainings compile the same programs, and a hit skips XLA."""
+    import os
+
+    from tree_grpo_jax import compile_cache
+
+    folder = tmp_path_factory.mktemp("jax_compile_cache")
+    os.environ[compile_cache.ENV_DIR] = str(folder)
+    compile_cache.enable(folder)
+    yield folder
