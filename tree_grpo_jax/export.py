@@ -1,7 +1,7 @@
-"""Export trained UNet params as a diffusers pipeline folder that PyTorch users can load.
+"""Export trained denoiser params as a diffusers pipeline folder that PyTorch users can load.
 
     python -m tree_grpo_jax.export --workdir=<a training run> --out=<new folder>
-    python -m tree_grpo_jax.export --params=<unet params .msgpack or orbax dir> \\
+    python -m tree_grpo_jax.export --params=<params .msgpack or orbax dir> \\
         --model_path=<the base SD folder> --out=<new folder>
 
 From a training run it takes the latest readable checkpoint's params (opened read-only:
@@ -11,12 +11,13 @@ the base model's UNet, the export folder) before anything is written, and the fo
 built beside `--out` and moved into place, so a failure leaves no half-built export; every
 failure is one `error:` line and exit status 2.
 
-It writes `<out>/unet/` with `config.json`, Flax `diffusion_flax_model.msgpack` and
-PyTorch-named `diffusion_pytorch_model.safetensors` (numpy only, no torch), and copies the
-base folder's other components (text_encoder, vae, tokenizer, scheduler, model_index.json)
-beside it, so that `diffusers.StableDiffusionPipeline.from_pretrained(out)` and
-`UNet2DConditionModel.from_pretrained(out / "unet")` load it. The writing itself is
-`models.sd15.export`; this module is the command line.
+It writes the trained component (`<out>/unet/` for Stable Diffusion 1.x, `<out>/transformer/`
+for SD3 / 3.5) with `config.json`, Flax `diffusion_flax_model.msgpack` and PyTorch-named
+`diffusion_pytorch_model.safetensors` (numpy only, no torch), and copies the base folder's
+other components beside it, so that diffusers' `StableDiffusionPipeline` or
+`StableDiffusion3Pipeline.from_pretrained(out)` loads it. The family is the run's
+`model.name`, or, with `--params`, the base folder's layout. The writing itself is
+`models.export`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from pathlib import Path
 from flax import serialization
 
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
-from tree_grpo_jax.models.sd15.export import EXPORT_DTYPES, export_pipeline, unwrap_params
+from tree_grpo_jax.models import export as pipeline_export
+from tree_grpo_jax.models.export import EXPORT_DTYPES, unwrap_params
+
+FAMILIES = ("sd", "sd3")  # model.name values with a diffusers folder to export into
 
 
 def _reason(e: BaseException) -> str:
@@ -68,8 +72,8 @@ def load_params(path) -> dict:
     raise ValueError(f"params path {path} does not exist; pass a .msgpack file or an orbax folder.")
 
 
-def _run_model_path(workdir: Path) -> str:
-    """The base SD folder recorded in a run's config.json (read only)."""
+def _run_model(workdir: Path) -> tuple[str, str]:
+    """The model family and base folder recorded in a run's config.json (read only)."""
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise ValueError(
@@ -81,15 +85,31 @@ def _run_model_path(workdir: Path) -> str:
     except (OSError, ValueError) as e:
         raise ValueError(f"could not read {config_file} ({_reason(e)}).") from None
     model = run_config.get("model") if isinstance(run_config, dict) else None
-    if not isinstance(model, dict) or model.get("name") != "sd" or not model.get("path"):
+    if not isinstance(model, dict) or model.get("name") not in FAMILIES or not model.get("path"):
         raise ValueError(
             f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
         )
-    return str(model["path"])
+    return str(model["name"]), str(model["path"])
 
 
-def _source(args) -> tuple[dict, str, Path]:
-    """(params, base model path, source path) from --workdir or --params and --model_path.
+def _family_of_folder(model_path: str) -> str:
+    """ "sd3" for a folder with transformer/, else "sd" (its own checks say what is wrong)."""
+    return "sd3" if (Path(model_path).expanduser() / "transformer").is_dir() else "sd"
+
+
+def base_denoiser(family: str, model_path: str):
+    if family == "sd3":
+        from tree_grpo_jax.models.sd3.export import base_denoiser as sd3_base
+
+        return sd3_base(model_path)
+    from tree_grpo_jax.models.sd15.export import base_denoiser as sd15_base
+
+    return sd15_base(model_path)
+
+
+def _source(args) -> tuple[dict, str, str, Path]:
+    """(params, family, base model path, source path) from --workdir or --params and
+    --model_path.
 
     Nothing is written: a run's checkpoints are opened read-only.
     """
@@ -98,28 +118,31 @@ def _source(args) -> tuple[dict, str, Path]:
     if args.params:
         if not args.model_path:
             raise ValueError("--params needs --model_path, the base SD folder it was trained from.")
-        return load_params(args.params), args.model_path, Path(args.params).expanduser()
+        family = _family_of_folder(args.model_path)
+        return load_params(args.params), family, args.model_path, Path(args.params).expanduser()
     workdir = Path(args.workdir).expanduser()
     if not workdir.is_dir():
         raise ValueError(f"there is no training run at {workdir}; pass the --workdir of a run.")
-    model_path = args.model_path or _run_model_path(workdir)
+    family, run_path = _run_model(workdir)
+    model_path = args.model_path or run_path
     params = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
-    return params, model_path, workdir
+    return params, family, model_path, workdir
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tree_grpo_jax.export", description=__doc__)
     parser.add_argument("--workdir", help="a training run: its latest checkpoint is exported")
-    parser.add_argument("--params", help="UNet params: .msgpack or orbax folder")
+    parser.add_argument("--params", help="denoiser params: .msgpack or orbax folder")
     parser.add_argument("--model_path", help="the base SD folder (default: the run's model.path)")
     parser.add_argument("--out", required=True, help="the new pipeline folder")
     parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     try:
-        params, model_path, source = _source(args)
-        out = export_pipeline(
-            params, model_path, args.out, args.dtype, args.overwrite, sources=[source]
+        params, family, model_path, source = _source(args)
+        base, denoiser = base_denoiser(family, model_path)
+        out = pipeline_export.export_pipeline(
+            params, base, denoiser, args.out, args.dtype, args.overwrite, sources=[source]
         )
     except (ValueError, CheckpointError) as e:
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
