@@ -8,7 +8,8 @@ names and layouts:
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
   `down_blocks.0`; transformers' Flax CLIP keeps `layers/0` as two path segments;
 - leaves: conv `weight` [O, I, H, W] -> `kernel` [H, W, I, O], linear `weight` -> transposed
-  `kernel`, norm `weight` -> `scale`, embedding `weight` -> `embedding`;
+  `kernel`, norm `weight` -> `scale` (or `weight` where the Flax module keeps that name),
+  embedding `weight` -> `embedding`;
 - the Flax VAE attention keeps the old names (`query`, `key`, `value`, `proj_attn`) where
   recent PyTorch files say `to_q`, `to_k`, `to_v`, `to_out.0`.
 
@@ -31,8 +32,9 @@ FlatShapes = Mapping[tuple[str, ...], tuple[int, ...]]
 _BUFFERS = ("position_ids",)
 # PyTorch (new) -> Flax (old) attention names, tried only where the Flax tree has them.
 _ATTENTION_RENAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out_0": "proj_attn"}
-# Flax leaf names a PyTorch `weight` (or old `gamma`) may become, most specific first.
-_WEIGHT_LEAVES = ("scale", "embedding", "kernel")
+# Flax leaf names a PyTorch `weight` (or old `gamma`) may become, most specific first; a Flax
+# leaf literally named `weight` (transformers' Flax T5 layer norm) takes it unchanged.
+_WEIGHT_LEAVES = ("scale", "embedding", "kernel", "weight")
 # diffusers module lists: Flax `name_N` is PyTorch `name.N` only for these names
 # (`time_embedding.linear_1` is a plain attribute in both).
 DIFFUSERS_LIST_NAMES = frozenset(
