@@ -17,7 +17,10 @@ def get_config() -> ml_collections.ConfigDict:
     # hub id).
     c.model = ml_collections.ConfigDict()
     c.model.name = "tiny"
-    c.model.path = ""  # only for "sd"
+    c.model.path = ""  # a diffusers-layout folder, for "sd" (SD1.x) and "sd3" (SD3 / 3.5)
+    c.model.use_t5 = True  # sd3: False leaves the 4.7B T5 unread (its tokens are zeros)
+    c.model.t5_max_length = 256  # sd3: T5 tokens per prompt
+    c.model.sample_size = 0  # sd3: latent side (0: the folder's; 64 -> 512 px)
     c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
     c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
     c.model.remat = False  # recompute the denoiser's activations in the backward pass

@@ -13,7 +13,7 @@ from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import methods, rollout, tree_spec
 from tree_grpo_jax.rewards import registry as reward_registry
 
-MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd")
+MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd", "sd3")
 DTYPES = ("float32", "bfloat16")
 WIDTH_PRUNING = ("none", "top_per_branch", "best_worst")
 LR_SCHEDULES = ("constant", "cosine")
@@ -50,10 +50,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
     _require(m.name in MODELS, f"unknown model.name {m.name!r}; choose one of {', '.join(MODELS)}.")
     _require(
-        m.name != "sd" or bool(m.path),
-        "model.name 'sd' needs model.path: set --config.model.path to a diffusers-layout "
+        m.name not in ("sd", "sd3") or bool(m.path),
+        f"model.name {m.name!r} needs model.path: set --config.model.path to a diffusers-layout "
         "Stable Diffusion folder (or a hub id).",
     )
+    _require(m.t5_max_length >= 1, "model.t5_max_length must be at least 1.")
     for field in ("param_dtype", "compute_dtype"):
         _require(m[field] in DTYPES, f"model.{field} must be one of {DTYPES}, got {m[field]!r}.")
 

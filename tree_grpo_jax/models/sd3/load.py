@@ -1,0 +1,295 @@
+"""Stable Diffusion 3 / 3.5 from a diffusers-layout folder, as a `StableDiffusion3Model`.
+
+The folder holds `transformer/`, `vae/`, `text_encoder/` (CLIP-L), `text_encoder_2/`
+(CLIP-G), `text_encoder_3/` (T5-XXL, optional: `use_t5=False` runs without it, as the SD3
+pipeline allows), their tokenizers and `scheduler/`. Weights are the PyTorch safetensors the
+folder carries (sharded or not), converted in numpy (torch is never imported). Only the
+transformer's weights are trainable `params`; the text encoders and the VAE decoder are
+frozen and closed over by `encode_prompts` and `decode`.
+
+SD3's conditioning is a token sequence [T, 4096] plus a pooled vector [2048]. The trainer
+carries one array per prompt, so `encode_prompts` packs the pooled vector as one extra token
+(zero-padded to 4096) after the sequence, and `denoise` unpacks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.models import convert, files
+from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
+from tree_grpo_jax.models.sd3 import mmdit, text
+from tree_grpo_jax.sampling import flow_schedule_from_sigmas
+
+POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
+_HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+# VAE config fields our decoder does not read, with the one value it implements.
+_VAE_FIXED = {
+    "act_fn": "silu",
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+_SCHEDULER_FIXED = {
+    "use_dynamic_shifting": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "invert_sigmas": False,
+    "shift_terminal": None,
+    "stochastic_sampling": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowMatchScheduleConfig:
+    """diffusers' FlowMatchEulerDiscreteScheduler as the SD3 pipeline sets it up: `N` sigmas
+    evenly spaced from 1 down to the scheduler's shifted minimum, shifted again, then 0.
+    The shift is the folder's (3.0 for SD3.5); the sampling options give the SDE's noise."""
+
+    shift: float = 3.0
+    num_train_timesteps: int = 1000
+
+    def sigmas(self, num_steps: int) -> np.ndarray:
+        def shifted(s):
+            return self.shift * s / (1.0 + (self.shift - 1.0) * s)
+
+        # The scheduler's own table ends at the shifted 1/T; inference spaces N sigmas from 1
+        # down to that value and shifts them once more (diffusers does exactly this).
+        sigma_min = shifted(1.0 / self.num_train_timesteps)
+        return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
+
+    def make_schedule(self, num_steps: int, sampling):
+        if num_steps < 2:
+            raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
+        return flow_schedule_from_sigmas(
+            self.sigmas(num_steps),
+            sampling.noise_level,
+            timestep_scale=float(self.num_train_timesteps),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class StableDiffusion3Model(TextToImageModel):
+    """A loaded SD3-family folder."""
+
+    path: Path
+    transformer: Any  # the Flax module `denoise` applies
+    transformer_config: dict
+    vae_config: dict
+    text_encoders: Any  # text.SD3TextEncoders
+
+
+def _component_dir(root: Path, name: str, needed: Sequence[str]) -> Path:
+    folder = root / name
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {root} has no {name}/ folder; {POINT}.")
+    for filename in needed:
+        if not (folder / filename).is_file():
+            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {POINT}.")
+    return folder
+
+
+def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
+    for key, supported in fixed.items():
+        if key in config and config[key] != supported:
+            raise ModelLoadError(
+                f"{where} sets {key}={config[key]!r}, but only {key}={supported!r} is supported."
+            )
+
+
+def _weights(folder: Path, reference, drop=()) -> dict:
+    """The folder's diffusers-named safetensors as Flax params matching `reference`."""
+    state = files.read_safetensors_stem(folder, "diffusion_pytorch_model", POINT)
+    if state is None:
+        if files.has_pickles(folder):
+            raise ModelLoadError(
+                f"{folder} holds only PyTorch pickle weights, which need torch to read; save "
+                f"them as diffusion_pytorch_model.safetensors or {POINT} that has them."
+            )
+        raise ModelLoadError(
+            f"{folder} has no diffusion_pytorch_model.safetensors (or its index); {POINT}."
+        )
+    state = {k: v for k, v in state.items() if k not in drop}
+    try:
+        return convert.pytorch_to_flax(state, reference, merge_indices=True)
+    except convert.ParamTreeMismatch as e:
+        raise ModelLoadError(
+            f"the weights in {folder} do not match its config ({e}); {POINT}."
+        ) from None
+
+
+def transformer_shapes(module, config: dict) -> dict:
+    """The flat {path: shape} of the transformer's params (nothing is computed)."""
+    patch = config.get("patch_size", 2)
+    x = jnp.zeros((1, config.get("in_channels", 16), 2 * patch, 2 * patch))
+    context = jnp.zeros((1, 1, config.get("joint_attention_dim", 4096)))
+    pooled = jnp.zeros((1, config.get("pooled_projection_dim", 2048)))
+    t = jnp.zeros((1,))
+    init = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, context, pooled, t))
+    return convert.shapes_of(init["params"])
+
+
+def load_transformer(folder: Path, dtype):
+    """`(module, params, config)` of a `transformer/` folder."""
+    config = files.read_json(folder / "config.json", POINT)
+    if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
+        raise ModelLoadError(
+            f"{folder}/config.json describes a {config.get('_class_name')}, not an "
+            f"SD3Transformer2DModel; {POINT}."
+        )
+    try:
+        module = mmdit.transformer_module(config, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}/config.json: {e}") from None
+    params = _weights(folder, transformer_shapes(module, config), drop=mmdit.BUFFERS)
+    return module, cast_floats(params, dtype), config
+
+
+def _load_vae(folder: Path, dtype):
+    from diffusers import FlaxAutoencoderKL
+
+    config = files.read_json(folder / "config.json", POINT)
+    _check_fixed(config, _VAE_FIXED, folder / "config.json")
+    fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
+    module = FlaxAutoencoderKL(**kwargs, dtype=dtype)
+    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    # Only the decoder is ever run; SD3's VAE has no quant convs.
+    reference = {k: v for k, v in shapes.items() if k[0] == "decoder"}
+    state = files.read_safetensors_stem(folder, "diffusion_pytorch_model", POINT)
+    if state is None:
+        raise ModelLoadError(f"{folder} has no diffusion_pytorch_model.safetensors; {POINT}.")
+    state = {k: v for k, v in state.items() if k.startswith("decoder.")}
+    try:
+        params = convert.pytorch_to_flax(state, reference, merge_indices=True)
+    except convert.ParamTreeMismatch as e:
+        raise ModelLoadError(
+            f"the weights in {folder} do not match its config ({e}); {POINT}."
+        ) from None
+    return module, cast_floats(params, dtype), config
+
+
+def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
+    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
+        "FlowMatchEulerDiscreteScheduler"
+    ):
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, but SD3 folders use "
+            "FlowMatchEulerDiscreteScheduler."
+        )
+    _check_fixed(config, _SCHEDULER_FIXED, where)
+    return FlowMatchScheduleConfig(
+        shift=float(config.get("shift", 1.0)),
+        num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
+    )
+
+
+def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
+    """[P, T, D] and [P, Q] -> [P, T + 1, max(D, Q)]: the pooled vector as a last token
+    (zero-padded; SD3 has D = 4096 > Q = 2048)."""
+    width = max(prompt_embeds.shape[-1], pooled.shape[-1])
+    prompt_embeds = jnp.pad(prompt_embeds, ((0, 0), (0, 0), (0, width - prompt_embeds.shape[-1])))
+    pooled = jnp.pad(pooled, ((0, 0), (0, width - pooled.shape[-1])))
+    return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
+
+
+def _make_denoise(module, context_dim: int, pooled_dim: int):
+    def denoise(params, x, t, cond):
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
+        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        return module.apply({"params": params}, x, sequence, pooled, t)
+
+    return denoise
+
+
+def _make_decode(module, params, config: dict, batch_size: int, dtype):
+    scaling = float(config.get("scaling_factor", 1.5305))
+    shift = float(config.get("shift_factor") or 0.0)
+
+    def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
+        return module.apply(
+            {"params": params}, z[None], method=lambda m, z: m.decoder(z, deterministic=True)
+        )[0]
+
+    @jax.jit
+    def decode_latents(params, latents):
+        z = jnp.transpose(latents, (0, 2, 3, 1)).astype(jnp.float32) / scaling + shift
+        images = jax.lax.map(
+            lambda zi: decode_one(params, zi.astype(dtype)), z, batch_size=batch_size
+        )
+        return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
+
+    return lambda latents: decode_latents(params, latents)
+
+
+def load_sd3(
+    path: str,
+    dtype=jnp.float32,
+    *,
+    use_t5: bool = True,
+    t5_max_length: int = 256,
+    sample_size: int | None = None,
+    decode_batch_size: int = 4,
+) -> StableDiffusion3Model:
+    """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
+
+    `dtype` is the dtype of all params and of the computation. `use_t5=False` leaves the
+    4.7B T5 encoder unread; its part of the conditioning is zeros, as the pipeline does.
+    `sample_size` is the latent side to sample at (default: the folder's `sample_size`);
+    it must fit the transformer's position-embedding grid.
+    """
+    root = files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
+    folders = {
+        "transformer": _component_dir(root, "transformer", ("config.json",)),
+        "vae": _component_dir(root, "vae", ("config.json",)),
+        "scheduler": _component_dir(root, "scheduler", ("scheduler_config.json",)),
+    }
+    scheduler_file = folders["scheduler"] / "scheduler_config.json"
+    schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
+    transformer, params, transformer_config = load_transformer(folders["transformer"], dtype)
+    vae, vae_params, vae_config = _load_vae(folders["vae"], dtype)
+    encoders = text.load_text_encoders(
+        root,
+        dtype,
+        use_t5=use_t5,
+        t5_max_length=t5_max_length,
+        joint_attention_dim=transformer_config.get("joint_attention_dim", 4096),
+    )
+    pooled_dim = transformer_config.get("pooled_projection_dim", 2048)
+
+    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
+        embeds, pooled = encoders.encode(list(prompts))
+        return pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
+
+    size = sample_size or transformer_config.get("sample_size", 128)
+    patch = transformer_config.get("patch_size", 2)
+    grid = transformer_config.get("pos_embed_max_size") or size // patch
+    if size % patch or size // patch > grid:
+        raise ModelLoadError(
+            f"model.sample_size {size} must be a multiple of the patch size {patch} and at most "
+            f"{grid * patch} (the transformer's position grid)."
+        )
+    return StableDiffusion3Model(
+        name=root.name,
+        sample_shape=(transformer_config.get("in_channels", 16), size, size),
+        params=params,
+        denoise=_make_denoise(
+            transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
+        ),
+        encode_prompts=encode_prompts,
+        decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
+        schedule_config=schedule,
+        path=root,
+        transformer=transformer,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        text_encoders=encoders,
+    )
