@@ -207,3 +207,42 @@ def test_truncated_transformer_weights(folder, tmp_path):
     weights.write_bytes(data[: len(data) // 3])
     with pytest.raises(ModelLoadError, match="damaged or truncated"):
         load_sd3(str(broken))
+
+
+def test_loading_and_sampling_run_without_torch(folder):
+    """torch is a test-only dependency: the whole SD3 load never imports it."""
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None
+        import jax.numpy as jnp
+        from tree_grpo_jax.models.sd3.load import load_sd3
+        model = load_sd3({str(folder)!r})
+        cond = model.encode_prompts(["a cat"])
+        x = jnp.zeros((1, *model.sample_shape))
+        v = model.denoise(model.params, x, 500.0, cond)
+        image = model.decode(x)
+        assert v.shape == x.shape and image.shape == (1, 16, 16, 3)
+        assert sys.modules["torch"] is None
+        print("ok")
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_prepared_prompts_release_t5(folder):
+    model = load_sd3(str(folder))
+    before = np.asarray(model.encode_prompts(PROMPTS))
+    assert (
+        model.prepare_prompts([*PROMPTS, "", PROMPTS[0]]) == "3 prompts encoded ahead; T5 released"
+    )
+    np.testing.assert_array_equal(np.asarray(model.encode_prompts(PROMPTS[::-1])), before[::-1])
+    with pytest.raises(ValueError, match="not cached and T5 was dropped"):
+        model.encode_prompts(["a new prompt"])

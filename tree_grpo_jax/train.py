@@ -416,6 +416,10 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
         model = load_model(config.model, seed=config.seed)
     check_sizes(config, methods.build_spec(config), model.sample_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+    if model.prepare_prompts is not None:
+        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
+        if jax.process_index() == 0 and config.log.progress:
+            print(f"text encoders: {said}", flush=True)
     guidance = config.sampling.guidance_scale != 1.0
     uncond = model.encode_prompts([""])[0] if guidance else None
 

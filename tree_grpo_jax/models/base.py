@@ -110,6 +110,9 @@ class TextToImageModel:
     encode_prompts: Callable[[Sequence[str]], jax.Array]  # -> [P, L, D] float32
     decode: Callable[[jax.Array], jax.Array]  # [B, *sample_shape] -> [B, H, W, C] in [0, 1]
     schedule_config: ScheduleConfig  # the model side of its sampling schedule
+    # Optional: told every prompt a run will encode, so the model may encode them ahead and
+    # free its text encoders (SD3 releases its 4.7B T5); returns a line saying what it did.
+    prepare_prompts: Callable[[Sequence[str]], str] | None = None
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
         """The schedule of `num_steps` steps; `sampling` is any object with `eta` (read by

@@ -28,6 +28,9 @@ from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_flo
 from tree_grpo_jax.models.sd3 import mmdit, text
 from tree_grpo_jax.sampling import flow_schedule_from_sigmas
 
+# Up to this many distinct prompts are encoded ahead so that T5 can be released (about
+# 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).
+MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
 _HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
 # VAE config fields our decoder does not read, with the one value it implements.
@@ -269,6 +272,19 @@ def load_sd3(
         embeds, pooled = encoders.encode(list(prompts))
         return pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
 
+    def prepare_prompts(prompts: Sequence[str]) -> str:
+        unique = list(dict.fromkeys(prompts))
+        if encoders.t5 is None:
+            return "T5 is not loaded; prompts are encoded as they come"
+        if len(unique) > MAX_PREPARED_PROMPTS:
+            return (
+                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
+                "so T5 stays loaded and encodes prompts as they come"
+            )
+        encoders.precompute(unique)
+        encoders.drop_t5()
+        return f"{len(unique)} prompts encoded ahead; T5 released"
+
     size = sample_size or transformer_config.get("sample_size", 128)
     patch = transformer_config.get("patch_size", 2)
     grid = transformer_config.get("pos_embed_max_size") or size // patch
@@ -287,6 +303,7 @@ def load_sd3(
         encode_prompts=encode_prompts,
         decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
         schedule_config=schedule,
+        prepare_prompts=prepare_prompts,
         path=root,
         transformer=transformer,
         transformer_config=transformer_config,
