@@ -59,6 +59,9 @@ def load_params(path) -> dict:
     if path.is_dir():
         import orbax.checkpoint as ocp
 
+        if (path / "state").is_dir():  # one step of a run's checkpoints/: its train state
+            path = path / "state"
+
         try:
             restored = ocp.PyTreeCheckpointer().restore(str(path.resolve()))
         except Exception as e:  # any unreadable or foreign folder
@@ -93,8 +96,16 @@ def _run_model(workdir: Path) -> tuple[str, str]:
 
 
 def _family_of_folder(model_path: str) -> str:
-    """ "sd3" for a folder with transformer/, else "sd" (its own checks say what is wrong)."""
-    return "sd3" if (Path(model_path).expanduser() / "transformer").is_dir() else "sd"
+    """ "sd3" for a folder with transformer/, "sd" for one with unet/ (or a hub id)."""
+    folder = Path(model_path).expanduser()
+    if (folder / "transformer").is_dir():
+        return "sd3"
+    if folder.is_dir() and not (folder / "unet").is_dir():
+        raise ValueError(
+            f"model folder {folder} has neither unet/ (Stable Diffusion 1.x) nor transformer/ "
+            "(SD3) to export against; pass the base pipeline folder as --model_path."
+        )
+    return "sd"
 
 
 def base_denoiser(family: str, model_path: str):
