@@ -46,6 +46,7 @@ setup(
             "torch==2.14.1",
             "torchvision==0.29.1",
             "open-clip-torch>=2.24",
+            "peft>=0.13",
         ],
     },
 )

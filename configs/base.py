@@ -95,6 +95,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.clip_range = 1e-4  # PPO clip epsilon
     c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
 
+    # LoRA (rank 0: full fine-tuning): W + (alpha / rank) * A @ B on the `targets` kernels
+    # (module names; () = the family's defaults in tree_grpo_jax.lora), the base frozen in
+    # the compute dtype; only the factors are optimized and checkpointed.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0
+    c.lora.alpha = 0.0  # 0: alpha = rank (scale 1)
+    c.lora.targets = ()
+
     # Rewards: "name" or a weighted sum "name:weight,name:weight" (see tree_grpo_jax.rewards).
     c.rewards = "digit_alignment"
     # Folders of the rewards that read a model (README, "Rewards"); "" = none configured

@@ -147,6 +147,16 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         if name in reward_registry.available_rewards():
             sentence = reward_registry.missing_weights(name, config.reward_models.get(name))
             _require(sentence is None, sentence)
+    lo = config.lora
+    _require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
+    _require(
+        lo.alpha >= 0 and math.isfinite(lo.alpha),
+        f"lora.alpha must be >= 0 (0: alpha = rank), got {lo.alpha}.",
+    )
+    _require(
+        all(isinstance(t, str) and t for t in lo.targets),
+        f"lora.targets must be module names, got {tuple(lo.targets)!r}.",
+    )
     opts = config.reward_options
     _require(
         opts.dtype in ("float32", "bfloat16"),

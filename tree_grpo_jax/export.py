@@ -18,6 +18,10 @@ other components beside it, so that diffusers' `StableDiffusionPipeline` or
 `StableDiffusion3Pipeline.from_pretrained(out)` loads it. The family is the run's
 `model.name`, or, with `--params`, the base folder's layout. The writing itself is
 `models.export`; this module is the command line.
+
+A LoRA run (`lora.rank > 0`) exports `<out>/pytorch_lora_weights.safetensors` in the PEFT
+key format diffusers' `pipe.load_lora_weights(out)` reads, with its rank and alpha; with
+`--merge` it writes the whole pipeline with the factors merged into the base weights.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from flax import serialization
 
+from tree_grpo_jax import lora
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.models import export as pipeline_export
 from tree_grpo_jax.models.export import EXPORT_DTYPES, unwrap_params
@@ -75,8 +80,8 @@ def load_params(path) -> dict:
     raise ValueError(f"params path {path} does not exist; pass a .msgpack file or an orbax folder.")
 
 
-def _run_model(workdir: Path) -> tuple[str, str]:
-    """The model family and base folder recorded in a run's config.json (read only)."""
+def _run_model(workdir: Path) -> tuple[str, str, dict]:
+    """The model family, base folder and LoRA settings in a run's config.json (read only)."""
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise ValueError(
@@ -92,7 +97,8 @@ def _run_model(workdir: Path) -> tuple[str, str]:
         raise ValueError(
             f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
         )
-    return str(model["name"]), str(model["path"])
+    adapter = run_config.get("lora") or {}
+    return str(model["name"]), str(model["path"]), adapter if adapter.get("rank") else {}
 
 
 def _family_of_folder(model_path: str) -> str:
@@ -118,9 +124,9 @@ def base_denoiser(family: str, model_path: str):
     return sd15_base(model_path)
 
 
-def _source(args) -> tuple[dict, str, str, Path]:
-    """(params, family, base model path, source path) from --workdir or --params and
-    --model_path.
+def _source(args) -> tuple[dict, str, str, Path, dict]:
+    """(params, family, base model path, source path, LoRA settings or {}) from --workdir or
+    --params and --model_path.
 
     Nothing is written: a run's checkpoints are opened read-only.
     """
@@ -130,14 +136,33 @@ def _source(args) -> tuple[dict, str, str, Path]:
         if not args.model_path:
             raise ValueError("--params needs --model_path, the base SD folder it was trained from.")
         family = _family_of_folder(args.model_path)
-        return load_params(args.params), family, args.model_path, Path(args.params).expanduser()
+        source = Path(args.params).expanduser()
+        return load_params(args.params), family, args.model_path, source, {}
     workdir = Path(args.workdir).expanduser()
     if not workdir.is_dir():
         raise ValueError(f"there is no training run at {workdir}; pass the --workdir of a run.")
-    family, run_path = _run_model(workdir)
+    family, run_path, adapter = _run_model(workdir)
     model_path = args.model_path or run_path
     params = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
-    return params, family, model_path, workdir
+    return params, family, model_path, workdir, adapter
+
+
+def base_params(family: str, model_path: str) -> dict:
+    """The base folder's denoiser weights in float32 (a LoRA export with --merge adds to them)."""
+    import jax.numpy as jnp
+
+    if family == "sd3":
+        from tree_grpo_jax.models.sd3.load import POINT, load_transformer
+
+        folder, load = "transformer", load_transformer
+    else:
+        from tree_grpo_jax.models.sd15.load import POINT, load_unet
+
+        folder, load = "unet", load_unet
+    from tree_grpo_jax.models import files
+
+    root = files.resolve_folder(model_path, "model path", POINT, ["*/*.json", "*/*.safetensors"])
+    return load(root / folder, jnp.float32)[1]
 
 
 def main(argv=None) -> int:
@@ -148,9 +173,34 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the new pipeline folder")
     parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write full merged weights instead of pytorch_lora_weights.safetensors",
+    )
     args = parser.parse_args(argv)
     try:
-        params, family, model_path, source = _source(args)
+        params, family, model_path, source, adapter = _source(args)
+        if adapter and not args.merge:
+            prefix = "transformer" if family == "sd3" else "unet"
+            out = pipeline_export.export_lora(
+                params,
+                prefix,
+                adapter["rank"],
+                adapter.get("alpha") or adapter["rank"],
+                args.out,
+                args.overwrite,
+                sources=[source],
+            )
+            print(f"exported {out} (load it with pipe.load_lora_weights)")
+            return 0
+        if adapter:  # --merge: the base weights with the factors added, as full weights
+            params = lora.merge(
+                base_params(family, model_path),
+                params,
+                adapter.get("alpha") or adapter["rank"],
+                adapter["rank"],
+            )
         base, denoiser = base_denoiser(family, model_path)
         out = pipeline_export.export_pipeline(
             params, base, denoiser, args.out, args.dtype, args.overwrite, sources=[source]

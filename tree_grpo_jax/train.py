@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -33,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import methods, pruning, reporting, rollout, sharding, transitions
+from tree_grpo_jax import lora, methods, pruning, reporting, rollout, sharding, transitions
 from tree_grpo_jax.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -70,6 +72,40 @@ class Rollout:
     tree: rollout.Tree
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Adapter:
+    """LoRA: the trainer's params are low-rank factors on these frozen base weights."""
+
+    base: Any  # the model's denoiser weights, on the mesh, never updated
+    paths: tuple  # the adapted kernels
+    rank: int
+    alpha: float
+    base_fingerprint: str  # a checksum of `base`: a resume must find the same weights
+
+    def merged(self, factors):
+        return _merge(self.base, factors, self.alpha, self.rank)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _merge(base, factors, alpha, rank):
+    return lora.merge(base, factors, alpha, rank)
+
+
+def weights_fingerprint(params) -> str:
+    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(flatten_dict(jax.device_get(params)).items()):
+        x = np.asarray(leaf, np.float64)
+        digest.update("/".join(map(str, path)).encode())
+        digest.update(str(x.shape).encode())
+        digest.update(
+            np.asarray(
+                [x.sum(), np.abs(x).sum(), x.ravel()[:: max(1, x.size // 7)].sum()]
+            ).tobytes()
+        )
+    return digest.hexdigest()[:16]
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer.
 
@@ -97,10 +133,18 @@ class Trainer:
     tracker: adv.PerPromptStatTracker | None
     ref_params: Any
     key: jax.Array
+    adapter: Adapter | None = None  # LoRA: the frozen base the trained factors adapt
 
     @property
     def guidance(self) -> bool:
         return self.uncond is not None
+
+    def model_params(self, params):
+        """The denoiser's weights for the trained `params` (LoRA: the base, factors merged)."""
+        return params if self.adapter is None else self.adapter.merged(params)
+
+    def _step_args(self) -> tuple:
+        return () if self.adapter is None else (self.adapter.base,)
 
     # -- pieces of an iteration ------------------------------------------------------------
     def spec(self):
@@ -125,7 +169,7 @@ class Trainer:
         start = self.window_start(iteration)
         tree = rollout.rollout(
             self.model.denoise,
-            params,
+            self.model_params(params),
             cond,
             key,
             self.schedule(),
@@ -187,6 +231,7 @@ class Trainer:
                     self.uncond,
                     self.ref_params,
                     jnp.float32(lr),
+                    *self._step_args(),
                 )
                 step_metrics.append(metrics)
         step_metrics = jax.device_get(step_metrics)
@@ -246,7 +291,7 @@ class Trainer:
         noise = _eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
         samples = rollout.sample_deterministic(
             self.model.denoise,
-            params,
+            self.model_params(params),
             self.model.encode_prompts(prompts),
             jnp.asarray(noise),
             self.schedule(c.eval.num_steps or None),
@@ -397,6 +442,29 @@ def load_rewards(config, names, mesh=None) -> dict[str, reward_registry.Reward]:
     return loaded
 
 
+def model_family(model_name: str) -> str:
+    """ "tiny", "sd" or "sd3": which parameter tree (and LoRA defaults) a model has."""
+    return "tiny" if "tiny" in model_name else model_name
+
+
+def _make_adapter(config, model: TextToImageModel, mesh) -> Adapter | None:
+    """LoRA on the model's weights when `lora.rank > 0`: the base in the compute dtype."""
+    spec = config.lora
+    if spec.rank == 0:
+        return None
+    base = cast_floats(model.params, DTYPES[config.model.compute_dtype])
+    targets = tuple(spec.targets) or lora.DEFAULT_TARGETS[model_family(config.model.name)]
+    paths = lora.target_paths(base, targets)
+    base = jax.device_put(base, sharding.param_shardings(mesh, base))
+    return Adapter(
+        base=base,
+        paths=paths,
+        rank=int(spec.rank),
+        alpha=float(spec.alpha or spec.rank),
+        base_fingerprint=weights_fingerprint(base),
+    )
+
+
 def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]:
     sharding.maybe_initialize_distributed()
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
@@ -423,7 +491,13 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
     guidance = config.sampling.guidance_scale != 1.0
     uncond = model.encode_prompts([""])[0] if guidance else None
 
-    params = cast_floats(model.params, DTYPES[config.model.param_dtype])
+    adapter = _make_adapter(config, model, mesh)
+    if adapter is None:
+        params = cast_floats(model.params, DTYPES[config.model.param_dtype])
+    else:  # only the factors are trained, optimized and checkpointed
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+        params = lora.init_lora(key, adapter.base, adapter.paths, adapter.rank)
+        params = cast_floats(params, DTYPES[config.model.param_dtype])
     tx = make_optimizer(config.train)
 
     def fresh(p):
@@ -441,9 +515,22 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
         clip_range=config.train.clip_range,
         kl_beta=config.train.kl_beta,
     )
-    ref_params = (
-        jax.tree_util.tree_map(jnp.copy, state.params) if config.train.kl_beta > 0 else None
-    )
+    use_kl = config.train.kl_beta > 0
+    if adapter is None:
+        ref_params = jax.tree_util.tree_map(jnp.copy, state.params) if use_kl else None
+        train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings)
+    else:  # the KL reference is the base itself: no second copy
+        ref_params = adapter.base if use_kl else None
+        base_shardings = sharding.param_shardings(mesh, adapter.base)
+        train_step = make_train_step(
+            tx,
+            loss_kwargs,
+            mesh,
+            state_shardings,
+            merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
+            frozen_shardings=base_shardings,
+            ref_shardings=base_shardings if use_kl else None,
+        )
     trainer = Trainer(
         config=config,
         workdir=workdir,
@@ -455,11 +542,12 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
         prompts=prompts,
         eval_prompts=eval_prompts,
         uncond=uncond,
-        train_step=make_train_step(tx, loss_kwargs, mesh, state_shardings),
+        train_step=train_step,
         init_state=init_state,
         tracker=_make_tracker(config, method),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
+        adapter=adapter,
     )
     return trainer, state
 
@@ -552,6 +640,7 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "rng_key": np.asarray(jax.random.key_data(trainer.key)).tolist(),
         "window_start": methods.window_start(trainer.config, next_iteration),
         "fingerprint": cfg.fingerprint(trainer.config),
+        "base_weights": trainer.adapter.base_fingerprint if trainer.adapter else None,
         "history": history,
         **host,
     }
@@ -579,6 +668,13 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
     """Restores the newest readable checkpoint in the workdir; a fresh start if none."""
     if ckpt.latest_step is None:
         return state, 0, {"eval": [], "wall_time": 0.0}
+    saved_base = ckpt.read_meta().get("base_weights")
+    if trainer.adapter is not None and saved_base != trainer.adapter.base_fingerprint:
+        raise CheckpointError(
+            f"the LoRA checkpoints in {ckpt.directory} were trained on other base weights "
+            f"than {trainer.config.model.name} {trainer.config.model.path!r} holds now "
+            "(their checksums differ); resume with the base weights they were trained on."
+        )
     state, meta, _ = ckpt.restore(state)
     trainer.prompts.load_state_dict(meta["prompt_iterator"])
     if trainer.tracker is not None and meta.get("stat_tracker"):

@@ -55,16 +55,29 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def make_train_step(tx, loss_kwargs: dict, mesh, state_shardings):
+def make_train_step(
+    tx,
+    loss_kwargs: dict,
+    mesh,
+    state_shardings,
+    *,
+    merge=None,
+    frozen_shardings=None,
+    ref_shardings=None,
+):
     """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
 
     loss_kwargs: the static arguments of `ppo_loss` (denoise_fn, reduce) and its scalars.
+    With `merge` (LoRA), the state's params are the adapter, the step takes the frozen base
+    weights as an eighth argument (laid out as `frozen_shardings`) and the loss sees
+    `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
     """
 
-    def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr):
+    def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
         def loss_fn(params):
+            weights = params if merge is None else merge(frozen, params)
             return ppo_loss(
-                params,
+                weights,
                 batch,
                 schedule=schedule,
                 cond=cond,
@@ -89,9 +102,13 @@ def make_train_step(tx, loss_kwargs: dict, mesh, state_shardings):
 
     rep = sharding.replicated(mesh)
     batch_sh = sharding.batch_sharding(mesh)
+    ref = rep if ref_shardings is None else ref_shardings
+    in_shardings = (state_shardings, batch_sh, rep, rep, rep, ref, rep)
+    if merge is not None:
+        in_shardings += (frozen_shardings,)
     return jax.jit(
         step,
-        in_shardings=(state_shardings, batch_sh, rep, rep, rep, rep, rep),
+        in_shardings=in_shardings,
         out_shardings=(state_shardings, rep),
         donate_argnums=(0,),
     )

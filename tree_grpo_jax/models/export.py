@@ -101,12 +101,11 @@ def _overlaps(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
-def check_out_dir(base: Path, out: Path, overwrite: bool, sources=()) -> None:
+def check_out_dir(base: Path | None, out: Path, overwrite: bool, sources=()) -> None:
     """Refuses an export folder that would overwrite work or a source; changes nothing."""
     out = out.resolve()
-    for source, what in [(base.resolve(), "the base model folder")] + [
-        (Path(s).resolve(), "the exported source") for s in sources
-    ]:
+    protected = [(base.resolve(), "the base model folder")] if base is not None else []
+    for source, what in protected + [(Path(s).resolve(), "the exported source") for s in sources]:
         if _overlaps(out, source):
             raise ValueError(
                 f"the export folder {out} must be neither inside nor around {what} {source}."
@@ -153,6 +152,33 @@ def export_pipeline(
             else:
                 shutil.copy2(entry, staging / entry.name)
         _write(params, denoiser, staging)
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def export_lora(
+    factors, prefix: str, rank: int, alpha: float, out_dir, overwrite=False, sources=()
+) -> Path:
+    """`<out>/pytorch_lora_weights.safetensors` from LoRA factors, in the key format
+    diffusers' `load_lora_weights` reads (`prefix`: "unet" or "transformer"); written to a
+    staging folder and moved into place."""
+    from tree_grpo_jax import lora
+
+    out = Path(out_dir).expanduser()
+    check_out_dir(None, out, overwrite, sources)
+    state = lora.to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        lora.save_peft(staging / lora.LORA_FILE, state, alpha, rank)
         if out.is_dir():
             shutil.rmtree(out)
         os.replace(staging, out)
