@@ -149,3 +149,19 @@ def test_replot_rebuilds_the_same_tables(smoke):
     with open(os.path.join(out, "tables.md")) as f:
         assert f.read() == before
     assert os.path.getsize(os.path.join(out, "reward_vs_time.png")) > 0
+
+
+def test_lora_counts_at_real_sizes():
+    """LoRA's default targets at SD1.5's and SD3.5-Medium's real sizes (shapes only): every
+    attention projection of SD1.5's 16 transformer blocks (2 attentions x 4), and SD3.5's 24
+    joint blocks x 8 projections less the last block's missing context output."""
+    from benchmarks import lora as lora_bench
+
+    sd15 = lora_bench.counts("sd", lora_bench.sd15_shapes())
+    sd35 = lora_bench.counts("sd3", lora_bench.sd35m_shapes())
+    assert sd15["adapted_kernels"] == 16 * 2 * 4
+    assert sd35["adapted_kernels"] == 24 * 8 - 1
+    assert 850e6 < sd15["base_params"] < 870e6  # SD1.5's UNet: 860M
+    for row in (sd15, sd35):
+        assert row["rank_32"]["trainable_params"] == 8 * row["rank_4"]["trainable_params"]
+        assert row["rank_4"]["optimizer_state_bytes"] == 8 * row["rank_4"]["trainable_params"]

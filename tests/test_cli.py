@@ -66,6 +66,8 @@ BAD_INPUTS = [
         "/nonexistent/aes",
     ),
     (["--config.reward_options.dtype=float16"], "reward_options.dtype must be"),
+    (["--config.lora.rank=-1"], "lora.rank must be >= 0"),
+    (["--config.lora.rank=4", "--config.lora.targets=('to_qq',)"], "matching the LoRA targets"),
     (["--config.train.iterations=2.5"], "has the wrong type"),
     (["--confg.train.iterations=2"], "Unknown command line flag"),
     (["--config.log.wandb_project=demo"], "wandb is not installed"),
