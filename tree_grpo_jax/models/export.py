@@ -137,13 +137,8 @@ def export_pipeline(
     out = Path(out_dir).expanduser()
     check_out_dir(base, out, overwrite, sources)
     params = checked_numpy(params, denoiser, dtype)
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():  # left by an earlier, killed export of this process id
-        shutil.rmtree(staging)
-    staging.mkdir()
-    try:
+
+    def fill(staging: Path) -> None:
         for entry in base.iterdir():
             if entry.name == denoiser.component or entry.name.startswith("."):
                 continue
@@ -152,6 +147,21 @@ def export_pipeline(
             else:
                 shutil.copy2(entry, staging / entry.name)
         _write(params, denoiser, staging)
+
+    return write_staged(out, fill)
+
+
+def write_staged(out: Path, fill) -> Path:
+    """Builds a folder with `fill(staging)` beside `out`, then moves it into place: a failure
+    (or a kill) leaves no half-built `out`, and an existing `out` is replaced only whole."""
+    out = Path(out).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():  # left by an earlier, killed export of this process id
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        fill(staging)
         if out.is_dir():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -172,17 +182,6 @@ def export_lora(
     out = Path(out_dir).expanduser()
     check_out_dir(None, out, overwrite, sources)
     state = lora.to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        lora.save_peft(staging / lora.LORA_FILE, state, alpha, rank)
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+    return write_staged(
+        out, lambda staging: lora.save_peft(staging / lora.LORA_FILE, state, alpha, rank)
+    )

@@ -95,6 +95,17 @@ def read_safetensors_stem(
     return None
 
 
+def component_dir(root: Path, name: str, needed, hint: str) -> Path:
+    """`root/name`, which must be a folder holding the files `needed`; else one sentence."""
+    folder = Path(root) / name
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {root} has no {name}/ folder; {hint}.")
+    for filename in needed:
+        if not (folder / filename).is_file():
+            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {hint}.")
+    return folder
+
+
 def has_pickles(folder: Path) -> bool:
     """True when the folder holds PyTorch pickle weights (which need torch to read)."""
     return any(list(Path(folder).glob(p)) for p in ("*.bin", "*.pt", "*.pth", "*.ckpt"))

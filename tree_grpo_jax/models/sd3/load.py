@@ -90,16 +90,6 @@ class StableDiffusion3Model(TextToImageModel):
     text_encoders: Any  # text.SD3TextEncoders
 
 
-def _component_dir(root: Path, name: str, needed: Sequence[str]) -> Path:
-    folder = root / name
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {root} has no {name}/ folder; {POINT}.")
-    for filename in needed:
-        if not (folder / filename).is_file():
-            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {POINT}.")
-    return folder
-
-
 def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
     for key, supported in fixed.items():
         if key in config and config[key] != supported:
@@ -251,9 +241,9 @@ def load_sd3(
     """
     root = files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
     folders = {
-        "transformer": _component_dir(root, "transformer", ("config.json",)),
-        "vae": _component_dir(root, "vae", ("config.json",)),
-        "scheduler": _component_dir(root, "scheduler", ("scheduler_config.json",)),
+        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
+        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
+        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
     }
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)

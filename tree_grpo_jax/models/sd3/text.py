@@ -253,13 +253,7 @@ class T5Encoder(nn.Module):
 
 
 def _folder(root: Path, name: str, needed: Sequence[str]) -> Path:
-    folder = root / name
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {root} has no {name}/ folder; {POINT}.")
-    for filename in needed:
-        if not (folder / filename).is_file():
-            raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {POINT}.")
-    return folder
+    return files.component_dir(root, name, needed, POINT)
 
 
 def _read_config(folder: Path, model_type: str, what: str) -> dict:
