@@ -455,13 +455,15 @@ def _make_adapter(config, model: TextToImageModel, mesh) -> Adapter | None:
     base = cast_floats(model.params, DTYPES[config.model.compute_dtype])
     targets = tuple(spec.targets) or lora.DEFAULT_TARGETS[model_family(config.model.name)]
     paths = lora.target_paths(base, targets)
-    base = jax.device_put(base, sharding.param_shardings(mesh, base))
+    # The checksum is taken on the host before the base is laid out on the mesh, so a resume
+    # on another mesh (allowed) finds the same value.
+    fingerprint = weights_fingerprint(base)
     return Adapter(
-        base=base,
+        base=jax.device_put(base, sharding.param_shardings(mesh, base)),
         paths=paths,
         rank=int(spec.rank),
         alpha=float(spec.alpha or spec.rank),
-        base_fingerprint=weights_fingerprint(base),
+        base_fingerprint=fingerprint,
     )
 
 
