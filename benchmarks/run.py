@@ -373,7 +373,11 @@ def main(argv=None) -> dict:
         log(f"[suite] tables and plots rebuilt in {args.replot}")
         return {}
     name, mode = resolve(args)
-    out = args.out or (RESULTS_DIR if name == "full" else os.path.join(RESULTS_DIR, name))
+    # Smoke results check the code, not the speed: they stay out of the results folder.
+    smoke_dir = os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks", "smoke")
+    out = args.out or {"full": RESULTS_DIR, "smoke": smoke_dir}.get(
+        name, os.path.join(RESULTS_DIR, name)
+    )
     os.makedirs(out, exist_ok=True)
     for stale in ("costs", "time_per_iteration", "reward_vs_time", "engine_vs_node_loop"):
         if os.path.exists(os.path.join(out, f"{stale}.json")):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import os
+import pathlib
 import re
 import shutil
 import sys
@@ -85,9 +86,29 @@ def _unknown_field(argv) -> str:
     return "an override names a field the config does not have."
 
 
+def _configs_importable(argv) -> None:
+    """Config files say `from configs import base`: make that work from any working
+    directory, for the repository's configs and for a user's own file elsewhere, by putting
+    on sys.path the folder around a config file's `configs/` package and the repository
+    this package runs from (appended: the working directory still comes first)."""
+    roots = []
+    path = _config_path(argv)
+    if path:
+        folder = pathlib.Path(path).expanduser().resolve().parent
+        if folder.name == "configs" and (folder / "__init__.py").is_file():
+            roots.append(folder.parent)
+    repository = pathlib.Path(__file__).resolve().parents[1]
+    if (repository / "configs" / "base.py").is_file():
+        roots.append(repository)
+    for root in map(str, roots):
+        if root not in sys.path:
+            sys.path.append(root)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with the config file loaded and its overrides applied here, so
     that a missing or broken file, an unknown field or a wrong type is one sentence."""
+    _configs_importable(argv)
     try:
         rest = flags.FLAGS(argv)
         if _config_path(argv) is not None:
