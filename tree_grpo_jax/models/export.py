@@ -101,21 +101,20 @@ def _overlaps(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
-def check_out_dir(base: Path | None, out: Path, overwrite: bool, sources=()) -> None:
-    """Refuses an export folder that would overwrite work or a source; changes nothing."""
-    out = out.resolve()
+def check_out_dir(
+    base: Path | None, out: Path, overwrite: bool, sources=(), what: str = "the export folder"
+) -> None:
+    """Refuses an output folder that would overwrite work or a source; changes nothing."""
+    out = Path(out).expanduser().resolve()
     protected = [(base.resolve(), "the base model folder")] if base is not None else []
-    for source, what in protected + [(Path(s).resolve(), "the exported source") for s in sources]:
+    protected += [(Path(s).expanduser().resolve(), "the source") for s in sources]
+    for source, kind in protected:
         if _overlaps(out, source):
-            raise ValueError(
-                f"the export folder {out} must be neither inside nor around {what} {source}."
-            )
+            raise ValueError(f"{what} {out} must be neither inside nor around {kind} {source}.")
     if out.exists() and not out.is_dir():
-        raise ValueError(f"the export folder {out} is an existing file; choose a folder.")
+        raise ValueError(f"{what} {out} is an existing file; choose a folder.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(
-            f"the export folder {out} is not empty; pass --overwrite or choose another."
-        )
+        raise ValueError(f"{what} {out} is not empty; pass --overwrite or choose another.")
 
 
 def export_pipeline(

@@ -30,7 +30,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import sys
 import warnings
 from collections.abc import Mapping
@@ -39,6 +38,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
+
+from tree_grpo_jax.models import export
 
 FORMAT = 1
 OUTPUT_DTYPES = {
@@ -968,26 +969,13 @@ def convert_aesthetic(
 # --------------------------------------------------------------------------- writing
 
 
-def _overlaps(a: Path, b: Path) -> bool:
-    return a == b or a in b.parents or b in a.parents
-
-
 def check_out_dir(out, overwrite: bool, sources=()) -> Path:
     """The resolved output folder, after refusing one that would overwrite work or a source."""
-    out = Path(out).expanduser().resolve()
-    for source in sources:
-        source = Path(source).expanduser().resolve()
-        if _overlaps(out, source):
-            raise ConversionError(
-                f"the output folder {out} must be neither inside nor around {source}."
-            )
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"the output folder {out} is an existing file; choose a folder.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(
-            f"the output folder {out} is not empty; pass --overwrite or choose another."
-        )
-    return out
+    try:
+        export.check_out_dir(None, out, overwrite, sources, what="the output folder")
+    except ValueError as e:
+        raise ConversionError(str(e).rstrip(".")) from None
+    return Path(out).expanduser().resolve()
 
 
 def _write_json(path: Path, data) -> None:
@@ -999,14 +987,10 @@ def write_folder(out: Path, files: Mapping[str, object]) -> Path:
 
     The files go into a staging folder beside `out`, which then replaces `out`.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():  # left by an earlier, killed conversion of this process id
-        shutil.rmtree(staging)
-    staging.mkdir()
     umask = os.umask(0)
     os.umask(umask)
-    try:
+
+    def fill(staging: Path) -> None:
         for name, content in files.items():
             path = staging / name
             if isinstance(content, str):
@@ -1016,13 +1000,8 @@ def write_folder(out: Path, files: Mapping[str, object]) -> Path:
                 os.chmod(path, 0o666 & ~umask)  # safetensors creates its files owner-only
             else:
                 _write_json(path, content)
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return export.write_staged(out, fill)
 
 
 def _folder_size(folder: Path) -> int:
