@@ -12,25 +12,14 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
+from sd3_fixtures import TRANSFORMER_CONFIG  # noqa: E402
+
 from tree_grpo_jax.models import convert  # noqa: E402
 from tree_grpo_jax.models.sd3 import mmdit  # noqa: E402
 
-# SD3.5 style: MMDiT-X blocks (not the last, context_pre_only, block) and RMS qk-norm.
-SD35_CONFIG = dict(
-    sample_size=8,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=3,
-    attention_head_dim=8,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    caption_projection_dim=16,
-    pooled_projection_dim=24,
-    pos_embed_max_size=12,
-    dual_attention_layers=(0, 1),
-    qk_norm="rms_norm",
-)
+# SD3.5 style: MMDiT-X blocks (not the last, context_pre_only, block) and RMS qk-norm; the
+# tiny folder's transformer, with narrower text inputs.
+SD35_CONFIG = {**TRANSFORMER_CONFIG, "joint_attention_dim": 32, "pooled_projection_dim": 24}
 # SD3-Medium (v1) style: plain joint blocks, no qk-norm.
 SD3_CONFIG = {**SD35_CONFIG, "dual_attention_layers": (), "qk_norm": None}
 # (latent height, width): square, and non-square with an odd patch-grid side.
