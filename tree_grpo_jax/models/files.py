@@ -106,6 +106,15 @@ def component_dir(root: Path, name: str, needed, hint: str) -> Path:
     return folder
 
 
+def check_fixed(config: dict, fixed: dict, where: Path) -> None:
+    """Refuses config fields set to a value other than the one our module implements."""
+    for key, supported in fixed.items():
+        if key in config and config[key] != supported:
+            raise ModelLoadError(
+                f"{where} sets {key}={config[key]!r}, but only {key}={supported!r} is supported."
+            )
+
+
 def has_pickles(folder: Path) -> bool:
     """True when the folder holds PyTorch pickle weights (which need torch to read)."""
     return any(list(Path(folder).glob(p)) for p in ("*.bin", "*.pt", "*.pth", "*.ckpt"))

@@ -133,14 +133,6 @@ def read_json(path: Path) -> dict:
     return files.read_json(path, POINT)
 
 
-def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
-    for key, supported in fixed.items():
-        if key in config and config[key] != supported:
-            raise ModelLoadError(
-                f"{where} sets {key}={config[key]!r}, but only {key}={supported!r} is supported."
-            )
-
-
 def _load_weights(folder: Path, component: str, reference, variant: str | None):
     """The component's params as a nested numpy dict, checked against `reference` shapes."""
     flax_name, stem = _WEIGHT_NAMES[component]
@@ -186,7 +178,7 @@ def unet_reference_shapes(unet: UNet2DConditionModel) -> dict[tuple[str, ...], t
 
 def check_unet_config(config: dict, where: Path) -> None:
     """Raises ModelLoadError unless our UNet computes what the config describes."""
-    _check_fixed(config, _UNET_FIXED, where)
+    files.check_fixed(config, _UNET_FIXED, where)
     for key, supported in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
         unknown = [b for b in config.get(key, ()) if b not in supported]
         if unknown:
@@ -211,7 +203,7 @@ def _load_vae(folder: Path, dtype, variant=None):
     from diffusers import FlaxAutoencoderKL
 
     config = read_json(folder / "config.json")
-    _check_fixed(config, _VAE_FIXED, folder / "config.json")
+    files.check_fixed(config, _VAE_FIXED, folder / "config.json")
     module = FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
     shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
     params = _load_weights(folder, "vae", shapes, variant)
@@ -245,7 +237,7 @@ def _load_tokenizer(folder: Path):
 
 def schedule_config(scheduler_config: dict, where: Path) -> DDIMScheduleConfig:
     """The model side of the DDIM schedule, from a diffusers scheduler config."""
-    _check_fixed(scheduler_config, _SCHEDULER_FIXED, where)
+    files.check_fixed(scheduler_config, _SCHEDULER_FIXED, where)
     prediction_type = scheduler_config.get("prediction_type", "epsilon")
     if prediction_type not in PREDICTION_TYPES:
         raise ModelLoadError(

@@ -90,14 +90,6 @@ class StableDiffusion3Model(TextToImageModel):
     text_encoders: Any  # text.SD3TextEncoders
 
 
-def _check_fixed(config: dict, fixed: dict, where: Path) -> None:
-    for key, supported in fixed.items():
-        if key in config and config[key] != supported:
-            raise ModelLoadError(
-                f"{where} sets {key}={config[key]!r}, but only {key}={supported!r} is supported."
-            )
-
-
 def _weights(folder: Path, reference, drop=()) -> dict:
     """The folder's diffusers-named safetensors as Flax params matching `reference`."""
     state = files.read_safetensors_stem(folder, "diffusion_pytorch_model", POINT)
@@ -150,7 +142,7 @@ def _load_vae(folder: Path, dtype):
     from diffusers import FlaxAutoencoderKL
 
     config = files.read_json(folder / "config.json", POINT)
-    _check_fixed(config, _VAE_FIXED, folder / "config.json")
+    files.check_fixed(config, _VAE_FIXED, folder / "config.json")
     fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
     module = FlaxAutoencoderKL(**kwargs, dtype=dtype)
@@ -178,7 +170,7 @@ def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
             f"{where} describes a {config.get('_class_name')}, but SD3 folders use "
             "FlowMatchEulerDiscreteScheduler."
         )
-    _check_fixed(config, _SCHEDULER_FIXED, where)
+    files.check_fixed(config, _SCHEDULER_FIXED, where)
     return FlowMatchScheduleConfig(
         shift=float(config.get("shift", 1.0)),
         num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
