@@ -124,8 +124,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.num_steps = 0  # 0: the training steps
     c.eval.extra_rewards = ()  # reported beside the training reward, e.g. ("digit_accuracy",)
 
-    # Checkpoints: in <workdir>/checkpoints; a restart with the same workdir resumes.
+    # Checkpoints: in <workdir>/checkpoints, or in `dir` (a local folder or a gs:// URL,
+    # which every host of a pod can reach); a restart with the same workdir resumes.
     c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.dir = ""
     c.checkpoint.every = 10
     c.checkpoint.keep = 2
 

@@ -5,32 +5,42 @@ everything else that decides the next iteration: the iteration count, the base R
 the tree-window position, the statistics trackers, the prompt iterator's position and the
 run's fingerprint. A checkpoint that cannot be read is set aside (renamed, never deleted)
 and the newest readable one is used instead.
+
+The folder may be local or a URL that etils' `epath` reaches (gs:// on TPU pods). With
+several processes all of them save and restore together; the primary one tidies the folder.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used; the message is one sentence for the user."""
 
 
+def as_path(directory: str) -> epath.Path:
+    """A local folder (made absolute) or a URL such as gs://bucket/run/checkpoints."""
+    directory = os.fspath(directory)
+    return epath.Path(directory if "://" in directory else os.path.abspath(directory))
+
+
 def check_writable(directory: str) -> None:
     """Fails before training starts rather than after the first hour."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write_test.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        path = as_path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test.{os.getpid()}.{jax.process_index()}"
+        probe.write_text("ok")
+        probe.unlink()
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoints to {directory}: {e.strerror or e}.") from e
 
@@ -53,21 +63,25 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
-        self.directory = os.path.abspath(directory)
+        path = as_path(directory)
+        self.directory = str(path)
         if read_only:
-            if not os.path.isdir(self.directory):
+            if not path.is_dir():
                 raise CheckpointError(f"there is no checkpoint folder {self.directory}.")
-        else:
+        elif jax.process_index() == 0:
             check_writable(self.directory)
             # A save cut short by a kill leaves a temporary folder; the run holds the
-            # workdir's lock, so no other process is writing it.
-            for name in os.listdir(self.directory):
-                if ".orbax-checkpoint-tmp" in name:
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            # workdir's lock, so no other run is writing it.
+            for child in path.iterdir():
+                if ".orbax-checkpoint-tmp" in child.name:
+                    child.rmtree(missing_ok=True)
+        if jax.process_count() > 1:  # nobody saves before the folder is tidy
+            multihost_utils.sync_global_devices("tree_grpo_jax: checkpoint folder ready")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         self.read_only = read_only
 
     @property
@@ -85,11 +99,16 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def _restore(self, step: int, target_state: Any | None) -> tuple[Any, dict]:
-        if target_state is None:
-            state_args = ocp.args.StandardRestore()
+        if target_state is None:  # as saved, on this process's first device (whatever the
+            # mesh it was saved from: a pod's checkpoint exports on one machine)
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            abstract = jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                self._manager.item_metadata(step)["state"],
+            )
         else:
             abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target_state)
-            state_args = ocp.args.StandardRestore(abstract)
+        state_args = ocp.args.StandardRestore(abstract)
         restored = self._manager.restore(
             step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
         )
@@ -100,8 +119,8 @@ class Checkpointer:
     def restore(self, target_state: Any | None = None, step: int | None = None):
         """(state, meta, step) of the newest readable checkpoint (or of `step`).
 
-        The state takes the structure, dtypes and shardings of `target_state` (as saved when
-        None). An unreadable checkpoint is reported in one line, set aside as
+        The state takes the structure, dtypes and shardings of `target_state` (when None:
+        as saved, on one device). An unreadable checkpoint is reported in one line, set aside as
         `<step>.unreadable-<time>` unless the folder is read-only, and the next older one is
         tried.
         """
@@ -146,9 +165,11 @@ class Checkpointer:
         return state["params"]
 
     def _set_aside(self, step: int) -> None:
-        path = os.path.join(self.directory, str(step))
-        if os.path.exists(path):
-            os.rename(path, f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        path = as_path(self.directory) / str(step)
+        if jax.process_index() == 0 and path.exists():
+            path.rename(path.parent / f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"tree_grpo_jax: set aside {step}")
         self._manager.reload()
 
     def close(self) -> None:

@@ -41,7 +41,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def default_workdir(name: str) -> str:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """runs/<name>/<time>; with several processes, the time of the primary one, so that
+    every process names the same folder."""
+    from tree_grpo_jax import sharding
+
+    sharding.maybe_initialize_distributed()
+    stamp = sharding.primary_text(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     return os.path.join("runs", name, stamp)
 
 
@@ -190,6 +195,10 @@ def main(argv) -> None:
     except (train.RewardError, train.DivergenceError) as e:
         _fail(str(e), EXIT_FAILED)
 
+    from tree_grpo_jax import sharding
+
+    if not sharding.is_primary():  # the primary process reports for all
+        return
     if summary.get("already_finished"):
         print(
             f"already finished: {workdir} holds all {summary['iterations']} iterations "

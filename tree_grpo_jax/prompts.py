@@ -125,6 +125,13 @@ class PromptIterator:
         self.position += self.global_batch_size
         return batch
 
+    def next_global_batch(self) -> list[str]:
+        """Every shard's batch of this draw, in shard order: shard i's `next_batch` is rows
+        i * batch_size .. (i + 1) * batch_size - 1 of it. Advances like `next_batch`."""
+        batch = [self._prompt_at(self.position + i) for i in range(self.global_batch_size)]
+        self.position += self.global_batch_size
+        return batch
+
     def state_dict(self) -> dict[str, int]:
         """Small, all ints: what a checkpoint stores."""
         return {"position": self.position, "seed": self.seed, "num_prompts": len(self.prompts)}

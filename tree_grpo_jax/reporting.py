@@ -68,6 +68,16 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+class NullWriter:
+    """A MetricsWriter that writes nothing (the processes that do not log)."""
+
+    def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+        del step, metrics, prefix
+
+    def close(self) -> None:
+        pass
+
+
 def _is_scalar(v) -> bool:
     return np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)
 

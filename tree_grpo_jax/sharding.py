@@ -1,9 +1,15 @@
-"""Devices, the mesh and where arrays live.
+"""Devices, the mesh, where arrays live and how processes share them.
 
 One mesh with axes ('data', 'fsdp'). Batches split their leading axis over both axes.
 Parameters and optimizer state shard over 'fsdp' along their largest dimension that the
 axis divides, and stay replicated when no dimension does. With fsdp = 1 this is plain data
 parallelism; with data = 1 it is fully sharded.
+
+With several processes (hosts), each holds the rows of the global batch that live on its
+devices: `global_batch` assembles host-local rows into one global array, `local_rows` takes
+a process's rows back out, `gather` and `agree` combine small host values (rewards, counts,
+flags) so that every process takes the same decisions. With one process they are plain
+placements and copies.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,6 +66,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, fsdp), BATCH_AXES)
 
 
+def local_mesh(mesh: Mesh) -> Mesh:
+    """A mesh like `mesh` over this process's devices only (`mesh` itself with one process):
+    for what each process computes on its own rows, such as the reward models."""
+    if not multi_process():
+        return mesh
+    devices = jax.local_devices()
+    fsdp = mesh.shape["fsdp"] if len(devices) % mesh.shape["fsdp"] == 0 else 1
+    return make_mesh(-1, fsdp, devices)
+
+
 def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
     """Shards the largest dimension that `fsdp_size` divides; replicated if none does."""
     if fsdp_size == 1:
@@ -94,6 +111,108 @@ def num_batch_shards(mesh: Mesh) -> int:
 
 
 def shard_batch(mesh: Mesh, tree):
-    """Places every array of a host batch with its leading axis split over the mesh."""
-    sharding = batch_sharding(mesh)
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, sharding), tree)
+    """Places every array of a host batch with its leading axis split over the mesh. With
+    several processes each passes its own rows, and the global batch is all processes' rows
+    in process order (see `global_batch`)."""
+    return global_batch(mesh, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes.
+
+
+def is_primary() -> bool:
+    """The one process that writes logs, pictures and summaries."""
+    return jax.process_index() == 0
+
+
+def multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def process_rows(total: int) -> slice:
+    """This process's rows of a global batch of `total` rows (equal, contiguous parts)."""
+    count = jax.process_count()
+    if total % count:
+        raise ValueError(f"a batch of {total} rows cannot be split over {count} processes.")
+    size = total // count
+    return slice(jax.process_index() * size, (jax.process_index() + 1) * size)
+
+
+def global_batch(mesh: Mesh, tree, axis: int = 0):
+    """Host-local arrays -> global arrays split along `axis` over every device of the mesh;
+    each process passes the rows its devices hold (with one process: all of them)."""
+    spec = P(*([None] * axis), BATCH_AXES)
+    sharding = NamedSharding(mesh, spec)
+    if not multi_process():
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x, sharding), tree)
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree
+    )
+
+
+def replicate(mesh: Mesh, tree):
+    """(Global) arrays -> copies on every device of the mesh."""
+    return jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
+
+
+def local_rows(x, rows: slice, axis: int = 0) -> np.ndarray:
+    """The `rows` of `axis` of a (possibly global) array, read from this process's shards
+    only: the data path never needs another process's rows."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)[(slice(None),) * axis + (rows,)]
+    start, stop = rows.start, rows.stop
+    shape = list(x.shape)
+    shape[axis] = stop - start
+    out = np.empty(shape, x.dtype)
+    filled = np.zeros(stop - start, bool)
+    for shard in x.addressable_shards:
+        index = shard.index[axis]
+        lo, hi = index.start or 0, x.shape[axis] if index.stop is None else index.stop
+        a, b = max(lo, start), min(hi, stop)
+        if a < b and not filled[a - start : b - start].all():
+            src = (slice(None),) * axis + (slice(a - lo, b - lo),)
+            dst = (slice(None),) * axis + (slice(a - start, b - start),)
+            out[dst] = np.asarray(shard.data)[src]
+            filled[a - start : b - start] = True
+    if not filled.all():
+        raise ValueError(f"rows {start}:{stop} of an array of shape {x.shape} are not all here.")
+    return out
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of an array on every process (a global one is gathered)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather(local) -> np.ndarray:
+    """Every process's rows of a host array, concatenated in process order (same shape on
+    every process)."""
+    local = np.asarray(local)
+    if not multi_process():
+        return local
+    if local.dtype.itemsize == 8:  # JAX carries 32-bit values (x64 off): send the raw bits
+        bits = np.ascontiguousarray(local).reshape(len(local), -1).view(np.uint32)
+        return gather(bits).view(local.dtype).reshape(-1, *local.shape[1:])
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def primary_text(text: str, size: int = 512) -> str:
+    """The primary process's `text` on every process (a name made from its clock)."""
+    if not multi_process():
+        return text
+    raw = text.encode()[:size]
+    data = np.zeros(size, np.uint8)
+    data[: len(raw)] = np.frombuffer(raw, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data))
+    return bytes(data).rstrip(b"\0").decode()
+
+
+def agree(value: float, how: str = "max") -> float:
+    """One number all processes agree on: the max, min or sum of theirs."""
+    if not multi_process():
+        return value
+    values = np.asarray(multihost_utils.process_allgather(np.asarray([value], np.float64)))
+    return float({"max": np.max, "min": np.min, "sum": np.sum}[how](values))

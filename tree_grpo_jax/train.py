@@ -18,6 +18,7 @@ below and the benchmarks use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -63,13 +64,48 @@ class DivergenceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """One iteration's sampled trees with what produced them."""
+    """One iteration's sampled trees with what produced them.
+
+    `prompts` and `cond` are the global batch (every process's prompts, in process order);
+    `tree` holds this process's `rows` of it (all of them with one process).
+    """
 
     prompts: list[str]
     cond: jax.Array  # [P, L, D]
     spec: Any  # the TreeSpec rolled out (a windowed method's family)
     window_start: int  # the family's window position in this rollout
-    tree: rollout.Tree
+    tree: rollout.Tree  # this process's rows
+    rows: slice  # which rows of the global batch `tree` holds
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrackerRows:
+    """The stat tracker as one process's advantages see it: updated with the whole batch,
+    so every process keeps the same statistics, and answering this process's rows."""
+
+    tracker: adv.PerPromptStatTracker
+    prompts: list[str]  # the global batch
+    rewards: np.ndarray  # [P, L], the global batch
+    rows: slice
+
+    def update(self, prompt_ids, rewards) -> np.ndarray:
+        del prompt_ids, rewards  # this process's part of the global values held here
+        return self.tracker.update(self.prompts, self.rewards)[self.rows]
+
+
+def _local_tree(tree: rollout.Tree, rows: slice) -> rollout.Tree:
+    """This process's prompt rows of a tree rolled out over every process's devices."""
+    segments = tuple(
+        seg.replace(
+            parents=sharding.local_rows(seg.parents, rows, axis=1),
+            children=sharding.local_rows(seg.children, rows, axis=1),
+            log_probs=sharding.local_rows(seg.log_probs, rows, axis=1),
+            steps=sharding.to_host(seg.steps),
+            active=sharding.to_host(seg.active),
+        )
+        for seg in tree.segments
+    )
+    return tree.replace(segments=segments, leaves=sharding.local_rows(tree.leaves, rows))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,10 +197,14 @@ class Trainer:
     def rollout(
         self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
     ) -> Rollout:
-        """The iteration's trees for `prompts` from `params` (no gradient, no update)."""
+        """The iteration's trees for the global batch `prompts` from `params` (no gradient,
+        no update). With several processes each encodes, and keeps, its own rows."""
         c = self.config
         prompts = list(prompts)
-        cond = self.model.encode_prompts(prompts)
+        rows = sharding.process_rows(len(prompts))
+        cond = self.model.encode_prompts(prompts[rows])
+        if sharding.multi_process():
+            cond = sharding.global_batch(self.mesh, cond)
         spec = self.spec()
         start = self.window_start(iteration)
         tree = rollout.rollout(
@@ -181,35 +221,47 @@ class Trainer:
             window_start=jnp.int32(start),  # data: one compiled rollout for every position
             split_log_prob=c.tree.split_log_prob,
         )
-        return Rollout(prompts, cond, spec, start, tree)
+        if sharding.multi_process():
+            tree = _local_tree(tree, rows)
+            cond = sharding.replicate(self.mesh, cond)  # every row may meet any prompt
+        return Rollout(prompts, cond, spec, start, tree, rows)
 
     def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
+        """Rewards of this process's images, then every process's, in process order: all
+        processes check, log and normalise the same values."""
         total, parts = self.reward(images, prompts, return_components=True)
-        total = np.asarray(total, np.float64)
+        total = sharding.gather(np.asarray(total, np.float64))
+        parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
         bad = ~np.isfinite(total)
         if bad.any():
             raise RewardError(
                 f"reward {self.reward.name} returned {int(bad.sum())} non-finite value(s) out "
                 f"of {total.size} {where}; fix the reward (or its weights) before training on it."
             )
-        return total, {n: np.asarray(v, np.float64) for n, v in parts.items()}
+        return total, parts
 
     def trainable_rows(
         self, sampled: Rollout, rewards, iteration: int = 0
     ) -> transitions.Transitions:
-        """The trainable edges of a rollout as rows, with their advantages (rewards [P, L]);
-        updates the stat tracker when the method uses one."""
+        """This process's trainable edges of a rollout as rows, with their advantages
+        (rewards [P, L] of the global batch); updates the stat tracker when the method uses
+        one. A row's `prompt` indexes the global batch (`sampled.cond`)."""
         c = self.config
+        rewards = np.asarray(rewards, np.float32)
+        tracker = self.tracker
+        if tracker is not None:
+            tracker = _TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
         advantages = methods.compute_advantages(
             c,
             sampled.spec,
             sampled.tree,
-            jnp.asarray(rewards, jnp.float32),
-            prompt_ids=sampled.prompts,
-            tracker=self.tracker,
+            jnp.asarray(rewards[sampled.rows]),
+            prompt_ids=sampled.prompts[sampled.rows],
+            tracker=tracker,
         )
         masks = edge_masks(c, self.method, sampled, advantages, iteration)
-        return transitions.gather_transitions(sampled.tree, advantages, masks)
+        rows = transitions.gather_transitions(sampled.tree, advantages, masks)
+        return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
 
     def update(
         self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
@@ -219,10 +271,14 @@ class Trainer:
         rows = self.trainable_rows(sampled, rewards, iteration)
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
+        # Each process cuts its own rows; a global minibatch is every process's part, and
+        # all processes run as many minibatches as the one with the most rows needs.
+        per_process = c.train.rows_per_minibatch // jax.process_count()
+        count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
         step_metrics = []
         for epoch in range(c.train.inner_epochs):
             epoch_key = jax.random.fold_in(key, epoch)
-            for batch in transitions.minibatches(rows, epoch_key, c.train.rows_per_minibatch):
+            for batch in transitions.minibatches(rows, epoch_key, per_process, count):
                 state, metrics = self.train_step(
                     state,
                     sharding.shard_batch(self.mesh, batch),
@@ -238,8 +294,8 @@ class Trainer:
         if not all(m["finite"] for m in step_metrics):
             raise DivergenceError(self._diverged(f"the loss or gradient of iteration {iteration}"))
         metrics = {
-            "trained_edges": rows.num_edges,
-            "train_rows": rows.num_rows,
+            "trained_edges": int(sharding.agree(rows.num_edges, "sum")),
+            "train_rows": int(sharding.agree(rows.num_rows, "sum")),
             "minibatches": len(step_metrics),
             "learning_rate": lr,
         }
@@ -256,8 +312,10 @@ class Trainer:
         timings = {}
         t0 = time.perf_counter()
         rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
-        sampled = self.rollout(state.params, self.prompts.next_batch(), rollout_key, iteration)
-        if not bool(jnp.all(jnp.isfinite(sampled.tree.leaves))):
+        prompts = self.prompts.next_global_batch()
+        sampled = self.rollout(state.params, prompts, rollout_key, iteration)
+        finite = bool(jnp.all(jnp.isfinite(sampled.tree.leaves)))
+        if not sharding.agree(finite, "min"):
             raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))
         timings["time_rollout"] = time.perf_counter() - t0
 
@@ -265,9 +323,9 @@ class Trainer:
         leaves = sampled.tree.leaves
         num_prompts, num_leaves = leaves.shape[:2]
         images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
-        leaf_prompts = [p for p in sampled.prompts for _ in range(num_leaves)]
+        leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
         rewards, parts = self.score(images, leaf_prompts, f"at iteration {iteration}")
-        rewards = rewards.reshape(num_prompts, num_leaves)
+        rewards = rewards.reshape(len(sampled.prompts), num_leaves)
         timings["time_reward"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -292,22 +350,31 @@ class Trainer:
         samples = rollout.sample_deterministic(
             self.model.denoise,
             self.model_params(params),
-            self.model.encode_prompts(prompts),
-            jnp.asarray(noise),
+            np.asarray(self.model.encode_prompts(prompts)),
+            noise,
             self.schedule(c.eval.num_steps or None),
             uncond=self.uncond,
             guidance_scale=c.sampling.guidance_scale,
         )
-        if not bool(jnp.all(jnp.isfinite(samples))):
+        samples = sharding.to_host(samples)
+        if not np.isfinite(samples).all():
             raise DivergenceError(self._diverged("the evaluation samples"))
-        images = np.asarray(self.model.decode(samples))
-        total, parts = self.score(images, prompts, "in evaluation")
+        # Every process decodes and scores its share (the last share topped up with repeats
+        # so all are the same size); the values come back in order and are cut to size.
+        count = len(prompts)
+        share = -(-count // jax.process_count())
+        mine = np.arange(jax.process_index() * share, (jax.process_index() + 1) * share) % count
+        local = np.asarray(self.model.decode(samples[mine]))
+        mine_prompts = [prompts[i] for i in mine]
+        total, parts = self.score(local, mine_prompts, "in evaluation")
+        total, parts = total[:count], {n: v[:count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
             metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
         for name, reward in self.eval_rewards.items():
-            metrics[name] = float(np.mean(np.asarray(reward(images, prompts))))
-        return metrics, images
+            values = sharding.gather(np.asarray(reward(local, mine_prompts), np.float64))
+            metrics[name] = float(np.mean(values[:count]))
+        return metrics, sharding.gather(local)[:count]
 
     def _diverged(self, what: str) -> str:
         return (
@@ -386,8 +453,9 @@ def _eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndar
 
 
 def _memory_limit() -> tuple[int, str]:
-    """Bytes the first device can hold (host memory for CPU devices), and what it is."""
-    device = jax.devices()[0]
+    """Bytes this process's first device can hold (host memory for CPU devices), and what
+    it is."""
+    device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{device.device_kind} memory"
@@ -476,8 +544,16 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
             f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
             f"of the {shards} devices the batch is split over."
         )
+    local_devices = jax.local_device_count()
+    if sharding.multi_process() and config.prompts.batch_size % local_devices:
+        raise cfg.ConfigError(
+            f"prompts.batch_size ({config.prompts.batch_size}, per process) must be a multiple "
+            f"of the {local_devices} devices of each process the rollout is split over."
+        )
     method = methods.get(config.tree.method)
-    loaded = load_rewards(config, (*reward_weights, *config.eval.extra_rewards), mesh)
+    # Rewards score the images where they were decoded: each process has its own copy.
+    reward_mesh = sharding.local_mesh(mesh)
+    loaded = load_rewards(config, (*reward_weights, *config.eval.extra_rewards), reward_mesh)
     reward = reward_registry.combined_reward(reward_weights, loaded)
     eval_rewards = {n: loaded[n] for n in config.eval.extra_rewards}
     prompts = _prompt_iterator(config)
@@ -491,7 +567,7 @@ def _build(config, workdir, reward_weights, model) -> tuple[Trainer, TrainState]
         if jax.process_index() == 0 and config.log.progress:
             print(f"text encoders: {said}", flush=True)
     guidance = config.sampling.guidance_scale != 1.0
-    uncond = model.encode_prompts([""])[0] if guidance else None
+    uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 
     adapter = _make_adapter(config, model, mesh)
     if adapter is None:
@@ -685,12 +761,14 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
 
 
 def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -> dict:
+    """Evaluates (every process takes part); the primary process writes the grid."""
     metrics, images = trainer.evaluate(params)
     path = os.path.join(trainer.workdir, f"eval_{iteration:05d}.png")
-    reporting.save_grid(path, images, columns=min(10, len(images)))
+    if sharding.is_primary():
+        reporting.save_grid(path, images, columns=min(10, len(images)))
     writer.write(iteration, metrics, prefix="eval/")
     history["eval"].append({"iteration": iteration, **metrics})
-    if trainer.config.log.progress:
+    if trainer.config.log.progress and sharding.is_primary():
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
         print(f"eval after {iteration} iterations: {shown} -> {path}", flush=True)
     return metrics
@@ -700,21 +778,38 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs (or resumes) the configured training; returns the final summary."""
     session_start = time.time()
     reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
-    check_writable(workdir)
-    with _Signals(defer=False), WorkdirLock(workdir):
-        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    if "://" in workdir:
+        raise cfg.ConfigError(
+            f"--workdir {workdir} is not a local folder; keep the workdir (logs, pictures) "
+            f"local and put the checkpoints there with --config.checkpoint.dir={workdir}."
+        )
+    # Every process joins before anything is written: the primary one alone holds the
+    # workdir's lock and writes its logs; all of them write the checkpoints together.
+    sharding.maybe_initialize_distributed()
+    primary = sharding.is_primary()
+    if primary:
+        check_writable(workdir)
+    lock = WorkdirLock(workdir) if primary else contextlib.nullcontext()
+    with _Signals(defer=False), lock:
+        ckpt = Checkpointer(checkpoint_dir(config, workdir), keep=config.checkpoint.keep)
         try:
             check_resume(config, ckpt)
             trainer, state = _build(config, workdir, reward_weights, model=None)
             state, start, history = resume(trainer, state, ckpt)
             # Written only once the resume checks have passed: it describes the checkpoints.
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2))
+            if primary:
+                with open(os.path.join(workdir, "config.json"), "w") as f:
+                    f.write(config.to_json_best_effort(indent=2))
             summary = _loop(trainer, state, start, history, ckpt)
         finally:
             ckpt.close()
     summary["session_s"] = time.time() - session_start
     return summary
+
+
+def checkpoint_dir(config, workdir: str) -> str:
+    """`checkpoint.dir` (a local folder or a gs:// URL) or `<workdir>/checkpoints`."""
+    return config.checkpoint.dir or os.path.join(workdir, "checkpoints")
 
 
 def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer) -> dict:
@@ -724,11 +819,15 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     if start >= total and any(e["iteration"] == start for e in history["eval"]):
         return {**summarize(trainer, spec, history, workdir), "already_finished": True}
 
-    writer = reporting.MetricsWriter(
-        workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else None
-    )
-    progress = reporting.Progress(total, start, c.log.progress)
-    if c.log.progress:
+    primary = sharding.is_primary()
+    if primary:
+        writer = reporting.MetricsWriter(
+            workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else None
+        )
+    else:
+        writer = reporting.NullWriter()
+    progress = reporting.Progress(total, start, c.log.progress and primary)
+    if c.log.progress and primary:
         print(
             f"{spec.describe()} | {c.prompts.batch_size} prompts x {spec.leaves} leaves | "
             f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | workdir {workdir}",
@@ -769,10 +868,12 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                     break
                 if c.eval.every and done % c.eval.every == 0:
                     save_eval(trainer, done, state.params, history, writer)
-                if signals.received or (c.checkpoint.every and done % c.checkpoint.every == 0):
+                # A signal to any process stops them all after the same iteration.
+                stop = sharding.agree(float(signals.received is not None)) > 0
+                if stop or (c.checkpoint.every and done % c.checkpoint.every == 0):
                     save(done)
-                if signals.received:
-                    raise Interrupted(signals.received, done, workdir)
+                if stop:
+                    raise Interrupted(signals.received or "SIGTERM", done, workdir)
             save_eval(trainer, total, state.params, history, writer)
             save(total)
     finally:
@@ -784,9 +885,9 @@ def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
     evals = history["eval"]
     steps = [e["iteration"] for e in evals]
     rewards = [e["reward_mean"] for e in evals]
-    curve = reporting.save_curve(
-        os.path.join(workdir, "eval_reward.png"), steps, rewards, "eval reward", trainer.config.name
-    )
+    curve = os.path.join(workdir, "eval_reward.png")
+    if sharding.is_primary():
+        reporting.save_curve(curve, steps, rewards, "eval reward", trainer.config.name)
     summary = {
         "iterations": trainer.config.train.iterations,
         "first_eval_reward": rewards[0],
@@ -799,6 +900,7 @@ def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
         "reward_curve": curve,
         "evals": evals,
     }
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if sharding.is_primary():
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     return summary

@@ -127,26 +127,44 @@ def empty_transitions(sample_shape, max_k: int = 1, dtype=np.float32) -> Transit
     )
 
 
-def minibatches(transitions: Transitions, key: jax.Array, rows_per_batch: int) -> list[Transitions]:
+def num_minibatches(num_rows: int, rows_per_batch: int) -> int:
+    return math.ceil(num_rows / rows_per_batch)
+
+
+def minibatches(
+    transitions: Transitions, key: jax.Array, rows_per_batch: int, count: int | None = None
+) -> list[Transitions]:
     """Shuffles the rows with `key` and cuts them into minibatches of exactly
     `rows_per_batch` rows; the last one is topped up with copies of real rows whose mask is
-    all False, so they cost a forward but contribute nothing. No rows, no minibatches."""
+    all False, so they cost a forward but contribute nothing. No rows, no minibatches.
+
+    `count` (at least what the rows need) asks for that many minibatches, the extra ones
+    all masked: processes with different numbers of rows then run the same number of
+    steps. A process with no rows fills them with zeros."""
     if rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be at least 1, got {rows_per_batch}.")
     num_rows = transitions.num_rows
-    if num_rows == 0:
+    needed = num_minibatches(num_rows, rows_per_batch)
+    count = needed if count is None else count
+    if count < needed:
+        raise ValueError(f"{num_rows} rows need {needed} minibatches, not {count}.")
+    if count == 0:
         return []
-    order = np.asarray(jax.random.permutation(key, num_rows))
-    num_batches = math.ceil(num_rows / rows_per_batch)
-    padding = num_batches * rows_per_batch - num_rows
-    order = np.concatenate([order, order[np.arange(padding) % num_rows]])
-    shuffled = jax.tree_util.tree_map(lambda a: a[order], transitions)
-    mask = shuffled.mask.copy()
-    mask[num_rows:] = False  # the top-up copies train nothing
-    shuffled = shuffled.replace(mask=mask)
+    total = count * rows_per_batch
+    if num_rows == 0:
+        shuffled = jax.tree_util.tree_map(
+            lambda a: np.zeros((total, *a.shape[1:]), a.dtype), transitions
+        )
+    else:
+        order = np.asarray(jax.random.permutation(key, num_rows))
+        order = np.concatenate([order, order[np.arange(total - num_rows) % num_rows]])
+        shuffled = jax.tree_util.tree_map(lambda a: a[order], transitions)
+        mask = shuffled.mask.copy()
+        mask[num_rows:] = False  # the top-up copies train nothing
+        shuffled = shuffled.replace(mask=mask)
 
     def batch(b: int) -> Transitions:
         rows = slice(b * rows_per_batch, (b + 1) * rows_per_batch)
         return jax.tree_util.tree_map(lambda a: a[rows], shuffled)
 
-    return [batch(b) for b in range(num_batches)]
+    return [batch(b) for b in range(count)]

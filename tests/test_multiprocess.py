@@ -1,0 +1,212 @@
+"""Several processes on one machine, joined by jax.distributed over CPU collectives, train
+exactly what one process trains on the same global batch, and resume exactly after all of
+them are killed.
+
+Each process owns one CPU device and half (a quarter) of the prompts; the reference is one
+process drawing the whole global batch. Adam's epsilon is set large so that an update is
+proportional to the gradient (at its default the first update is nearly the gradient's
+sign, which hides differences): the parameters' change then shows the gradient itself.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+from tree_grpo_jax.checkpoint import Checkpointer
+
+REPO = Path(__file__).resolve().parents[1]
+GLOBAL_PROMPTS = 4
+COMMON = (
+    "--config=configs/tiny.py",
+    "--config.train.iterations=3",
+    "--config.checkpoint.every=1",
+    "--config.checkpoint.keep=5",
+    "--config.eval.every=0",
+    "--config.prompts.eval_count=6",  # not a multiple of 4: the last share is topped up
+    "--config.train.rows_per_minibatch=64",  # 60 rows: one minibatch, whatever the split
+    "--config.train.learning_rate=0.01",
+    "--config.train.adam_eps=1.0",
+    "--config.log.tensorboard=False",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
+    """`processes` CLI processes (one CPU device each) training into one workdir."""
+    port = _free_port()
+    procs = []
+    for index in range(processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+        if processes > 1:
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                JAX_NUM_PROCESSES=str(processes),
+                JAX_PROCESS_ID=str(index),
+            )
+        log = open(workdir.parent / f"{workdir.name}.{index}.log", "w")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tree_grpo_jax.main",
+                    *COMMON,
+                    f"--config.prompts.batch_size={GLOBAL_PROMPTS // processes}",
+                    f"--workdir={workdir}",
+                    *extra,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    return procs
+
+
+def _wait(procs, workdir: Path, timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    for index, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"process {index} of {workdir.name} did not finish in {timeout} s")
+        log = (workdir.parent / f"{workdir.name}.{index}.log").read_text()
+        assert p.returncode == 0, f"process {index} of {workdir.name} failed:\n{log[-3000:]}"
+
+
+def _train(workdir: Path, processes: int, *extra: str) -> None:
+    _wait(_start(workdir, processes, *extra), workdir)
+
+
+def _params(workdir: Path, step: int) -> dict:
+    ckpt = Checkpointer(str(workdir / "checkpoints"), read_only=True)
+    try:
+        params = ckpt.restore_params(step)
+    finally:
+        ckpt.close()
+    return {k: np.asarray(v, np.float64) for k, v in flatten_dict(jax.device_get(params)).items()}
+
+
+def _metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_row(workdir: Path, step: int) -> dict:
+    (row,) = [m for m in _metrics(workdir) if m["step"] == step and "train/loss" in m]
+    return row
+
+
+def _eval_rows(workdir: Path) -> list[dict]:
+    return [m for m in _metrics(workdir) if "eval/reward_mean" in m]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference (one process) and two processes, trained side by side."""
+    root = tmp_path_factory.mktemp("multiprocess")
+    one, two = root / "one", root / "two"
+    procs_one, procs_two = _start(one, 1), _start(two, 2)
+    _wait(procs_one, one)
+    _wait(procs_two, two)
+    return {"root": root, 1: one, 2: two}
+
+
+def _initial_params() -> dict:
+    from tree_grpo_jax.models import load_model
+    from tree_grpo_jax.models.base import cast_floats
+
+    config = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", "from configs import tiny; print(tiny.get_config().to_json())"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    import ml_collections
+
+    model = load_model(ml_collections.ConfigDict(config["model"]), seed=config["seed"])
+    params = cast_floats(model.params, np.float32)
+    return {k: np.asarray(v, np.float64) for k, v in flatten_dict(params).items()}
+
+
+def _assert_same_update(got: dict, want: dict, initial: dict) -> None:
+    """The parameters' changes agree to float32 rounding of the reduction order."""
+    assert got.keys() == want.keys() == initial.keys()
+    scale = max(np.max(np.abs(want[k] - initial[k])) for k in want)
+    assert scale > 1e-6  # the step changed something
+    worst = max(np.max(np.abs((got[k] - initial[k]) - (want[k] - initial[k]))) for k in want)
+    assert worst <= 1e-3 * scale, (worst, scale)
+
+
+def test_two_processes_train_what_one_process_trains(runs):
+    one, two = runs[1], runs[2]
+    initial = _initial_params()
+    _assert_same_update(_params(two, 1), _params(one, 1), initial)
+    row_one, row_two = _train_row(one, 1), _train_row(two, 1)
+    np.testing.assert_allclose(row_two["train/grad_norm"], row_one["train/grad_norm"], rtol=1e-4)
+    np.testing.assert_allclose(row_two["train/loss"], row_one["train/loss"], atol=1e-6)
+    np.testing.assert_allclose(
+        row_two["train/reward_mean"], row_one["train/reward_mean"], rtol=1e-5
+    )
+    # every process's rows were trained: the summed counts equal the single process's
+    assert row_two["train/trained_edges"] == row_one["train/trained_edges"]
+    assert row_two["train/train_rows"] == row_one["train/train_rows"] == 60
+    # evaluation split over the processes and gathered: the same 6 images are scored
+    eval_one, eval_two = _eval_rows(one), _eval_rows(two)
+    assert [m["step"] for m in eval_two] == [m["step"] for m in eval_one] == [0, 3]
+    np.testing.assert_allclose(
+        eval_two[0]["eval/reward_mean"], eval_one[0]["eval/reward_mean"], rtol=1e-6
+    )
+    # one process wrote the logs and pictures
+    assert (two / "eval_00003.png").is_file() and (two / "summary.json").is_file()
+    assert not (two / "run.lock").exists()
+
+
+def test_four_processes_train_what_one_process_trains(runs):
+    four = runs["root"] / "four"
+    _train(four, 4, "--config.train.iterations=1")
+    _assert_same_update(_params(four, 1), _params(runs[1], 1), _initial_params())
+    np.testing.assert_allclose(
+        _train_row(four, 1)["train/grad_norm"], _train_row(runs[1], 1)["train/grad_norm"], rtol=1e-4
+    )
+
+
+def test_killed_processes_resume_exactly(runs):
+    """kill -9 of both processes once the second checkpoint is written, then the same
+    commands: the final parameters equal the uninterrupted two-process run's exactly."""
+    killed = runs["root"] / "killed"
+    procs = _start(killed, 2)
+    deadline = time.time() + 400
+    while not (killed / "checkpoints" / "2").is_dir():
+        assert all(p.poll() is None for p in procs), "a process ended before it was killed"
+        assert time.time() < deadline, "no second checkpoint in 400 s"
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    _train(killed, 2)
+    want, got = _params(runs[2], 3), _params(killed, 3)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+    steps = [m["step"] for m in _metrics(killed) if "train/loss" in m]
+    assert steps == [1, 2, 3]
