@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Several GPU hosts: start this on every host with the same coordinator address.
-# Usage: COORDINATOR=host0:1234 NUM_PROCESSES=2 PROCESS_ID=0 launch/multihost_gpu.sh CONFIG [...]
+# Several GPU hosts: start this on every host with the same COORDINATOR, NUM_PROCESSES and
+# WORKDIR, and PROCESS_ID 0 .. NUM_PROCESSES-1. Checkpoints are written by all hosts
+# together, so WORKDIR/checkpoints (or CHECKPOINT_DIR) must be one folder every host reaches
+# (a shared file system, or gs://...); process 0 alone writes the logs and pictures.
+# Usage: COORDINATOR=host0:1234 NUM_PROCESSES=2 PROCESS_ID=0 WORKDIR=/shared/runs/a \
+#          [CHECKPOINT_DIR=gs://bucket/a] launch/multihost_gpu.sh CONFIG [flags...]
 set -euo pipefail
 export JAX_COORDINATOR_ADDRESS=${COORDINATOR:?set COORDINATOR=host:port}
 export JAX_NUM_PROCESSES=${NUM_PROCESSES:?set NUM_PROCESSES}
 export JAX_PROCESS_ID=${PROCESS_ID:?set PROCESS_ID}
-config=${1:?usage: launch/multihost_gpu.sh CONFIG [overrides...]}
+workdir=${WORKDIR:?set WORKDIR, the same folder on every host}
+config=${1:?usage: launch/multihost_gpu.sh CONFIG [flags...]}
 shift
-exec python -m tree_grpo_jax.main --config="$config" "$@"
+extra=()
+if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+  extra+=(--config.checkpoint.dir="$CHECKPOINT_DIR")
+fi
+exec "${PYTHON:-python3}" -m tree_grpo_jax.main --config="$config" --workdir="$workdir" \
+  "${extra[@]}" "$@"

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# A TPU VM pod slice: runs the same command on every worker; each host draws its own prompts
-# and jax.distributed.initialize() joins them (TPU_WORKER_HOSTNAMES is set on TPU VMs).
-# Usage: launch/tpu_pod.sh TPU_NAME ZONE configs/sd15.py [--config.x=y ...]
+# A TPU VM pod slice: runs the same command on every worker, which join one job through
+# jax.distributed.initialize() (TPU VMs describe themselves). Every worker gets the same
+# WORKDIR (a local folder; worker 0 writes the logs there) and the checkpoints go to
+# CHECKPOINT_DIR, a gs:// URL all workers reach.
+# Usage: WORKDIR=runs/sd15-pod CHECKPOINT_DIR=gs://bucket/sd15-pod \
+#          launch/tpu_pod.sh TPU_NAME ZONE configs/sd15.py [--config.x=y ...]
+# The repository is expected in ~/tree_grpo_jax on every worker (REPO_DIR to change it),
+# installed with: pip install -e . "jax[tpu]"
 set -euo pipefail
-tpu=${1:?usage: launch/tpu_pod.sh TPU_NAME ZONE CONFIG [overrides...]}
+tpu=${1:?usage: launch/tpu_pod.sh TPU_NAME ZONE CONFIG [flags...]}
 zone=${2:?zone}
 config=${3:?config}
 shift 3
-gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" --worker=all --command \
-  "cd tree_grpo_jax && python -m tree_grpo_jax.main --config=$config --config.mesh.data=-1 $*"
+workdir=${WORKDIR:?set WORKDIR, one name for every worker}
+checkpoints=${CHECKPOINT_DIR:?set CHECKPOINT_DIR=gs://bucket/path}
+args=(--config="$config" --workdir="$workdir" --config.checkpoint.dir="$checkpoints"
+  --config.mesh.data=-1 "$@")
+# Quote every argument for the remote shell, so spaces and quotes arrive intact.
+remote="cd $(printf '%q' "${REPO_DIR:-tree_grpo_jax}") && python3 -m tree_grpo_jax.main$(printf ' %q' "${args[@]}")"
+gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" --worker=all --command "$remote"
