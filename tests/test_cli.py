@@ -20,6 +20,37 @@ def run_main(*args, timeout=300):
     )
 
 
+def run_in_process(*args) -> subprocess.CompletedProcess:
+    """The command line's own parsing and entry point, called in this process (the many
+    bad-input cases then share one start of Python and JAX); same result fields as
+    `run_main`."""
+    import contextlib
+    import io
+
+    from absl import flags
+
+    from tree_grpo_jax import main as cli
+
+    flags.FLAGS.unparse_flags()
+    out, err = io.StringIO(), io.StringIO()
+    cwd, argv = os.getcwd(), sys.argv
+    code = 0
+    try:
+        os.chdir(ROOT)
+        sys.argv = ["tree_grpo_jax.main", *args]  # the config flag reads its overrides here
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main(cli.parse_flags(sys.argv))
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+        flags.FLAGS.unparse_flags()
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)  # the overrides' flags, registered per parse
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def _one_error_line(result) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, result.stderr[-2000:]
@@ -78,7 +109,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("overrides, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_config_exits_2_with_one_sentence(tmp_path, overrides, message):
-    result = run_main("--config=configs/tiny.py", f"--workdir={tmp_path}", *overrides)
+    result = run_in_process("--config=configs/tiny.py", f"--workdir={tmp_path}", *overrides)
     assert result.returncode == 2
     assert message in _one_error_line(result)
 
@@ -97,6 +128,22 @@ def test_unwritable_workdir(file_in_the_way):
     result = run_main("--config=configs/tiny.py", f"--workdir={file_in_the_way}")
     assert result.returncode == 2
     assert "cannot write" in _one_error_line(result)
+
+
+def test_unwritable_checkpoint_dir(tmp_path, file_in_the_way):
+    result = run_main(
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path}",
+        f"--config.checkpoint.dir={file_in_the_way}",
+    )
+    assert result.returncode == 2
+    assert f"cannot write checkpoints to {file_in_the_way}" in _one_error_line(result)
+
+
+def test_a_url_workdir_points_to_checkpoint_dir():
+    result = run_main("--config=configs/tiny.py", "--workdir=gs://bucket/run")
+    assert result.returncode == 2
+    assert "--config.checkpoint.dir=gs://bucket/run" in _one_error_line(result)
 
 
 def test_missing_config_flag():
