@@ -47,6 +47,8 @@ setup(
             "torchvision==0.29.1",
             "open-clip-torch>=2.24",
             "peft>=0.13",
+            "nbclient>=0.10",  # runs notebooks/quickstart.ipynb headless
+            "ipykernel>=6",
         ],
     },
 )

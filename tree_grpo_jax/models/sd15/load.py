@@ -200,6 +200,9 @@ def load_unet(folder: Path, dtype, variant=None, **options):
 
 
 def _load_vae(folder: Path, dtype, variant=None):
+    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+
+    quiet_flax_deprecation_notices()
     from diffusers import FlaxAutoencoderKL
 
     config = read_json(folder / "config.json")

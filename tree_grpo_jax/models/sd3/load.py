@@ -139,6 +139,9 @@ def load_transformer(folder: Path, dtype):
 
 
 def _load_vae(folder: Path, dtype):
+    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+
+    quiet_flax_deprecation_notices()
     from diffusers import FlaxAutoencoderKL
 
     config = files.read_json(folder / "config.json", POINT)

@@ -47,17 +47,17 @@ TEXT_CONFIG = dict(
 
 @functools.cache
 def make_unet(dtype=jnp.float32):
+    quiet_flax_deprecation_notices()  # before the import: its class bodies log the notice
     from diffusers import FlaxUNet2DConditionModel
 
-    quiet_flax_deprecation_notices()
     return FlaxUNet2DConditionModel(dtype=dtype, **UNET_CONFIG)
 
 
 @functools.cache
 def make_text_encoder(dtype=jnp.float32):
+    quiet_flax_deprecation_notices()
     from transformers import CLIPTextConfig, FlaxCLIPTextModel
 
-    quiet_flax_deprecation_notices()
     return FlaxCLIPTextModel(CLIPTextConfig(**TEXT_CONFIG), dtype=dtype, _do_init=False)
 
 
