@@ -210,3 +210,41 @@ def test_killed_processes_resume_exactly(runs):
         np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
     steps = [m["step"] for m in _metrics(killed) if "train/loss" in m]
     assert steps == [1, 2, 3]
+
+
+def test_processes_started_with_different_configs_are_refused(tmp_path):
+    """Every process says so in one sentence and exits 2, before anything is written."""
+    workdir = tmp_path / "mixed"
+    port = _free_port()
+    procs = []
+    for index, seed in enumerate((0, 1)):
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(index),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tree_grpo_jax.main",
+                    "--config=configs/tiny.py",
+                    f"--config.seed={seed}",
+                    f"--workdir={workdir}",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert p.returncode == 2, err[-2000:]
+        assert len(errors) == 1 and "started with different configs" in errors[0], err[-2000:]
+    assert not workdir.exists()

@@ -786,6 +786,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # Every process joins before anything is written: the primary one alone holds the
     # workdir's lock and writes its logs; all of them write the checkpoints together.
     sharding.maybe_initialize_distributed()
+    _check_same_config(config)
     primary = sharding.is_primary()
     if primary:
         check_writable(workdir)
@@ -805,6 +806,23 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             ckpt.close()
     summary["session_s"] = time.time() - session_start
     return summary
+
+
+def _check_same_config(config) -> None:
+    """Processes of one job must compute the same thing: one sentence, on every process,
+    when their configs differ in anything a resume would refuse (or in the mesh)."""
+    if not sharding.multi_process():
+        return
+    text = json.dumps([cfg.fingerprint(config), config.mesh.to_dict()], sort_keys=True)
+    digest = np.uint32(int(hashlib.sha256(text.encode()).hexdigest()[:8], 16))
+    digests = sharding.gather(np.asarray([digest]))
+    differ = np.flatnonzero(digests != digests[0])
+    if differ.size:
+        raise cfg.ConfigError(
+            f"the {digests.size} processes of this job were started with different configs "
+            f"(process {differ[0]} differs from process 0); give every process the same "
+            "config file and overrides."
+        )
 
 
 def checkpoint_dir(config, workdir: str) -> str:
