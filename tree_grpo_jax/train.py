@@ -890,6 +890,8 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                 stop = sharding.agree(float(signals.received is not None)) > 0
                 if stop or (c.checkpoint.every and done % c.checkpoint.every == 0):
                     save(done)
+                    # one that came during the save stops at this checkpoint
+                    stop = sharding.agree(float(signals.received is not None)) > 0
                 if stop:
                     raise Interrupted(signals.received or "SIGTERM", done, workdir)
             save_eval(trainer, total, state.params, history, writer)
