@@ -448,8 +448,8 @@ class Bench:
 
         batch = 2 if self.smoke else 16
         argv = ["--batch", str(batch), "--dtype", "bfloat16", "--reps", str(self.reps)]
-        if self.smoke:
-            argv.append("--smoke")
+        if self.smoke:  # small decoded images too: the smoke run checks the code
+            argv += ["--smoke", "--image-size", "64"]
         args = rewards.parse_args(argv)
         fields = {n: rewards.SMOKE if self.smoke else f for n, f in rewards.ARCHITECTURES.items()}
         return {name: rewards.measure(name, f, args) for name, f in fields.items()}
