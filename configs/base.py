@@ -62,7 +62,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.advantage.clip = 5.0
     c.advantage.fusion = "mean"  # branchgrpo: "mean" or "path_prob"
     c.advantage.fusion_alpha = 1.0  # branchgrpo path-probability softmax temperature
+    # branchgrpo: "depthwise" (normalize each depth of each tree, BranchGRPO's) or "leaf"
+    # (normalize the prompt's leaves, then fuse up the tree without rescaling any depth)
+    c.advantage.branch_normalization = "depthwise"
     c.advantage.std_ddof = 0  # grpo / treegrpo leaf std: 0 population, 1 sample (DanceGRPO)
+    # treegrpo edge advantages: "none" (mean of the leaf advantages below the edge, the
+    # paper's) or "per_depth" (those means normalized again within each depth)
+    c.advantage.edge_normalization = "none"
     c.advantage.stat_tracker = False  # grpo: per-prompt statistics across iterations
     c.advantage.tracker_buffer = 32
     c.advantage.tracker_min_count = 16

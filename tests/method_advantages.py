@@ -7,12 +7,30 @@ from tree_grpo_jax import methods
 METHOD_NAMES = tuple(methods.METHODS)
 
 
-def advantages_of(method, spec, tree, rewards, clip=5.0, fusion="mean", alpha=1.0, ddof=0):
+def advantages_of(
+    method,
+    spec,
+    tree,
+    rewards,
+    clip=5.0,
+    fusion="mean",
+    alpha=1.0,
+    ddof=0,
+    edge_norm="none",
+    branch_norm="depthwise",
+):
     """The table entry's advantages, clipped to +-clip, as the trainer computes them."""
     config = ml_collections.ConfigDict(
         {
             "tree": {"method": method},
-            "advantage": {"clip": clip, "fusion": fusion, "fusion_alpha": alpha, "std_ddof": ddof},
+            "advantage": {
+                "clip": clip,
+                "fusion": fusion,
+                "fusion_alpha": alpha,
+                "std_ddof": ddof,
+                "edge_normalization": edge_norm,
+                "branch_normalization": branch_norm,
+            },
         }
     )
     return methods.compute_advantages(config, spec, tree, rewards)

@@ -160,6 +160,47 @@ def treegrpo_reference(forest, ddof: int = 0) -> dict[Node, float]:
     return {n: _mean([leaf_adv[leaf] for leaf in leaves_below(n)]) for n in edges(forest)}
 
 
+def treegrpo_per_depth_reference(forest, ddof: int = 0) -> dict[Node, float]:
+    """The edge values of `treegrpo_reference`, normalized over the edges of each depth of
+    each prompt (all its trees), with the std of `ddof`: (v - mean) / (std + 1e-8); 0 for a
+    depth of one edge or one whose std is below 1e-6."""
+    edge = treegrpo_reference(forest, ddof)
+    groups: dict[tuple[int, int], list[Node]] = {}
+    for node in edge:
+        groups.setdefault((node.prompt, node.depth), []).append(node)
+    out = {}
+    for nodes in groups.values():
+        values = [edge[n] for n in nodes]
+        if len(values) == 1:
+            out[nodes[0]] = 0.0
+            continue
+        std = statistics.pstdev(values) if ddof == 0 else statistics.stdev(values)
+        mean = _mean(values)
+        for n, v in zip(nodes, values):
+            out[n] = 0.0 if std < 1e-6 else (v - mean) / (std + 1e-8)
+    return out
+
+
+def branchgrpo_leaf_reference(forest, fusion: str = "mean", alpha: float = 1.0) -> dict:
+    """BranchGRPO's fusion applied to the prompt's normalized leaf rewards (population std),
+    with no depth-wise step: an edge takes the fused value of the node it produces."""
+    leaf_adv = leaf_group_advantages(forest)
+
+    def value(node: Node) -> float:
+        if not node.children:
+            return leaf_adv[node]
+        values = [value(c) for c in node.children]
+        if fusion == "mean" or len(values) == 1:
+            return _mean(values)
+        logits = [alpha * c.logp for c in node.children]
+        top = max(logits)
+        weights = [math.exp(z - top) for z in logits]
+        total = math.fsum(weights)
+        return math.fsum(w / total * v for w, v in zip(weights, values))
+
+    return {n: value(n) for n in edges(forest)}
+
+
 def fused_reward(node: Node, fusion: str, alpha: float) -> float:
     if not node.children:
         return node.reward

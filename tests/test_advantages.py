@@ -21,11 +21,24 @@ def all_methods(spec, tree, rewards, alpha):
     """Every method on one tree as one compiled function: one compile per random spec."""
     return {
         "treegrpo": advantages_of("treegrpo", spec, tree, rewards, clip=1e9),
+        "treegrpo_per_depth": advantages_of(
+            "treegrpo", spec, tree, rewards, clip=1e9, edge_norm="per_depth"
+        ),
         "grpo": advantages_of("grpo", spec, tree, rewards, clip=0.7),
         "branchgrpo": advantages_of("branchgrpo", spec, tree, rewards, clip=1e9),
         "branchgrpo_mix": advantages_of(
             "branchgrpo_mix", spec, tree, rewards, clip=0.7, fusion="path_prob", alpha=alpha
         ),
+        "branchgrpo_leaf": advantages_of(
+            "branchgrpo",
+            spec,
+            tree,
+            rewards,
+            clip=1e9,
+            fusion="path_prob",
+            alpha=alpha,
+            branch_norm="leaf",
+        ),  # fmt: skip
         "mean_levels": adv.backup_mean(spec, rewards),
         "prob_levels": adv.backup_path_prob(spec, tree, rewards, alpha),
     }
@@ -110,10 +123,13 @@ def test_random_trees_match_reference(seed):
 
     tree_ref = ref.treegrpo_reference(forest)
     assert_matches(got["treegrpo"], tree, tree_ref)
+    assert_matches(got["treegrpo_per_depth"], tree, ref.treegrpo_per_depth_reference(forest))
     # GRPO's "every edge takes its leaf's advantage" is the same mean over the leaves below.
     assert_matches(got["grpo"], tree, tree_ref, clip=0.7)
     assert_matches(got["branchgrpo"], tree, ref.branchgrpo_reference(forest, "mean"))
     path_ref = ref.branchgrpo_reference(forest, "path_prob", alpha)
+    leaf_ref = ref.branchgrpo_leaf_reference(forest, "path_prob", alpha)
+    assert_matches(got["branchgrpo_leaf"], tree, leaf_ref)
     assert_matches(got["branchgrpo_mix"], tree, path_ref, clip=0.7)
 
     # The fused rewards themselves, node by node (structural levels expanded to depths).
@@ -136,6 +152,46 @@ def test_treegrpo_by_hand():
     step0, step1 = adv.treegrpo_advantages(spec, tree, jnp.array([[0.0, 0.0, 1.0, 1.0]]))
     np.testing.assert_allclose(step0, [[[-1.0, 1.0]]], atol=1e-6)
     np.testing.assert_allclose(step1, [[[-1.0, -1.0, 1.0, 1.0]]], atol=1e-6)
+
+
+def test_treegrpo_per_depth_by_hand():
+    """Two BRANCH(2) steps; leaves 0, 1, 2, 3: leaf A = (r - 1.5) / sqrt(1.25). The step-0
+    edges take the means of the halves, -+1 / sqrt(1.25) = -+0.894; normalized over their
+    depth they become -+1. The leaf depth already has unit std and is unchanged."""
+    spec = ts.treegrpo(2, window=2, k=2)
+    tree = ref.random_tree(spec, 1, np.random.default_rng(0))
+    rewards = jnp.array([[0.0, 1.0, 2.0, 3.0]])
+    plain0, _ = adv.treegrpo_advantages(spec, tree, rewards)
+    np.testing.assert_allclose(plain0, [[[-1 / np.sqrt(1.25), 1 / np.sqrt(1.25)]]], atol=1e-6)
+    step0, step1 = adv.treegrpo_advantages(spec, tree, rewards, edge_normalization="per_depth")
+    np.testing.assert_allclose(step0, [[[-1.0, 1.0]]], atol=1e-6)
+    np.testing.assert_allclose(step1, [[[-1.5, -0.5, 0.5, 1.5]]] / np.sqrt(1.25), atol=1e-6)
+    with pytest.raises(ValueError, match="edge_normalization"):
+        adv.treegrpo_advantages(spec, tree, rewards, edge_normalization="per_level")
+
+
+def test_treegrpo_per_depth_of_constant_rewards_is_zero():
+    spec = ts.TreeSpec((ts.SDE, ts.BRANCH(3), ts.ODE, ts.BRANCH(2)), num_trees=2)
+    tree = ref.random_tree(spec, 2, np.random.default_rng(1))
+    rewards = jnp.full((2, spec.leaves), -3.7, jnp.float32)
+    for array in advantages_of("treegrpo", spec, tree, rewards, edge_norm="per_depth"):
+        assert np.all(np.asarray(array) == 0.0)
+
+
+def test_branchgrpo_leaf_normalization_by_hand():
+    """BRANCH(2), SDE, BRANCH(2), leaves 1, 2, 3, 6, mean fusion. Depth-wise, the halves get
+    -+1/sqrt(2) whatever their difference; with leaf normalization (mean 3, population std
+    sqrt(3.5)) they get their leaves' means, -1.5 / sqrt(3.5) and +1.5 / sqrt(3.5)."""
+    spec = ts.TreeSpec((ts.BRANCH(2), ts.SDE, ts.BRANCH(2)))
+    tree = ref.random_tree(spec, 1, np.random.default_rng(0))
+    rewards = jnp.array([[1.0, 2.0, 3.0, 6.0]])
+    split0, sde, split2 = adv.branchgrpo_advantages(spec, tree, rewards, normalization="leaf")
+    root = np.sqrt(3.5)
+    np.testing.assert_allclose(split0, [[[-1.5 / root, 1.5 / root]]], atol=1e-6)
+    np.testing.assert_allclose(sde, [[[-1.5 / root, 1.5 / root]]], atol=1e-6)
+    np.testing.assert_allclose(split2, [[[-2.0, -1.0, 0.0, 3.0]]] / root, atol=1e-6)
+    with pytest.raises(ValueError, match="normalization"):
+        adv.branchgrpo_advantages(spec, tree, rewards, normalization="per_tree")
 
 
 def test_branchgrpo_by_hand():
@@ -182,8 +238,10 @@ def test_mismatched_tree_is_rejected():
 ALL_KW = {
     "grpo": {},
     "treegrpo": {},
+    "treegrpo_per_depth": {"edge_normalization": "per_depth"},
     "branchgrpo_mean": {"fusion": "mean"},
     "branchgrpo_path_prob": {"fusion": "path_prob", "alpha": 1.0},
+    "branchgrpo_leaf": {"fusion": "path_prob", "alpha": 1.0, "normalization": "leaf"},
 }
 
 
@@ -191,19 +249,28 @@ def method_advantages(name, spec, tree, rewards):
     """Each advantage function called directly (no clip)."""
     if name == "grpo":
         return adv.grpo_advantages(spec, tree, rewards)
-    if name == "treegrpo":
-        return adv.treegrpo_advantages(spec, tree, rewards)
+    if name.startswith("treegrpo"):
+        return adv.treegrpo_advantages(spec, tree, rewards, **ALL_KW[name])
     return adv.branchgrpo_advantages(spec, tree, rewards, **ALL_KW[name])
 
 
 def method_reference(name, forest):
     if name in ("grpo", "treegrpo"):
         return ref.treegrpo_reference(forest)
+    if name == "treegrpo_per_depth":
+        return ref.treegrpo_per_depth_reference(forest)
     kw = ALL_KW[name]
+    if kw.get("normalization") == "leaf":
+        return ref.branchgrpo_leaf_reference(forest, kw["fusion"], kw["alpha"])
     return ref.branchgrpo_reference(forest, kw["fusion"], kw.get("alpha", 1.0))
 
 
-jitted_methods = jax.jit(method_advantages, static_argnums=(0, 1))
+def every_variant(spec, tree, rewards):
+    """Every entry of ALL_KW on one tree (one compile per spec when jitted)."""
+    return {name: method_advantages(name, spec, tree, rewards) for name in ALL_KW}
+
+
+jitted_variants = jax.jit(every_variant, static_argnums=0)
 
 
 def test_path_prob_fusion_of_constant_rewards_is_exactly_zero():
@@ -254,13 +321,15 @@ def test_every_method_is_exact_under_a_constant_shift(seed, kind):
     tree = ref.random_tree(spec, num_prompts, rng)
     rewards = grid_rewards(rng, spec, num_prompts, kind)
     forest = ref.build_forest(spec, tree, rewards)
+    all_base = jitted_variants(spec, tree, jnp.asarray(rewards))
+    all_shifted = jitted_variants(spec, tree, jnp.asarray(rewards + np.float32(1e4)))
     for name in ALL_KW:
-        base = jitted_methods(name, spec, tree, jnp.asarray(rewards))
-        shifted = jitted_methods(name, spec, tree, jnp.asarray(rewards + np.float32(1e4)))
+        base, shifted = all_base[name], all_shifted[name]
         assert_matches(base, tree, method_reference(name, forest))
         for a, b in zip(base, shifted):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
-        zero = kind == "constant" or (kind == "per_tree" and name.startswith("branchgrpo"))
+        depthwise = name in ("branchgrpo_mean", "branchgrpo_path_prob")
+        zero = kind == "constant" or (kind == "per_tree" and depthwise)
         if zero:
             assert all(np.all(np.asarray(a) == 0.0) for a in base + shifted), name
 
@@ -273,6 +342,9 @@ def test_sample_std_option_matches_reference(seed):
     for fn in (adv.grpo_advantages, adv.treegrpo_advantages):
         got = jax.jit(functools.partial(fn, ddof=1), static_argnums=0)(spec, tree, rewards)
         assert_matches(got, tree, want)
+    per_depth = functools.partial(adv.treegrpo_advantages, ddof=1, edge_normalization="per_depth")
+    got = jax.jit(per_depth, static_argnums=0)(spec, tree, rewards)
+    assert_matches(got, tree, ref.treegrpo_per_depth_reference(forest, ddof=1))
     with pytest.raises(ValueError, match="ddof"):
         adv.treegrpo_advantages(spec, tree, jnp.asarray(rewards), ddof=2)
 
@@ -290,18 +362,18 @@ def test_sliding_window_families_match_reference_at_every_position(family):
     the plain spec of that position; one compile for all positions."""
     rng = np.random.default_rng(7)
 
-    def advantages_of(name, spec, tree, rewards):  # its own jit cache
-        return method_advantages(name, spec, tree, rewards)
+    def variants(spec, tree, rewards):  # its own jit cache
+        return every_variant(spec, tree, rewards)
 
-    fn = jax.jit(advantages_of, static_argnums=(0, 1))
+    fn = jax.jit(variants, static_argnums=0)
     for start in range(family.window_positions):
         tree = ref.random_tree(family, 2, rng, window_start=start)
         rewards = rng.normal(size=(2, family.leaves)).astype(np.float32)
         forest = ref.build_forest(family, tree, rewards, window_start=start)
+        got = fn(family, tree, jnp.asarray(rewards))
         for name in ALL_KW:
-            got = fn(name, family, tree, jnp.asarray(rewards))
-            assert_matches(got, tree, method_reference(name, forest))
-    assert fn._cache_size() == len(ALL_KW)
+            assert_matches(got[name], tree, method_reference(name, forest))
+    assert fn._cache_size() == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,3 +23,13 @@ def test_shipped_config_validates(name):
             c.reward_models[reward] = f"/models/{reward}"
     weights = cfg.validate(c, known_rewards=rewards.available_rewards())
     assert weights == cfg.parse_rewards(c.rewards)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("edge_normalization", "per_level"), ("branch_normalization", "per_tree")]
+)
+def test_bad_advantage_normalization_is_one_sentence(field, value):
+    c = importlib.import_module("configs.tiny").get_config()
+    c.advantage[field] = value
+    with pytest.raises(cfg.ConfigError, match=f"advantage.{field} must be one of"):
+        cfg.validate(c, known_rewards=rewards.available_rewards())

@@ -24,10 +24,15 @@ only in what that value is:
   On chains that is simply the leaf's advantage.
 - treegrpo: the TreeGRPO advantage, `treegrpo_advantages`: the same leaf normalization over
   all leaves of the prompt (all its trees), and an edge parent -> child takes the mean of the
-  leaf advantages below the child. Branch edges therefore get step-specific credit.
+  leaf advantages below the child. Branch edges therefore get step-specific credit. With
+  `edge_normalization="per_depth"` those means are normalized again over each depth of the
+  prompt (all its trees), so a shallow edge, whose mean over many leaves is small, gets
+  credit of the same scale as a leaf's.
 - branchgrpo / branchgrpo_mix: rewards are fused up each tree (mean of descendant leaves, or
   path-probability weighting), then normalized per depth within each tree with the sample
-  std; a depth with one node, or with std < 1e-6, gets advantage 0.
+  std; a depth with one node, or with std < 1e-6, gets advantage 0. With
+  `normalization="leaf"` the prompt's leaves are normalized first and fused up the tree with
+  no depth-wise step.
 
 Exact under a constant shift: every normalization first subtracts a member of its own group
 (the prompt's first leaf; for BranchGRPO, each tree's first leaf, and then the mean of the
@@ -56,6 +61,12 @@ EPS = 1e-8  # added to the std in every normalization (GRPO, TreeGRPO, BranchGRP
 DEPTH_STD_FLOOR = 1e-6  # BranchGRPO: a depth whose fused rewards are this flat gets A = 0
 FUSIONS = ("mean", "path_prob")
 DDOFS = (0, 1)  # leaf normalization: population std (0) or sample std (1, DanceGRPO's code)
+# treegrpo's edge advantages: "none" (the mean of the leaf advantages below the child, the
+# paper's definition) or "per_depth" (those means normalized again within each depth)
+EDGE_NORMALIZATIONS = ("none", "per_depth")
+# branchgrpo's: "depthwise" (BranchGRPO's: fuse each tree's rewards, normalize every depth of
+# the tree) or "leaf" (normalize the prompt's leaves, then fuse: no depth is rescaled)
+BRANCH_NORMALIZATIONS = ("depthwise", "leaf")
 
 Advantages = tuple[jax.Array, ...]  # one [T, P, n * k] array per segment
 
@@ -303,8 +314,23 @@ def grpo_advantages(
     return _edge_means_of_leaves(spec, tree, leaf_advantages)
 
 
+def per_depth_normalize(level: jax.Array, ddof: int = 0) -> jax.Array:
+    """One structural level [P, n] normalized over each prompt's n nodes (all its trees):
+    (v - mean) / (std + 1e-8), with the std of `ddof`; a level of one node, or one flatter
+    than std 1e-6, gets 0."""
+    if level.shape[-1] == 1:
+        return jnp.zeros_like(level)
+    normalized, std = normalize(level.astype(jnp.float32), ddof=_check_ddof(ddof))
+    return jnp.where(std < DEPTH_STD_FLOOR, 0.0, normalized)
+
+
 def treegrpo_advantages(
-    spec: TreeSpec, tree: Tree, rewards: jax.Array, *, ddof: int = 0
+    spec: TreeSpec,
+    tree: Tree,
+    rewards: jax.Array,
+    *,
+    ddof: int = 0,
+    edge_normalization: str = "none",
 ) -> Advantages:
     """TreeGRPO: leaf A = (r - mean_p) / (std_p + 1e-8) over all leaves of the prompt (all
     its trees; population std, or the sample std with `ddof=1`); the edge parent -> child
@@ -312,9 +338,24 @@ def treegrpo_advantages(
 
     A branch edge is thus credited with how good the subtree it chose is relative to the
     prompt's other samples, which differs step by step along a path.
+
+    `edge_normalization="per_depth"` then normalizes those edge values over each depth of
+    the prompt, with the same std as the leaves (the leaf depth is unchanged): the mean of
+    m unrelated leaf advantages has a spread of about 1/sqrt(m) of a leaf's, so without it
+    the shallow edges of a deep tree weigh little in the loss; with it every depth's edges
+    carry credit of unit scale. Which subtree is better, and the sign of every edge, are
+    unchanged. (It amplifies a shallow edge's noise as much as its signal: on the tiny
+    model it measured no better, BENCHMARKS.md section 9.)
     """
     check_tree(spec, tree, rewards)
-    return _edge_means_of_leaves(spec, tree, group_normalize(rewards, ddof))
+    if edge_normalization not in EDGE_NORMALIZATIONS:
+        raise ValueError(
+            f"edge_normalization must be one of {EDGE_NORMALIZATIONS}, got {edge_normalization!r}."
+        )
+    levels = backup_mean(spec, group_normalize(rewards, ddof))
+    if edge_normalization == "per_depth":
+        levels = [per_depth_normalize(level, ddof) for level in levels]
+    return per_segment(tree, levels)
 
 
 def centre_per_tree(spec: TreeSpec, rewards: jax.Array) -> jax.Array:
@@ -379,10 +420,25 @@ def branchgrpo_advantages(
     *,
     fusion: str = "mean",
     alpha: float = 1.0,
+    normalization: str = "depthwise",
 ) -> Advantages:
     """BranchGRPO: fuse rewards up each tree (relative to a per-tree baseline, so the result
     is exact under a constant shift), normalize each depth within each tree; an edge takes
-    the advantage of the node it produces."""
+    the advantage of the node it produces.
+
+    `normalization="leaf"` instead normalizes the rewards over the prompt's leaves (all its
+    trees, population std, as GRPO and TreeGRPO do) and fuses those up the tree with no
+    further rescaling: a depth whose nodes differ little gets small advantages. (Depth-wise,
+    a depth of two nodes always gets -+0.71, however small and noisy their difference.) With
+    mean fusion this is TreeGRPO's credit on BranchGRPO's tree.
+    """
     check_tree(spec, tree, rewards)
+    if normalization not in BRANCH_NORMALIZATIONS:
+        raise ValueError(
+            f"normalization must be one of {BRANCH_NORMALIZATIONS}, got {normalization!r}."
+        )
+    if normalization == "leaf":
+        leaf = group_normalize(rewards)
+        return per_segment(tree, fused_rewards(spec, tree, leaf, fusion=fusion, alpha=alpha))
     levels = fused_rewards(spec, tree, rewards, fusion=fusion, alpha=alpha, relative=True)
     return per_segment(tree, [depthwise_normalize(spec, level) for level in levels])

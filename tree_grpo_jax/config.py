@@ -97,6 +97,16 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
     _require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
     _require(
+        a.edge_normalization in adv.EDGE_NORMALIZATIONS,
+        f"advantage.edge_normalization must be one of {adv.EDGE_NORMALIZATIONS}, "
+        f"got {a.edge_normalization!r}.",
+    )
+    _require(
+        a.branch_normalization in adv.BRANCH_NORMALIZATIONS,
+        f"advantage.branch_normalization must be one of {adv.BRANCH_NORMALIZATIONS}, "
+        f"got {a.branch_normalization!r}.",
+    )
+    _require(
         a.pruning_step_ratio >= 0,
         f"advantage.pruning_step_ratio must be >= 0, got {a.pruning_step_ratio}.",
     )

@@ -62,12 +62,26 @@ def _grpo_credit(spec, tree, rewards, credit: Credit):
 
 
 def _treegrpo_credit(spec, tree, rewards, credit: Credit):
-    return adv.treegrpo_advantages(spec, tree, rewards, ddof=credit.options.std_ddof)
+    o = credit.options
+    return adv.treegrpo_advantages(
+        spec,
+        tree,
+        rewards,
+        ddof=o.std_ddof,
+        edge_normalization=o.get("edge_normalization", "none"),
+    )
 
 
 def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
     o = credit.options
-    return adv.branchgrpo_advantages(spec, tree, rewards, fusion=o.fusion, alpha=o.fusion_alpha)
+    return adv.branchgrpo_advantages(
+        spec,
+        tree,
+        rewards,
+        fusion=o.fusion,
+        alpha=o.fusion_alpha,
+        normalization=o.get("branch_normalization", "depthwise"),
+    )
 
 
 METHODS: dict[str, Method] = {
