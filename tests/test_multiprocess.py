@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
@@ -28,12 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 GLOBAL_PROMPTS = 4
 COMMON = (
     "--config=configs/tiny.py",
+    "--config.model.name=random_tiny",  # random weights: compiles and loads the quickest
+    "--config.sampling.num_steps=4",
+    "--config.tree.window=2",  # [B2 B2 O O]: 3 rows, 6 edges per prompt
     "--config.train.iterations=3",
     "--config.checkpoint.every=1",
     "--config.checkpoint.keep=5",
     "--config.eval.every=0",
     "--config.prompts.eval_count=6",  # not a multiple of 4: the last share is topped up
-    "--config.train.rows_per_minibatch=64",  # 60 rows: one minibatch, whatever the split
+    "--config.train.rows_per_minibatch=16",  # 12 rows: one minibatch, whatever the split
     "--config.train.learning_rate=0.01",
     "--config.train.adam_eps=1.0",
     "--config.log.tensorboard=False",
@@ -129,21 +133,11 @@ def runs(tmp_path_factory):
     return {"root": root, 1: one, 2: two}
 
 
-def _initial_params() -> dict:
+def _initial_params(workdir: Path) -> dict:
     from tree_grpo_jax.models import load_model
     from tree_grpo_jax.models.base import cast_floats
 
-    config = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", "from configs import tiny; print(tiny.get_config().to_json())"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
-    import ml_collections
-
+    config = json.loads((workdir / "config.json").read_text())  # as the run saw it
     model = load_model(ml_collections.ConfigDict(config["model"]), seed=config["seed"])
     params = cast_floats(model.params, np.float32)
     return {k: np.asarray(v, np.float64) for k, v in flatten_dict(params).items()}
@@ -160,7 +154,7 @@ def _assert_same_update(got: dict, want: dict, initial: dict) -> None:
 
 def test_two_processes_train_what_one_process_trains(runs):
     one, two = runs[1], runs[2]
-    initial = _initial_params()
+    initial = _initial_params(one)
     _assert_same_update(_params(two, 1), _params(one, 1), initial)
     row_one, row_two = _train_row(one, 1), _train_row(two, 1)
     np.testing.assert_allclose(row_two["train/grad_norm"], row_one["train/grad_norm"], rtol=1e-4)
@@ -170,7 +164,7 @@ def test_two_processes_train_what_one_process_trains(runs):
     )
     # every process's rows were trained: the summed counts equal the single process's
     assert row_two["train/trained_edges"] == row_one["train/trained_edges"]
-    assert row_two["train/train_rows"] == row_one["train/train_rows"] == 60
+    assert row_two["train/train_rows"] == row_one["train/train_rows"] == 12
     # evaluation split over the processes and gathered: the same 6 images are scored
     eval_one, eval_two = _eval_rows(one), _eval_rows(two)
     assert [m["step"] for m in eval_two] == [m["step"] for m in eval_one] == [0, 3]
@@ -185,7 +179,7 @@ def test_two_processes_train_what_one_process_trains(runs):
 def test_four_processes_train_what_one_process_trains(runs):
     four = runs["root"] / "four"
     _train(four, 4, "--config.train.iterations=1")
-    _assert_same_update(_params(four, 1), _params(runs[1], 1), _initial_params())
+    _assert_same_update(_params(four, 1), _params(runs[1], 1), _initial_params(runs[1]))
     np.testing.assert_allclose(
         _train_row(four, 1)["train/grad_norm"], _train_row(runs[1], 1)["train/grad_norm"], rtol=1e-4
     )
