@@ -788,10 +788,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sharding.maybe_initialize_distributed()
     _check_same_config(config)
     primary = sharding.is_primary()
-    if primary:
-        check_writable(workdir)
-    lock = WorkdirLock(workdir) if primary else contextlib.nullcontext()
-    with _Signals(defer=False), lock:
+    lock = WorkdirLock(workdir) if primary else None
+    _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
+    with _Signals(defer=False), contextlib.ExitStack() as held:
+        if lock is not None:
+            held.callback(lock.release)
         ckpt = Checkpointer(checkpoint_dir(config, workdir), keep=config.checkpoint.keep)
         try:
             check_resume(config, ckpt)
@@ -806,6 +807,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             ckpt.close()
     summary["session_s"] = time.time() - session_start
     return summary
+
+
+def _on_primary(action, what: str) -> None:
+    """Runs `action` on the primary process alone; when it fails there, every process stops
+    (the primary with its own sentence, the others naming it) instead of waiting for it."""
+    error = None
+    if sharding.is_primary():
+        try:
+            action()
+        except BAD_INPUT as e:
+            error = e
+    if sharding.agree(float(error is not None)) > 0:
+        raise error or WorkdirBusy(f"process 0 could not {what}; its error says why.")
 
 
 def _check_same_config(config) -> None:
