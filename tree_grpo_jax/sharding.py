@@ -214,5 +214,5 @@ def agree(value: float, how: str = "max") -> float:
     """One number all processes agree on: the max, min or sum of theirs."""
     if not multi_process():
         return value
-    values = np.asarray(multihost_utils.process_allgather(np.asarray([value], np.float64)))
+    values = gather(np.asarray([value], np.float64))
     return float({"max": np.max, "min": np.min, "sum": np.sum}[how](values))
