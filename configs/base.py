@@ -67,7 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.advantage.branch_normalization = "depthwise"
     c.advantage.std_ddof = 0  # grpo / treegrpo leaf std: 0 population, 1 sample (DanceGRPO)
     # treegrpo edge advantages: "none" (mean of the leaf advantages below the edge, the
-    # paper's) or "per_depth" (those means normalized again within each depth)
+    # paper's), "per_depth" (those means normalized again within each depth) or "per_leaf"
+    # (those means weighted by the leaves below the edge: every trained step weighs in the
+    # loss as in flat GRPO)
     c.advantage.edge_normalization = "none"
     c.advantage.stat_tracker = False  # grpo: per-prompt statistics across iterations
     c.advantage.tracker_buffer = 32

@@ -181,6 +181,19 @@ def treegrpo_per_depth_reference(forest, ddof: int = 0) -> dict[Node, float]:
     return out
 
 
+def treegrpo_per_leaf_reference(forest, ddof: int = 0) -> dict[Node, float]:
+    """The edge values of `treegrpo_reference` times the number of leaves below the edge,
+    times the prompt's number of trainable edges over the sum of those leaf counts."""
+    edge = treegrpo_reference(forest, ddof)
+    out = {}
+    for roots in forest:
+        nodes = [n for root in roots for n in descendants(root) if n.trainable]
+        counts = [len(leaves_below(n)) for n in nodes]
+        for n, count in zip(nodes, counts):
+            out[n] = edge[n] * count * len(nodes) / math.fsum(counts)
+    return out
+
+
 def branchgrpo_leaf_reference(forest, fusion: str = "mean", alpha: float = 1.0) -> dict:
     """BranchGRPO's fusion applied to the prompt's normalized leaf rewards (population std),
     with no depth-wise step: an edge takes the fused value of the node it produces."""

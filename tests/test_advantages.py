@@ -24,6 +24,9 @@ def all_methods(spec, tree, rewards, alpha):
         "treegrpo_per_depth": advantages_of(
             "treegrpo", spec, tree, rewards, clip=1e9, edge_norm="per_depth"
         ),
+        "treegrpo_per_leaf": advantages_of(
+            "treegrpo", spec, tree, rewards, clip=1e9, edge_norm="per_leaf"
+        ),
         "grpo": advantages_of("grpo", spec, tree, rewards, clip=0.7),
         "branchgrpo": advantages_of("branchgrpo", spec, tree, rewards, clip=1e9),
         "branchgrpo_mix": advantages_of(
@@ -100,7 +103,7 @@ def expected_arrays(tree, reference: dict) -> list[np.ndarray]:
     return out
 
 
-def assert_matches(got, tree, reference, clip=None, atol=1e-6):
+def assert_matches(got, tree, reference, clip=None, atol=1e-6, rtol=0.0):
     want = expected_arrays(tree, reference)
     assert len(got) == len(want)
     found = 0
@@ -110,7 +113,7 @@ def assert_matches(got, tree, reference, clip=None, atol=1e-6):
         assert np.isnan(w[~active]).all(), "the reference trains an edge the tree did not sample"
         if clip is not None:
             w = np.clip(w, -clip, clip)
-        np.testing.assert_allclose(np.asarray(g)[active], w[active], rtol=0, atol=atol)
+        np.testing.assert_allclose(np.asarray(g)[active], w[active], rtol=rtol, atol=atol)
         found += int(active.sum())
     assert found == len(reference)
 
@@ -124,6 +127,9 @@ def test_random_trees_match_reference(seed):
     tree_ref = ref.treegrpo_reference(forest)
     assert_matches(got["treegrpo"], tree, tree_ref)
     assert_matches(got["treegrpo_per_depth"], tree, ref.treegrpo_per_depth_reference(forest))
+    # Leaf-count weights reach ~10: float32 rounding of the product is relative.
+    per_leaf_ref = ref.treegrpo_per_leaf_reference(forest)
+    assert_matches(got["treegrpo_per_leaf"], tree, per_leaf_ref, rtol=1e-6)
     # GRPO's "every edge takes its leaf's advantage" is the same mean over the leaves below.
     assert_matches(got["grpo"], tree, tree_ref, clip=0.7)
     assert_matches(got["branchgrpo"], tree, ref.branchgrpo_reference(forest, "mean"))
@@ -168,6 +174,44 @@ def test_treegrpo_per_depth_by_hand():
     np.testing.assert_allclose(step1, [[[-1.5, -0.5, 0.5, 1.5]]] / np.sqrt(1.25), atol=1e-6)
     with pytest.raises(ValueError, match="edge_normalization"):
         adv.treegrpo_advantages(spec, tree, rewards, edge_normalization="per_level")
+
+
+def test_treegrpo_per_leaf_by_hand():
+    """Two BRANCH(2) steps, leaves 0, 1, 2, 3: 6 edges over 8 leaf paths. A step-0 edge has
+    2 leaves below it, weight 2 * 6/8 = 1.5; a leaf edge 1 * 6/8 = 0.75. The step-0 edges
+    thus get 1.5 * -+1/sqrt(1.25), each side's summed leaf advantages times 6/8."""
+    spec = ts.treegrpo(2, window=2, k=2)
+    tree = ref.random_tree(spec, 1, np.random.default_rng(0))
+    rewards = jnp.array([[0.0, 1.0, 2.0, 3.0]])
+    step0, step1 = adv.treegrpo_advantages(spec, tree, rewards, edge_normalization="per_leaf")
+    np.testing.assert_allclose(step0, [[[-1.5, 1.5]]] / np.sqrt(1.25), atol=1e-6)
+    np.testing.assert_allclose(step1, [[[-1.5, -0.5, 0.5, 1.5]]] / np.sqrt(1.25) * 0.75, atol=1e-6)
+
+
+def test_treegrpo_per_leaf_loss_is_flat_grpo_over_the_leaf_paths():
+    """The reason for the weights: the mean over the tree's edges of weight * A * g(edge) is
+    the mean over its (leaf, step) pairs of the leaf's advantage * g(edge on its path), for
+    any per-edge g (a log-prob gradient)."""
+    spec = ts.treegrpo(3, window=3, k=2)
+    rng = np.random.default_rng(3)
+    tree = ref.random_tree(spec, 2, rng)
+    rewards = rng.normal(size=(2, spec.leaves)).astype(np.float32)
+    forest = ref.build_forest(spec, tree, rewards)
+    weighted = adv.treegrpo_advantages(
+        spec, tree, jnp.asarray(rewards), edge_normalization="per_leaf"
+    )
+    leaf_adv = ref.leaf_group_advantages(forest)
+    for p, roots in enumerate(forest):
+        nodes = [n for root in roots for n in ref.descendants(root) if n.trainable]
+        g = {n: rng.normal() for n in nodes}
+        tree_loss = np.mean([ref.edge_value(weighted, tree, n) * g[n] for n in nodes])
+        path_terms = []
+        for leaf in ref.leaves_below(roots[0]):
+            node = leaf
+            while node.parent is not None:
+                path_terms.append(leaf_adv[leaf] * g[node])
+                node = node.parent
+        np.testing.assert_allclose(tree_loss, np.mean(path_terms), rtol=1e-5, atol=1e-6)
 
 
 def test_treegrpo_per_depth_of_constant_rewards_is_zero():
@@ -239,6 +283,7 @@ ALL_KW = {
     "grpo": {},
     "treegrpo": {},
     "treegrpo_per_depth": {"edge_normalization": "per_depth"},
+    "treegrpo_per_leaf": {"edge_normalization": "per_leaf"},
     "branchgrpo_mean": {"fusion": "mean"},
     "branchgrpo_path_prob": {"fusion": "path_prob", "alpha": 1.0},
     "branchgrpo_leaf": {"fusion": "path_prob", "alpha": 1.0, "normalization": "leaf"},
@@ -259,6 +304,8 @@ def method_reference(name, forest):
         return ref.treegrpo_reference(forest)
     if name == "treegrpo_per_depth":
         return ref.treegrpo_per_depth_reference(forest)
+    if name == "treegrpo_per_leaf":
+        return ref.treegrpo_per_leaf_reference(forest)
     kw = ALL_KW[name]
     if kw.get("normalization") == "leaf":
         return ref.branchgrpo_leaf_reference(forest, kw["fusion"], kw["alpha"])
@@ -325,7 +372,7 @@ def test_every_method_is_exact_under_a_constant_shift(seed, kind):
     all_shifted = jitted_variants(spec, tree, jnp.asarray(rewards + np.float32(1e4)))
     for name in ALL_KW:
         base, shifted = all_base[name], all_shifted[name]
-        assert_matches(base, tree, method_reference(name, forest))
+        assert_matches(base, tree, method_reference(name, forest), rtol=1e-6)
         for a, b in zip(base, shifted):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
         depthwise = name in ("branchgrpo_mean", "branchgrpo_path_prob")

@@ -27,7 +27,10 @@ only in what that value is:
   leaf advantages below the child. Branch edges therefore get step-specific credit. With
   `edge_normalization="per_depth"` those means are normalized again over each depth of the
   prompt (all its trees), so a shallow edge, whose mean over many leaves is small, gets
-  credit of the same scale as a leaf's.
+  credit of the same scale as a leaf's; with `edge_normalization="per_leaf"` each mean is
+  multiplied by the number of leaves below the edge (scaled so the weights average 1 over
+  the trained edges), which makes the loss, a mean over edges, that of flat GRPO over the
+  tree's leaf paths with their shared edges merged.
 - branchgrpo / branchgrpo_mix: rewards are fused up each tree (mean of descendant leaves, or
   path-probability weighting), then normalized per depth within each tree with the sample
   std; a depth with one node, or with std < 1e-6, gets advantage 0. With
@@ -62,8 +65,10 @@ DEPTH_STD_FLOOR = 1e-6  # BranchGRPO: a depth whose fused rewards are this flat 
 FUSIONS = ("mean", "path_prob")
 DDOFS = (0, 1)  # leaf normalization: population std (0) or sample std (1, DanceGRPO's code)
 # treegrpo's edge advantages: "none" (the mean of the leaf advantages below the child, the
-# paper's definition) or "per_depth" (those means normalized again within each depth)
-EDGE_NORMALIZATIONS = ("none", "per_depth")
+# paper's definition), "per_depth" (those means normalized again within each depth) or
+# "per_leaf" (those means weighted by the number of leaves below: flat GRPO's loss over the
+# tree's leaf paths, shared edges merged)
+EDGE_NORMALIZATIONS = ("none", "per_depth", "per_leaf")
 # branchgrpo's: "depthwise" (BranchGRPO's: fuse each tree's rewards, normalize every depth of
 # the tree) or "leaf" (normalize the prompt's leaves, then fuse: no depth is rescaled)
 BRANCH_NORMALIZATIONS = ("depthwise", "leaf")
@@ -346,6 +351,9 @@ def treegrpo_advantages(
     carry credit of unit scale. Which subtree is better, and the sign of every edge, are
     unchanged. (It amplifies a shallow edge's noise as much as its signal: on the tiny
     model it measured no better, BENCHMARKS.md section 9.)
+
+    `edge_normalization="per_leaf"` instead weights each mean by the leaves below the edge
+    (`leaf_count_weights`): the sum of the leaf advantages below it, rescaled.
     """
     check_tree(spec, tree, rewards)
     if edge_normalization not in EDGE_NORMALIZATIONS:
@@ -355,7 +363,31 @@ def treegrpo_advantages(
     levels = backup_mean(spec, group_normalize(rewards, ddof))
     if edge_normalization == "per_depth":
         levels = [per_depth_normalize(level, ddof) for level in levels]
+    elif edge_normalization == "per_leaf":
+        levels = [level * w for level, w in zip(levels, leaf_count_weights(tree, levels))]
     return per_segment(tree, levels)
+
+
+def leaf_count_weights(tree: Tree, levels: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per structural level, the weight of an edge into it: the number of leaves below the
+    edge, divided by that number's mean over the tree's trained edges (a scalar each).
+
+    A leaf path's edges all carry the leaf's advantage in flat GRPO; where paths share an
+    edge, the tree trains it once with the mean of their advantages. Weighting it by the
+    paths through it restores their sum, so each trained step weighs in the loss as in a flat
+    method, instead of in proportion to its edge count (2, 4, 8, 16 for w4 k2). The steps
+    trained per level are counted from the segments' `active` flags (data, so one compiled
+    function serves every window position).
+    """
+    sizes = [level.shape[-1] for level in levels]
+    num_leaves = sizes[-1]
+    steps_at = [jnp.zeros((), jnp.float32) for _ in levels]
+    for seg in tree.segments:
+        steps_at[seg.level] = steps_at[seg.level] + jnp.sum(jnp.asarray(seg.active, jnp.float32))
+    num_edges = sum(s * n for s, n in zip(steps_at, sizes))
+    leaf_paths = sum(steps_at) * num_leaves  # the edges' leaf counts, summed
+    scale = num_edges / jnp.maximum(leaf_paths, 1.0)
+    return [scale * (num_leaves / n) for n in sizes]
 
 
 def centre_per_tree(spec: TreeSpec, rewards: jax.Array) -> jax.Array:
