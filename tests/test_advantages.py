@@ -201,7 +201,7 @@ def test_treegrpo_per_leaf_loss_is_flat_grpo_over_the_leaf_paths():
         spec, tree, jnp.asarray(rewards), edge_normalization="per_leaf"
     )
     leaf_adv = ref.leaf_group_advantages(forest)
-    for p, roots in enumerate(forest):
+    for roots in forest:
         nodes = [n for root in roots for n in ref.descendants(root) if n.trainable]
         g = {n: rng.normal() for n in nodes}
         tree_loss = np.mean([ref.edge_value(weighted, tree, n) * g[n] for n in nodes])
