@@ -3,6 +3,9 @@
     python -m benchmarks.tree_study                    # side by side, the same images each
     python -m benchmarks.tree_study --group screen     # every candidate, a wall-clock budget
     python -m benchmarks.tree_study --group branch_shape   # BranchGRPO-Mix's credit, tree shape
+    python -m benchmarks.tree_study --group per_leaf   # edges weighted by their leaves
+    python -m benchmarks.tree_study --group epochs     # two updates per iteration, clip ranges
+    python -m benchmarks.tree_study --group epochs_both    # two updates for flat and tree alike
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
@@ -61,17 +64,23 @@ class Setting:
 
 
 PER_DEPTH = (("advantage.edge_normalization", "per_depth"),)
+PER_LEAF = (("advantage.edge_normalization", "per_leaf"),)
 TREES2 = (("tree.num_trees", 2), ("tree.window", 3))  # 2 trees x 8 leaves
 TREES4 = (("tree.num_trees", 4), ("tree.window", 2))  # 4 trees x 4 leaves
 BMIX_TREES2 = (("tree.num_trees", 2), ("tree.split_steps", (0, 2, 4)))  # 2 trees x 8 leaves
 LR3 = (("train.learning_rate", 3e-4),)
+EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
 SETTINGS: dict[str, Setting] = {
     "grpo": Setting("grpo", label="grpo"),
     "mixgrpo": Setting("mixgrpo", label="mixgrpo (w4)"),
     "mixgrpo_lr3e-4": Setting("mixgrpo", LR3, label="mixgrpo, lr 3e-4"),
+    "mixgrpo_epochs2_clip1e-2": Setting(
+        "mixgrpo", EPOCHS2, label="mixgrpo, 2 inner epochs, clip 1e-2"
+    ),
     "treegrpo": Setting("treegrpo", label="treegrpo (1 tree, w4 k2)"),
     "treegrpo_depthnorm": Setting("treegrpo", PER_DEPTH, label="treegrpo, per-depth norm"),
+    "treegrpo_perleaf": Setting("treegrpo", PER_LEAF, label="treegrpo, per-leaf weights"),
     "treegrpo_trees2": Setting("treegrpo", TREES2, label="treegrpo, 2 trees w3"),
     "treegrpo_trees4": Setting("treegrpo", TREES4, label="treegrpo, 4 trees w2"),
     "treegrpo_trees2_depthnorm": Setting(
@@ -86,6 +95,14 @@ SETTINGS: dict[str, Setting] = {
     "treegrpo_lr3e-4": Setting("treegrpo", LR3, label="treegrpo, lr 3e-4"),
     "treegrpo_epochs2": Setting(
         "treegrpo", (("train.inner_epochs", 2),), label="treegrpo, 2 inner epochs"
+    ),
+    "treegrpo_epochs2_clip1e-3": Setting(
+        "treegrpo",
+        (("train.inner_epochs", 2), ("train.clip_range", 1e-3)),
+        label="treegrpo, 2 inner epochs, clip 1e-3",
+    ),
+    "treegrpo_epochs2_clip1e-2": Setting(
+        "treegrpo", EPOCHS2, label="treegrpo, 2 inner epochs, clip 1e-2"
     ),
     "treegrpo_per_minibatch": Setting(
         "treegrpo",
@@ -109,6 +126,11 @@ SETTINGS: dict[str, Setting] = {
         "branchgrpo_mix",
         (("tree.split_steps", (0, 1, 2, 3)),),
         label="branchgrpo_mix, splits 0-3 (treegrpo's tree)",
+    ),
+    "branchgrpo_mix_splits0123_epochs2_clip1e-2": Setting(
+        "branchgrpo_mix",
+        (("tree.split_steps", (0, 1, 2, 3)), *EPOCHS2),
+        label="branchgrpo_mix, splits 0-3, 2 inner epochs, clip 1e-2",
     ),
     "branchgrpo_mix_trees2": Setting(
         "branchgrpo_mix", BMIX_TREES2, label="branchgrpo_mix, 2 trees"
@@ -135,6 +157,34 @@ GROUPS = {
     ),
     # BranchGRPO-Mix's credit on TreeGRPO's tree: tree shape against credit assignment.
     "branch_shape": ("grpo", "mixgrpo", "treegrpo", "branchgrpo_mix", "branchgrpo_mix_splits0123"),
+    # Each leaf path's edges weighted as in flat GRPO, on both tree presets' trees.
+    "per_leaf": (
+        "grpo",
+        "mixgrpo",
+        "treegrpo",
+        "treegrpo_perleaf",
+        "branchgrpo_mix",
+        "branchgrpo_mix_splits0123",
+    ),
+    # More than one update per iteration, with the clip range that lets the second one act.
+    "epochs": (
+        "grpo",
+        "mixgrpo",
+        "treegrpo",
+        "treegrpo_epochs2",
+        "treegrpo_epochs2_clip1e-3",
+        "treegrpo_epochs2_clip1e-2",
+    ),
+    # The same two updates per iteration for the flat and the tree presets.
+    "epochs_both": (
+        "grpo",
+        "mixgrpo",
+        "mixgrpo_epochs2_clip1e-2",
+        "treegrpo",
+        "treegrpo_epochs2_clip1e-2",
+        "branchgrpo_mix_splits0123",
+        "branchgrpo_mix_splits0123_epochs2_clip1e-2",
+    ),
     "smoke": ("grpo", "treegrpo_depthnorm"),
 }
 
@@ -233,18 +283,25 @@ def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: 
     trainer, state = training.fresh_run(pr, seed)
     leaves = trainer.spec().leaves * pr.config.prompts.batch_size
     curve = [training._eval_point(trainer, state.params, 0.0, 0, 0)]
-    clock, images, times = 0.0, 0, []
+    clock, images, times, clipped = 0.0, 0, [], []
     at = set(eval_iterations(iterations))
     for iteration in range(iterations):
         state, metrics = trainer.iteration(state, iteration)
         clock += metrics["time_iteration"]
         images += leaves
         times.append(metrics["time_iteration"])
+        clipped.append(metrics.get("clip_fraction", 0.0))
         if iteration + 1 in at or clock >= max_s:
             curve.append(training._eval_point(trainer, state.params, clock, images, iteration + 1))
         if clock >= max_s:
             break
-    return {"seed": seed, "curve": curve, "iterations": len(times), "iteration_times": times}
+    return {
+        "seed": seed,
+        "curve": curve,
+        "iterations": len(times),
+        "iteration_times": times,
+        "clip_fractions": clipped,  # per iteration, the mean over its minibatches and epochs
+    }
 
 
 def _crossing(results: list, key: str, target: float, end: float | None = None):
@@ -319,6 +376,10 @@ def summarize(curves: dict, mode: dict) -> dict:
             "images": stats([r["curve"][-1]["images"] for r in results]),
             "train_s": stats([r["curve"][-1]["time"] for r in results]),
             "iteration_s": stats([t for r in results for t in r["iteration_times"]]),
+            # runs written before clip fractions were recorded have none
+            "clip_fraction": stats([c for r in results for c in r.get("clip_fractions", [])])
+            if any(r.get("clip_fractions") for r in results)
+            else None,
             "to": {},
         }
         for base, target in out["targets"].items():
@@ -357,15 +418,17 @@ def table(summary: dict, labels: dict) -> str:
     parts = []
     head = [
         "| setting | final reward, median [min, max] | reward at "
-        f"{common / 4:.0f} images | reward at {common:.0f} images | iterations | s / iteration |",
-        "|" + "---|" * 6,
+        f"{common / 4:.0f} images | reward at {common:.0f} images | iterations | s / iteration "
+        "| clip fraction |",
+        "|" + "---|" * 7,
     ]
     for name, s in summary["settings"].items():
         head.append(
             f"| {labels.get(name, name)} | {fmt_stats(s['final_reward'])} | "
             f"{s['reward_at_quarter_images']['median']:.4f} | "
             f"{s['reward_at_common_images']['median']:.4f} | {s['iterations']['median']:.0f} | "
-            f"{s['iteration_s']['median']:.3f} |"
+            f"{s['iteration_s']['median']:.3f} | "
+            f"{_f(s['clip_fraction'] and s['clip_fraction']['median'], '.3f')} |"
         )
     parts.append("\n".join(head))
     for target, value in summary["targets"].items():
