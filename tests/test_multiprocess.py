@@ -40,6 +40,7 @@ COMMON = (
     "--config.train.rows_per_minibatch=16",  # 12 rows: one minibatch, whatever the split
     "--config.train.learning_rate=0.01",
     "--config.train.adam_eps=1.0",
+    "--config.train.inner_epochs=1",  # one update per iteration: the gradient, compared
     "--config.log.tensorboard=False",
 )
 
