@@ -1,7 +1,15 @@
-"""Fixtures shared by the SD loading and export tests: one tiny random SD folder (written
-with PyTorch) and its loaded model, built once per session."""
+"""Session-wide test settings: XLA's optimization level, one persistent compilation cache,
+and the tiny random SD folder (written with PyTorch) and its loaded model shared by the SD
+loading and export tests."""
+
+import os
 
 import pytest
+
+# The tests run tiny models, where XLA's optimization passes take longer than the programs
+# they speed up: skip most of them (here and in the command-line runs the tests start, which
+# inherit the environment). Set before the first JAX import reads it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +31,6 @@ def sd_model(sd_folder):
 def shared_compile_cache(tmp_path_factory):
     """One persistent compilation cache for the whole session (and the command-line runs it
     starts): the many small trainings compile the same programs, and a hit skips XLA."""
-    import os
-
     from tree_grpo_jax import compile_cache
 
     folder = tmp_path_factory.mktemp("jax_compile_cache")
