@@ -24,6 +24,8 @@ class Settings:
     # all of the iteration's minibatches (False: one update per minibatch, the trainer's
     # default, which gives presets with more rows more updates per iteration).
     one_update_per_iteration: bool = True
+    inner_epochs: int = 1  # passes over each iteration's rows (tiny.py's own is 2)
+    clip_range: float = 1e-4  # PPO clip (tiny.py's own is 1e-2)
     eval_count: int = 50  # fixed evaluation prompts (each digit five times, own noise)
     reward: str = "digit_alignment"
 
@@ -44,6 +46,8 @@ def make_config(preset: str, settings: Settings, seed: int = 0):
     c.rewards = settings.reward
     c.train.learning_rate = settings.learning_rate
     c.train.rows_per_minibatch = settings.rows_per_minibatch
+    c.train.inner_epochs = settings.inner_epochs
+    c.train.clip_range = settings.clip_range
     c.eval.extra_rewards = ("digit_accuracy",)
     c.checkpoint.every = 0
     c.log.progress = False

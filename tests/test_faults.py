@@ -68,11 +68,22 @@ def signal_self():
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.fixture
+def sigint_handled(monkeypatch):
+    """Python's own SIGINT handler, whatever the test run inherited: a shell starts
+    background jobs with SIGINT ignored, and the trainer leaves an ignored signal alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 INTERRUPT_POINTS = ["after_prompts_drawn", "during_update", "during_save"]
 
 
 @pytest.mark.parametrize("point", INTERRUPT_POINTS)
-def test_interrupt_inside_an_iteration_resumes_exactly(tmp_path, monkeypatch, straight, point):
+def test_interrupt_inside_an_iteration_resumes_exactly(
+    tmp_path, monkeypatch, straight, point, sigint_handled
+):
     """SIGINT lands inside iteration 3 (index 2): the iteration finishes, is saved, the run
     stops; the same command then ends exactly where the uninterrupted run ends."""
     c = fault_config()
