@@ -69,7 +69,7 @@ def signal_self():
 
 
 @pytest.fixture
-def sigint_handled(monkeypatch):
+def sigint_handled():
     """Python's own SIGINT handler, whatever the test run inherited: a shell starts
     background jobs with SIGINT ignored, and the trainer leaves an ignored signal alone."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
