@@ -6,6 +6,7 @@
     python -m benchmarks.tree_study --group per_leaf   # edges weighted by their leaves
     python -m benchmarks.tree_study --group epochs     # two updates per iteration, clip ranges
     python -m benchmarks.tree_study --group epochs_both    # two updates for flat and tree alike
+    python -m benchmarks.tree_study --group lr         # a larger step against a second update
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
@@ -68,12 +69,14 @@ PER_LEAF = (("advantage.edge_normalization", "per_leaf"),)
 TREES2 = (("tree.num_trees", 2), ("tree.window", 3))  # 2 trees x 8 leaves
 TREES4 = (("tree.num_trees", 4), ("tree.window", 2))  # 4 trees x 4 leaves
 BMIX_TREES2 = (("tree.num_trees", 2), ("tree.split_steps", (0, 2, 4)))  # 2 trees x 8 leaves
+LR2 = (("train.learning_rate", 2e-4),)
 LR3 = (("train.learning_rate", 3e-4),)
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
 SETTINGS: dict[str, Setting] = {
     "grpo": Setting("grpo", label="grpo"),
     "mixgrpo": Setting("mixgrpo", label="mixgrpo (w4)"),
+    "mixgrpo_lr2e-4": Setting("mixgrpo", LR2, label="mixgrpo, lr 2e-4"),
     "mixgrpo_lr3e-4": Setting("mixgrpo", LR3, label="mixgrpo, lr 3e-4"),
     "mixgrpo_epochs2_clip1e-2": Setting(
         "mixgrpo", EPOCHS2, label="mixgrpo, 2 inner epochs, clip 1e-2"
@@ -92,6 +95,7 @@ SETTINGS: dict[str, Setting] = {
     "treegrpo_k4": Setting(
         "treegrpo", (("tree.k", 4), ("tree.window", 2)), label="treegrpo, k4 w2"
     ),
+    "treegrpo_lr2e-4": Setting("treegrpo", LR2, label="treegrpo, lr 2e-4"),
     "treegrpo_lr3e-4": Setting("treegrpo", LR3, label="treegrpo, lr 3e-4"),
     "treegrpo_epochs2": Setting(
         "treegrpo", (("train.inner_epochs", 2),), label="treegrpo, 2 inner epochs"
@@ -132,6 +136,11 @@ SETTINGS: dict[str, Setting] = {
         (("tree.split_steps", (0, 1, 2, 3)), *EPOCHS2),
         label="branchgrpo_mix, splits 0-3, 2 inner epochs, clip 1e-2",
     ),
+    "branchgrpo_mix_splits0123_lr2e-4": Setting(
+        "branchgrpo_mix",
+        (("tree.split_steps", (0, 1, 2, 3)), *LR2),
+        label="branchgrpo_mix, splits 0-3, lr 2e-4",
+    ),
     "branchgrpo_mix_trees2": Setting(
         "branchgrpo_mix", BMIX_TREES2, label="branchgrpo_mix, 2 trees"
     ),
@@ -141,7 +150,9 @@ SETTINGS: dict[str, Setting] = {
 GROUPS = {
     # The wide sweep: every candidate, fewer seeds (not those of "final") and a shorter budget.
     "screen": tuple(
-        n for n in SETTINGS if n not in ("treegrpo_trees2_depthnorm", "treegrpo_start1")
+        n
+        for n in SETTINGS
+        if n not in ("treegrpo_trees2_depthnorm", "treegrpo_start1") and "lr2e-4" not in n
     ),
     # The side-by-side comparison of the chosen defaults against the old ones.
     "final": (
@@ -184,6 +195,17 @@ GROUPS = {
         "treegrpo_epochs2_clip1e-2",
         "branchgrpo_mix_splits0123",
         "branchgrpo_mix_splits0123_epochs2_clip1e-2",
+    ),
+    # A larger step in one update per iteration, against the second update (tiny.py's).
+    "lr": (
+        "grpo",
+        "mixgrpo",
+        "mixgrpo_lr2e-4",
+        "treegrpo",
+        "treegrpo_lr2e-4",
+        "treegrpo_epochs2_clip1e-2",
+        "branchgrpo_mix_splits0123",
+        "branchgrpo_mix_splits0123_lr2e-4",
     ),
     "smoke": ("grpo", "treegrpo_depthnorm"),
 }
