@@ -148,7 +148,8 @@ SETTINGS: dict[str, Setting] = {
 }
 
 GROUPS = {
-    # The wide sweep: every candidate, fewer seeds (not those of "final") and a shorter budget.
+    # The wide sweep: every candidate, fewer seeds (not those of "final") and a shorter budget
+    # (the lr 2e-4 settings were added after it, for the "lr" group).
     "screen": tuple(
         n
         for n in SETTINGS
