@@ -165,3 +165,26 @@ def test_lora_counts_at_real_sizes():
     for row in (sd15, sd35):
         assert row["rank_32"]["trainable_params"] == 8 * row["rank_4"]["trainable_params"]
         assert row["rank_4"]["optimizer_state_bytes"] == 8 * row["rank_4"]["trainable_params"]
+
+
+def test_every_study_setting_is_a_valid_config_with_its_overrides():
+    """The sample-efficiency study's groups name only its settings, and each setting's config
+    passes the trainer's validation and carries its overrides (no training: that is the
+    study's own --smoke run)."""
+    from benchmarks import tree_study
+    from tree_grpo_jax import config as config_lib
+    from tree_grpo_jax.rewards import registry
+
+    for group, names in tree_study.GROUPS.items():
+        assert set(names) <= set(tree_study.SETTINGS), group
+    settings = Settings()
+    for name, setting in tree_study.SETTINGS.items():
+        c = tree_study.config_of(name, settings)
+        config_lib.validate(c, known_rewards=registry.available_rewards())
+        assert c.tree.method == setting.preset
+        for path, value in setting.overrides:
+            section, field = path.split(".")
+            assert c[section][field] == value, (name, path)
+    lr = tree_study.config_of("treegrpo_lr2e-4", settings)
+    assert lr.train.learning_rate == 2 * settings.learning_rate
+    assert lr.train.inner_epochs == 1
