@@ -3,8 +3,10 @@
 Orbax saves the array state (params, optimizer state) and a small JSON document with
 everything else that decides the next iteration: the iteration count, the base RNG key,
 the tree-window position, the statistics trackers, the prompt iterator's position and the
-run's fingerprint. A checkpoint that cannot be read is set aside (renamed, never deleted)
-and the newest readable one is used instead.
+run's fingerprint. A checkpoint whose own files are damaged (missing, truncated, corrupt) is
+set aside (renamed, never deleted) and the newest readable one is used instead; a checkpoint
+that holds another training state than the code builds, or that storage refuses to hand over
+(permission denied, unreachable), stops the run with one sentence and nothing is renamed.
 
 The folder may be local or a URL that etils' `epath` reaches (gs:// on TPU pods). With
 several processes all of them save and restore together; the primary one tidies the folder.
@@ -12,12 +14,14 @@ several processes all of them save and restore together; the primary one tidies 
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -25,6 +29,107 @@ from jax.experimental import multihost_utils
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used; the message is one sentence for the user."""
+
+
+class _Damaged(Exception):
+    """A checkpoint step whose own files are missing or unreadable."""
+
+
+# tensorstore (orbax's array storage) reports every error as a ValueError led by its status
+# code. These codes say the storage itself refused or failed, whatever the files hold.
+_STORAGE_CODES = (
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "CANCELLED",
+    "ABORTED",
+)
+_STORAGE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EIO, errno.ETIMEDOUT, errno.ESTALE}
+# What reading damaged files raises: tensorstore's ValueErrors (DATA_LOSS, NOT_FOUND,
+# OUT_OF_RANGE, FAILED_PRECONDITION ...), bad JSON or text, an item that is not there
+# (KeyError), a missing or cut-short file. orbax wraps the array errors in a bare Exception,
+# so the whole chain of causes is searched.
+_DAMAGE_TYPES = (ValueError, KeyError, EOFError, FileNotFoundError, NotADirectoryError, _Damaged)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error`, its causes and contexts, and the members of exception groups among them."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return seen
+
+
+def _is_storage_problem(e: BaseException) -> bool:
+    if isinstance(e, (PermissionError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+        return True
+    text = str(e)
+    return isinstance(e, ValueError) and any(code in text for code in _STORAGE_CODES)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    reason = text.splitlines()[0][:200] if text else repr(e)
+    return f"{type(e).__name__}: {reason}"
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _leaf_specs(tree) -> dict[str, tuple[tuple[int, ...] | None, np.dtype | None]]:
+    """path -> (shape, dtype) of every leaf (None where the leaf does not say); paths as
+    orbax names them ("opt_state.1.mu.w"), so a saved tree's metadata and a live state (its
+    dataclasses, named tuples and dicts) compare leaf by leaf."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    specs = {}
+    for path, leaf in leaves:
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None and isinstance(leaf, (int, float, complex, bool, np.generic)):
+            shape, dtype = (), np.asarray(leaf).dtype
+        specs[".".join(_key_name(k) for k in path)] = (
+            None if shape is None else tuple(shape),
+            None if dtype is None else np.dtype(dtype),
+        )
+    return specs
+
+
+def _same_spec(a, b) -> bool:  # what one side does not say is not held against it
+    return all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+def _spec_text(spec) -> str:
+    shape, dtype = spec
+    return " ".join(str(x) for x in (shape, dtype) if x is not None) or "unknown"
+
+
+def state_mismatch(saved: Any, target: Any) -> str | None:
+    """What differs between a saved state's metadata tree and a target state (the leaves one
+    has and the other lacks, and the shapes or dtypes that differ); None if they agree."""
+    have, want = _leaf_specs(saved), _leaf_specs(target)
+    # In the target's leaf order (its params first), then the saved tree's.
+    differences = [f"it lacks {k}, which this code has" for k in want if k not in have]
+    differences += [f"it has {k}, which this code does not" for k in have if k not in want]
+    differences += [
+        f"its {k} is {_spec_text(have[k])} where this code has {_spec_text(want[k])}"
+        for k in want
+        if k in have and not _same_spec(have[k], want[k])
+    ]
+    if not differences:
+        return None
+    more = f" (and {len(differences) - 3} more differences)" if len(differences) > 3 else ""
+    return ", ".join(differences[:3]) + more
 
 
 def as_path(directory: str) -> epath.Path:
@@ -99,30 +204,79 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def _restore(self, step: int, target_state: Any | None) -> tuple[Any, dict]:
+        saved = self._manager.item_metadata(step)["state"]
+        if saved is None:
+            raise _Damaged(f"checkpoint {step} lacks the metadata of its state")
         if target_state is None:  # as saved, on this process's first device (whatever the
             # mesh it was saved from: a pod's checkpoint exports on one machine)
             device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             abstract = jax.tree_util.tree_map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                self._manager.item_metadata(step)["state"],
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved
             )
         else:
+            # Checked before reading: orbax's own errors for a tree that does not fit look
+            # like those of damaged files, and a good checkpoint must never be set aside.
+            differs = state_mismatch(saved, target_state)
+            if differs:
+                raise CheckpointError(
+                    f"checkpoint {step} in {self.directory} holds another training state than "
+                    f"this code builds ({differs}); resume it with the code that saved it or "
+                    "choose another --workdir (no checkpoint was changed)."
+                )
             abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target_state)
         state_args = ocp.args.StandardRestore(abstract)
         restored = self._manager.restore(
             step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
         )
         if restored.meta is None or restored.state is None:
-            raise CheckpointError(f"checkpoint {step} lacks its state or its meta document.")
+            raise _Damaged(f"checkpoint {step} lacks its state or its meta document")
         return restored.state, restored.meta
+
+    def _probe(self, step: int) -> None:
+        """Lists checkpoint `step`'s folders and reads their small metadata files: orbax
+        reads metadata leniently (a folder it may not list reads as empty, a file it may not
+        open as missing), so a storage error there would otherwise pass for damage."""
+        folder = as_path(self.directory) / str(step)
+        for child in folder.iterdir():
+            if child.is_dir():
+                for inner in child.iterdir():
+                    if inner.name in ("_METADATA", "metadata") and inner.is_file():
+                        inner.read_bytes()
+            elif child.name == "_CHECKPOINT_METADATA":
+                child.read_bytes()
+
+    def _unusable(self, step: int, error: Exception) -> CheckpointError | None:
+        """None when `error` (raised reading checkpoint `step`) says its files are damaged;
+        otherwise the one-sentence CheckpointError to stop with, leaving the checkpoint be."""
+        causes = _causes(error)
+        try:
+            self._probe(step)
+        except Exception as probe_error:  # noqa: BLE001 - only a storage error counts here
+            causes += _causes(probe_error)
+        storage = next((e for e in causes if _is_storage_problem(e)), None)
+        if storage is not None:
+            return CheckpointError(
+                f"checkpoint {step} in {self.directory} cannot be read ({_one_line(storage)}), "
+                "a storage problem rather than a damaged file; fix the folder's access and "
+                "rerun (no checkpoint was changed)."
+            )
+        if any(isinstance(e, _DAMAGE_TYPES) for e in causes):
+            return None
+        return CheckpointError(
+            f"restoring checkpoint {step} from {self.directory} failed ({_one_line(error)}), "
+            "which is not what a damaged file raises; fix the cause and rerun (no checkpoint "
+            "was changed)."
+        )
 
     def restore(self, target_state: Any | None = None, step: int | None = None):
         """(state, meta, step) of the newest readable checkpoint (or of `step`).
 
         The state takes the structure, dtypes and shardings of `target_state` (when None:
-        as saved, on one device). An unreadable checkpoint is reported in one line, set aside as
-        `<step>.unreadable-<time>` unless the folder is read-only, and the next older one is
-        tried.
+        as saved, on one device). A checkpoint whose files are damaged is reported in one line,
+        set aside as `<step>.unreadable-<time>` unless the folder is read-only, and the next
+        older one is tried. A saved state whose leaves, shapes or dtypes differ from
+        `target_state`'s, a storage error (permission denied, unreachable) or any other
+        failure raises CheckpointError and renames nothing.
         """
         steps = [step] if step is not None else self.all_steps()[::-1]
         if not steps:
@@ -131,11 +285,16 @@ class Checkpointer:
             try:
                 state, meta = self._restore(candidate, target_state)
                 return state, meta, candidate
-            except Exception as e:  # noqa: BLE001 - any unreadable file: try an older one
-                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else repr(e)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - sorted into damage and the rest below
+                stop = self._unusable(candidate, e)
+                if stop is not None:
+                    raise stop from e
+                damage = next((c for c in _causes(e) if isinstance(c, _DAMAGE_TYPES)), e)
                 print(
                     f"warning: checkpoint {candidate} in {self.directory} cannot be read "
-                    f"({type(e).__name__}: {reason}); trying an older one.",
+                    f"({_one_line(damage)}); trying an older one.",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -153,7 +312,10 @@ class Checkpointer:
                 restored = self._manager.restore(
                     step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
                 )
-            except Exception:  # noqa: BLE001 - `restore` reports and sets it aside later
+            except Exception as e:  # noqa: BLE001 - damage: `restore` reports it, sets it aside
+                stop = self._unusable(step, e)
+                if stop is not None:
+                    raise stop from e
                 continue
             if restored.meta is not None:
                 return restored.meta
