@@ -1,10 +1,14 @@
 """Session-wide test settings: XLA's optimization level, one persistent compilation cache,
-and the tiny random SD folder (written with PyTorch) and its loaded model shared by the SD
-loading and export tests."""
+the tiny random SD folder (written with PyTorch) and its loaded model shared by the SD
+loading and export tests, and, under CI, a failure for every test skipped for a missing
+package (ci_imports.py)."""
 
 import os
 
 import pytest
+from ci_imports import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+
+pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test folders
 
 # The tests run tiny models, where XLA's optimization passes take longer than the programs
 # they speed up: skip most of them (here and in the command-line runs the tests start, which
