@@ -341,11 +341,6 @@ def _rollout(
     return Tree(segments=tuple(segments), leaves=x)
 
 
-# The jitted function behind `rollout`: `rollout.jitted._cache_size()` counts its compiles.
-rollout.jitted = _rollout
-rollout._cache_size = _rollout._cache_size
-
-
 def sample_deterministic(
     denoise_fn: DenoiseFn,
     params: PyTree,

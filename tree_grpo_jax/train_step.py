@@ -19,7 +19,6 @@ from tree_grpo_jax.loss import ppo_loss
 class TrainState:
     params: Any
     opt_state: Any
-    updates: jax.Array  # optimizer updates applied so far
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def make_train_step(
         params = jax.tree_util.tree_map(keep, params, state.params)
         opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
         metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite}
-        return TrainState(params, opt_state, state.updates + finite.astype(jnp.int32)), metrics
+        return TrainState(params, opt_state), metrics
 
     rep = sharding.replicated(mesh)
     batch_sh = sharding.batch_sharding(mesh)

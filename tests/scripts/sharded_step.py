@@ -78,7 +78,7 @@ def one_step(mesh, params, batch, cond, schedule):
         )
     )
     tx = make_optimizer(train_cfg)
-    init = lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32))
+    init = lambda p: TrainState(p, tx.init(p))
     shardings = sharding.param_shardings(mesh, jax.eval_shape(init, params))
     state = jax.jit(init, out_shardings=shardings)(params)
     loss_kwargs = dict(
