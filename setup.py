@@ -14,7 +14,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]),
+    # `configs` too, so that config files (`from configs import base`) load from any folder.
+    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*", "configs"]),
     package_data={"tree_grpo_jax": ["assets/*", "assets/**/*"]},
     include_package_data=True,
     install_requires=[

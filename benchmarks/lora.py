@@ -5,7 +5,7 @@ allocated), and the train-step time of the tiny model, full and LoRA, measured s
     python -m benchmarks.lora                 # -> benchmarks/results/lora.json
     python -m benchmarks.lora --smoke --out /tmp/bench
 
-Counts use the library's own selection (`lora.target_paths` with `lora.DEFAULT_TARGETS`).
+Counts use the library's own selection (`lora.target_paths` with each family's `lora_targets`).
 Optimizer state is AdamW's two float32 moments per trainable scalar; full fine-tuning also
 keeps float32 master weights and gradients of every scalar, LoRA only of the factors (the
 frozen base is stored once, in the compute dtype). The train-step times alternate full and
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax import lora
+from tree_grpo_jax.models.registry import family_of
 
 RANKS = (4, 32, 128)
 SD35_MEDIUM = dict(
@@ -74,7 +75,7 @@ def counts(family: str, flat_shapes: dict) -> dict:
     shapes = unflatten_dict(
         {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in flat_shapes.items()}
     )
-    paths = lora.target_paths(shapes, lora.DEFAULT_TARGETS[family])
+    paths = lora.target_paths(shapes, family_of(family).lora_targets)
     base = lora.count_params(shapes)
     row = {
         "base_params": base,

@@ -13,14 +13,15 @@ def get_config() -> ml_collections.ConfigDict:
 
     # The model: "tiny" (DDIM, ships in the package), "tiny_flow" (rectified flow, ships in the
     # package), "random_tiny" / "random_tiny_flow" (same architecture, random weights, for
-    # tests), or "sd" (Stable Diffusion 1.x from `path`: a local diffusers-layout folder or a
-    # hub id).
+    # tests), "sd" (Stable Diffusion 1.x) or "sd3" (SD3 / 3.5), each from `path`: a local
+    # diffusers-layout folder or a hub id. A family's own settings are its sub-section.
     c.model = ml_collections.ConfigDict()
     c.model.name = "tiny"
-    c.model.path = ""  # a diffusers-layout folder, for "sd" (SD1.x) and "sd3" (SD3 / 3.5)
-    c.model.use_t5 = True  # sd3: False leaves the 4.7B T5 unread (its tokens are zeros)
-    c.model.t5_max_length = 256  # sd3: T5 tokens per prompt
-    c.model.sample_size = 0  # sd3: latent side (0: the folder's; 64 -> 512 px)
+    c.model.path = ""  # a diffusers-layout folder, for "sd" and "sd3"
+    c.model.sd3 = ml_collections.ConfigDict()  # SD3 / 3.5 (tree_grpo_jax/models/sd3/family.py)
+    c.model.sd3.use_t5 = True  # False leaves the 4.7B T5 unread (its tokens are zeros)
+    c.model.sd3.t5_max_length = 256  # T5 tokens per prompt
+    c.model.sd3.sample_size = 0  # latent side (0: the folder's; 64 -> 512 px)
     c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
     c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
     c.model.remat = False  # recompute the denoiser's activations in the backward pass
@@ -123,7 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward_options = ml_collections.ConfigDict()
     c.reward_options.dtype = "float32"  # the reward models' compute dtype (or "bfloat16")
     c.reward_options.chunk_size = 16  # images through a reward model at once (bounds memory)
-    c.reward_options.pickscore_divisor = 1.0  # 1: the authors' scale; Flow-GRPO uses 26
+    # A reward's own settings are its sub-section (see its module in tree_grpo_jax/rewards).
+    c.reward_options.pickscore = ml_collections.ConfigDict()
+    c.reward_options.pickscore.divisor = 1.0  # 1: the authors' scale; Flow-GRPO uses 26
 
     # Evaluation on fixed prompts with fixed noise and the deterministic sampler.
     c.eval = ml_collections.ConfigDict()

@@ -7,7 +7,7 @@ python -m tree_grpo_jax.main --config=configs/sd35m.py --config.model.path=/path
 (a diffusers-layout folder: stabilityai/stable-diffusion-3.5-medium). The reward defaults to
 `jpeg_compressibility`, which needs no weights; the paper's is HPS-v2.1:
 --config.rewards=hpsv2 --config.reward_models.hpsv2=/path/to/hpsv2.1 (README, "Rewards").
-`--config.model.use_t5=False` runs without the 4.7B T5 encoder (its tokens are zeros).
+`--config.model.sd3.use_t5=False` runs without the 4.7B T5 encoder (its tokens are zeros).
 """
 
 from configs import base
@@ -20,7 +20,7 @@ def get_config():
     c.model.path = "stabilityai/stable-diffusion-3.5-medium"
     c.model.compute_dtype = "bfloat16"
     c.model.remat = True
-    c.model.sample_size = 64  # latents; 8x VAE -> 512 px (the folder's own is 128: 1024 px)
+    c.model.sd3.sample_size = 64  # latents; 8x VAE -> 512 px (the folder's own is 128: 1024 px)
     c.prompts.source = "animals"
     c.prompts.batch_size = 4
     c.prompts.eval_count = 8

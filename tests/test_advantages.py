@@ -397,9 +397,9 @@ def test_sample_std_option_matches_reference(seed):
 
 
 FAMILIES = [
-    ts.treegrpo(7, window=3, k=2, window_start=None, num_trees=2),
-    ts.mixgrpo(6, 3, window=2, window_start=None),
-    ts.branchgrpo_mix(8, (0, 3, 5), k=2, window=3, window_start=None, num_trees=2),
+    ts.treegrpo(7, window=3, k=2, window_start=ts.FAMILY, num_trees=2),
+    ts.mixgrpo(6, 3, window=2, window_start=ts.FAMILY),
+    ts.branchgrpo_mix(8, (0, 3, 5), k=2, window=3, window_start=ts.FAMILY, num_trees=2),
 ]
 
 

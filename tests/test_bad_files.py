@@ -193,5 +193,5 @@ def test_export_from_a_run_reads_it_without_writing(sd_folder, sd_model, tmp_pat
     (run / "config.json").write_text(json.dumps({"model": {"name": "tiny", "path": ""}}))
     before = _listing(run)
     assert export.main([f"--workdir={run}", f"--out={tmp_path / 'out2'}"]) == 2
-    assert "did not train an SD model" in capsys.readouterr().err
+    assert "did not train a model from a pipeline folder" in capsys.readouterr().err
     assert _listing(run) == before and not (tmp_path / "out2").exists()

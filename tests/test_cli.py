@@ -104,6 +104,16 @@ BAD_INPUTS = [
     (["--config.log.wandb_project=demo"], "wandb is not installed"),
     (["--config.tree.k=1000", "--config.tree.window=8"], "one rollout stores about"),
     (["--config.prompts.eval_count=100000000000"], "lower prompts.eval_count"),
+    (["--config.model.use_t5=False"], "it moved to model.sd3.use_t5"),
+    (
+        ["--config.reward_options.pickscore_divisor=26"],
+        "it moved to reward_options.pickscore.divisor",
+    ),
+    (
+        ["--config.model.name=sd3", "--config.model.path=/x", "--config.model.sd3.t5_max_length=0"],
+        "model.sd3.t5_max_length must be at least 1",
+    ),
+    (["--config.model.name=sd4"], "unknown model.name 'sd4'; choose one of"),
 ]
 
 

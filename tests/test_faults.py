@@ -15,6 +15,7 @@ import pytest
 from test_train import small_config
 
 from tree_grpo_jax import reporting, train
+from tree_grpo_jax import trainer as trainer_module
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.workdir import WorkdirBusy
 
@@ -178,8 +179,10 @@ def test_divergence_stops_and_keeps_checkpoints_finite(tmp_path, monkeypatch):
     c.checkpoint.keep = 10
     train.train(c, str(tmp_path))
     before, _ = final_params(tmp_path)
-    real_lr = train.learning_rate
-    monkeypatch.setattr(train, "learning_rate", lambda t, i: 1e30 if i >= 2 else real_lr(t, i))
+    real_lr = trainer_module.learning_rate
+    monkeypatch.setattr(
+        trainer_module, "learning_rate", lambda t, i: 1e30 if i >= 2 else real_lr(t, i)
+    )
     c.train.iterations = 6
     with pytest.raises(train.DivergenceError, match="not finite: training diverged") as info:
         train.train(c, str(tmp_path))

@@ -12,6 +12,7 @@ import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tree_grpo_jax import lora
+from tree_grpo_jax.models.registry import family_of
 from tree_grpo_jax.models.tiny import networks
 
 RANK, ALPHA = 4, 8.0
@@ -76,7 +77,7 @@ def _lora_module_names(module) -> set[str]:
 
 def _pt_names(paths) -> set[str]:
     """Our kernel paths in diffusers' PyTorch module spelling."""
-    from tree_grpo_jax.models import convert
+    from tree_grpo_jax.weights import convert
 
     tree = unflatten_dict({p: np.zeros((1, 1), np.float32) for p in paths})
     return {k.removesuffix(".weight") for k in convert.flax_to_pytorch(tree)}
@@ -116,14 +117,14 @@ def sd3_transformer(sd3_folder):
 
 def test_default_targets_select_the_attention_projections(sd_unet, sd3_transformer):
     tiny = jax.eval_shape(networks.init_weights, jax.random.key(0))["unet"]
-    assert set(lora.target_paths(tiny, lora.DEFAULT_TARGETS["tiny"])) == _sd_expected()
+    assert set(lora.target_paths(tiny, family_of("tiny").lora_targets)) == _sd_expected()
 
     _, sd = sd_unet
-    paths = lora.target_paths(sd, lora.DEFAULT_TARGETS["sd"])
+    paths = lora.target_paths(sd, family_of("sd").lora_targets)
     assert paths == tuple(sorted(paths)) and set(paths) == _sd_expected()
 
     _, sd3 = sd3_transformer
-    paths = lora.target_paths(sd3, lora.DEFAULT_TARGETS["sd3"])
+    paths = lora.target_paths(sd3, family_of("sd3").lora_targets)
     assert set(paths) == _sd3_expected() and len(paths) == 23
     # SD3.5's dual-attention `attn2` layers exist but are not adapted (as in Flow-GRPO).
     assert ("transformer_blocks_0", "attn2", "to_q", "kernel") in flatten_dict(sd3)
@@ -186,7 +187,7 @@ def test_init_is_peft_kaiming_uniform():
 @pytest.mark.parametrize("family", ["sd", "sd3"])
 def test_merge_at_init_is_the_base_bit_for_bit(family, sd_unet, sd3_transformer):
     _, params = sd_unet if family == "sd" else sd3_transformer
-    paths = lora.target_paths(params, lora.DEFAULT_TARGETS[family])
+    paths = lora.target_paths(params, family_of(family).lora_targets)
     factors = lora.init_lora(jax.random.key(1), params, paths, RANK)
     base = flatten_dict(params)
     for merged in (
@@ -334,7 +335,7 @@ def test_sd15_peft_file_loads_into_diffusers(sd_folder, sd_unet, tmp_path):
     from peft import LoraConfig
 
     module, params = sd_unet
-    paths = lora.target_paths(params, lora.DEFAULT_TARGETS["sd"])
+    paths = lora.target_paths(params, family_of("sd").lora_targets)
     factors = _random_factors(jax.random.key(4), params, paths)
     state, folder = _peft_roundtrip(tmp_path, factors, "unet")
     key = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_A.weight"
@@ -371,7 +372,7 @@ def test_sd3_peft_file_loads_into_diffusers(sd3_folder, sd3_transformer, tmp_pat
     from peft import LoraConfig
 
     module, params = sd3_transformer
-    paths = lora.target_paths(params, lora.DEFAULT_TARGETS["sd3"])
+    paths = lora.target_paths(params, family_of("sd3").lora_targets)
     factors = _random_factors(jax.random.key(6), params, paths)
     state, folder = _peft_roundtrip(tmp_path, factors, "transformer")
     assert "transformer.transformer_blocks.1.attn.to_add_out.lora_B.weight" in state

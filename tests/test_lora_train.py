@@ -12,6 +12,7 @@ from test_train import small_config
 
 from tree_grpo_jax import train
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
+from tree_grpo_jax.models import registry as model_registry
 
 
 def lora_config(method="treegrpo"):
@@ -54,7 +55,7 @@ def test_kl_reference_is_the_base_without_a_copy(tmp_path):
 def test_resume_on_other_base_weights_is_refused(tmp_path, monkeypatch):
     c = lora_config()
     train.train(c, str(tmp_path))
-    original = train.load_model
+    original = model_registry.load_model
 
     def other_weights(model_config, seed=0):
         import dataclasses
@@ -63,7 +64,7 @@ def test_resume_on_other_base_weights_is_refused(tmp_path, monkeypatch):
         params = jax.tree_util.tree_map(lambda x: x + 0.01, model.params)
         return dataclasses.replace(model, params=params)
 
-    monkeypatch.setattr(train, "load_model", other_weights)
+    monkeypatch.setattr(model_registry, "load_model", other_weights)
     c.train.iterations = 2
     with pytest.raises(CheckpointError, match="trained on other base weights") as info:
         train.train(c, str(tmp_path))

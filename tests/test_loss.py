@@ -210,8 +210,13 @@ def test_ratio_is_one_before_any_update(split_log_prob):
 @pytest.mark.parametrize(
     "family, start",
     [
-        (ts.treegrpo(5, window=2, k=2, window_start=None), 2),
-        (ts.branchgrpo_mix(6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=None), 1),
+        (ts.treegrpo(5, window=2, k=2, window_start=ts.FAMILY), 2),
+        (
+            ts.branchgrpo_mix(
+                6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=ts.FAMILY
+            ),
+            1,
+        ),
     ],
     ids=lambda f: getattr(f, "name", ""),
 )

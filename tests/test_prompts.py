@@ -5,13 +5,13 @@ import collections
 import pytest
 
 from tree_grpo_jax.models.tiny import DIGIT_PROMPTS
-from tree_grpo_jax.prompts import ANIMALS, PROMPT_SETS, PromptIterator, load_prompts
+from tree_grpo_jax.prompts import ANIMALS, PromptIterator, load_prompts, prompt_sets
 
 PROMPTS = [f"prompt {i}" for i in range(12)]
 
 
 def test_built_in_sets():
-    assert set(PROMPT_SETS) == {"animals", "simple_animals", "digits"}
+    assert set(prompt_sets()) == {"animals", "simple_animals", "digits"}
     animals = load_prompts("animals")
     assert 40 <= len(animals) <= 50 and len(set(animals)) == len(animals)
     assert "cat" in animals and animals == list(ANIMALS)

@@ -72,9 +72,9 @@ def test_random_trees_match_reference(seed):
 
 
 FAMILIES = [
-    ts.branchgrpo_mix(9, (0, 3, 5), k=2, window=3, window_start=None, num_trees=2),
-    ts.treegrpo(6, window=3, k=2, window_start=None),
-    ts.mixgrpo(6, 3, window=2, window_start=None),
+    ts.branchgrpo_mix(9, (0, 3, 5), k=2, window=3, window_start=ts.FAMILY, num_trees=2),
+    ts.treegrpo(6, window=3, k=2, window_start=ts.FAMILY),
+    ts.mixgrpo(6, 3, window=2, window_start=ts.FAMILY),
 ]
 
 

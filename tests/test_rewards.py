@@ -10,7 +10,7 @@ from PIL import Image
 from tree_grpo_jax import rewards
 from tree_grpo_jax.models import tiny
 from tree_grpo_jax.models.tiny import classifier
-from tree_grpo_jax.rewards import digits
+from tree_grpo_jax.models.tiny import rewards as digits
 
 
 def _pil_jpeg_bytes(array_uint8: np.ndarray) -> int:

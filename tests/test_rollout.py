@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiles import count_compiles
 from diffusers import FlaxDDIMScheduler
 from scipy import stats
 
@@ -150,9 +151,9 @@ def test_engine_equals_node_by_node_reference(spec):
 
 # Sliding-window families and the window positions each is checked at.
 FAMILIES = [
-    (ts.treegrpo(5, window=2, k=2, window_start=None), (0, 1, 3)),
-    (ts.mixgrpo(5, 2, window=2, window_start=None), (0, 2, 3)),
-    (ts.branchgrpo_mix(6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=None),
+    (ts.treegrpo(5, window=2, k=2, window_start=ts.FAMILY), (0, 1, 3)),
+    (ts.mixgrpo(5, 2, window=2, window_start=ts.FAMILY), (0, 2, 3)),
+    (ts.branchgrpo_mix(6, (0, 3), k=2, split_noise_scale=1.5, window=2, window_start=ts.FAMILY),
      (0, 2, 4)),
 ]  # fmt: skip
 
@@ -185,33 +186,25 @@ def test_one_compile_serves_every_window_position():
         return analytic_denoiser(params, x, t, cond)
 
     families = [
-        ts.treegrpo(6, window=3, k=2, window_start=None),
-        ts.mixgrpo(6, 2, window=2, window_start=None),
-        ts.branchgrpo_mix(6, (0, 3), window=2, window_start=None),
+        ts.treegrpo(6, window=3, k=2, window_start=ts.FAMILY),
+        ts.mixgrpo(6, 2, window=2, window_start=ts.FAMILY),
+        ts.branchgrpo_mix(6, (0, 3), window=2, window_start=ts.FAMILY),
     ]
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: (
-            compiles.append(event)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
     schedule = sampling.make_ddim_schedule(6, eta=1.0)
     key = jax.random.PRNGKey(0)
     for family in families:
-        before = rollout.jitted._cache_size()
         leaves = []
         for start in range(family.window_positions):
-            if start == 1:
-                compiles.clear()
-            tree = rollout(
-                denoiser, PARAMS, COND, key, schedule, spec=family,
-                sample_shape=SAMPLE_SHAPE, window_start=start,
-            )  # fmt: skip
-            leaves.append(np.asarray(tree.leaves))
-        assert rollout.jitted._cache_size() == before + 1, family.describe()
-        assert compiles == [], family.describe()
+            with count_compiles() as compiles:
+                tree = rollout(
+                    denoiser, PARAMS, COND, key, schedule, spec=family,
+                    sample_shape=SAMPLE_SHAPE, window_start=start,
+                )  # fmt: skip
+                leaves.append(np.asarray(tree.leaves))
+            if start == 0:
+                assert compiles["_rollout"] == 1, family.describe()
+            else:  # nothing at all compiles for the later positions
+                assert not compiles, (family.describe(), compiles)
         assert not np.allclose(leaves[0], leaves[-1])  # the window really moved
 
 
@@ -220,7 +213,10 @@ def test_family_at_a_position_equals_the_plain_spec():
     the same key gives the same tree either way."""
     schedule = sampling.make_ddim_schedule(6, eta=1.0)
     key = jax.random.PRNGKey(2)
-    cases = [(ts.treegrpo(6, 3, 2, None, num_trees=2), (1, 3)), (ts.mixgrpo(6, 3, 2, None), (2,))]
+    cases = [
+        (ts.treegrpo(6, 3, 2, ts.FAMILY, num_trees=2), (1, 3)),
+        (ts.mixgrpo(6, 3, 2, ts.FAMILY), (2,)),
+    ]
     for family, starts in cases:
         for start in starts:
             a = rollout(analytic_denoiser, PARAMS, COND, key, schedule, spec=family,
@@ -234,7 +230,7 @@ def test_family_at_a_position_equals_the_plain_spec():
 
 
 def test_window_start_out_of_range_is_one_sentence():
-    family = ts.treegrpo(5, window=2, k=2, window_start=None)
+    family = ts.treegrpo(5, window=2, k=2, window_start=ts.FAMILY)
     schedule = sampling.make_ddim_schedule(5)
     with pytest.raises(ts.SpecError, match="runs past the last step"):
         rollout(analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule,
@@ -345,9 +341,9 @@ def test_denoiser_rows_equal_derived_counts(use_guidance):
     cases = [(spec, 0) for spec in ALL_PRESETS]
     if use_guidance:  # the families once (each compile costs seconds on a small CPU)
         cases += [
-            (ts.treegrpo(6, window=3, k=2, window_start=None), 2),
-            (ts.mixgrpo(6, 4, window=2, window_start=None), 3),
-            (ts.branchgrpo_mix(6, (0, 3), window=2, window_start=None), 1),
+            (ts.treegrpo(6, window=3, k=2, window_start=ts.FAMILY), 2),
+            (ts.mixgrpo(6, 4, window=2, window_start=ts.FAMILY), 3),
+            (ts.branchgrpo_mix(6, (0, 3), window=2, window_start=ts.FAMILY), 1),
         ]
     for spec, start in cases:
         seen.clear()
@@ -436,36 +432,13 @@ def test_unscaled_split_log_probs_against_scipy():
 def test_compiles_once_per_spec_and_shape_and_is_deterministic():
     spec = ts.treegrpo(4, window=2, k=2)
     schedule = sampling.make_ddim_schedule(4)
-    before = rollout._cache_size()
-    a = rollout(
-        analytic_denoiser,
-        PARAMS,
-        COND,
-        jax.random.PRNGKey(0),
-        schedule,
-        spec=spec,
-        sample_shape=SAMPLE_SHAPE,
-    )
+    kwargs = dict(spec=spec, sample_shape=SAMPLE_SHAPE)
     other = {"a": jnp.float32(0.5), "b": jnp.float32(0.1)}
-    b = rollout(
-        analytic_denoiser,
-        other,
-        COND * 2,
-        jax.random.PRNGKey(1),
-        schedule,
-        spec=spec,
-        sample_shape=SAMPLE_SHAPE,
-    )
-    c = rollout(
-        analytic_denoiser,
-        PARAMS,
-        COND,
-        jax.random.PRNGKey(0),
-        schedule,
-        spec=spec,
-        sample_shape=SAMPLE_SHAPE,
-    )
-    assert rollout._cache_size() == before + 1
+    with count_compiles() as compiles:
+        a = rollout(analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule, **kwargs)
+        b = rollout(analytic_denoiser, other, COND * 2, jax.random.PRNGKey(1), schedule, **kwargs)
+        c = rollout(analytic_denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule, **kwargs)
+    assert compiles["_rollout"] == 1
     np.testing.assert_array_equal(a.leaves, c.leaves)
     assert not np.allclose(a.leaves, b.leaves)
 

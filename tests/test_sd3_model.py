@@ -128,7 +128,7 @@ def test_a_training_iteration_and_the_export_pytorch_loads(folder, tmp_path):
         f"--config.model.path={folder}",
         f"--workdir={workdir}",
         "--config.model.compute_dtype=float32",
-        "--config.model.sample_size=0",
+        "--config.model.sd3.sample_size=0",
         "--config.prompts.batch_size=1",
         "--config.prompts.eval_count=2",
         "--config.sampling.num_steps=4",

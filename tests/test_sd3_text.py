@@ -194,7 +194,7 @@ def test_t5_tied_embedding_under_either_name(folder, encoders, tmp_path):
     """A T5 file may hold the tied embedding as `encoder.embed_tokens.weight` only."""
     from safetensors.numpy import save_file
 
-    from tree_grpo_jax.models import files
+    from tree_grpo_jax.weights import files
 
     root = _copy(folder, tmp_path)
     t5_folder = root / "text_encoder_3"

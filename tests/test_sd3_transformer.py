@@ -14,8 +14,8 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from sd3_fixtures import TRANSFORMER_CONFIG  # noqa: E402
 
-from tree_grpo_jax.models import convert  # noqa: E402
 from tree_grpo_jax.models.sd3 import mmdit  # noqa: E402
+from tree_grpo_jax.weights import convert  # noqa: E402
 
 # SD3.5 style: MMDiT-X blocks (not the last, context_pre_only, block) and RMS qk-norm; the
 # tiny folder's transformer, with narrower text inputs.

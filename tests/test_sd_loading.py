@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax.models import convert
 from tree_grpo_jax.models.base import DDIMScheduleConfig, ModelLoadError, Sampling
 from tree_grpo_jax.models.sd15 import StableDiffusionModel, load_sd
+from tree_grpo_jax.weights import convert
 
 torch = pytest.importorskip("torch")
 

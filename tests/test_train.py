@@ -137,7 +137,7 @@ def test_nan_reward_stops_with_one_sentence_and_keeps_progress(tmp_path):
 def test_sliding_window_compiles_the_rollout_and_the_step_once(tmp_path):
     """Every window position of a sliding TreeGRPO window is served by one compiled rollout
     and one compiled train step."""
-    from tree_grpo_jax import rollout
+    from compiles import count_compiles
 
     c = small_config("treegrpo")
     c.sampling.num_steps = 5
@@ -145,11 +145,11 @@ def test_sliding_window_compiles_the_rollout_and_the_step_once(tmp_path):
     c.tree.window_slide_every = 1
     c.train.iterations = 4
     trainer, state = train.setup(c, str(tmp_path))
-    rollouts_before = rollout.rollout._cache_size()
     starts = []
-    for iteration in range(4):  # window positions 0, 1, 2, 3
-        state, metrics = trainer.iteration(state, iteration)
-        starts.append(metrics["window_start"])
+    with count_compiles() as compiles:
+        for iteration in range(4):  # window positions 0, 1, 2, 3
+            state, metrics = trainer.iteration(state, iteration)
+            starts.append(metrics["window_start"])
     assert starts == [0, 1, 2, 3]
-    assert rollout.rollout._cache_size() - rollouts_before == 1
+    assert compiles["_rollout"] == 1
     assert trainer.train_step._cache_size() == 1

@@ -113,10 +113,10 @@ def test_specs_are_hashable_static_values():
 # Sliding-window families.
 
 FAMILIES = [
-    (ts.treegrpo(10, window=4, k=2, window_start=None), ts.BRANCH(2), ()),
-    (ts.treegrpo(8, window=3, k=3, window_start=None, num_trees=2), ts.BRANCH(3), ()),
-    (ts.mixgrpo(10, 6, window=4, window_start=None), ts.SDE, ()),
-    (ts.branchgrpo_mix(12, (0, 3, 6), k=2, window=4, window_start=None), ts.SDE, (0, 3, 6)),
+    (ts.treegrpo(10, window=4, k=2, window_start=ts.FAMILY), ts.BRANCH(2), ()),
+    (ts.treegrpo(8, window=3, k=3, window_start=ts.FAMILY, num_trees=2), ts.BRANCH(3), ()),
+    (ts.mixgrpo(10, 6, window=4, window_start=ts.FAMILY), ts.SDE, ()),
+    (ts.branchgrpo_mix(12, (0, 3, 6), k=2, window=4, window_start=ts.FAMILY), ts.SDE, (0, 3, 6)),
 ]
 
 
@@ -161,16 +161,16 @@ def test_family_is_one_value_and_each_position_is_the_plain_spec(family, inside,
 
 def test_presets_give_equal_families_for_every_position():
     for make in (
-        lambda: ts.treegrpo(10, 4, 2, None),
-        lambda: ts.mixgrpo(10, 4, 3, None),
-        lambda: ts.branchgrpo_mix(20, (0, 3, 6, 9), window=4, window_start=None),
+        lambda: ts.treegrpo(10, 4, 2, ts.FAMILY),
+        lambda: ts.mixgrpo(10, 4, 3, ts.FAMILY),
+        lambda: ts.branchgrpo_mix(20, (0, 3, 6, 9), window=4, window_start=ts.FAMILY),
     ):
         a, b = make(), make()
         assert a == b and hash(a) == hash(b)
         assert a != a.at(0) and a.at(1) != a.at(2)
     # The int form of a preset is the family's plain spec of that position.
-    assert ts.treegrpo(10, 4, 2, 3) == ts.treegrpo(10, 4, 2, None).at(3)
-    assert ts.mixgrpo(10, 4, 3, 5) == ts.mixgrpo(10, 4, 3, None).at(5)
+    assert ts.treegrpo(10, 4, 2, 3) == ts.treegrpo(10, 4, 2, ts.FAMILY).at(3)
+    assert ts.mixgrpo(10, 4, 3, 5) == ts.mixgrpo(10, 4, 3, ts.FAMILY).at(5)
 
 
 @pytest.mark.parametrize("family, inside, splits", FAMILIES, ids=lambda f: getattr(f, "name", ""))
@@ -202,7 +202,7 @@ def test_family_blocks_cover_the_steps_of_every_position(family, inside, splits)
 
 
 def test_position_dependent_counts_need_a_window_start():
-    family = ts.treegrpo(10, 4, 2, None)
+    family = ts.treegrpo(10, 4, 2, ts.FAMILY)
     assert family.leaves == 16
     for ask in (
         lambda: family.counts(),
@@ -223,8 +223,8 @@ def test_position_dependent_counts_need_a_window_start():
         (lambda: ts.TreeSpec((ts.SDE,) * 4, window=ts.Window(2, ts.BRANCH(2))), "ODE steps"),
         (lambda: ts.TreeSpec((ts.ODE,) * 4, window=ts.Window(5, ts.SDE)), "does not fit"),
         (lambda: ts.TreeSpec((ts.ODE,) * 4, window=ts.Window(2, ts.ODE)), "no window"),
-        (lambda: ts.treegrpo(10, 4, 2, None).at(7), "runs past the last step"),
-        (lambda: ts.treegrpo(10, 0, 2, None), "at least one step"),
+        (lambda: ts.treegrpo(10, 4, 2, ts.FAMILY).at(7), "runs past the last step"),
+        (lambda: ts.treegrpo(10, 0, 2, ts.FAMILY), "at least one step"),
     ],
 )
 def test_bad_windows_raise_one_sentence(make, message):

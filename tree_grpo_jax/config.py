@@ -10,12 +10,12 @@ import math
 import ml_collections
 
 from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import methods, rollout, tree_spec
+from tree_grpo_jax import methods, pruning, rollout, tree_spec
+from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.models.base import DTYPES
 from tree_grpo_jax.rewards import registry as reward_registry
 
-MODELS = ("tiny", "tiny_flow", "random_tiny", "random_tiny_flow", "sd", "sd3")
-DTYPES = ("float32", "bfloat16")
-WIDTH_PRUNING = ("none", "top_per_branch", "best_worst")
+WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -44,19 +44,51 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def moved_fields() -> dict[str, str]:
+    """Config fields that moved into a model family's or a reward's own section
+    (old path -> new path), from their records."""
+    moved = reward_registry.moved_fields()
+    for family in model_registry.families():
+        moved.update(family.moved_fields)
+    return moved
+
+
+def _has_field(config, path: str) -> bool:
+    node = config
+    for part in path.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _check_moved(config) -> None:
+    for old, new in moved_fields().items():
+        _require(
+            not _has_field(config, old),
+            f"the config sets {old}, which moved to {new}; set that instead.",
+        )
+
+
 def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
     """Raises ConfigError with one sentence for the first bad value found; returns the
     parsed reward weights."""
     m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
-    _require(m.name in MODELS, f"unknown model.name {m.name!r}; choose one of {', '.join(MODELS)}.")
+    _check_moved(config)
+    try:
+        family = model_registry.family_of(m.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _require(
-        m.name not in ("sd", "sd3") or bool(m.path),
-        f"model.name {m.name!r} needs model.path: set --config.model.path to a diffusers-layout "
-        "Stable Diffusion folder (or a hub id).",
+        not family.needs_path or bool(m.path),
+        f"model.name {m.name!r} needs model.path: set --config.model.path to {family.path_hint}.",
     )
-    _require(m.t5_max_length >= 1, "model.t5_max_length must be at least 1.")
+    if family.check_options is not None:
+        sentence = family.check_options(model_registry.options_of(family, m))
+        _require(sentence is None, sentence)
+    dtypes = tuple(DTYPES)
     for field in ("param_dtype", "compute_dtype"):
-        _require(m[field] in DTYPES, f"model.{field} must be one of {DTYPES}, got {m[field]!r}.")
+        _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
 
     _require(config.prompts.batch_size >= 1, "prompts.batch_size must be at least 1.")
     _require(config.prompts.eval_count >= 1, "prompts.eval_count must be at least 1.")
@@ -157,6 +189,8 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         if name in reward_registry.available_rewards():
             sentence = reward_registry.missing_weights(name, config.reward_models.get(name))
             _require(sentence is None, sentence)
+            sentence = reward_registry.check_options(name, config.reward_options)
+            _require(sentence is None, sentence)
     lo = config.lora
     _require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
     _require(
@@ -169,14 +203,10 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     )
     opts = config.reward_options
     _require(
-        opts.dtype in ("float32", "bfloat16"),
-        f"reward_options.dtype must be float32 or bfloat16, got {opts.dtype!r}.",
+        opts.dtype in DTYPES,
+        f"reward_options.dtype must be one of {tuple(DTYPES)}, got {opts.dtype!r}.",
     )
     _require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
-    _require(
-        opts.pickscore_divisor > 0 and math.isfinite(opts.pickscore_divisor),
-        f"reward_options.pickscore_divisor must be positive, got {opts.pickscore_divisor}.",
-    )
     _require(config.eval.every >= 0, "eval.every must be >= 0.")
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")

@@ -36,9 +36,9 @@ from flax import serialization
 from tree_grpo_jax import lora
 from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.models import export as pipeline_export
-from tree_grpo_jax.models.export import EXPORT_DTYPES, unwrap_params
-
-FAMILIES = ("sd", "sd3")  # model.name values with a diffusers folder to export into
+from tree_grpo_jax.models.export import EXPORT_DTYPES
+from tree_grpo_jax.models.registry import ModelFamily, families, family_of_folder
+from tree_grpo_jax.weights.files import unwrap_params
 
 
 def _reason(e: BaseException) -> str:
@@ -80,51 +80,32 @@ def load_params(path) -> dict:
     raise ValueError(f"params path {path} does not exist; pass a .msgpack file or an orbax folder.")
 
 
-def _run_model(workdir: Path) -> tuple[str, str, dict]:
+def _run_model(workdir: Path) -> tuple[ModelFamily, str, dict]:
     """The model family, base folder and LoRA settings in a run's config.json (read only)."""
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise ValueError(
             f"{workdir} has no config.json, so it is not a training run; "
-            "pass --model_path, the base SD folder it was trained from."
+            "pass --model_path, the base pipeline folder it was trained from."
         )
     try:
         run_config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"could not read {config_file} ({_reason(e)}).") from None
     model = run_config.get("model") if isinstance(run_config, dict) else None
-    if not isinstance(model, dict) or model.get("name") not in FAMILIES or not model.get("path"):
+    family = None
+    if isinstance(model, dict) and model.get("path"):
+        family = next((f for f in families() if model.get("name") in f.model_names), None)
+    if family is None or family.export is None:
         raise ValueError(
-            f"the run in {workdir} did not train an SD model from a folder; pass --model_path."
+            f"the run in {workdir} did not train a model from a pipeline folder that can be "
+            "exported; pass --model_path."
         )
     adapter = run_config.get("lora") or {}
-    return str(model["name"]), str(model["path"]), adapter if adapter.get("rank") else {}
+    return family, str(model["path"]), adapter if adapter.get("rank") else {}
 
 
-def _family_of_folder(model_path: str) -> str:
-    """ "sd3" for a folder with transformer/, "sd" for one with unet/ (or a hub id)."""
-    folder = Path(model_path).expanduser()
-    if (folder / "transformer").is_dir():
-        return "sd3"
-    if folder.is_dir() and not (folder / "unet").is_dir():
-        raise ValueError(
-            f"model folder {folder} has neither unet/ (Stable Diffusion 1.x) nor transformer/ "
-            "(SD3) to export against; pass the base pipeline folder as --model_path."
-        )
-    return "sd"
-
-
-def base_denoiser(family: str, model_path: str):
-    if family == "sd3":
-        from tree_grpo_jax.models.sd3.export import base_denoiser as sd3_base
-
-        return sd3_base(model_path)
-    from tree_grpo_jax.models.sd15.export import base_denoiser as sd15_base
-
-    return sd15_base(model_path)
-
-
-def _source(args) -> tuple[dict, str, str, Path, dict]:
+def _source(args) -> tuple[dict, ModelFamily, str, Path, dict]:
     """(params, family, base model path, source path, LoRA settings or {}) from --workdir or
     --params and --model_path.
 
@@ -134,8 +115,10 @@ def _source(args) -> tuple[dict, str, str, Path, dict]:
         raise ValueError("give exactly one of --workdir (a training run) and --params.")
     if args.params:
         if not args.model_path:
-            raise ValueError("--params needs --model_path, the base SD folder it was trained from.")
-        family = _family_of_folder(args.model_path)
+            raise ValueError(
+                "--params needs --model_path, the base pipeline folder it was trained from."
+            )
+        family = family_of_folder(args.model_path)
         source = Path(args.params).expanduser()
         return load_params(args.params), family, args.model_path, source, {}
     workdir = Path(args.workdir).expanduser()
@@ -147,29 +130,13 @@ def _source(args) -> tuple[dict, str, str, Path, dict]:
     return params, family, model_path, workdir, adapter
 
 
-def base_params(family: str, model_path: str) -> dict:
-    """The base folder's denoiser weights in float32 (a LoRA export with --merge adds to them)."""
-    import jax.numpy as jnp
-
-    if family == "sd3":
-        from tree_grpo_jax.models.sd3.load import POINT, load_transformer
-
-        folder, load = "transformer", load_transformer
-    else:
-        from tree_grpo_jax.models.sd15.load import POINT, load_unet
-
-        folder, load = "unet", load_unet
-    from tree_grpo_jax.models import files
-
-    root = files.resolve_folder(model_path, "model path", POINT, ["*/*.json", "*/*.safetensors"])
-    return load(root / folder, jnp.float32)[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tree_grpo_jax.export", description=__doc__)
     parser.add_argument("--workdir", help="a training run: its latest checkpoint is exported")
     parser.add_argument("--params", help="denoiser params: .msgpack or orbax folder")
-    parser.add_argument("--model_path", help="the base SD folder (default: the run's model.path)")
+    parser.add_argument(
+        "--model_path", help="the base pipeline folder (default: the run's model.path)"
+    )
     parser.add_argument("--out", required=True, help="the new pipeline folder")
     parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -182,10 +149,9 @@ def main(argv=None) -> int:
     try:
         params, family, model_path, source, adapter = _source(args)
         if adapter and not args.merge:
-            prefix = "transformer" if family == "sd3" else "unet"
-            out = pipeline_export.export_lora(
+            out = lora.export_lora(
                 params,
-                prefix,
+                family.export.component,
                 adapter["rank"],
                 adapter.get("alpha") or adapter["rank"],
                 args.out,
@@ -196,12 +162,12 @@ def main(argv=None) -> int:
             return 0
         if adapter:  # --merge: the base weights with the factors added, as full weights
             params = lora.merge(
-                base_params(family, model_path),
+                family.export.base_params(model_path),
                 params,
                 adapter.get("alpha") or adapter["rank"],
                 adapter["rank"],
             )
-        base, denoiser = base_denoiser(family, model_path)
+        base, denoiser = family.export.base_denoiser(model_path)
         out = pipeline_export.export_pipeline(
             params, base, denoiser, args.out, args.dtype, args.overwrite, sources=[source]
         )

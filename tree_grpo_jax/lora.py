@@ -18,12 +18,16 @@ The adapter tree mirrors the module paths of the params it adapts:
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
+import hashlib
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import chex
 import jax
@@ -31,30 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tree_grpo_jax.models import convert
+from tree_grpo_jax.weights import convert
+from tree_grpo_jax.weights.files import unwrap_params
+from tree_grpo_jax.weights.staging import check_out_dir, write_staged
 
 KeyPath = tuple[str, ...]
 
-# Module names (Flax spelling) whose Dense kernels get LoRA, per model family.
-# SD1.5 and the tiny UNet: the q/k/v/out projections of every self- and cross-attention, as
-# diffusers' SD LoRA scripts target (`to_q`, `to_k`, `to_v`, `to_out.0`). SD3: Flow-GRPO's
-# targets (`attn.to_q` ... `attn.to_add_out`), which PEFT matches as path suffixes, so the
-# image and context projections of every joint block's `attn` are adapted but not the
-# SD3.5 dual-attention `attn2` layers.
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "tiny": ("to_q", "to_k", "to_v", "to_out_0"),
-    "sd": ("to_q", "to_k", "to_v", "to_out_0"),
-    "sd3": (
-        "attn/to_q",
-        "attn/to_k",
-        "attn/to_v",
-        "attn/to_out_0",
-        "attn/add_q_proj",
-        "attn/add_k_proj",
-        "attn/add_v_proj",
-        "attn/to_add_out",
-    ),
-}
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the name `load_lora_weights(folder)` reads
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 _FACTORS = ("a", "b")
@@ -226,6 +212,44 @@ def merge(base_params, lora, alpha: float, rank: int):
         updated = jnp.asarray(kernel, dtype) + scale * delta
         merged = _replace(merged, path, updated.astype(kernel.dtype))
     return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's adapter.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Adapter:
+    """LoRA: the trainer's params are low-rank factors on these frozen base weights."""
+
+    base: Any  # the model's denoiser weights, on the mesh, never updated
+    paths: tuple  # the adapted kernels
+    rank: int
+    alpha: float
+    base_fingerprint: str  # a checksum of `base`: a resume must find the same weights
+
+    def merged(self, factors):
+        return _merged(self.base, factors, self.alpha, self.rank)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _merged(base, factors, alpha, rank):
+    return merge(base, factors, alpha, rank)
+
+
+def weights_fingerprint(params) -> str:
+    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(flatten_dict(jax.device_get(params)).items()):
+        x = np.asarray(leaf, np.float64)
+        digest.update("/".join(map(str, path)).encode())
+        digest.update(str(x.shape).encode())
+        digest.update(
+            np.asarray(
+                [x.sum(), np.abs(x).sum(), x.ravel()[:: max(1, x.size // 7)].sum()]
+            ).tobytes()
+        )
+    return digest.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,3 +450,15 @@ def read_peft(path, prefix: str) -> tuple[dict, float, int]:
         raise ValueError(f"{file} says r={config[f'{prefix}.r']} but its factors have rank {rank}.")
     alpha = float(config.get(f"{prefix}.lora_alpha", rank))
     return lora, alpha, int(rank)
+
+
+def export_lora(
+    factors, prefix: str, rank: int, alpha: float, out_dir, overwrite=False, sources=()
+) -> Path:
+    """`<out>/pytorch_lora_weights.safetensors` from LoRA factors, in the key format
+    diffusers' `load_lora_weights` reads (`prefix`: the family's, e.g. "unet"); written to a
+    staging folder and moved into place."""
+    out = Path(out_dir).expanduser()
+    check_out_dir(None, out, overwrite, sources)
+    state = to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
+    return write_staged(out, lambda staging: save_peft(staging / LORA_FILE, state, alpha, rank))

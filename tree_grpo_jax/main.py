@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import importlib.util
 import os
-import pathlib
 import re
 import shutil
 import sys
@@ -73,47 +73,39 @@ def _fields(config, prefix="") -> list[str]:
     return out
 
 
+def _config_fields(path: str | None) -> list[str]:
+    """Every field of the config file's `get_config()` ([] when it cannot be loaded)."""
+    try:
+        spec = importlib.util.spec_from_file_location("tree_grpo_jax_config_check", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return _fields(module.get_config())
+    except Exception:  # noqa: BLE001 - fall back to a sentence without a suggestion
+        return []
+
+
 def _unknown_field(argv) -> str:
     """The sentence for an override naming a field the config does not have."""
-    path = _config_path(argv)
-    try:
-        loader = config_flags.config_flags._LoadConfigModule  # the loader the flag uses
-        known = _fields(loader("config_check", path).get_config())
-    except Exception:  # noqa: BLE001 - fall back to a sentence without a suggestion
-        known = []
+    known = _config_fields(_config_path(argv))
     for arg in argv:
         match = re.match(r"--config\.([\w.]+)", arg)
         if match and match.group(1) not in known:
             field = match.group(1)
+            flag = arg.split("=")[0]
+            from tree_grpo_jax import config as cfg  # only now: it starts JAX
+
+            moved = cfg.moved_fields().get(field)
+            if moved:
+                return f"the config has no field {field!r} (from {flag}): it moved to {moved}."
             close = difflib.get_close_matches(field, known, n=1)
             hint = f"; did you mean --config.{close[0]}?" if close else "."
-            return f"the config has no field {field!r} (from {arg.split('=')[0]}){hint}"
+            return f"the config has no field {field!r} (from {flag}){hint}"
     return "an override names a field the config does not have."
-
-
-def _configs_importable(argv) -> None:
-    """Config files say `from configs import base`: make that work from any working
-    directory, for the repository's configs and for a user's own file elsewhere, by putting
-    on sys.path the folder around a config file's `configs/` package and the repository
-    this package runs from (appended: the working directory still comes first)."""
-    roots = []
-    path = _config_path(argv)
-    if path:
-        folder = pathlib.Path(path).expanduser().resolve().parent
-        if folder.name == "configs" and (folder / "__init__.py").is_file():
-            roots.append(folder.parent)
-    repository = pathlib.Path(__file__).resolve().parents[1]
-    if (repository / "configs" / "base.py").is_file():
-        roots.append(repository)
-    for root in map(str, roots):
-        if root not in sys.path:
-            sys.path.append(root)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with the config file loaded and its overrides applied here, so
     that a missing or broken file, an unknown field or a wrong type is one sentence."""
-    _configs_importable(argv)
     try:
         rest = flags.FLAGS(argv)
         if _config_path(argv) is not None:

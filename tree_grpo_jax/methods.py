@@ -1,9 +1,10 @@
 """The method table: every training method as one entry.
 
-A method is a tree (its spec builder), a credit assignment (its advantage function) and a few
-flags the trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat
-tracker, whether BranchGRPO's pruning applies. This is the one place that maps a method name
-to behaviour; the trainer, the benchmarks and the config checks look methods up here.
+A method is a tree (its spec builder), a credit assignment (its advantage function), which of
+its trainable edges train (its edge-mask hook: BranchGRPO's pruning) and a few flags the
+trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat tracker.
+This is the one place that maps a method name to behaviour; the trainer, the benchmarks and
+the config checks look methods up here.
 
 Entries read their options from the config's `tree` and `advantage` sections; the library
 functions they call take plain values and static specs.
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import tree_spec
+from tree_grpo_jax import pruning, tree_spec
 from tree_grpo_jax.rollout import Tree
 
 # (tree section, number of steps) -> the run's tree. A windowed method's tree is a family
@@ -38,6 +39,9 @@ class Credit:
 
 # (spec, tree, rewards [P, L], credit) -> one advantage array per segment, unclipped.
 AdvantageFn = Callable[[tree_spec.TreeSpec, Tree, jax.Array, Credit], adv.Advantages]
+# (advantage section, spec, tree, advantages, *, iteration, total_iterations, window_start)
+# -> one boolean mask per segment (True: trained), or None to train every trainable edge.
+EdgeMaskFn = Callable[..., pruning.Masks | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +51,12 @@ class Method:
     advantages: AdvantageFn
     windowed: bool = False  # has a window of trained steps that may slide
     stat_tracker: bool = False  # may normalise with DDPO's per-prompt stat tracker
-    pruning: bool = False  # BranchGRPO's depth and width pruning apply
+    edge_masks: EdgeMaskFn | None = None  # which trainable edges train; None: all of them
+
+    @property
+    def pruning(self) -> bool:
+        """True when the method may leave trainable edges out of the loss."""
+        return self.edge_masks is not None
 
 
 def _grpo_credit(spec, tree, rewards, credit: Credit):
@@ -97,14 +106,14 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "mixgrpo",
-            spec=lambda t, n: tree_spec.mixgrpo(n, t.group_size, t.window, None),
+            spec=lambda t, n: tree_spec.mixgrpo(n, t.group_size, t.window, tree_spec.FAMILY),
             advantages=_grpo_credit,
             windowed=True,
             stat_tracker=True,
         ),
         Method(
             "treegrpo",
-            spec=lambda t, n: tree_spec.treegrpo(n, t.window, t.k, None, t.num_trees),
+            spec=lambda t, n: tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees),
             advantages=_treegrpo_credit,
             windowed=True,
         ),
@@ -114,16 +123,16 @@ METHODS: dict[str, Method] = {
                 n, t.split_steps, t.k, t.split_noise_scale, t.num_trees
             ),
             advantages=_branchgrpo_credit,
-            pruning=True,
+            edge_masks=pruning.branchgrpo_masks,
         ),
         Method(
             "branchgrpo_mix",
             spec=lambda t, n: tree_spec.branchgrpo_mix(
-                n, t.split_steps, t.k, t.split_noise_scale, t.window, None, t.num_trees
+                n, t.split_steps, t.k, t.split_noise_scale, t.window, tree_spec.FAMILY, t.num_trees
             ),
             advantages=_branchgrpo_credit,
             windowed=True,
-            pruning=True,
+            edge_masks=pruning.branchgrpo_masks,
         ),
     )
 }
@@ -178,3 +187,26 @@ def compute_advantages(
     raw = get(config.tree.method).advantages(spec, tree, rewards, credit)
     clip = config.advantage.clip
     return tuple(jnp.clip(a, -clip, clip) for a in raw)
+
+
+def edge_masks(
+    config: ml_collections.ConfigDict,
+    spec: tree_spec.TreeSpec,
+    tree: Tree,
+    advantages: adv.Advantages,
+    iteration: int,
+    window_start: int,
+) -> pruning.Masks | None:
+    """The configured method's masks of the edges that train at `iteration` (None: all)."""
+    hook = get(config.tree.method).edge_masks
+    if hook is None:
+        return None
+    return hook(
+        config.advantage,
+        spec,
+        tree,
+        advantages,
+        iteration=iteration,
+        total_iterations=config.train.iterations,
+        window_start=window_start,
+    )

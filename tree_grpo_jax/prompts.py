@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
+from tree_grpo_jax.models import registry as model_registry
 
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
 ANIMALS = (
@@ -24,22 +24,30 @@ ANIMALS = (
     "lizard", "crocodile", "fish", "shark", "dolphin", "whale", "octopus", "butterfly", "bee",
 )  # fmt: skip
 SIMPLE_ANIMALS = ("cat", "dog", "horse", "rabbit", "bird", "fish", "cow", "sheep")
-DIGITS = DIGIT_PROMPTS  # the tiny model's prompts
 
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "animals": ANIMALS,
     "simple_animals": SIMPLE_ANIMALS,
-    "digits": DIGITS,
 }
+
+
+def prompt_sets() -> dict[str, tuple[str, ...]]:
+    """Every built-in set: the ones above and those model families bring (the tiny
+    model's "digits")."""
+    sets = dict(PROMPT_SETS)
+    for family in model_registry.families():
+        sets.update(family.prompt_sets)
+    return sets
 
 
 def load_prompts(source: str) -> list[str]:
     """A built-in set by name, or a text file with one prompt per line (blank lines skipped)."""
-    if source in PROMPT_SETS:
-        return list(PROMPT_SETS[source])
+    sets = prompt_sets()
+    if source in sets:
+        return list(sets[source])
     path = Path(source).expanduser()
     if not path.is_file():
-        names = ", ".join(sorted(PROMPT_SETS))
+        names = ", ".join(sorted(sets))
         raise ValueError(
             f"prompt source {source!r} is neither a built-in set ({names}) nor an existing "
             "text file with one prompt per line."

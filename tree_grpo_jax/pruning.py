@@ -241,3 +241,38 @@ def width_pruning_mask(
         if seg.level == last_level and seg.k == 1:  # after the last split: node c is branch c
             masks[j] = masks[j] & keep[None]
     return tuple(masks)
+
+
+def branchgrpo_masks(
+    options,
+    spec: TreeSpec,
+    tree: Tree,
+    advantages,
+    *,
+    iteration: int,
+    total_iterations: int,
+    window_start: int,
+) -> Masks | None:
+    """BranchGRPO's depth and width pruning as the `advantage` section `options` sets them,
+    while pruning is on (`pruning_step_ratio`); None (train every edge) otherwise."""
+    a = options
+    if not pruning_active(iteration, total_iterations, a.pruning_step_ratio):
+        return None
+    masks = None
+    if a.depth_pruning:
+        masks = depth_pruning_mask(
+            spec,
+            tree,
+            tuple(a.depth_pruning),
+            iteration=iteration,
+            slide_every=a.depth_pruning_slide_every or None,
+            stop_depth=None if a.depth_pruning_stop < 0 else a.depth_pruning_stop,
+            count_from=a.depth_pruning_count_from,
+            window_start=window_start,
+        )
+    if a.width_pruning != "none":
+        width = width_pruning_mask(
+            spec, tree, advantages, mode=a.width_pruning, ratio=a.width_pruning_ratio
+        )
+        masks = combine_masks(masks, width)
+    return masks

@@ -216,3 +216,19 @@ def agree(value: float, how: str = "max") -> float:
         return value
     values = gather(np.asarray([value], np.float64))
     return float({"max": np.max, "min": np.min, "sum": np.sum}[how](values))
+
+
+def local_tree(tree, rows: slice):
+    """This process's prompt rows of a `rollout.Tree` rolled out over every process's
+    devices: its segments' per-prompt arrays and its leaves, on the host."""
+    segments = tuple(
+        seg.replace(
+            parents=local_rows(seg.parents, rows, axis=1),
+            children=local_rows(seg.children, rows, axis=1),
+            log_probs=local_rows(seg.log_probs, rows, axis=1),
+            steps=to_host(seg.steps),
+            active=to_host(seg.active),
+        )
+        for seg in tree.segments
+    )
+    return tree.replace(segments=segments, leaves=local_rows(tree.leaves, rows))

@@ -32,6 +32,8 @@ import enum
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 
 class Kind(str, enum.Enum):
     ODE = "ode"  # deterministic, not trained
@@ -381,8 +383,10 @@ def _check_step(where: str, step) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Presets. Windowed presets take `window_start`: an int gives the plain spec of that
-# position; None gives the family (one spec for every position, the start given to the
+# position; `FAMILY` gives the family (one spec for every position, the start given to the
 # rollout), which is what a run with a sliding window should use.
+
+FAMILY = "family"  # window_start of a windowed preset: every position, chosen at rollout
 
 
 def _check_steps(num_steps: int) -> None:
@@ -411,9 +415,14 @@ def sliding_window_start(iteration: int, num_steps: int, width: int, every: int)
     return (iteration // every) % positions
 
 
-def _windowed(spec: TreeSpec, window_start: int | None) -> TreeSpec:
-    if window_start is None:
+def _windowed(spec: TreeSpec, window_start: int | str) -> TreeSpec:
+    if window_start == FAMILY:
         return spec
+    if isinstance(window_start, bool) or not isinstance(window_start, (int, np.integer)):
+        raise SpecError(
+            f"{spec.name}: window_start must be a step index or tree_spec.FAMILY, "
+            f"got {window_start!r}."
+        )
     return spec.at(window_start)  # checks that the window fits
 
 
@@ -432,10 +441,10 @@ def grpo(num_steps: int, group_size: int, shared_init_noise: bool = False) -> Tr
     return TreeSpec((SDE,) * num_steps, num_trees=group_size, name="grpo")
 
 
-def mixgrpo(num_steps: int, group_size: int, window: int, window_start: int | None = 0) -> TreeSpec:
+def mixgrpo(num_steps: int, group_size: int, window: int, window_start: int | str = 0) -> TreeSpec:
     """As grpo, but SDE only inside a window of steps and ODE elsewhere (MixGRPO).
 
-    `window_start=None` gives the family whose window position is the rollout's argument.
+    `window_start=FAMILY` gives the family whose window position is the rollout's argument.
     """
     _check_steps(num_steps)
     if group_size < 1:
@@ -456,12 +465,12 @@ def treegrpo(
     num_steps: int,
     window: int = 4,
     k: int = 2,
-    window_start: int | None = 0,
+    window_start: int | str = 0,
     num_trees: int = 1,
 ) -> TreeSpec:
     """TreeGRPO: a window of consecutive BRANCH(k) steps, ODE everywhere else.
 
-    `window_start=None` gives the family whose window position is the rollout's argument.
+    `window_start=FAMILY` gives the family whose window position is the rollout's argument.
     """
     _check_steps(num_steps)
     if window < 1:
@@ -504,12 +513,12 @@ def branchgrpo_mix(
     k: int = 2,
     split_noise_scale: float = 1.0,
     window: int = 4,
-    window_start: int | None = 0,
+    window_start: int | str = 0,
     num_trees: int = 1,
 ) -> TreeSpec:
     """BranchGRPO-Mix: SDE only inside a window, ODE elsewhere; split steps always branch.
 
-    `window_start=None` gives the family whose window position is the rollout's argument:
+    `window_start=FAMILY` gives the family whose window position is the rollout's argument:
     the tree's shape is fixed by the split steps, and the rollout records every non-split
     step with a flag saying whether it was inside the window (stochastic, trained) or not.
     """

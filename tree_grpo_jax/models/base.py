@@ -16,14 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.sampling import Schedule, make_ddim_schedule, make_flow_schedule
+from tree_grpo_jax.weights.files import ModelLoadError  # noqa: F401 - re-exported
 
 PyTree = Any
+# The dtypes a config may name (model.param_dtype, model.compute_dtype, reward_options.dtype).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # (params, x [B, *sample_shape], t [B], cond [B, L, D]) -> eps / v / velocity, shaped like x.
 DenoiseFn = Callable[[PyTree, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-class ModelLoadError(ValueError):
-    """A model folder or weights file is missing, incomplete, or not what the loader supports."""
 
 
 def cast_floats(tree: PyTree, dtype) -> PyTree:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,9 @@ from flax import serialization
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
-from tree_grpo_jax.models import convert
+from tree_grpo_jax.weights import convert
+from tree_grpo_jax.weights.files import unwrap_params
+from tree_grpo_jax.weights.staging import check_out_dir, write_staged
 
 EXPORT_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -37,14 +38,6 @@ class Denoiser:
     config: dict  # the component's config.json, as read from the base folder
     reference: dict  # flat {path: shape} of the Flax params
     list_names: frozenset = convert.DIFFUSERS_LIST_NAMES  # Flax `name_N` <-> PyTorch `name.N`
-
-
-def unwrap_params(params) -> dict:
-    """Accepts a bare params tree or one wrapped as {"params": tree}."""
-    params = dict(params)
-    if set(params) == {"params"}:
-        params = dict(params["params"])
-    return params
 
 
 def checked_numpy(params, denoiser: Denoiser, dtype: str) -> dict:
@@ -97,26 +90,6 @@ def export_denoiser(params, denoiser: Denoiser, out_dir, dtype: str = "float32")
     return _write(checked_numpy(params, denoiser, dtype), denoiser, out_dir)
 
 
-def _overlaps(a: Path, b: Path) -> bool:
-    return a == b or a in b.parents or b in a.parents
-
-
-def check_out_dir(
-    base: Path | None, out: Path, overwrite: bool, sources=(), what: str = "the export folder"
-) -> None:
-    """Refuses an output folder that would overwrite work or a source; changes nothing."""
-    out = Path(out).expanduser().resolve()
-    protected = [(base.resolve(), "the base model folder")] if base is not None else []
-    protected += [(Path(s).expanduser().resolve(), "the source") for s in sources]
-    for source, kind in protected:
-        if _overlaps(out, source):
-            raise ValueError(f"{what} {out} must be neither inside nor around {kind} {source}.")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{what} {out} is an existing file; choose a folder.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"{what} {out} is not empty; pass --overwrite or choose another.")
-
-
 def export_pipeline(
     params,
     base: Path,
@@ -148,39 +121,3 @@ def export_pipeline(
         _write(params, denoiser, staging)
 
     return write_staged(out, fill)
-
-
-def write_staged(out: Path, fill) -> Path:
-    """Builds a folder with `fill(staging)` beside `out`, then moves it into place: a failure
-    (or a kill) leaves no half-built `out`, and an existing `out` is replaced only whole."""
-    out = Path(out).expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():  # left by an earlier, killed export of this process id
-        shutil.rmtree(staging)
-    staging.mkdir()
-    try:
-        fill(staging)
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
-
-
-def export_lora(
-    factors, prefix: str, rank: int, alpha: float, out_dir, overwrite=False, sources=()
-) -> Path:
-    """`<out>/pytorch_lora_weights.safetensors` from LoRA factors, in the key format
-    diffusers' `load_lora_weights` reads (`prefix`: "unet" or "transformer"); written to a
-    staging folder and moved into place."""
-    from tree_grpo_jax import lora
-
-    out = Path(out_dir).expanduser()
-    check_out_dir(None, out, overwrite, sources)
-    state = lora.to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
-    return write_staged(
-        out, lambda staging: lora.save_peft(staging / lora.LORA_FILE, state, alpha, rank)
-    )

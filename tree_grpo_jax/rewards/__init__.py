@@ -1,18 +1,24 @@
 """Rewards: a registry of functions from decoded images (and prompts) to scores.
 
-Importing this package registers the built-in rewards:
-`digit_alignment`, `digit_probability`, `digit_accuracy` (JAX-native, the tiny model's digit
-classifier), `jpeg_compressibility`, `jpeg_incompressibility` (host, PIL) and the
-preference models `hpsv2`, `pickscore`, `aesthetic`, `clip_score` (JAX-native, each read from
-its folder: `load_reward("hpsv2", "/models/hpsv2.1")`).
+Importing this package registers the built-in rewards: `jpeg_compressibility`,
+`jpeg_incompressibility` (host, PIL) and the preference models `hpsv2`, `pickscore`,
+`aesthetic`, `clip_score` (JAX-native, each read from its folder:
+`load_reward("hpsv2", "/models/hpsv2.1")`). Model families bring the rewards of their own
+world on first look-up: the tiny family's `digit_alignment`, `digit_probability`,
+`digit_accuracy` (its digit classifier, in `models/tiny/rewards.py`).
 
+A new reward is one `register` (or `register_model`, for one that reads a folder, with its
+own settings as `options`) in its own module, imported here.
+
+registry    the registry, `load_reward`, `load_rewards`, `combined_reward`
+jpeg        JPEG (in)compressibility
 clip        a frozen CLIP embedding images and prompts (transformers' Flax towers)
 preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four preference rewards
 convert     the pickled HPS-v2.1 and aesthetic releases -> folders these load
 """
 
-from tree_grpo_jax.rewards import digits, jpeg, preference
+from tree_grpo_jax.rewards import jpeg, preference
 from tree_grpo_jax.rewards.registry import (
     CombinedReward,
     Reward,
@@ -20,19 +26,16 @@ from tree_grpo_jax.rewards.registry import (
     combined_reward,
     get_reward,
     load_reward,
+    load_rewards,
     missing_weights,
     needs_weights,
     register,
     register_model,
 )
 
-register("digit_alignment", digits.digit_alignment, on_host=False)
-register("digit_probability", digits.digit_probability, on_host=False)
-register("digit_accuracy", digits.digit_accuracy, on_host=False)
 register("jpeg_compressibility", jpeg.jpeg_compressibility, on_host=True)
 register("jpeg_incompressibility", jpeg.jpeg_incompressibility, on_host=True)
-for _name, (_make, _weights, _default) in preference.BUILDERS.items():
-    register_model(_name, _make, weights=_weights, default_path=_default)
+preference.register_all()
 
 __all__ = [
     "CombinedReward",
@@ -41,6 +44,7 @@ __all__ = [
     "combined_reward",
     "get_reward",
     "load_reward",
+    "load_rewards",
     "missing_weights",
     "needs_weights",
     "register",

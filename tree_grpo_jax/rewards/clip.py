@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax import sharding
-from tree_grpo_jax.models import convert, files
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import DTYPES, ModelLoadError, cast_floats
+from tree_grpo_jax.weights import convert, files
 
 IMAGE, TEXT = "image", "text"
 # PyTorch key prefixes of each tower in a transformers CLIP safetensors file.
@@ -37,7 +37,6 @@ _TOWER_MODULES = {
     TEXT: ("text_model", "text_projection"),
 }
 _HUB_PATTERNS = ["*.json", "*.txt", "model.safetensors", "model.safetensors.index.json"]
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _next_bucket(n: int) -> int:

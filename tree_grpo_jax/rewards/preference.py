@@ -16,15 +16,17 @@ Each builder takes its folder and returns `fn(images [B, H, W, C] in [0, 1], pro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from tree_grpo_jax.models import files
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.rewards import clip
+from tree_grpo_jax.rewards import clip, registry
+from tree_grpo_jax.weights import files
 
 CONVERT = "python -m tree_grpo_jax.rewards.convert"
 HINTS = {
@@ -182,9 +184,37 @@ def aesthetic(path: str, **options) -> Callable:
     return reward
 
 
-BUILDERS = {
-    "hpsv2": (hpsv2, "a converted HPS-v2.1 folder", ""),
-    "pickscore": (pickscore, "a PickScore_v1 folder", ""),
-    "aesthetic": (aesthetic, "a converted LAION aesthetic predictor folder", ""),
-    "clip_score": (clip_score, "a Hugging Face CLIP folder", "openai/clip-vit-large-patch14"),
-}
+def pickscore_options() -> ml_collections.ConfigDict:
+    """`reward_options.pickscore`: PickScore's own settings, with their defaults."""
+    c = ml_collections.ConfigDict()
+    c.divisor = 1.0  # 1: the authors' scale; Flow-GRPO uses 26
+    return c
+
+
+def check_pickscore_options(o) -> str | None:
+    d = o.divisor
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d > 0):
+        return f"reward_options.pickscore.divisor must be positive, got {d!r}."
+    return None
+
+
+def register_all() -> None:
+    """Registers the four preference rewards."""
+    registry.register_model("hpsv2", hpsv2, weights="a converted HPS-v2.1 folder")
+    registry.register_model(
+        "pickscore",
+        pickscore,
+        weights="a PickScore_v1 folder",
+        options=pickscore_options,
+        check_options=check_pickscore_options,
+        moved_fields={"reward_options.pickscore_divisor": "reward_options.pickscore.divisor"},
+    )
+    registry.register_model(
+        "aesthetic", aesthetic, weights="a converted LAION aesthetic predictor folder"
+    )
+    registry.register_model(
+        "clip_score",
+        clip_score,
+        weights="a Hugging Face CLIP folder",
+        default_path="openai/clip-vit-large-patch14",
+    )

@@ -6,14 +6,18 @@
 Each reward says whether it runs on the host (numpy, e.g. PIL's JPEG encoder) or is
 JAX-native (it can run on the accelerator, inside jit when its inputs allow). Rewards that
 read a model (HPS-v2.1, PickScore, ...) are registered with `register_model` and built from
-their folder by `load_reward(name, path)`. Several rewards combine into one weighted sum
-with `combined_reward`.
+their folder by `load_reward(name, path)`; a reward with settings of its own registers their
+defaults (`options`), which a run's config holds in `reward_options.<name>` and which reach
+the builder as keyword arguments. Several rewards combine into one weighted sum with
+`combined_reward`. `load_rewards` builds what a run's config names; nothing outside a
+reward's own module needs to know its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import chex
 import jax.numpy as jnp
@@ -44,9 +48,27 @@ class _Entry:
     on_host: bool
     weights: str  # what folder the reward reads; "" when it needs none
     default_path: str  # used when no path is given ("" = none)
+    options: Callable[[], Any] | None = None  # defaults of `reward_options.<name>`
+    check_options: Callable[[Any], str | None] | None = None  # one sentence for a bad value
+    moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)  # old -> new
 
 
 _REGISTRY: dict[str, _Entry] = {}
+_families_added = False
+
+
+def _add_family_rewards() -> None:
+    """Once: the rewards model families bring (the tiny model's digit rewards)."""
+    global _families_added
+    if _families_added:
+        return
+    _families_added = True
+    from tree_grpo_jax.models import registry as model_registry
+
+    for family in model_registry.families():
+        for name, (fn, on_host) in (family.rewards() if family.rewards else {}).items():
+            if name not in _REGISTRY:
+                register(name, fn, on_host)
 
 
 def _add(name: str, entry: _Entry, overwrite: bool) -> None:
@@ -73,23 +95,45 @@ def register_model(
     weights: str,
     default_path: str = "",
     on_host: bool = False,
+    options: Callable[[], Any] | None = None,
+    check_options: Callable[[Any], str | None] | None = None,
+    moved_fields: Mapping[str, str] | None = None,
     overwrite: bool = False,
 ) -> None:
     """Adds a reward computed by a model read from a folder: `make(path, **options)`.
 
     `weights` says which folder that is (it ends the sentence when none is configured);
-    `default_path` (a local folder or hub id) is used when no path is given.
+    `default_path` (a local folder or hub id) is used when no path is given. `options`
+    gives the defaults of the reward's own settings (a ConfigDict: `reward_options.<name>`
+    in a run's config), `check_options` one sentence for a bad one, `moved_fields` the
+    config fields that moved into that section (old path -> new path).
     """
     if not weights:
         raise ValueError(f"register_model({name!r}) needs `weights`: what folder it reads.")
-    _add(name, _Entry(make, bool(on_host), weights, default_path), overwrite)
+    entry = _Entry(
+        make,
+        bool(on_host),
+        weights,
+        default_path,
+        options,
+        check_options,
+        dict(moved_fields or {}),
+    )
+    _add(name, entry, overwrite)
+
+
+def unregister(name: str) -> None:
+    """Removes a reward (tests that register toys clean up with this)."""
+    _REGISTRY.pop(name, None)
 
 
 def available_rewards() -> tuple[str, ...]:
+    _add_family_rewards()
     return tuple(sorted(_REGISTRY))
 
 
 def _entry(name: str) -> _Entry:
+    _add_family_rewards()
     if name not in _REGISTRY:
         raise ValueError(
             f"unknown reward {name!r}; known rewards are: {', '.join(available_rewards())}."
@@ -133,6 +177,51 @@ def load_reward(name: str, path: str | None = None, **options) -> Reward:
     if sentence:
         raise ValueError(sentence)
     return Reward(name, entry.make(path or entry.default_path, **options), entry.on_host)
+
+
+def options_of(name: str, reward_options) -> Any:
+    """The reward's own section of a config's `reward_options` (its defaults when absent);
+    None for a reward without settings of its own."""
+    entry = _entry(name)
+    if entry.options is None:
+        return None
+    section = reward_options.get(name) if hasattr(reward_options, "get") else None
+    return entry.options() if section is None else section
+
+
+def check_options(name: str, reward_options) -> str | None:
+    """The sentence for the first bad value of the reward's own section, or None."""
+    entry = _entry(name)
+    section = options_of(name, reward_options)
+    if section is None or entry.check_options is None:
+        return None
+    return entry.check_options(section)
+
+
+def moved_fields() -> dict[str, str]:
+    """Config fields that moved into some reward's own section (old path -> new path)."""
+    return {old: new for e in _REGISTRY.values() for old, new in e.moved_fields.items()}
+
+
+def load_rewards(
+    names: Sequence[str],
+    folders: Mapping[str, str],
+    reward_options,
+    mesh=None,
+) -> dict[str, Reward]:
+    """Each named reward built once: the model-based ones from their folder in `folders`
+    (a config's `reward_models`), with the shared settings of `reward_options` (dtype,
+    chunk_size), their own section `reward_options.<name>` and `mesh`."""
+    loaded = {}
+    for name in dict.fromkeys(names):
+        if not needs_weights(name):
+            loaded[name] = load_reward(name)
+            continue
+        section = options_of(name, reward_options)
+        own = section.to_dict() if hasattr(section, "to_dict") else dict(section or {})
+        common = dict(dtype=reward_options.dtype, chunk_size=reward_options.chunk_size, mesh=mesh)
+        loaded[name] = load_reward(name, folders.get(name) or None, **common, **own)
+    return loaded
 
 
 def get_reward(name: str) -> Reward:

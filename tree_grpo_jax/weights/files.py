@@ -1,6 +1,6 @@
 """Reading weight and config files from local folders, each failure one `ModelLoadError`.
 
-Shared by every model family and by the reward models. Only safetensors, Flax msgpack and
+Shared by every model family, the reward models and export. Only safetensors, Flax msgpack and
 JSON are read (no pickle, so torch is never needed). `hint` is the sentence's ending: what
 the user should do instead (e.g. "point --config.model.path at ...").
 """
@@ -14,7 +14,17 @@ import numpy as np
 from flax import serialization
 from safetensors.numpy import load_file
 
-from tree_grpo_jax.models.base import ModelLoadError
+
+class ModelLoadError(ValueError):
+    """A model folder or weights file is missing, incomplete, or not what the loader supports."""
+
+
+def unwrap_params(params) -> dict:
+    """Accepts a bare params tree or one wrapped as {"params": tree}."""
+    params = dict(params)
+    if set(params) == {"params"}:
+        params = dict(params["params"])
+    return params
 
 
 def _first_line(error: Exception) -> str:

@@ -53,3 +53,12 @@ def export_pipeline(
     """A whole SD1.x pipeline folder with the UNet replaced (see `models.export`)."""
     base, denoiser = base_denoiser(base_model_path)
     return export.export_pipeline(params, base, denoiser, out_dir, dtype, overwrite, sources)
+
+
+def base_params(base_model_path: str) -> dict:
+    """The base folder's UNet weights in float32 (a LoRA export with --merge adds to them)."""
+    import jax.numpy as jnp
+
+    from tree_grpo_jax.models.sd15.load import load_unet
+
+    return load_unet(resolve_model_path(base_model_path) / "unet", jnp.float32)[1]

@@ -2,7 +2,7 @@
 
 The folder holds `unet/`, `vae/`, `text_encoder/`, `tokenizer/` and `scheduler/`, each with
 its config. Weights are read from Flax msgpack files when present, otherwise from the
-PyTorch safetensors files real SD1.5 folders carry, converted in numpy by `models.convert`
+PyTorch safetensors files real SD1.5 folders carry, converted in numpy by `weights.convert`
 (torch is never imported). Only the UNet weights are trainable `params`; the text encoder
 and the VAE decoder are frozen and closed over by `encode_prompts` and `decode`.
 """
@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax.models import convert, files
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     ModelLoadError,
@@ -33,6 +32,7 @@ from tree_grpo_jax.models.sd15.unet import (
     unet_module,
 )
 from tree_grpo_jax.sampling import PREDICTION_TYPES
+from tree_grpo_jax.weights import convert, files
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 _CONFIG_FILES = {

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tree_grpo_jax.models import export, files
+from tree_grpo_jax.models import export
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.sd3 import mmdit
 from tree_grpo_jax.models.sd3.load import _HUB_PATTERNS, POINT, transformer_shapes
+from tree_grpo_jax.weights import files
 
 
 def transformer_denoiser(config: dict) -> export.Denoiser:
@@ -35,3 +36,14 @@ def base_denoiser(base_model_path: str) -> tuple[Path, export.Denoiser]:
             f"model folder {base} has no transformer/config.json to export against."
         )
     return base, transformer_denoiser(files.read_json(config_file, POINT))
+
+
+def base_params(base_model_path: str) -> dict:
+    """The base folder's transformer weights in float32 (a LoRA export with --merge adds to
+    them)."""
+    import jax.numpy as jnp
+
+    from tree_grpo_jax.models.sd3.load import load_transformer
+
+    root = files.resolve_folder(base_model_path, "model path", POINT, _HUB_PATTERNS)
+    return load_transformer(root / "transformer", jnp.float32)[1]

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import convert, files
 from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
 from tree_grpo_jax.models.sd3 import mmdit, text
 from tree_grpo_jax.sampling import flow_schedule_from_sigmas
+from tree_grpo_jax.weights import convert, files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
 # 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).

@@ -3,7 +3,7 @@
 A diffusers-layout SD3 / SD3.5 folder holds `text_encoder/` and `text_encoder_2/` (transformers
 `CLIPTextModelWithProjection`, CLIP-L and CLIP-G), `text_encoder_3/` (a `T5EncoderModel`,
 T5-XXL) and a tokenizer folder for each. The weights are PyTorch safetensors (sharded or not),
-converted in numpy by `models.convert`; torch is never imported. The CLIP towers run in
+converted in numpy by `weights.convert`; torch is never imported. The CLIP towers run in
 transformers' Flax CLIP module. T5 runs in `T5Encoder` below, a Flax T5 encoder with the
 parameter tree of transformers' `FlaxT5EncoderModule`: that module no longer traces on JAX
 0.10 (it calls `jnp.clip(a_max=...)`).
@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import convert, files
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.weights import convert, files
 
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
 CLIP_FOLDERS = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))

@@ -1,7 +1,7 @@
 """Digit rewards for the tiny model: its digit classifier scores the prompted digit.
 
-The classifier and the prompt grammar live in `models/tiny/`. Everything here is
-JAX-native: the rewards run on the accelerator next to the rollout.
+The family's record (`family.py`) brings them to the reward registry under their names.
+Everything here is JAX-native: the rewards run on the accelerator next to the rollout.
 """
 
 from __future__ import annotations

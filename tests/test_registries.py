@@ -1,0 +1,190 @@
+"""Model families and rewards are registered records: a toy family and a toy reward defined
+here, outside the package, train the tiny loop; their own config sections reach their
+loader and builder; the built-in records agree with configs/base.py; moved fields and
+unknown names are one sentence each."""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import base
+from tree_grpo_jax import config as cfg
+from tree_grpo_jax import rewards, train
+from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.models.tiny import build_tiny
+from tree_grpo_jax.rewards import registry as reward_registry
+
+CALLS = {"load": [], "build": []}
+
+
+def toy_options() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict({"weight_seed": 3})
+
+
+def load_toy(request: model_registry.LoadRequest):
+    CALLS["load"].append((request.name, request.options.weight_seed, request.dtype))
+    model = build_tiny("ddim", seed=request.options.weight_seed, dtype=request.dtype)
+    return dataclasses.replace(model, name="toy")
+
+
+def build_brightness(path, *, scale, dtype, chunk_size, mesh):
+    """A model-based reward in form: reads `path` (a folder holding its offset)."""
+    offset = json.loads((pathlib.Path(path) / "offset.json").read_text())["offset"]
+    CALLS["build"].append((scale, offset, dtype, chunk_size))
+
+    def fn(images, prompts):
+        del prompts
+        return scale * (offset - jnp.mean(jnp.asarray(images), axis=(1, 2, 3)))
+
+    return fn
+
+
+@pytest.fixture
+def toys(tmp_path):
+    folder = tmp_path / "brightness_model"
+    folder.mkdir()
+    (folder / "offset.json").write_text(json.dumps({"offset": 0.25}))
+    family = model_registry.register(
+        model_registry.ModelFamily(
+            name="toy",
+            model_names=("toy_digits",),
+            load=load_toy,
+            options=toy_options,
+            check_options=lambda o: None if o.weight_seed >= 0 else "model.toy.weight_seed < 0.",
+            lora_targets=("to_q", "to_v"),
+            prompt_sets={"toy_prompts": ("a handwritten digit one", "a handwritten digit two")},
+        )
+    )
+    reward_registry.register_model(
+        "brightness",
+        build_brightness,
+        weights="a brightness folder",
+        default_path=str(folder),
+        options=lambda: ml_collections.ConfigDict({"scale": 1.0}),
+        check_options=lambda o: None if o.scale > 0 else "reward_options.brightness.scale <= 0.",
+    )
+    CALLS["load"].clear()
+    CALLS["build"].clear()
+    yield family
+    model_registry.unregister("toy")
+    reward_registry.unregister("brightness")
+
+
+def toy_config() -> ml_collections.ConfigDict:
+    c = base.get_config()
+    c.name = "toy"
+    c.model.name = "toy_digits"
+    c.model.toy = toy_options()
+    c.model.toy.weight_seed = 5
+    c.prompts.source = "toy_prompts"
+    c.prompts.batch_size = 2
+    c.prompts.eval_count = 2
+    c.sampling.num_steps = 4
+    c.tree.method = "treegrpo"
+    c.tree.window = 2
+    c.train.iterations = 2
+    c.train.learning_rate = 1e-3
+    c.train.rows_per_minibatch = 8
+    c.rewards = "brightness"
+    c.reward_options.brightness = ml_collections.ConfigDict({"scale": 2.0})
+    c.eval.every = 0
+    c.checkpoint.every = 1
+    c.log.progress = False
+    c.log.tensorboard = False
+    return c
+
+
+def test_a_toy_family_and_reward_from_outside_train_the_loop(toys, tmp_path):
+    c = toy_config()
+    summary = train.train(c, str(tmp_path / "run"))
+    # The family's own section reached its loader, the reward's its builder.
+    assert CALLS["load"] == [("toy_digits", 5, jnp.float32)]
+    assert CALLS["build"] == [(2.0, 0.25, "float32", 16)]
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in trained] == [1, 2] and all(m["train/trained_edges"] for m in trained)
+    # The eval reward is the toy reward of the toy model's samples: recompute it by hand.
+    trainer, state = train.setup(c, str(tmp_path / "again"))
+    model = load_toy(model_registry.LoadRequest("toy_digits", "", jnp.float32, 0, c.model.toy))
+    jax.tree.map(np.testing.assert_array_equal, state.params, model.params)
+    first, _ = trainer.evaluate(state.params)
+    assert summary["first_eval_reward"] == pytest.approx(first["reward_mean"], abs=1e-6)
+
+
+def test_a_family_defaults_its_section_and_lora_uses_its_targets(toys, tmp_path):
+    c = toy_config()
+    del c.model["toy"]  # a config without the family's section gets its defaults
+    c.lora.rank = 2
+    trainer, _ = train.setup(c, str(tmp_path))
+    assert CALLS["load"][-1][1] == 3
+    modules = {path[-2] for path in trainer.adapter.paths}
+    assert modules == {"to_q", "to_v"}
+
+
+def test_family_and_reward_options_are_checked_in_one_sentence(toys):
+    c = toy_config()
+    c.model.toy.weight_seed = -1
+    with pytest.raises(cfg.ConfigError, match=r"^model\.toy\.weight_seed < 0\.$"):
+        cfg.validate(c, rewards.available_rewards())
+    c = toy_config()
+    c.reward_options.brightness.scale = 0.0
+    with pytest.raises(cfg.ConfigError, match=r"^reward_options\.brightness\.scale <= 0\.$"):
+        cfg.validate(c, rewards.available_rewards())
+
+
+def test_registering_a_taken_name_needs_overwrite(toys):
+    with pytest.raises(ValueError, match="already registered"):
+        model_registry.register(dataclasses.replace(toys, name="other"))
+    with pytest.raises(ValueError, match="already registered"):
+        reward_registry.register("brightness", lambda i, p: i, on_host=True)
+
+
+def test_unknown_model_names_the_registered_ones():
+    c = base.get_config()
+    c.model.name = "sd4"
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.validate(c)
+    assert str(info.value).startswith("unknown model.name 'sd4'; choose one of ")
+    for name in ("tiny", "tiny_flow", "sd", "sd3"):
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "old, value, new",
+    [
+        ("model.use_t5", False, "model.sd3.use_t5"),
+        ("model.sample_size", 64, "model.sd3.sample_size"),
+        ("reward_options.pickscore_divisor", 26.0, "reward_options.pickscore.divisor"),
+    ],
+)
+def test_a_moved_field_names_its_new_place(old, value, new):
+    c = base.get_config()
+    section, field = old.rsplit(".", 1)
+    c[section][field] = value
+    with pytest.raises(cfg.ConfigError, match=f"sets {old}, which moved to {new}"):
+        cfg.validate(c)
+
+
+def test_base_config_holds_each_built_in_record_defaults():
+    c = base.get_config()
+    for family in model_registry.families():
+        if family.options is not None:
+            assert c.model[family.name].to_dict() == family.options().to_dict(), family.name
+    for name in reward_registry.available_rewards():
+        defaults = reward_registry.options_of(name, ml_collections.ConfigDict())
+        if defaults is not None:
+            assert c.reward_options[name].to_dict() == defaults.to_dict(), name
+
+
+def test_every_family_of_the_package_is_found():
+    names = {f.name for f in model_registry.families()}
+    assert {"tiny", "sd", "sd3"} <= names
+    assert model_registry.family_of("random_tiny_flow").name == "tiny"
+    exportable = {f.name for f in model_registry.families() if f.export is not None}
+    assert exportable == {"sd", "sd3"}

@@ -1,0 +1,188 @@
+"""Building a run from its config: the mesh, the rewards, the model, LoRA, the optimizer,
+the compiled train step and the initial state, gathered into a `trainer.Trainer`.
+
+`setup(config, workdir, model=None)` checks the config and builds; the loop (`train`) and
+the benchmarks start from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from tree_grpo_jax import config as cfg
+from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
+from tree_grpo_jax.prompts import load_prompts
+from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
+from tree_grpo_jax.trainer import Trainer, make_tracker, prompt_iterator
+
+
+def _memory_limit() -> tuple[int, str]:
+    """Bytes this process's first device can hold (host memory for CPU devices), and what
+    it is."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def check_sizes(config, spec, sample_shape) -> None:
+    """Refuses, before anything is compiled, a rollout or eval set whose stored samples
+    alone cannot fit in memory (float32 states of every trained step, and the leaves)."""
+    sample_bytes = 4 * int(np.prod(sample_shape))
+    prompts = config.prompts.batch_size
+    states = spec.recorded_states
+    rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
+    eval_bytes = 2 * config.prompts.eval_count * sample_bytes
+    limit, where = _memory_limit()
+    gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+    if rollout_bytes > limit:
+        raise cfg.ConfigError(
+            f"one rollout stores about {gib(rollout_bytes)} of samples ({prompts} prompts x "
+            f"{spec.leaves} leaves, {states} stored states per prompt), more than the "
+            f"{gib(limit)} of {where}; lower prompts.batch_size or the tree's size."
+        )
+    if eval_bytes > limit:
+        raise cfg.ConfigError(
+            f"prompts.eval_count={config.prompts.eval_count} needs about {gib(eval_bytes)} of "
+            f"samples, more than the {gib(limit)} of {where}; lower prompts.eval_count."
+        )
+
+
+def setup(
+    config: ml_collections.ConfigDict, workdir: str, model: TextToImageModel | None = None
+) -> tuple[Trainer, TrainState]:
+    """Checks the config, builds the rewards, mesh, model (or takes `model`), optimizer and
+    the initial state (fresh; `resume` may replace it)."""
+    reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
+    return build(config, workdir, reward_weights, model)
+
+
+def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
+    """LoRA on the model's weights when `lora.rank > 0`: the base in the compute dtype."""
+    spec = config.lora
+    if spec.rank == 0:
+        return None
+    base = cast_floats(model.params, DTYPES[config.model.compute_dtype])
+    targets = tuple(spec.targets) or model_registry.family_of(config.model.name).lora_targets
+    paths = lora.target_paths(base, targets)
+    # The checksum is taken on the host before the base is laid out on the mesh, so a resume
+    # on another mesh (allowed) finds the same value.
+    fingerprint = lora.weights_fingerprint(base)
+    return lora.Adapter(
+        base=jax.device_put(base, sharding.param_shardings(mesh, base)),
+        paths=paths,
+        rank=int(spec.rank),
+        alpha=float(spec.alpha or spec.rank),
+        base_fingerprint=fingerprint,
+    )
+
+
+def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainState]:
+    """`setup` on a config already checked (`reward_weights`: what `config.validate` parsed)."""
+    sharding.maybe_initialize_distributed()
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    shards = sharding.num_batch_shards(mesh)
+    if config.train.rows_per_minibatch % shards:
+        raise cfg.ConfigError(
+            f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
+            f"of the {shards} devices the batch is split over."
+        )
+    local_devices = jax.local_device_count()
+    if sharding.multi_process() and config.prompts.batch_size % local_devices:
+        raise cfg.ConfigError(
+            f"prompts.batch_size ({config.prompts.batch_size}, per process) must be a multiple "
+            f"of the {local_devices} devices of each process the rollout is split over."
+        )
+    method = methods.get(config.tree.method)
+    # Rewards score the images where they were decoded: each process has its own copy.
+    reward_mesh = sharding.local_mesh(mesh)
+    loaded = reward_registry.load_rewards(
+        (*reward_weights, *config.eval.extra_rewards),
+        config.reward_models,
+        config.reward_options,
+        reward_mesh,
+    )
+    reward = reward_registry.combined_reward(reward_weights, loaded)
+    eval_rewards = {n: loaded[n] for n in config.eval.extra_rewards}
+    prompts = prompt_iterator(config)
+    eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
+    if model is None:
+        model = model_registry.load_model(config.model, seed=config.seed)
+    check_sizes(config, methods.build_spec(config), model.sample_shape)
+    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+    if model.prepare_prompts is not None:
+        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
+        if jax.process_index() == 0 and config.log.progress:
+            print(f"text encoders: {said}", flush=True)
+    guidance = config.sampling.guidance_scale != 1.0
+    uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
+
+    adapter = _make_adapter(config, model, mesh)
+    if adapter is None:
+        params = cast_floats(model.params, DTYPES[config.model.param_dtype])
+    else:  # only the factors are trained, optimized and checkpointed
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+        params = lora.init_lora(key, adapter.base, adapter.paths, adapter.rank)
+        params = cast_floats(params, DTYPES[config.model.param_dtype])
+    tx = make_optimizer(config.train)
+
+    def fresh(p):
+        return TrainState(p, tx.init(p))
+
+    state_shardings = sharding.param_shardings(mesh, jax.eval_shape(fresh, params))
+    init_state = jax.jit(fresh, out_shardings=state_shardings)
+    state = init_state(params)
+
+    denoise = jax.checkpoint(model.denoise) if config.model.remat else model.denoise
+    loss_kwargs = dict(
+        denoise_fn=denoise,
+        reduce=config.sampling.log_prob_reduce,
+        guidance_scale=config.sampling.guidance_scale,
+        clip_range=config.train.clip_range,
+        kl_beta=config.train.kl_beta,
+    )
+    use_kl = config.train.kl_beta > 0
+    if adapter is None:
+        ref_params = jax.tree_util.tree_map(jnp.copy, state.params) if use_kl else None
+        train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings)
+    else:  # the KL reference is the base itself: no second copy
+        ref_params = adapter.base if use_kl else None
+        base_shardings = sharding.param_shardings(mesh, adapter.base)
+        train_step = make_train_step(
+            tx,
+            loss_kwargs,
+            mesh,
+            state_shardings,
+            merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
+            frozen_shardings=base_shardings,
+            ref_shardings=base_shardings if use_kl else None,
+        )
+    trainer = Trainer(
+        config=config,
+        workdir=workdir,
+        model=model,
+        mesh=mesh,
+        method=method,
+        reward=reward,
+        eval_rewards=eval_rewards,
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        uncond=uncond,
+        train_step=train_step,
+        init_state=init_state,
+        tracker=make_tracker(config, method),
+        ref_params=ref_params,
+        key=jax.random.PRNGKey(config.seed),
+        adapter=adapter,
+    )
+    return trainer, state

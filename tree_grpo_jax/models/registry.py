@@ -1,0 +1,168 @@
+"""Model families as registered records, the model-side twin of the method table.
+
+A `ModelFamily` says everything the rest of the library needs to know about a family: the
+`model.name` values it loads, its loader, its own config sub-section (`model.<family>`),
+whether it needs `model.path`, its LoRA default targets, how to recognise its folders and
+how it exports, and the prompt sets and rewards of its own world (the tiny model's digits).
+Each sub-package of `models/` registers one in its `family.py`; the
+trainer, the config checks, `lora` and `export` look families up here and never name one.
+
+    from tree_grpo_jax.models import registry
+    registry.register(registry.ModelFamily(name="toy", model_names=("toy",), load=load_toy))
+
+The built-in families are found on first look-up: every `models/<family>/family.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tree_grpo_jax.weights.files import ModelLoadError
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What a family's loader is given: the config's choices, as plain values."""
+
+    name: str  # the model.name asked for (a family may load several)
+    path: str  # model.path ("" when the family needs none)
+    dtype: Any  # the compute dtype (a jnp dtype)
+    seed: int  # the run's seed (for families that can build random weights)
+    options: Any  # the family's own sub-section `model.<family>` (its defaults if absent)
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyExport:
+    """How a family's trained denoiser goes back into a diffusers pipeline folder."""
+
+    component: str  # the pipeline's denoiser folder, also the LoRA key prefix ("unet")
+    # base folder (local path or hub id) -> (the folder, a `models.export.Denoiser`), checked
+    base_denoiser: Callable[[str], tuple[Path, Any]]
+    # base folder -> its denoiser's weights in float32 (a LoRA export with --merge adds to them)
+    base_params: Callable[[str], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str  # the family, also the name of its config sub-section `model.<name>`
+    model_names: tuple[str, ...]  # the model.name values it loads
+    load: Callable[[LoadRequest], Any]  # -> a `base.TextToImageModel`
+    needs_path: bool = False  # True: model.path must name its folder
+    path_hint: str = ""  # what model.path should be, ending the sentence when it is missing
+    options: Callable[[], Any] | None = None  # the defaults of `model.<name>` (a ConfigDict)
+    # `model.<name>` -> one sentence for its first bad value, or None
+    check_options: Callable[[Any], str | None] | None = None
+    # fields of the shared `model` section that moved into `model.<name>` (old -> new path)
+    moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    lora_targets: tuple[str, ...] = ()  # LoRA's default target modules (Flax names)
+    recognizes: Callable[[Path], bool] | None = None  # a local folder has this family's layout
+    export: FamilyExport | None = None  # None: nothing to export into
+    prompt_sets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # rewards of the family's own world, for the reward registry: () -> {name: (fn, on_host)}
+    rewards: Callable[[], Mapping[str, tuple[Callable, bool]]] | None = None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+_discovered = False
+
+
+def register(family: ModelFamily, *, overwrite: bool = False) -> ModelFamily:
+    """Adds a family; a family or model name already taken needs `overwrite=True`."""
+    if not family.model_names:
+        raise ValueError(f"model family {family.name!r} loads no model name.")
+    taken = {n: f.name for f in _FAMILIES.values() if f.name != family.name for n in f.model_names}
+    clash = [n for n in family.model_names if n in taken]
+    if not overwrite and (family.name in _FAMILIES or clash):
+        what = f"family {family.name!r}" if family.name in _FAMILIES else f"model {clash[0]!r}"
+        raise ValueError(f"a {what} is already registered; pass overwrite=True.")
+    for name in clash:  # overwriting takes the model names over from their old family
+        old = _FAMILIES[taken[name]]
+        _FAMILIES[old.name] = dataclasses.replace(
+            old, model_names=tuple(n for n in old.model_names if n != name)
+        )
+    _FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    """Removes a family (tests that register toys clean up with this)."""
+    _FAMILIES.pop(name, None)
+
+
+def _discover() -> None:
+    """Imports every `models/<family>/family.py` once: each registers its family."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module("tree_grpo_jax.models")
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.ispkg:
+            try:
+                importlib.import_module(f"tree_grpo_jax.models.{info.name}.family")
+            except ModuleNotFoundError as e:
+                if e.name != f"tree_grpo_jax.models.{info.name}.family":
+                    raise
+
+
+def families() -> tuple[ModelFamily, ...]:
+    _discover()
+    return tuple(f for f in _FAMILIES.values() if f.model_names)
+
+
+def model_names() -> tuple[str, ...]:
+    """Every model.name some family loads, in registration order."""
+    return tuple(n for f in families() for n in f.model_names)
+
+
+def family_of(model_name: str) -> ModelFamily:
+    """The family that loads `model_name`; ValueError with one sentence when none does."""
+    for family in families():
+        if model_name in family.model_names:
+            return family
+    raise ValueError(
+        f"unknown model.name {model_name!r}; choose one of {', '.join(model_names())}."
+    )
+
+
+def options_of(family: ModelFamily, model_config) -> Any:
+    """The family's sub-section of `model_config`, or its defaults when the config has none."""
+    section = getattr(model_config, family.name, None)
+    if section is None and family.options is not None:
+        section = family.options()
+    return section
+
+
+def family_of_folder(path: str) -> ModelFamily:
+    """The exportable family whose layout a local folder has (one sentence when none)."""
+    folder = Path(path).expanduser()
+    exportable = [f for f in families() if f.export is not None and f.recognizes is not None]
+    if folder.is_dir():
+        for family in exportable:
+            if family.recognizes(folder):
+                return family
+    layouts = ", ".join(f"{f.export.component}/ ({f.name})" for f in exportable)
+    raise ModelLoadError(
+        f"model folder {folder} has none of the layouts export knows ({layouts}); pass the "
+        "base pipeline folder as --model_path."
+    )
+
+
+def load_model(model_config, seed: int = 0):
+    """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
+    from tree_grpo_jax.models.base import DTYPES
+
+    family = family_of(model_config.name)
+    request = LoadRequest(
+        name=model_config.name,
+        path=getattr(model_config, "path", "") or "",
+        dtype=DTYPES[getattr(model_config, "compute_dtype", "float32")],
+        seed=seed,
+        options=options_of(family, model_config),
+    )
+    return family.load(request)

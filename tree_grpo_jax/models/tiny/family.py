@@ -1,0 +1,41 @@
+"""The tiny family's record: the embedded digits model in its two twins, trained
+("tiny", "tiny_flow") or with random weights ("random_tiny", "random_tiny_flow"), with its
+prompt set ("digits") and its classifier's rewards (`digit_alignment`, ...)."""
+
+from __future__ import annotations
+
+from tree_grpo_jax.models import registry
+from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
+
+
+def _rewards() -> dict:
+    from tree_grpo_jax.models.tiny import rewards
+
+    on_host = False  # JAX-native: they run next to the rollout
+    return {
+        "digit_alignment": (rewards.digit_alignment, on_host),
+        "digit_probability": (rewards.digit_probability, on_host),
+        "digit_accuracy": (rewards.digit_accuracy, on_host),
+    }
+
+
+def _load(request: registry.LoadRequest):
+    from tree_grpo_jax.models.tiny.model import build_tiny, load_tiny
+
+    kind = "flow" if request.name.endswith("flow") else "ddim"
+    if request.name.startswith("random_"):
+        return build_tiny(kind, seed=request.seed, dtype=request.dtype)
+    return load_tiny(kind, dtype=request.dtype)
+
+
+FAMILY = registry.register(
+    registry.ModelFamily(
+        name="tiny",
+        model_names=("tiny", "tiny_flow", "random_tiny", "random_tiny_flow"),
+        load=_load,
+        # its UNet is SD's in miniature: the same attention projections
+        lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
+        prompt_sets={"digits": DIGIT_PROMPTS},
+        rewards=_rewards,
+    )
+)

@@ -1,0 +1,194 @@
+"""The command line: the `hpsv2` and `aesthetic` subcommands, their arguments and `main`.
+
+Every failure is one `error:` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tree_grpo_jax.rewards.convert.aesthetic import check_aesthetic_mlp, convert_aesthetic
+from tree_grpo_jax.rewards.convert.clip_configs import hf_clip_config, read_open_clip_config
+from tree_grpo_jax.rewards.convert.dtypes import (
+    OUTPUT_DTYPES,
+    _check_dtype,
+    _dtype_name,
+    _set_dtype,
+)
+from tree_grpo_jax.rewards.convert.errors import ConversionError, _first_line
+from tree_grpo_jax.rewards.convert.keys import convert_open_clip
+from tree_grpo_jax.rewards.convert.reading import (
+    load_checkpoint,
+    read_clip_config,
+    read_clip_folder,
+)
+from tree_grpo_jax.rewards.convert.tokenizer import (
+    _tokenizer_folder,
+    check_tokenizer,
+    copied_tokenizer_files,
+    open_clip_tokenizer_files,
+)
+from tree_grpo_jax.rewards.convert.writing import (
+    _folder_size,
+    _size_text,
+    check_out_dir,
+    write_folder,
+)
+
+# The `--help` text.
+_DESCRIPTION = """\
+Pickled reward-model releases -> folders the JAX reward loader reads (safetensors + JSON).
+
+    python -m tree_grpo_jax.rewards.convert hpsv2 --checkpoint=HPS_v2.1_compressed.pt \\
+        --out=<new folder> [--open-clip-config=<open_clip model config .json>] \\
+        [--tokenizer=<a Hugging Face CLIP folder>] [--dtype=float32|float16|bfloat16|keep]
+    python -m tree_grpo_jax.rewards.convert aesthetic \\
+        --checkpoint=sac+logos+ava1-l14-linearMSE.pth --clip=<transformers CLIP folder> \\
+        --out=<new folder>
+
+`hpsv2` turns an open_clip ViT CLIP state dict (HPS-v2.1 is open_clip's ViT-H-14, fine-tuned;
+`--open-clip-config` describes other open_clip ViTs) into a transformers CLIP folder:
+`config.json`, `model.safetensors` in transformers' PyTorch key layout, the CLIP tokenizer
+files (`vocab.json`, `merges.txt`, `tokenizer_config.json`, `special_tokens_map.json`) and
+`reward_config.json`. `aesthetic` keeps the image tower of a transformers CLIP folder
+(`config.json`, `model.safetensors` with `vision_model.*` and `visual_projection.weight`) and
+writes the LAION aesthetic predictor's MLP as `aesthetic_mlp.safetensors` (float32, the
+release's key names) beside it, with `reward_config.json`.
+
+torch is needed only to read the pickled release (`torch.load(..., weights_only=True)`) and to
+learn the expected shapes from transformers' CLIP on the meta device. Every key and shape is
+checked before anything is written; the folder is built beside `--out` and moved into place,
+so a failure leaves no half-built folder; every failure is one `error:` line and exit status 2.
+"""
+
+FORMAT = 1
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_hpsv2(args) -> Path:
+    checkpoint = Path(args.checkpoint).expanduser()
+    out = check_out_dir(args.out, args.overwrite, [checkpoint])
+    _check_dtype(args.dtype)
+    open_clip_config, config_name = None, "the ViT-H-14 config"
+    if args.open_clip_config:
+        open_clip_config = read_open_clip_config(args.open_clip_config)
+        config_name = f"the open_clip config {Path(args.open_clip_config).name}"
+    # The config and the tokenizer are checked before the (large) release is read.
+    planned = hf_clip_config(open_clip_config)
+    context_length = planned["text_config"]["max_position_embeddings"]
+    if args.tokenizer:
+        tokenizer = copied_tokenizer_files(args.tokenizer, context_length)
+        where = str(_tokenizer_folder(args.tokenizer))
+    else:
+        tokenizer = open_clip_tokenizer_files(context_length)
+        where = "open_clip's BPE vocabulary"
+    check_tokenizer(tokenizer, planned, where)
+    _say(f"reading {checkpoint}")
+    state_dict = load_checkpoint(checkpoint)
+    _say(f"checking {len(state_dict)} tensors against {config_name}")
+    hf_config, weights = convert_open_clip(
+        state_dict, open_clip_config, args.dtype, config_name, what=f"checkpoint {checkpoint.name}"
+    )
+    del state_dict
+    _say(f"writing {out}")
+    files = {"config.json": hf_config, "model.safetensors": weights, **tokenizer}
+    files["reward_config.json"] = {
+        "reward": "hpsv2",
+        "converted_from": checkpoint.name,
+        "format": FORMAT,
+    }
+    return write_folder(out, files)
+
+
+def run_aesthetic(args) -> Path:
+    checkpoint = Path(args.checkpoint).expanduser()
+    clip_dir = Path(args.clip).expanduser()
+    out = check_out_dir(args.out, args.overwrite, [checkpoint, clip_dir])
+    _check_dtype(args.dtype)
+    read_clip_config(clip_dir)  # a wrong folder is refused before anything is read
+    _say(f"reading {checkpoint}")
+    mlp = load_checkpoint(checkpoint)
+    check_aesthetic_mlp(mlp, f"checkpoint {checkpoint.name}")
+    _say(f"reading the image tower in {clip_dir}")
+    clip_config, clip_weights, clip_names = read_clip_folder(clip_dir)
+    _say(f"checking the MLP and {len(clip_weights)} image-tower tensors")
+    config, vision, mlp = convert_aesthetic(mlp, clip_config, clip_weights, args.dtype, clip_names)
+    _set_dtype(config, _dtype_name(vision) if args.dtype == "keep" else args.dtype)
+    _say(f"writing {out}")
+    files = {"config.json": config, "model.safetensors": vision, "aesthetic_mlp.safetensors": mlp}
+    files["reward_config.json"] = {
+        "reward": "aesthetic",
+        "converted_from": checkpoint.name,
+        "clip_from": clip_dir.resolve().name,
+        "format": FORMAT,
+    }
+    return write_folder(out, files)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one `error:` line (exit status 2), like every other failure."""
+
+    def error(self, message):
+        self.exit(
+            2, f"error: {message.strip().splitlines()[0].rstrip('.')}; see {self.prog} --help.\n"
+        )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m tree_grpo_jax.rewards.convert",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{hpsv2,aesthetic}")
+    hps = commands.add_parser(
+        "hpsv2", help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder"
+    )
+    hps.add_argument(
+        "--checkpoint", required=True, help="the release file, e.g. HPS_v2.1_compressed.pt"
+    )
+    hps.add_argument(
+        "--open-clip-config", help="an open_clip model config JSON (default: ViT-H-14)"
+    )
+    hps.add_argument("--tokenizer", help="a Hugging Face CLIP folder to copy the tokenizer from")
+    aes = commands.add_parser(
+        "aesthetic", help="LAION aesthetic predictor v2 + its CLIP image tower"
+    )
+    aes.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the release file, e.g. sac+logos+ava1-l14-linearMSE.pth",
+    )
+    aes.add_argument(
+        "--clip", required=True, help="a transformers CLIP folder (openai/clip-vit-large-patch14)"
+    )
+    for sub in (hps, aes):
+        sub.add_argument("--out", required=True, help="the new reward folder")
+        sub.add_argument(
+            "--dtype", default="float32", choices=sorted(OUTPUT_DTYPES), help="of the CLIP weights"
+        )
+        sub.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors exit 2, --help 0
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        out = run_hpsv2(args) if args.command == "hpsv2" else run_aesthetic(args)
+    except ConversionError as e:
+        print(f"error: {_first_line(e)}.", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
+        return 2
+    _say(f"done: {out} ({_size_text(_folder_size(out))})")
+    return 0

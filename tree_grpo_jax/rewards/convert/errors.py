@@ -1,0 +1,63 @@
+"""The converter's error, `ConversionError`, and the pieces of its one-sentence messages.
+
+Also the optional imports (torch, transformers), which fail as a `ConversionError`.
+"""
+
+from __future__ import annotations
+
+_MAX_NAMED = 5
+
+
+class ConversionError(ValueError):
+    """A release, folder or option that cannot be converted; the message is one sentence."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else ""
+
+
+def _reason(error: BaseException) -> str:
+    text = _first_line(error).split(". ")[0][:200]  # torch's messages run on for sentences
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _named(names, limit: int = _MAX_NAMED) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
+
+
+def _fit_message(missing, unexpected, misshaped) -> str:
+    parts = []
+    if missing:
+        parts.append(f"missing {_named(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {_named(unexpected)}")
+    if misshaped:
+        parts.append(
+            "mis-shaped " + _named(f"{k} {got} (expected {want})" for k, got, want in misshaped)
+        )
+    return "; ".join(parts)
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise ConversionError(
+            "reading the pickled release needs PyTorch, which is not installed; install it "
+            "with `pip install torch` (the CPU build is enough)."
+        ) from None
+    return torch
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConversionError(
+            "checking the shapes needs transformers, which is not installed; install it with "
+            "`pip install transformers`."
+        ) from None
+    return transformers

@@ -1,0 +1,357 @@
+"""The trainer: one iteration's jobs on arrays the run has already built.
+
+prompts -> tree rollout -> rewards -> advantages -> PPO updates, in order:
+  1. draw a prompt batch and encode it once;
+  2. roll out the iteration's tree (the window of windowed methods slides with the count);
+  3. decode the leaves and score them;
+  4. turn leaf rewards into per-edge advantages, and the method's edge masks (pruning);
+  5. gather the trainable edges into rows and run `inner_epochs` of shuffled minibatches
+     through one jitted, sharded train step.
+Evaluation uses fixed prompts, fixed noise and the deterministic sampler. Every random draw
+comes from `fold_in(seed key, iteration)`, so a resumed run draws exactly what an
+uninterrupted one would.
+
+`build.setup` makes a `Trainer` from a config; `train` runs the loop (signals, resume,
+checkpoints, summary) around `Trainer.iteration`. The trainer's methods (`rollout`,
+`update`, `iteration`, `evaluate`, `reseed`) are also the seam the benchmarks use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from tree_grpo_jax import advantages as adv
+from tree_grpo_jax import lora, methods, rollout, sharding, transitions
+from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.prompts import PromptIterator, load_prompts
+from tree_grpo_jax.train_step import TrainState, learning_rate
+
+
+class RewardError(RuntimeError):
+    """Rewards that cannot be trained on (NaN or infinite); one sentence for the user."""
+
+
+class DivergenceError(RuntimeError):
+    """Training produced non-finite numbers; the last checkpoint is kept as it was."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One iteration's sampled trees with what produced them.
+
+    `prompts` and `cond` are the global batch (every process's prompts, in process order);
+    `tree` holds this process's `rows` of it (all of them with one process).
+    """
+
+    prompts: list[str]
+    cond: jax.Array  # [P, L, D]
+    spec: Any  # the TreeSpec rolled out (a windowed method's family)
+    window_start: int  # the family's window position in this rollout
+    tree: rollout.Tree  # this process's rows
+    rows: slice  # which rows of the global batch `tree` holds
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrackerRows:
+    """The stat tracker as one process's advantages see it: updated with the whole batch,
+    so every process keeps the same statistics, and answering this process's rows."""
+
+    tracker: adv.PerPromptStatTracker
+    prompts: list[str]  # the global batch
+    rewards: np.ndarray  # [P, L], the global batch
+    rows: slice
+
+    def update(self, prompt_ids, rewards) -> np.ndarray:
+        """`prompt_ids` and `rewards` are this process's rows: they take their place in the
+        global batch, with which the tracker is updated; their advantages come back."""
+        prompts, all_rewards = list(self.prompts), np.array(self.rewards, np.float64)
+        prompts[self.rows] = list(prompt_ids)
+        all_rewards[self.rows] = np.asarray(rewards, np.float64)
+        return self.tracker.update(prompts, all_rewards)[self.rows]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trainer:
+    """Everything an iteration needs that does not change between iterations.
+
+    Mutable parts (the prompt iterator's position, the stat tracker) belong to one trainer;
+    `reseed` gives a trainer with its own, sharing the model and the compiled step.
+    """
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    model: TextToImageModel
+    mesh: Any
+    method: methods.Method
+    reward: Any
+    eval_rewards: dict
+    prompts: PromptIterator
+    eval_prompts: list[str]
+    uncond: jax.Array | None
+    train_step: Any
+    init_state: Any  # params -> a fresh TrainState, laid out on the mesh
+    tracker: adv.PerPromptStatTracker | None
+    ref_params: Any
+    key: jax.Array
+    adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
+
+    @property
+    def guidance(self) -> bool:
+        return self.uncond is not None
+
+    def model_params(self, params):
+        """The denoiser's weights for the trained `params` (LoRA: the base, factors merged)."""
+        return params if self.adapter is None else self.adapter.merged(params)
+
+    def _step_args(self) -> tuple:
+        return () if self.adapter is None else (self.adapter.base,)
+
+    # -- pieces of an iteration ------------------------------------------------------------
+    def spec(self):
+        """The run's tree spec, the same at every iteration (windowed methods: a family)."""
+        return methods.build_spec(self.config)
+
+    def window_start(self, iteration: int) -> int:
+        return methods.window_start(self.config, iteration)
+
+    def schedule(self, num_steps: int | None = None):
+        s = self.config.sampling
+        return self.model.make_schedule(num_steps or s.num_steps, s)
+
+    def rollout(
+        self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
+    ) -> Rollout:
+        """The iteration's trees for the global batch `prompts` from `params` (no gradient,
+        no update). With several processes each encodes, and keeps, its own rows."""
+        c = self.config
+        prompts = list(prompts)
+        rows = sharding.process_rows(len(prompts))
+        cond = self.model.encode_prompts(prompts[rows])
+        if sharding.multi_process():
+            cond = sharding.global_batch(self.mesh, cond)
+        spec = self.spec()
+        start = self.window_start(iteration)
+        tree = rollout.rollout(
+            self.model.denoise,
+            self.model_params(params),
+            cond,
+            key,
+            self.schedule(),
+            spec=spec,
+            sample_shape=self.model.sample_shape,
+            uncond=self.uncond,
+            guidance_scale=c.sampling.guidance_scale,
+            reduce=c.sampling.log_prob_reduce,
+            window_start=jnp.int32(start),  # data: one compiled rollout for every position
+            split_log_prob=c.tree.split_log_prob,
+        )
+        if sharding.multi_process():
+            tree = sharding.local_tree(tree, rows)
+            cond = sharding.replicate(self.mesh, cond)  # every row may meet any prompt
+        return Rollout(prompts, cond, spec, start, tree, rows)
+
+    def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
+        """Rewards of this process's images, then every process's, in process order: all
+        processes check, log and normalise the same values."""
+        total, parts = self.reward(images, prompts, return_components=True)
+        total = sharding.gather(np.asarray(total, np.float64))
+        parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
+        bad = ~np.isfinite(total)
+        if bad.any():
+            raise RewardError(
+                f"reward {self.reward.name} returned {int(bad.sum())} non-finite value(s) out "
+                f"of {total.size} {where}; fix the reward (or its weights) before training on it."
+            )
+        return total, parts
+
+    def trainable_rows(
+        self, sampled: Rollout, rewards, iteration: int = 0
+    ) -> transitions.Transitions:
+        """This process's trainable edges of a rollout as rows, with their advantages
+        (rewards [P, L] of the global batch); updates the stat tracker when the method uses
+        one. A row's `prompt` indexes the global batch (`sampled.cond`)."""
+        c = self.config
+        rewards = np.asarray(rewards, np.float32)
+        tracker = self.tracker
+        if tracker is not None:
+            tracker = _TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
+        advantages = methods.compute_advantages(
+            c,
+            sampled.spec,
+            sampled.tree,
+            jnp.asarray(rewards[sampled.rows]),
+            prompt_ids=sampled.prompts[sampled.rows],
+            tracker=tracker,
+        )
+        masks = methods.edge_masks(
+            c, sampled.spec, sampled.tree, advantages, iteration, sampled.window_start
+        )
+        rows = transitions.gather_transitions(sampled.tree, advantages, masks)
+        return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
+
+    def update(
+        self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
+    ) -> tuple[TrainState, dict]:
+        """Advantages, pruning and every minibatch step of one iteration's rollout."""
+        c = self.config
+        rows = self.trainable_rows(sampled, rewards, iteration)
+        lr = learning_rate(c.train, iteration)
+        schedule = self.schedule()
+        # Each process cuts its own rows; a global minibatch is every process's part, and
+        # all processes run as many minibatches as the one with the most rows needs.
+        per_process = c.train.rows_per_minibatch // jax.process_count()
+        count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
+        step_metrics = []
+        for epoch in range(c.train.inner_epochs):
+            epoch_key = jax.random.fold_in(key, epoch)
+            for batch in transitions.minibatches(rows, epoch_key, per_process, count):
+                state, metrics = self.train_step(
+                    state,
+                    sharding.shard_batch(self.mesh, batch),
+                    sampled.cond,
+                    schedule,
+                    self.uncond,
+                    self.ref_params,
+                    jnp.float32(lr),
+                    *self._step_args(),
+                )
+                step_metrics.append(metrics)
+        step_metrics = jax.device_get(step_metrics)
+        if not all(m["finite"] for m in step_metrics):
+            raise DivergenceError(self._diverged(f"the loss or gradient of iteration {iteration}"))
+        metrics = {
+            "trained_edges": int(sharding.agree(rows.num_edges, "sum")),
+            "train_rows": int(sharding.agree(rows.num_rows, "sum")),
+            "minibatches": len(step_metrics),
+            "learning_rate": lr,
+        }
+        if step_metrics:
+            for name in ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl"):
+                if name in step_metrics[0]:
+                    metrics[name] = float(np.mean([m[name] for m in step_metrics]))
+            metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
+            metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+        return state, metrics
+
+    def iteration(self, state: TrainState, iteration: int) -> tuple[TrainState, dict]:
+        """One whole iteration; returns the new state and its metrics."""
+        timings = {}
+        t0 = time.perf_counter()
+        rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
+        prompts = self.prompts.next_global_batch()
+        sampled = self.rollout(state.params, prompts, rollout_key, iteration)
+        finite = bool(jnp.all(jnp.isfinite(sampled.tree.leaves)))
+        if not sharding.agree(finite, "min"):
+            raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))
+        timings["time_rollout"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        leaves = sampled.tree.leaves
+        num_prompts, num_leaves = leaves.shape[:2]
+        images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
+        leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
+        rewards, parts = self.score(images, leaf_prompts, f"at iteration {iteration}")
+        rewards = rewards.reshape(len(sampled.prompts), num_leaves)
+        timings["time_reward"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        state, update_metrics = self.update(state, sampled, rewards, iteration, shuffle_key)
+        timings["time_update"] = time.perf_counter() - t2
+        timings["time_iteration"] = time.perf_counter() - t0
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
+            **update_metrics,
+            "window_start": self.window_start(iteration),
+            **timings,
+        }
+        return state, metrics
+
+    def evaluate(self, params) -> tuple[dict, np.ndarray]:
+        """Mean reward of fixed prompts from fixed noise with the deterministic sampler."""
+        c = self.config
+        prompts = self.eval_prompts
+        noise = _eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
+        samples = rollout.sample_deterministic(
+            self.model.denoise,
+            self.model_params(params),
+            np.asarray(self.model.encode_prompts(prompts)),
+            noise,
+            self.schedule(c.eval.num_steps or None),
+            uncond=self.uncond,
+            guidance_scale=c.sampling.guidance_scale,
+        )
+        samples = sharding.to_host(samples)
+        if not np.isfinite(samples).all():
+            raise DivergenceError(self._diverged("the evaluation samples"))
+        # Every process decodes and scores its share (the last share topped up with repeats
+        # so all are the same size); the values come back in order and are cut to size.
+        count = len(prompts)
+        share = -(-count // jax.process_count())
+        mine = np.arange(jax.process_index() * share, (jax.process_index() + 1) * share) % count
+        local = np.asarray(self.model.decode(samples[mine]))
+        mine_prompts = [prompts[i] for i in mine]
+        total, parts = self.score(local, mine_prompts, "in evaluation")
+        total, parts = total[:count], {n: v[:count] for n, v in parts.items()}
+        metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
+        if len(parts) > 1:
+            metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
+        for name, reward in self.eval_rewards.items():
+            values = sharding.gather(np.asarray(reward(local, mine_prompts), np.float64))
+            metrics[name] = float(np.mean(values[:count]))
+        return metrics, sharding.gather(local)[:count]
+
+    def _diverged(self, what: str) -> str:
+        return (
+            f"{what} are not finite: training diverged (a lower train.learning_rate or "
+            f"train.max_grad_norm may help); the checkpoints in {self.workdir}/checkpoints "
+            "are kept as they were."
+        )
+
+    def reseed(self, seed: int) -> Trainer:
+        """The same trainer started over with `seed`: its own key, prompt order and a fresh
+        stat tracker; the model and the compiled step are shared."""
+        config = self.config.copy_and_resolve_references()
+        config.seed = seed
+        return dataclasses.replace(
+            self,
+            config=config,
+            prompts=prompt_iterator(config),
+            tracker=make_tracker(config, self.method),
+            key=jax.random.PRNGKey(seed),
+        )
+
+
+def prompt_iterator(config) -> PromptIterator:
+    """The run's training prompt stream, this process's shard of it."""
+    return PromptIterator(
+        load_prompts(config.prompts.source),
+        config.prompts.batch_size,
+        seed=config.seed,
+        shard_index=jax.process_index(),
+        num_shards=jax.process_count(),
+    )
+
+
+def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | None:
+    """DDPO's per-prompt stat tracker when the config asks for it and the method uses it."""
+    if not (config.advantage.stat_tracker and method.stat_tracker):
+        return None
+    return adv.PerPromptStatTracker(
+        config.advantage.tracker_buffer, config.advantage.tracker_min_count
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))

@@ -1,0 +1,53 @@
+"""Folders that appear whole or not at all.
+
+`check_out_dir` refuses a destination that would overwrite work or a source before anything
+is written; `write_staged` builds the folder beside its destination and moves it into place,
+so a failure (or a kill) leaves no half-built folder and an existing one is replaced only by
+a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_out_dir(
+    base: Path | None, out: Path, overwrite: bool, sources=(), what: str = "the export folder"
+) -> None:
+    """Refuses an output folder that would overwrite work or a source; changes nothing."""
+    out = Path(out).expanduser().resolve()
+    protected = [(base.resolve(), "the base model folder")] if base is not None else []
+    protected += [(Path(s).expanduser().resolve(), "the source") for s in sources]
+    for source, kind in protected:
+        if _overlaps(out, source):
+            raise ValueError(f"{what} {out} must be neither inside nor around {kind} {source}.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} {out} is an existing file; choose a folder.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{what} {out} is not empty; pass --overwrite or choose another.")
+
+
+def write_staged(out: Path, fill) -> Path:
+    """Builds a folder with `fill(staging)` beside `out`, then moves it into place: a failure
+    (or a kill) leaves no half-built `out`, and an existing `out` is replaced only whole."""
+    out = Path(out).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():  # left by an earlier, killed export of this process id
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        fill(staging)
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
