@@ -21,7 +21,12 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.prompts import load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
+from tree_grpo_jax.train_step import (
+    TrainState,
+    make_accumulating_step,
+    make_optimizer,
+    make_train_step,
+)
 from tree_grpo_jax.trainer import Trainer, make_tracker, prompt_iterator
 
 
@@ -97,11 +102,16 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
             f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
             f"of the {shards} devices the batch is split over."
         )
-    local_devices = jax.local_device_count()
-    if sharding.multi_process() and config.prompts.batch_size % local_devices:
+    # The rollout splits each process's prompts over that process's share of the devices.
+    per_process = shards // jax.process_count()
+    batch = config.prompts.batch_size
+    if batch % per_process:
+        lower, upper = batch // per_process * per_process, (batch // per_process + 1) * per_process
+        works = f"{lower} or {upper}" if lower else f"{upper}"
         raise cfg.ConfigError(
-            f"prompts.batch_size ({config.prompts.batch_size}, per process) must be a multiple "
-            f"of the {local_devices} devices of each process the rollout is split over."
+            f"prompts.batch_size ({batch}{', per process' if sharding.multi_process() else ''}) "
+            f"must be a multiple of the {per_process} devices the rollout is split over "
+            f"(mesh data x fsdp); {works} would work."
         )
     method = methods.get(config.tree.method)
     # Rewards score the images where they were decoded: each process has its own copy.
@@ -152,21 +162,19 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         kl_beta=config.train.kl_beta,
     )
     use_kl = config.train.kl_beta > 0
+    layout = {}
     if adapter is None:
         ref_params = jax.tree_util.tree_map(jnp.copy, state.params) if use_kl else None
-        train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings)
     else:  # the KL reference is the base itself: no second copy
         ref_params = adapter.base if use_kl else None
         base_shardings = sharding.param_shardings(mesh, adapter.base)
-        train_step = make_train_step(
-            tx,
-            loss_kwargs,
-            mesh,
-            state_shardings,
+        layout = dict(
             merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
             frozen_shardings=base_shardings,
             ref_shardings=base_shardings if use_kl else None,
         )
+    train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout)
+    accumulating = make_accumulating_step(tx, loss_kwargs, mesh, state_shardings, **layout)
     trainer = Trainer(
         config=config,
         workdir=workdir,
@@ -179,6 +187,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         eval_prompts=eval_prompts,
         uncond=uncond,
         train_step=train_step,
+        accumulating=accumulating,
         init_state=init_state,
         tracker=make_tracker(config, method),
         ref_params=ref_params,

@@ -168,6 +168,15 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _require(tr.inner_epochs >= 1, "train.inner_epochs must be at least 1.")
     _require(tr.rows_per_minibatch >= 1, "train.rows_per_minibatch must be at least 1.")
     _require(tr.grad_accumulation >= 1, "train.grad_accumulation must be at least 1.")
+    _require(
+        tr.get("updates_per_iteration", 0) >= 0,
+        "train.updates_per_iteration must be 0 (off) or a number of updates per iteration.",
+    )
+    _require(
+        not (tr.get("updates_per_iteration", 0) and tr.grad_accumulation > 1),
+        "set train.updates_per_iteration or train.grad_accumulation, not both: each decides "
+        "how many minibatches an update spans.",
+    )
     _require(tr.clip_range > 0, f"train.clip_range must be positive, got {tr.clip_range}.")
     _require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
     _require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -54,6 +55,51 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
+def _loss_and_grads(loss_kwargs: dict, merge):
+    """(params, batch, cond, schedule, uncond, ref_params, frozen) -> ((loss, metrics), grads);
+    with `merge` (LoRA) the loss sees `merge(frozen, params)`."""
+
+    def loss_and_grads(params, batch, cond, schedule, uncond, ref_params, frozen):
+        def loss_fn(p):
+            weights = p if merge is None else merge(frozen, p)
+            return ppo_loss(
+                weights,
+                batch,
+                schedule=schedule,
+                cond=cond,
+                uncond=uncond,
+                ref_params=ref_params,
+                **loss_kwargs,
+            )
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    return loss_and_grads
+
+
+def _apply(tx, state: TrainState, grads, lr, loss=0.0):
+    """The optimizer's update from `grads` at rate `lr`. A non-finite loss, gradient or result
+    leaves the state as it was and is reported: the trainer stops, and nothing non-finite
+    can reach a checkpoint."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree_util.tree_map(keep, params, state.params)
+    opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+    return TrainState(params, opt_state), {"grad_norm": grad_norm, "finite": finite}
+
+
+def _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings) -> tuple:
+    """(state, batch, cond, schedule, uncond, ref_params, lr[, frozen]) layouts."""
+    rep = sharding.replicated(mesh)
+    ref = rep if ref_shardings is None else ref_shardings
+    shardings = (state_shardings, sharding.batch_sharding(mesh), rep, rep, rep, ref, rep)
+    return shardings + ((frozen_shardings,) if merge is not None else ())
+
+
 def make_train_step(
     tx,
     loss_kwargs: dict,
@@ -71,43 +117,96 @@ def make_train_step(
     weights as an eighth argument (laid out as `frozen_shardings`) and the loss sees
     `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
     """
+    loss_and_grads = _loss_and_grads(loss_kwargs, merge)
 
     def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
-        def loss_fn(params):
-            weights = params if merge is None else merge(frozen, params)
-            return ppo_loss(
-                weights,
-                batch,
-                schedule=schedule,
-                cond=cond,
-                uncond=uncond,
-                ref_params=ref_params,
-                **loss_kwargs,
-            )
+        (loss, metrics), grads = loss_and_grads(
+            state.params, batch, cond, schedule, uncond, ref_params, frozen
+        )
+        state, applied = _apply(tx, state, grads, lr, loss)
+        return state, {**metrics, "loss": loss, **applied}
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
-        params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.global_norm(grads)
-        # A non-finite loss, gradient or result leaves the state as it was and is reported:
-        # the trainer stops, and nothing non-finite can reach a checkpoint.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree_util.tree_map(keep, params, state.params)
-        opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
-        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite}
-        return TrainState(params, opt_state), metrics
-
-    rep = sharding.replicated(mesh)
-    batch_sh = sharding.batch_sharding(mesh)
-    ref = rep if ref_shardings is None else ref_shardings
-    in_shardings = (state_shardings, batch_sh, rep, rep, rep, ref, rep)
-    if merge is not None:
-        in_shardings += (frozen_shardings,)
+    shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
     return jax.jit(
         step,
-        in_shardings=in_shardings,
-        out_shardings=(state_shardings, rep),
+        in_shardings=shardings,
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
+    )
+
+
+@struct.dataclass
+class Accumulated:
+    """Gradients summed over minibatches, each weighted by its trained edges, and the count
+    of those edges: their ratio is the gradient of the loss over all the minibatches' edges."""
+
+    grads: Any
+    edges: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulatingStep:
+    """One optimizer update over any number of minibatches (an iteration's rows, whatever
+    their count): `start(state)`, then `accumulate` per minibatch, then `apply`."""
+
+    start: Any  # state -> Accumulated of zeros
+    accumulate: Any  # (acc, state, batch, cond, schedule, uncond, ref, [frozen]) -> acc, metrics
+    apply: Any  # (state, acc, lr) -> state, metrics
+
+
+def make_accumulating_step(
+    tx,
+    loss_kwargs: dict,
+    mesh,
+    state_shardings,
+    *,
+    merge=None,
+    frozen_shardings=None,
+    ref_shardings=None,
+) -> AccumulatingStep:
+    """The train step split in two so that one update may span any number of minibatches.
+
+    The loss of a minibatch is a mean over its trained edges, so weighting each minibatch's
+    gradient by its edge count and dividing by the total gives the gradient of the mean over
+    every edge of the update (exactly for the PPO term; the KL term, a mean over rows,
+    is weighted the same way).
+    """
+    loss_and_grads = _loss_and_grads(loss_kwargs, merge)
+    rep = sharding.replicated(mesh)
+    grad_shardings = state_shardings.params
+    acc_shardings = Accumulated(grad_shardings, rep)
+
+    def start(state: TrainState) -> Accumulated:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        return Accumulated(zeros, jnp.zeros((), jnp.float32))
+
+    def accumulate(acc, state, batch, cond, schedule, uncond, ref_params, frozen=None):
+        (loss, metrics), grads = loss_and_grads(
+            state.params, batch, cond, schedule, uncond, ref_params, frozen
+        )
+        edges = jnp.sum(batch.mask).astype(jnp.float32)
+        summed = jax.tree_util.tree_map(lambda a, g: a + edges * g, acc.grads, grads)
+        finite = jnp.isfinite(loss)
+        return Accumulated(summed, acc.edges + edges), {**metrics, "loss": loss, "finite": finite}
+
+    def apply(state, acc: Accumulated, lr):
+        grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(acc.edges, 1.0), acc.grads)
+        return _apply(tx, state, grads, lr)
+
+    shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
+    state_sh, rest = shardings[0], shardings[1:6] + shardings[7:]
+    return AccumulatingStep(
+        start=jax.jit(start, in_shardings=(state_sh,), out_shardings=acc_shardings),
+        accumulate=jax.jit(
+            accumulate,
+            in_shardings=(acc_shardings, state_sh, *rest),
+            out_shardings=(acc_shardings, rep),
+            donate_argnums=(0,),
+        ),
+        apply=jax.jit(
+            apply,
+            in_shardings=(state_sh, acc_shardings, rep),
+            out_shardings=(state_sh, rep),
+            donate_argnums=(0, 1),
+        ),
     )

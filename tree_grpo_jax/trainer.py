@@ -98,6 +98,7 @@ class Trainer:
     eval_prompts: list[str]
     uncond: jax.Array | None
     train_step: Any
+    accumulating: Any  # train_step.AccumulatingStep: updates that span several minibatches
     init_state: Any  # params -> a fresh TrainState, laid out on the mesh
     tracker: adv.PerPromptStatTracker | None
     ref_params: Any
@@ -131,13 +132,12 @@ class Trainer:
         self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
     ) -> Rollout:
         """The iteration's trees for the global batch `prompts` from `params` (no gradient,
-        no update). With several processes each encodes, and keeps, its own rows."""
+        no update), its prompts split over the mesh's batch axes: every device rolls out its
+        own. With several processes each encodes, and keeps, its own rows."""
         c = self.config
         prompts = list(prompts)
         rows = sharding.process_rows(len(prompts))
-        cond = self.model.encode_prompts(prompts[rows])
-        if sharding.multi_process():
-            cond = sharding.global_batch(self.mesh, cond)
+        cond = sharding.global_batch(self.mesh, self.model.encode_prompts(prompts[rows]))
         spec = self.spec()
         start = self.window_start(iteration)
         tree = rollout.rollout(
@@ -156,7 +156,7 @@ class Trainer:
         )
         if sharding.multi_process():
             tree = sharding.local_tree(tree, rows)
-            cond = sharding.replicate(self.mesh, cond)  # every row may meet any prompt
+        cond = sharding.replicate(self.mesh, cond)  # a minibatch row may meet any prompt
         return Rollout(prompts, cond, spec, start, tree, rows)
 
     def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
@@ -210,24 +210,33 @@ class Trainer:
         # all processes run as many minibatches as the one with the most rows needs.
         per_process = c.train.rows_per_minibatch // jax.process_count()
         count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
-        step_metrics = []
-        for epoch in range(c.train.inner_epochs):
-            epoch_key = jax.random.fold_in(key, epoch)
-            for batch in transitions.minibatches(rows, epoch_key, per_process, count):
-                state, metrics = self.train_step(
-                    state,
-                    sharding.shard_batch(self.mesh, batch),
-                    sampled.cond,
-                    schedule,
-                    self.uncond,
-                    self.ref_params,
-                    jnp.float32(lr),
-                    *self._step_args(),
+        total = count * c.train.inner_epochs
+        updates = min(c.train.get("updates_per_iteration", 0), total)
+        context = (sampled.cond, schedule, self.uncond, self.ref_params)
+        step_metrics, update_metrics, acc = [], [], None
+        for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
+            batch = sharding.shard_batch(self.mesh, batch)
+            if not updates:  # one update per minibatch (or per grad_accumulation of them)
+                state, m = self.train_step(
+                    state, batch, *context, jnp.float32(lr), *self._step_args()
                 )
-                step_metrics.append(metrics)
-        step_metrics = jax.device_get(step_metrics)
-        if not all(m["finite"] for m in step_metrics):
+                step_metrics.append(m)
+                continue
+            # `updates` updates, each over a run of consecutive minibatches
+            group = index * updates // total
+            acc = self.accumulating.start(state) if acc is None else acc
+            acc, m = self.accumulating.accumulate(acc, state, batch, *context, *self._step_args())
+            step_metrics.append(m)
+            if index + 1 == total or (index + 1) * updates // total != group:
+                state, m = self.accumulating.apply(state, acc, jnp.float32(lr))
+                update_metrics.append(m)
+                acc = None
+        step_metrics, update_metrics = jax.device_get((step_metrics, update_metrics))
+        if not all(m["finite"] for m in (*step_metrics, *update_metrics)):
             raise DivergenceError(self._diverged(f"the loss or gradient of iteration {iteration}"))
+        if update_metrics:  # the norm of each update's gradient, not of its minibatches'
+            grad_norm = float(np.mean([m["grad_norm"] for m in update_metrics]))
+            step_metrics = [{**m, "grad_norm": grad_norm} for m in step_metrics]
         metrics = {
             "trained_edges": int(sharding.agree(rows.num_edges, "sum")),
             "train_rows": int(sharding.agree(rows.num_rows, "sum")),
@@ -241,6 +250,13 @@ class Trainer:
             metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
             metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
         return state, metrics
+
+    def _minibatches(self, rows, key, per_process: int, count: int):
+        """Every epoch's shuffled minibatches of this process's rows, in order."""
+        for epoch in range(self.config.train.inner_epochs):
+            yield from transitions.minibatches(
+                rows, jax.random.fold_in(key, epoch), per_process, count
+            )
 
     def iteration(self, state: TrainState, iteration: int) -> tuple[TrainState, dict]:
         """One whole iteration; returns the new state and its metrics."""
@@ -278,38 +294,43 @@ class Trainer:
         return state, metrics
 
     def evaluate(self, params) -> tuple[dict, np.ndarray]:
-        """Mean reward of fixed prompts from fixed noise with the deterministic sampler."""
+        """Mean reward of fixed prompts from fixed noise with the deterministic sampler.
+
+        The prompts are topped up with repeats to a multiple of the devices the batch splits
+        over; every device samples its share, every process decodes and scores its own
+        rows, and the values come back in order, cut to size."""
         c = self.config
         prompts = self.eval_prompts
-        noise = _eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
+        count = len(prompts)
+        shards = sharding.num_batch_shards(self.mesh)
+        padded = np.arange(-(-count // shards) * shards) % count
+        rows = sharding.process_rows(len(padded))
+        mine = padded[rows]
+        mine_prompts = [prompts[i] for i in mine]
+        noise = _eval_noise(c.eval.seed, count, self.model.sample_shape)[mine]
         samples = rollout.sample_deterministic(
             self.model.denoise,
             self.model_params(params),
-            np.asarray(self.model.encode_prompts(prompts)),
-            noise,
+            sharding.global_batch(self.mesh, self.model.encode_prompts(mine_prompts)),
+            sharding.global_batch(self.mesh, noise),
             self.schedule(c.eval.num_steps or None),
             uncond=self.uncond,
             guidance_scale=c.sampling.guidance_scale,
         )
-        samples = sharding.to_host(samples)
-        if not np.isfinite(samples).all():
+        if sharding.multi_process():
+            samples = sharding.local_rows(samples, rows)
+        if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
             raise DivergenceError(self._diverged("the evaluation samples"))
-        # Every process decodes and scores its share (the last share topped up with repeats
-        # so all are the same size); the values come back in order and are cut to size.
-        count = len(prompts)
-        share = -(-count // jax.process_count())
-        mine = np.arange(jax.process_index() * share, (jax.process_index() + 1) * share) % count
-        local = np.asarray(self.model.decode(samples[mine]))
-        mine_prompts = [prompts[i] for i in mine]
-        total, parts = self.score(local, mine_prompts, "in evaluation")
+        images = self.model.decode(samples)
+        total, parts = self.score(images, mine_prompts, "in evaluation")
         total, parts = total[:count], {n: v[:count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
             metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
         for name, reward in self.eval_rewards.items():
-            values = sharding.gather(np.asarray(reward(local, mine_prompts), np.float64))
+            values = sharding.gather(np.asarray(reward(images, mine_prompts), np.float64))
             metrics[name] = float(np.mean(values[:count]))
-        return metrics, sharding.gather(local)[:count]
+        return metrics, sharding.gather(np.asarray(images))[:count]
 
     def _diverged(self, what: str) -> str:
         return (
