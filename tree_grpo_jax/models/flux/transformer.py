@@ -1,0 +1,568 @@
+"""The FLUX.1 transformer in Flax, computing what diffusers' PyTorch `FluxTransformer2DModel`
+computes.
+
+FLUX works on 16-channel latents packed into 2x2 patches outside the network
+(`pack_latents`: [B, 16, H, W] -> [B, H/2 * W/2, 64] tokens). The text tokens (T5) come first,
+then the image tokens. `num_layers` double-stream blocks keep separate weights per stream
+(AdaLN-zero, projections, feed-forwards) around one joint attention; `num_single_layers`
+single-stream blocks then run both streams as one sequence, attention and MLP in parallel.
+Every query and key is RMS-normalised per head and rotated by a 3-axis RoPE of the token's
+position ids (`image_ids`: (0, row, column); text ids are zeros). The conditioning vector is
+the embedded timestep (sigma * 1000), the embedded guidance scale for FLUX.1-dev
+(`guidance_embeds`; FLUX.1-schnell has none) and the projected pooled CLIP embedding.
+
+Module and attribute names are diffusers' PyTorch names with list indices merged
+(`single_transformer_blocks_3/attn/norm_q`, `transformer_blocks_0/ff/net_0/proj`), so
+`convert.pytorch_to_flax` maps a diffusers `transformer/` safetensors file onto these params
+with no table, and `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)` gives the
+file's keys back. The file has no buffers.
+
+Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`; norms, RoPE and
+the timestep features are computed in float32 and rounded to `dtype`. The RoPE angles are
+float32 here where diffusers takes them in float64: their cosines and sines differ by at most
+2.2e-6 over a 1024-pixel image's ids (positions up to 63). Against the PyTorch model in
+float32 on CPU (tests/test_flux_transformer.py: tiny random FLUX.1-dev and -schnell style
+models, outputs of scale ~2.4) the largest difference is 2.2e-6 (9.2e-7 of the scale), at
+JAX's default matmul precision; bfloat16 compute is within 1% of float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NORM_EPS = 1e-6
+ROPE_THETA = 10000.0
+MLP_RATIO = 4
+FF_MULT = 4
+ID_AXES = 3  # (offset, row, column): FLUX.1's position ids
+LATENT_PATCH = 2  # the pipeline's 2x2 packing of latents into tokens
+TIMESTEP_SCALE = 1000.0  # diffusers' forward multiplies sigma (and guidance) by this
+TIMESTEP_CHANNELS = 256
+_MAX_PERIOD = 10000
+# Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
+MODULE_LISTS = frozenset({"transformer_blocks", "single_transformer_blocks", "to_out", "net"})
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def pack_latents(latents: jax.Array) -> jax.Array:
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: each 2x2 patch as one token, channels ordered
+    (channel, patch row, patch column), tokens row-major (diffusers' `_pack_latents`)."""
+    chex.assert_rank(latents, 4)
+    batch, channels, height, width = latents.shape
+    _check_even(height, width)
+    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
+    patches = latents.reshape(batch, channels, rows, LATENT_PATCH, columns, LATENT_PATCH)
+    patches = jnp.transpose(patches, (0, 2, 4, 1, 3, 5))
+    return patches.reshape(batch, rows * columns, channels * LATENT_PATCH**2)
+
+
+def unpack_latents(tokens: jax.Array, height: int, width: int) -> jax.Array:
+    """[B, (H/2)(W/2), 4C] -> [B, C, H, W], the inverse of `pack_latents` (diffusers'
+    `_unpack_latents`, which takes the image size; here H, W are the latent size)."""
+    chex.assert_rank(tokens, 3)
+    _check_even(height, width)
+    batch, count, features = tokens.shape
+    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
+    if count != rows * columns or features % LATENT_PATCH**2:
+        raise ValueError(
+            f"{count} tokens of {features} features are not the packing of {height}x{width} "
+            "latents."
+        )
+    channels = features // LATENT_PATCH**2
+    patches = tokens.reshape(batch, rows, columns, channels, LATENT_PATCH, LATENT_PATCH)
+    patches = jnp.transpose(patches, (0, 3, 1, 4, 2, 5))
+    return patches.reshape(batch, channels, height, width)
+
+
+def image_ids(height: int, width: int) -> np.ndarray:
+    """[(H/2)(W/2), 3] float32 position ids of the packed tokens of H x W latents, in
+    `pack_latents`' order: (0, patch row, patch column), as diffusers' FluxPipeline builds
+    them (`_prepare_latent_image_ids(batch, H // 2, W // 2, ...)`)."""
+    _check_even(height, width)
+    rows, columns = np.meshgrid(
+        np.arange(height // LATENT_PATCH), np.arange(width // LATENT_PATCH), indexing="ij"
+    )
+    ids = np.stack([np.zeros_like(rows), rows, columns], axis=-1)
+    return ids.reshape(-1, ID_AXES).astype(np.float32)
+
+
+def text_ids(num_tokens: int) -> np.ndarray:
+    """[T, 3] float32 zeros: FLUX.1's text tokens all sit at position 0."""
+    return np.zeros((num_tokens, ID_AXES), np.float32)
+
+
+def _check_even(height: int, width: int) -> None:
+    if height % LATENT_PATCH or width % LATENT_PATCH:
+        raise ValueError(
+            f"Latents {height}x{width} do not pack into {LATENT_PATCH}x{LATENT_PATCH} patches."
+        )
+
+
+def rope_frequencies(axes_dims: tuple[int, ...], theta: float = ROPE_THETA) -> list[np.ndarray]:
+    """Per id axis, the [d / 2] float32 rotation frequencies theta^(-2i / d) (float64, as
+    diffusers' `FluxPosEmbed` takes them, then rounded)."""
+    return [
+        (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+        for dim in axes_dims
+    ]
+
+
+def rope_tables(ids: jax.Array, axes_dims: tuple[int, ...], theta: float = ROPE_THETA):
+    """ids [S, axes] -> (cos, sin), each [S, head_dim / 2] float32: the angle of the i-th
+    (even, odd) channel pair of a head; axis a owns `axes_dims[a] / 2` consecutive pairs."""
+    chex.assert_rank(ids, 2)
+    chex.assert_axis_dimension(ids, 1, len(axes_dims))
+    positions = jnp.asarray(ids, jnp.float32)
+    angles = jnp.concatenate(
+        [
+            positions[:, axis, None] * jnp.asarray(freqs)[None, :]
+            for axis, freqs in enumerate(rope_frequencies(axes_dims, theta))
+        ],
+        axis=-1,
+    )
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates each (even, odd) channel pair of x [B, S, heads, head_dim] by its angle, in
+    float32 (diffusers' `apply_rotary_emb` with interleaved real/imaginary parts)."""
+    chex.assert_rank(x, 4)
+    chex.assert_shape([cos, sin], (x.shape[1], x.shape[-1] // 2))
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
+    """[channels / 2] float32 frequencies of diffusers' `Timesteps` (no frequency shift):
+    PyTorch's float32 exponents, exponentiated in float64 and rounded, which lands on
+    PyTorch's float32 `exp` more often than XLA's float32 `exp` does."""
+    half = channels // 2
+    exponents = np.float32(-math.log(_MAX_PERIOD)) * np.arange(half, dtype=np.float32)
+    exponents = exponents / np.float32(half)
+    return np.exp(exponents.astype(np.float64)).astype(np.float32)
+
+
+def timestep_features(values: jax.Array, channels: int = TIMESTEP_CHANNELS) -> jax.Array:
+    """[B] -> [B, channels] float32 sinusoidal features: cos then sin (`flip_sin_to_cos`)."""
+    angles = values.astype(jnp.float32)[:, None] * jnp.asarray(timestep_frequencies(channels))
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+def _layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
+    """LayerNorm without affine parameters; statistics in float32 (two-pass variance)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def _modulate(normed: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    return normed * (1 + scale[:, None]) + shift[:, None]
+
+
+class _Layer(nn.Module):
+    """Base of the layers below: the compute and parameter dtypes, and a Dense using them."""
+
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def dense(self):
+        return functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+class RMSNorm(_Layer):
+    """RMSNorm over the last axis with a learned scale (PyTorch's `RMSNorm` weight)."""
+
+    eps: float = NORM_EPS
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class AdaLayerNormZero(_Layer):
+    """LayerNorm modulated by the conditioning: `chunks` of it (shift, scale, then the rest
+    in diffusers' order: 6 for a double-stream block's (gate, shift_mlp, scale_mlp,
+    gate_mlp), 3 for a single-stream block's gate). Returns (modulated x, *rest)."""
+
+    chunks: int = 6
+
+    @nn.compact
+    def __call__(self, x, emb):
+        emb = self.dense(self.chunks * x.shape[-1], name="linear")(nn.silu(emb))
+        shift, scale, *rest = jnp.split(emb, self.chunks, axis=-1)
+        return (_modulate(_layer_norm(x), shift, scale), *rest)
+
+
+class AdaLayerNormContinuous(_Layer):
+    """The output norm: LayerNorm modulated by the conditioning, no gate; diffusers' chunk
+    order is (scale, shift)."""
+
+    @nn.compact
+    def __call__(self, x, emb):
+        emb = self.dense(2 * x.shape[-1], name="linear")(nn.silu(emb))
+        scale, shift = jnp.split(emb, 2, axis=-1)
+        return _modulate(_layer_norm(x), shift, scale)
+
+
+class FluxAttention(_Layer):
+    """Multi-head attention with RMS qk-norm and RoPE. `joint` (double-stream blocks): the
+    text tokens have their own projections (`add_*_proj`, `norm_added_*`), go first in the
+    one softmax, and both streams have an output projection; returns (image out, text out).
+    Otherwise (single-stream blocks) the input is the joined sequence and the attended
+    values are returned unprojected."""
+
+    heads: int = 1
+    head_dim: int = 1
+    joint: bool = False
+    attention_implementation: str | None = None
+
+    def setup(self):
+        dim = self.heads * self.head_dim
+        norm = functools.partial(RMSNorm, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.to_q, self.to_k, self.to_v = self.dense(dim), self.dense(dim), self.dense(dim)
+        self.norm_q, self.norm_k = norm(), norm()
+        if self.joint:
+            self.to_out_0 = self.dense(dim)
+            self.add_q_proj = self.dense(dim)
+            self.add_k_proj = self.dense(dim)
+            self.add_v_proj = self.dense(dim)
+            self.norm_added_q, self.norm_added_k = norm(), norm()
+            self.to_add_out = self.dense(dim)
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+
+    def __call__(self, hidden_states, rope, context=None):
+        query = self.norm_q(self._heads(self.to_q(hidden_states)))
+        key = self.norm_k(self._heads(self.to_k(hidden_states)))
+        value = self._heads(self.to_v(hidden_states))
+        if self.joint:
+            query = jnp.concatenate(
+                [self.norm_added_q(self._heads(self.add_q_proj(context))), query], axis=1
+            )
+            key = jnp.concatenate(
+                [self.norm_added_k(self._heads(self.add_k_proj(context))), key], axis=1
+            )
+            value = jnp.concatenate([self._heads(self.add_v_proj(context)), value], axis=1)
+        query, key = apply_rope(query, *rope), apply_rope(key, *rope)
+        attended = jax.nn.dot_product_attention(
+            query, key, value, implementation=self.attention_implementation
+        )
+        attended = attended.reshape(*attended.shape[:2], self.heads * self.head_dim)
+        if not self.joint:
+            return attended
+        text_tokens = context.shape[1]
+        return self.to_out_0(attended[:, text_tokens:]), self.to_add_out(attended[:, :text_tokens])
+
+
+class GELUProjection(_Layer):
+    """A dense layer then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`)."""
+
+    features: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(self.dense(self.features, name="proj")(x), approximate=True)
+
+
+class FeedForward(_Layer):
+    """`net_0` (dense to 4x, GELU-tanh) then `net_2` back, as diffusers' Sequential indices."""
+
+    dim: int = 1
+
+    def setup(self):
+        self.net_0 = GELUProjection(
+            features=self.dim * FF_MULT, dtype=self.dtype, param_dtype=self.param_dtype
+        )
+        self.net_2 = self.dense(self.dim)
+
+    def __call__(self, x):
+        return self.net_2(self.net_0(x))
+
+
+class FluxTransformerBlock(_Layer):
+    """A double-stream block: joint attention of the image and text streams, then a
+    feed-forward per stream, each residual gated by AdaLN-zero. Returns (image, text)."""
+
+    dim: int = 1
+    heads: int = 1
+    head_dim: int = 1
+    attention_implementation: str | None = None
+
+    def setup(self):
+        layer = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.norm1 = AdaLayerNormZero(**layer)
+        self.norm1_context = AdaLayerNormZero(**layer)
+        self.attn = FluxAttention(
+            heads=self.heads,
+            head_dim=self.head_dim,
+            joint=True,
+            attention_implementation=self.attention_implementation,
+            **layer,
+        )
+        self.ff = FeedForward(dim=self.dim, **layer)
+        self.ff_context = FeedForward(dim=self.dim, **layer)
+
+    def __call__(self, hidden_states, context, temb, rope):
+        normed, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
+        c_normed, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
+        attn_out, context_attn_out = self.attn(normed, rope, c_normed)
+
+        hidden_states = hidden_states + gate[:, None] * attn_out
+        ff_in = _modulate(_layer_norm(hidden_states), shift_mlp, scale_mlp)
+        hidden_states = hidden_states + gate_mlp[:, None] * self.ff(ff_in)
+
+        context = context + c_gate[:, None] * context_attn_out
+        context_ff_in = _modulate(_layer_norm(context), c_shift_mlp, c_scale_mlp)
+        context = context + c_gate_mlp[:, None] * self.ff_context(context_ff_in)
+        return hidden_states, context
+
+
+class FluxSingleTransformerBlock(_Layer):
+    """A single-stream block over the joined [text, image] sequence: attention and a GELU-tanh
+    MLP read the same AdaLN-modulated input; `proj_out` mixes both into one gated residual."""
+
+    dim: int = 1
+    heads: int = 1
+    head_dim: int = 1
+    attention_implementation: str | None = None
+
+    def setup(self):
+        layer = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.norm = AdaLayerNormZero(chunks=3, **layer)
+        self.proj_mlp = self.dense(self.dim * MLP_RATIO)
+        self.proj_out = self.dense(self.dim)
+        self.attn = FluxAttention(
+            heads=self.heads,
+            head_dim=self.head_dim,
+            attention_implementation=self.attention_implementation,
+            **layer,
+        )
+
+    def __call__(self, tokens, temb, rope):
+        normed, gate = self.norm(tokens, temb)
+        mlp = nn.gelu(self.proj_mlp(normed), approximate=True)
+        mixed = self.proj_out(jnp.concatenate([self.attn(normed, rope), mlp], axis=-1))
+        return tokens + gate[:, None] * mixed
+
+
+class TimestepEmbedding(_Layer):
+    """dense, SiLU, dense (diffusers' `TimestepEmbedding`, and `PixArtAlphaTextProjection`
+    with `act_fn="silu"`: the same two layers)."""
+
+    dim: int = 1
+
+    def setup(self):
+        self.linear_1 = self.dense(self.dim)
+        self.linear_2 = self.dense(self.dim)
+
+    def __call__(self, x):
+        return self.linear_2(nn.silu(self.linear_1(x)))
+
+
+class CombinedTimestepTextProjEmbeddings(_Layer):
+    """The conditioning vector: embedded timestep (+ embedded guidance with `guidance`) plus
+    the projected pooled text embedding. Timestep and guidance arrive already x1000."""
+
+    dim: int = 1
+    guidance: bool = False
+
+    def setup(self):
+        layer = dict(dim=self.dim, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.timestep_embedder = TimestepEmbedding(**layer)
+        if self.guidance:
+            self.guidance_embedder = TimestepEmbedding(**layer)
+        self.text_embedder = TimestepEmbedding(**layer)
+
+    def __call__(self, timestep, pooled_projections, guidance=None):
+        temb = self.timestep_embedder(timestep_features(timestep))
+        if self.guidance:
+            temb = temb + self.guidance_embedder(timestep_features(guidance))
+        return temb + self.text_embedder(pooled_projections)
+
+
+class FluxTransformer(nn.Module):
+    """FLUX.1's transformer: `(hidden_states [B, N_img, in_channels], encoder_hidden_states
+    [B, N_txt, joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep
+    [B] (sigma in [0, 1]), img_ids [N_img, 3], txt_ids [N_txt, 3], guidance [B] or None) ->
+    [B, N_img, out_channels]`, diffusers' forward arguments, in the compute `dtype`.
+
+    `guidance` (the distilled guidance scale, e.g. 3.5) is required with `guidance_embeds`
+    (FLUX.1-dev) and refused without it (FLUX.1-schnell). Timestep and guidance are scaled by
+    1000 in float32. The fields are diffusers' `transformer/config.json` fields;
+    `attention_implementation` goes to `jax.nn.dot_product_attention` (None: XLA; "cudnn":
+    fused, bfloat16 on GPU).
+    """
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    attention_implementation: str | None = None
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def output_channels(self) -> int:
+        return self.out_channels or self.in_channels
+
+    def check(self) -> None:
+        """Raises a one-sentence ValueError for field values this module does not implement."""
+        if self.patch_size != 1:
+            raise ValueError(
+                f"patch_size {self.patch_size} is not supported (FLUX.1 packs 2x2 latent "
+                "patches before the transformer and has patch_size 1)."
+            )
+        axes = tuple(self.axes_dims_rope)
+        if len(axes) != ID_AXES or any(d <= 0 or d % 2 for d in axes):
+            raise ValueError(
+                f"axes_dims_rope {list(axes)} must be {ID_AXES} positive even sizes, one per "
+                "position-id axis."
+            )
+        if sum(axes) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim "
+                f"{self.attention_head_dim}."
+            )
+        if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
+            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+
+    def init_weights(self, rng: jax.Array):
+        """Random params, from the smallest input (one image token, one text token)."""
+        return self.init(rng, *self.example_inputs())["params"]
+
+    def example_inputs(self) -> tuple:
+        """One image token, one text token, batch 1: enough to trace the params' shapes."""
+        return (
+            jnp.zeros((1, 1, self.in_channels), jnp.float32),
+            jnp.zeros((1, 1, self.joint_attention_dim), jnp.float32),
+            jnp.zeros((1, self.pooled_projection_dim), jnp.float32),
+            jnp.zeros((1,), jnp.float32),
+            jnp.zeros((1, ID_AXES), jnp.float32),
+            jnp.zeros((1, ID_AXES), jnp.float32),
+            jnp.ones((1,), jnp.float32) if self.guidance_embeds else None,
+        )
+
+    def setup(self):
+        self.check()
+        dim = self.inner_dim
+        layer = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = functools.partial(nn.Dense, **layer)
+        block = dict(
+            dim=dim,
+            heads=self.num_attention_heads,
+            head_dim=self.attention_head_dim,
+            attention_implementation=self.attention_implementation,
+            **layer,
+        )
+        self.x_embedder = dense(dim)
+        self.time_text_embed = CombinedTimestepTextProjEmbeddings(
+            dim=dim, guidance=self.guidance_embeds, **layer
+        )
+        self.context_embedder = dense(dim)
+        self.transformer_blocks = [FluxTransformerBlock(**block) for _ in range(self.num_layers)]
+        self.single_transformer_blocks = [
+            FluxSingleTransformerBlock(**block) for _ in range(self.num_single_layers)
+        ]
+        self.norm_out = AdaLayerNormContinuous(**layer)
+        self.proj_out = dense(self.patch_size**2 * self.output_channels)
+
+    def __call__(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        pooled_projections,
+        timestep,
+        img_ids,
+        txt_ids,
+        guidance=None,
+    ):
+        chex.assert_rank(
+            [hidden_states, encoder_hidden_states, pooled_projections, img_ids, txt_ids],
+            [3, 3, 2, 2, 2],
+        )
+        chex.assert_axis_dimension(hidden_states, 2, self.in_channels)
+        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
+        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
+        chex.assert_equal_shape_prefix(
+            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
+        )
+        chex.assert_shape(img_ids, (hidden_states.shape[1], ID_AXES))
+        chex.assert_shape(txt_ids, (encoder_hidden_states.shape[1], ID_AXES))
+        if self.guidance_embeds and guidance is None:
+            raise ValueError("This model embeds a guidance scale (guidance_embeds), pass one.")
+        if not self.guidance_embeds and guidance is not None:
+            raise ValueError("This model has no guidance embedding, so guidance must be None.")
+        batch, text_tokens = hidden_states.shape[0], encoder_hidden_states.shape[1]
+
+        temb = self.time_text_embed(
+            _scaled(timestep, batch),
+            pooled_projections,
+            None if guidance is None else _scaled(guidance, batch),
+        )
+        rope = rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.axes_dims_rope)
+        tokens = self.x_embedder(hidden_states)
+        context = self.context_embedder(encoder_hidden_states)
+        for block in self.transformer_blocks:
+            tokens, context = block(tokens, context, temb, rope)
+        # The single-stream blocks see one sequence, text first, as the attention orders it.
+        joined = jnp.concatenate([context, tokens], axis=1)
+        for block in self.single_transformer_blocks:
+            joined = block(joined, temb, rope)
+        return self.proj_out(self.norm_out(joined[:, text_tokens:], temb))
+
+
+def _scaled(values, batch: int) -> jax.Array:
+    """[B] (or a scalar) in [0, 1] -> [B] float32 x1000, as diffusers' forward scales them."""
+    values = jnp.asarray(values, jnp.float32).reshape(-1)
+    return jnp.broadcast_to(values, (batch,)) * TIMESTEP_SCALE
+
+
+_CONFIG_FIELDS = frozenset(
+    f.name
+    for f in dataclasses.fields(FluxTransformer)
+    if f.name not in ("parent", "name", "dtype", "param_dtype", "attention_implementation")
+)
+
+
+def transformer_module(config: dict, dtype=jnp.float32, **options) -> FluxTransformer:
+    """The FLUX transformer of a diffusers `transformer/config.json` dict; keys starting with
+    `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
+    `attention_implementation`). Raises a one-sentence ValueError for keys or values this
+    module does not implement."""
+    fields = {k: v for k, v in config.items() if not k.startswith("_")}
+    unknown = sorted(set(fields) - _CONFIG_FIELDS)
+    if unknown:
+        raise ValueError(f"Transformer config keys {unknown} are not supported.")
+    if "axes_dims_rope" in fields:
+        fields["axes_dims_rope"] = tuple(fields["axes_dims_rope"])
+    module = FluxTransformer(**fields, dtype=dtype, **options)
+    module.check()
+    return module
