@@ -37,7 +37,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampling = ml_collections.ConfigDict()
     c.sampling.num_steps = 10
     c.sampling.eta = 1.0  # DDIM stochasticity of SDE and branch steps
-    c.sampling.noise_level = 0.7  # flow SDE's `a`
+    # The flow SDE's noise scale: Flow-GRPO's `a`, or the `eta` of the "dancegrpo" SDE (the
+    # DanceGRPO and BranchGRPO FLUX runs use 0.3).
+    c.sampling.noise_level = 0.7
+    # The flow SDE: "flow_grpo" (sig_t = a * sqrt(sigma / (1 - sigma))) or "dancegrpo" (the
+    # released FLUX codes': std = eta * sqrt(sigma_t - sigma_t+1)). DDIM models ignore it.
+    c.sampling.flow_sde = "flow_grpo"
+    # dancegrpo: add the velocity's score term to the mean (their `sde_solver=True`, which
+    # both releases run); off, the mean is the Euler step.
+    c.sampling.flow_score_correction = True
     c.sampling.shift = 1.0  # flow sigma shift
     c.sampling.guidance_scale = 1.0  # classifier-free guidance; 1.0 switches it off
     c.sampling.log_prob_reduce = "mean"  # "mean" or "sum" over the image's dimensions

@@ -14,6 +14,7 @@ from tree_grpo_jax import methods, pruning, rollout, tree_spec
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.sampling import FLOW_SDES
 
 WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")
@@ -99,6 +100,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"sampling.eta must be in (0, 1] (DDIM's stochasticity; 1 is DDPM-like), got {s.eta}.",
     )
     _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
+    flow_sde = s.get("flow_sde", "flow_grpo")
+    _require(
+        flow_sde in FLOW_SDES,
+        f"sampling.flow_sde must be one of {FLOW_SDES}, got {flow_sde!r}.",
+    )
     _require(
         s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
     )

@@ -197,20 +197,49 @@ def make_ddim_schedule(
     )
 
 
+# The flow SDEs a FlowSchedule can take (`sde`).
+FLOW_SDES = ("flow_grpo", "dancegrpo")
+# BranchGRPO's `flux_step_with_split` clamps its std below at this value.
+DANCEGRPO_MIN_STD = 1e-8
+
+
 @struct.dataclass
 class FlowSchedule:
     """Rectified-flow sampling from sigma 1 (noise) to 0 (data); the model predicts velocity.
 
-    The SDE step is Flow-GRPO's: `sig_t = a * sqrt(sigma / (1 - sigma))` (sigma_1 in the
-    denominator at sigma = 1), a Gaussian with std `sig_t * sqrt(-dt)`.
+    The ODE step is Euler, `x + v * dt` with `dt = sigma_{i+1} - sigma_i < 0`. The SDE step
+    is a Gaussian whose form `sde` names:
+
+    - "flow_grpo" (Flow-GRPO): `sig_t = a * sqrt(sigma / (1 - sigma))` (sigma_1 in the
+      denominator at sigma = 1), with `a = noise_level`;
+      mean = x * (1 + sig_t^2 dt / (2 sigma)) + v * (1 + sig_t^2 (1 - sigma) / (2 sigma)) dt,
+      std = sig_t * sqrt(-dt).
+    - "dancegrpo" (the SDE of DanceGRPO's `flux_step` and BranchGRPO's
+      `flux_step_with_split`, their FLUX trainers), with `eta = noise_level`:
+      std = max(eta * sqrt(sigma_i - sigma_{i+1}), 1e-8);
+      mean = x + v dt, plus, with `score_correction` (their `sde_solver=True`, what both
+      releases run), `-(eta^2 / 2) * score * dt` with the score the velocity implies for
+      x = (1 - sigma) x0 + sigma eps: x0_hat = x - sigma v,
+      score = -(x - (1 - sigma) x0_hat) / sigma^2 = -(x + (1 - sigma) v) / sigma. Written
+      out, mean = x * (1 + eta^2 dt / (2 sigma)) + v * (1 + eta^2 (1 - sigma) / (2 sigma)) dt:
+      Flow-GRPO's mean with a constant sig_t = eta, i.e. the reverse SDE
+      dx = (v - eta^2 / 2 * score) dt + eta dW, which keeps the flow's marginals to first
+      order in dt. Without the correction the step is Euler plus noise, which adds
+      eta^2 |dt| to their variance per step. Its log-prob is the whole Gaussian density, as
+      BranchGRPO's is (DanceGRPO's `flux_step` drops the `-log std - log sqrt(2 pi)` terms,
+      constants that cancel in its ratios).
+
+    `sde` and `score_correction` are static: each compiles its own programs.
     """
 
     sigmas: jax.Array  # [N + 1], from 1 down to 0
     dt: jax.Array  # [N] sigma_{i+1} - sigma_i < 0
     sqrt_neg_dt: jax.Array  # [N]
     unit_sig: jax.Array  # [N] sqrt(sigma / (1 - sigma)), sigma_1 in the denominator at 1
-    noise_level: jax.Array  # scalar a
+    noise_level: jax.Array  # scalar: Flow-GRPO's a, or DanceGRPO's eta
     timestep_scale: float = struct.field(pytree_node=False, default=1000.0)
+    sde: str = struct.field(pytree_node=False, default="flow_grpo")
+    score_correction: bool = struct.field(pytree_node=False, default=True)  # dancegrpo only
 
     @property
     def num_steps(self) -> int:
@@ -226,17 +255,30 @@ class FlowSchedule:
         sigma, dt = self.sigmas[i], self.dt[i]
         if not stochastic:
             return Transition(x + v * dt, jnp.zeros_like(dt))
-        sig = self.noise_level * self.unit_sig[i]
+        if self.sde == "flow_grpo":
+            sig = self.noise_level * self.unit_sig[i]
+            std = sig * self.sqrt_neg_dt[i]
+        else:  # dancegrpo: a constant diffusion coefficient eta
+            sig = self.noise_level
+            std = jnp.maximum(sig * self.sqrt_neg_dt[i], DANCEGRPO_MIN_STD)
+            if not self.score_correction:
+                return Transition(x + v * dt, std)
         x_coef = 1.0 + sig**2 * dt / (2.0 * sigma)
         v_coef = (1.0 + sig**2 * (1.0 - sigma) / (2.0 * sigma)) * dt
-        return Transition(x * x_coef + v * v_coef, sig * self.sqrt_neg_dt[i])
+        return Transition(x * x_coef + v * v_coef, std)
 
     def deterministic_step(self, i, x, prediction):
         return self.transition(i, x, prediction, stochastic=False).mean
 
 
 def make_flow_schedule(
-    num_steps: int, *, shift: float = 1.0, noise_level: float = 0.7, timestep_scale: float = 1000.0
+    num_steps: int,
+    *,
+    shift: float = 1.0,
+    noise_level: float = 0.7,
+    timestep_scale: float = 1000.0,
+    sde: str = "flow_grpo",
+    score_correction: bool = True,
 ) -> FlowSchedule:
     if num_steps < 2:
         raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
@@ -244,13 +286,23 @@ def make_flow_schedule(
         raise ValueError(f"shift must be positive, got {shift}.")
     sigmas = np.linspace(1.0, 0.0, num_steps + 1)
     sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
-    return flow_schedule_from_sigmas(sigmas, noise_level, timestep_scale)
+    return flow_schedule_from_sigmas(
+        sigmas, noise_level, timestep_scale, sde=sde, score_correction=score_correction
+    )
 
 
 def flow_schedule_from_sigmas(
-    sigmas, noise_level: float = 0.7, timestep_scale: float = 1000.0
+    sigmas,
+    noise_level: float = 0.7,
+    timestep_scale: float = 1000.0,
+    *,
+    sde: str = "flow_grpo",
+    score_correction: bool = True,
 ) -> FlowSchedule:
-    """A flow schedule over any decreasing sigmas from 1 to 0 (N + 1 values)."""
+    """A flow schedule over any decreasing sigmas from 1 to 0 (N + 1 values), its SDE step
+    the one `sde` names (FLOW_SDES; see FlowSchedule)."""
+    if sde not in FLOW_SDES:
+        raise ValueError(f"the flow SDE must be one of {FLOW_SDES}, got {sde!r}.")
     sigmas = np.asarray(sigmas, np.float64)
     dt = sigmas[1:] - sigmas[:-1]
     current = sigmas[:-1]
@@ -262,6 +314,8 @@ def flow_schedule_from_sigmas(
         unit_sig=_f32(np.sqrt(current / denominator)),
         noise_level=jnp.asarray(noise_level, jnp.float32),
         timestep_scale=timestep_scale,
+        sde=sde,
+        score_correction=bool(score_correction),
     )
 
 

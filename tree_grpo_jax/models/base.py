@@ -36,10 +36,15 @@ def cast_floats(tree: PyTree, dtype) -> PyTree:
 
 
 class SamplingOptions(Protocol):
-    """What a schedule reads from the run's sampling settings (the config's `sampling`)."""
+    """What a schedule reads from the run's sampling settings (the config's `sampling`).
+
+    Flow schedules also read `flow_sde` ("flow_grpo" or "dancegrpo") and
+    `flow_score_correction` (bool) where the object has them, with the defaults of
+    `Sampling` where it does not.
+    """
 
     eta: float  # DDIM: stochasticity of the stochastic steps
-    noise_level: float  # flow SDE: the noise scale `a`
+    noise_level: float  # flow SDE: Flow-GRPO's noise scale `a`, or DanceGRPO's `eta`
     shift: float  # flow: the sigma shift
 
 
@@ -50,6 +55,8 @@ class Sampling:
     eta: float = 1.0
     noise_level: float = 0.7
     shift: float = 1.0
+    flow_sde: str = "flow_grpo"
+    flow_score_correction: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +80,29 @@ class DDIMScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FlowScheduleConfig:
-    """A rectified-flow (velocity) model; `noise_level` and `shift` come from the sampling
+    """A rectified-flow (velocity) model; the shift and the SDE come from the sampling
     options, the model's timestep is `timestep_scale * sigma`."""
 
     timestep_scale: float = 1000.0
+
+    @staticmethod
+    def sde_options(sampling: SamplingOptions) -> dict:
+        """The SDE keywords of `make_flow_schedule` / `flow_schedule_from_sigmas` from the
+        sampling options, for every flow family; the SDE fields are optional there."""
+        return dict(
+            noise_level=sampling.noise_level,
+            sde=getattr(sampling, "flow_sde", Sampling.flow_sde),
+            score_correction=getattr(
+                sampling, "flow_score_correction", Sampling.flow_score_correction
+            ),
+        )
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
         return make_flow_schedule(
             num_steps,
             shift=sampling.shift,
-            noise_level=sampling.noise_level,
             timestep_scale=self.timestep_scale,
+            **self.sde_options(sampling),
         )
 
 
