@@ -29,21 +29,6 @@ from tree_grpo_jax import lora
 from tree_grpo_jax.models.registry import family_of
 
 RANKS = (4, 32, 128)
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
 
 
 def parse_args(argv=None):
@@ -55,7 +40,7 @@ def parse_args(argv=None):
 
 
 def sd15_shapes():
-    from benchmarks.gpu_sd15 import SD15_UNET
+    from benchmarks.random_models import SD15_UNET
     from tree_grpo_jax.models.sd15.load import unet_reference_shapes
     from tree_grpo_jax.models.sd15.unet import unet_module
 
@@ -63,6 +48,7 @@ def sd15_shapes():
 
 
 def sd35m_shapes():
+    from benchmarks.random_models import SD35_MEDIUM
     from tree_grpo_jax.models.sd3 import mmdit
     from tree_grpo_jax.models.sd3.load import transformer_shapes
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +50,9 @@ def node_functions(denoise_fn, event_ndim: int, reduce: str = "mean"):
     return ode_node, stochastic_node
 
 
-def engine_noise(key, spec: TreeSpec, num_prompts: int, sample_shape):
+def engine_noise(key, spec: TreeSpec, num_prompts: int, sample_shape, window_start: int = 0):
     """The roots and every stochastic step's noise exactly as the engine draws them."""
-    return rollout.noise_by_step(key, spec, num_prompts, sample_shape)
+    return rollout.noise_by_step(key, spec, num_prompts, sample_shape, window_start)
 
 
 def per_node_inputs(roots, step_noise, spec: TreeSpec, cond):
@@ -109,39 +110,49 @@ def compare(
     guidance_scale: float = 1.0,
     reps: int = 5,
     seed: int = 0,
+    engine: Callable[[jax.Array], jax.Array] | None = None,
+    window_start: int = 0,
 ) -> dict:
     """Times the engine and the node loop on one tree, interleaved, `reps` times each after
-    one untimed (compiling) call of each; checks that both give the same leaves."""
+    one untimed (compiling) call of each; checks that both give the same leaves.
+
+    `engine(key)`, when given, is the batched side (e.g. a trainer's own rollout, leaves
+    [P, L, *S]) in place of `rollout.rollout`; the loop walks `spec` at `window_start`."""
     key = jax.random.PRNGKey(seed)
     num_prompts = cond.shape[0]
     scale = jnp.float32(guidance_scale)
     fns = node_functions(denoise_fn, len(sample_shape))
-    roots, step_noise = engine_noise(key, spec, num_prompts, sample_shape)
-    roots, noise, conds = per_node_inputs(roots, step_noise, spec, cond)
+    plain = spec.at(window_start)
+    roots, step_noise = engine_noise(key, spec, num_prompts, sample_shape, window_start)
+    roots, noise, conds = per_node_inputs(roots, step_noise, plain, cond)
 
-    def engine():
+    def batched():
+        if engine is not None:
+            return engine(key)
         return rollout.rollout(
             denoise_fn, params, cond, key, schedule, spec=spec, sample_shape=tuple(sample_shape),
-            uncond=uncond, guidance_scale=scale,
+            uncond=uncond, guidance_scale=scale, window_start=window_start,
         ).leaves  # fmt: skip
 
     def loop():
-        return node_loop_rollout(fns, params, schedule, spec, roots, noise, conds, uncond, scale)
+        return node_loop_rollout(fns, params, schedule, plain, roots, noise, conds, uncond, scale)
 
-    compile_engine, engine_leaves = timed(engine)
+    compile_engine, engine_leaves = timed(batched)
     compile_loop, (loop_leaves, calls) = timed(loop)
-    diff = float(jnp.max(jnp.abs(engine_leaves.astype(jnp.float32) - loop_leaves)))
-    scale_ref = float(jnp.max(jnp.abs(engine_leaves.astype(jnp.float32))))
+    # On the host: the engine's leaves may be spread over several devices, the loop's on one.
+    engine_leaves = np.asarray(engine_leaves, np.float32)
+    diff = float(np.max(np.abs(engine_leaves - np.asarray(loop_leaves, np.float32))))
+    scale_ref = float(np.max(np.abs(engine_leaves)))
     t_engine, t_loop = [], []
     for _ in range(reps):
-        t_engine.append(timed(engine)[0])
+        t_engine.append(timed(batched)[0])
         t_loop.append(timed(loop)[0])
     guidance = uncond is not None
-    rows = spec.rollout_denoiser_calls(guidance) * num_prompts
+    rows = plain.rollout_denoiser_calls(guidance) * num_prompts
     return {
-        "spec": spec.describe(),
+        "spec": plain.describe(),
         "prompts": num_prompts,
-        "leaves_per_prompt": spec.leaves,
+        "leaves_per_prompt": plain.leaves,
         "guidance": guidance,
         "engine_denoiser_calls": spec.num_steps,
         "loop_denoiser_calls": calls,
