@@ -3,8 +3,8 @@
 Each entry builds a `TextToImageModel` of its architecture with random weights drawn on the
 host and random conditioning of the shape its text encoders give: nothing is downloaded and
 no text encoder or VAE runs (only the denoiser is timed; `decode` returns the latents). The
-denoiser is the one the family's loader builds (`models.sd15.load.make_denoise`,
-`models.sd3.load.make_denoise`), in bfloat16 over float32 master weights, so what is timed
+denoiser is the one the family's loader builds (`models.sd15.load._make_denoise`,
+`models.sd3.load._make_denoise`), in bfloat16 over float32 master weights, so what is timed
 is what training a loaded model runs. Each entry also names the repository config whose
 training settings (guidance, remat, dtypes) the benchmark keeps.
 
@@ -199,7 +199,7 @@ def latent_side(options: Options, multiple: int, what: str) -> int:
 
 
 def build_sd15(options: Options) -> Built:
-    from tree_grpo_jax.models.sd15.load import make_denoise
+    from tree_grpo_jax.models.sd15.load import _make_denoise as make_denoise
     from tree_grpo_jax.models.sd15.unet import unet_module
 
     base = SMOKE_UNET if options.smoke else SD15_UNET
@@ -225,6 +225,18 @@ def build_sd15(options: Options) -> Built:
     return Built(model, config, (SD15_TEXT_TOKENS, width), count_params(params))
 
 
+def _sd3_abstract_params(module, config: dict):
+    """The MMDiT's params as ShapeDtypeStructs, from a one-patch init (nothing computed)."""
+    patch = config.get("patch_size", 2)
+    x = jnp.zeros((1, config.get("in_channels", 16), 2 * patch, 2 * patch))
+    context = jnp.zeros((1, 1, config.get("joint_attention_dim", 4096)))
+    pooled = jnp.zeros((1, config.get("pooled_projection_dim", 2048)))
+    t = jnp.zeros((1,))
+    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, context, pooled, t))[
+        "params"
+    ]
+
+
 def build_sd35m(options: Options) -> Built:
     from tree_grpo_jax.models.sd3 import load, mmdit
 
@@ -233,7 +245,7 @@ def build_sd35m(options: Options) -> Built:
     module = mmdit.transformer_module(
         config, jnp.bfloat16, attention_implementation=options.mmdit_attention
     )
-    params = random_params(load.abstract_params(module, config))
+    params = random_params(_sd3_abstract_params(module, config))
     width, pooled = config["joint_attention_dim"], config["pooled_projection_dim"]
     tokens = SMOKE_SD3_TEXT_TOKENS if options.smoke else SD3_TEXT_TOKENS
 
@@ -245,9 +257,9 @@ def build_sd35m(options: Options) -> Built:
 
     model = TextToImageModel(
         name="sd35m-architecture-random",
-        sample_shape=load.sample_shape(config, side),
+        sample_shape=(config.get("in_channels", 16), side, side),
         params=params,
-        denoise=load.make_denoise(module, width, pooled),
+        denoise=load._make_denoise(module, width, pooled),
         encode_prompts=encode_prompts,
         decode=lambda latents: latents,
         schedule_config=load.FlowMatchScheduleConfig(shift=SD3_SHIFT),
