@@ -303,6 +303,13 @@ def test_schedule_configs_read_the_options():
     c = base.get_config()
     c.sampling.flow_sde = "dancegrpo"
     assert FlowScheduleConfig().make_schedule(6, c.sampling).sde == "dancegrpo"
+    # so does SD3's scheduler, over its own sigmas
+    from tree_grpo_jax.models.sd3.load import FlowMatchScheduleConfig
+
+    sd3 = FlowMatchScheduleConfig(shift=3.0).make_schedule(6, options)
+    assert (sd3.sde, sd3.score_correction) == ("dancegrpo", False)
+    assert float(sd3.noise_level) == np.float32(0.3)
+    np.testing.assert_allclose(sd3.sigmas, FlowMatchScheduleConfig(shift=3.0).sigmas(6), rtol=1e-6)
     # DDIM models ignore it
     ddim = DDIMScheduleConfig().make_schedule(10, c.sampling)
     jax.tree.map(np.testing.assert_array_equal, ddim, sampling.make_ddim_schedule(10, eta=1.0))

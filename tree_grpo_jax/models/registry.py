@@ -3,7 +3,8 @@
 A `ModelFamily` says everything the rest of the library needs to know about a family: the
 `model.name` values it loads, its loader, its own config sub-section (`model.<family>`),
 whether it needs `model.path`, its LoRA default targets, how to recognise its folders and
-how it exports, and the prompt sets and rewards of its own world (the tiny model's digits).
+how it exports, the prompt sets and rewards of its own world (the tiny model's digits), and
+how to describe its model as shapes alone, for planning a run's memory (`abstract`).
 Each sub-package of `models/` registers one in its `family.py`; the
 trainer, the config checks, `lora` and `export` look families up here and never name one.
 
@@ -65,6 +66,9 @@ class ModelFamily:
     prompt_sets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # rewards of the family's own world, for the reward registry: () -> {name: (fn, on_host)}
     rewards: Callable[[], Mapping[str, tuple[Callable, bool]]] | None = None
+    # -> a `models.abstract.AbstractModel`: the model as shapes, from its JSON configs or a
+    # built-in release (`model.path=builtin:<name>`); None: its runs cannot be planned
+    abstract: Callable[[LoadRequest], Any] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -153,16 +157,31 @@ def family_of_folder(path: str) -> ModelFamily:
     )
 
 
-def load_model(model_config, seed: int = 0):
-    """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
+def _request(family: ModelFamily, model_config, seed: int) -> LoadRequest:
     from tree_grpo_jax.models.base import DTYPES
 
-    family = family_of(model_config.name)
-    request = LoadRequest(
+    return LoadRequest(
         name=model_config.name,
         path=getattr(model_config, "path", "") or "",
         dtype=DTYPES[getattr(model_config, "compute_dtype", "float32")],
         seed=seed,
         options=options_of(family, model_config),
     )
-    return family.load(request)
+
+
+def load_model(model_config, seed: int = 0):
+    """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
+    family = family_of(model_config.name)
+    return family.load(_request(family, model_config, seed))
+
+
+def abstract_model(model_config, seed: int = 0):
+    """The `models.abstract.AbstractModel` of what `model_config` names: shapes only, no
+    weight read. ModelLoadError with one sentence when its family cannot say them."""
+    family = family_of(model_config.name)
+    if family.abstract is None:
+        raise ModelLoadError(
+            f"model family {family.name!r} cannot describe its model without loading it, so "
+            "its runs cannot be planned."
+        )
+    return family.abstract(_request(family, model_config, seed))

@@ -14,6 +14,12 @@ def _load(request: registry.LoadRequest):
     return load_sd(request.path, dtype=request.dtype)
 
 
+def _abstract(request: registry.LoadRequest):
+    from tree_grpo_jax.models.sd15.abstract import abstract_sd
+
+    return abstract_sd(request.path, dtype=request.dtype)
+
+
 def _base_denoiser(path: str):
     from tree_grpo_jax.models.sd15.export import base_denoiser
 
@@ -43,5 +49,6 @@ FAMILY = registry.register(
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=_recognizes,
         export=registry.FamilyExport("unet", _base_denoiser, _base_params),
+        abstract=_abstract,
     )
 )

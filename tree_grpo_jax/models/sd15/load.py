@@ -190,28 +190,41 @@ def check_unet_config(config: dict, where: Path) -> None:
         raise ModelLoadError(f"{where} uses mid_block_type {mid!r}, which is not supported.")
 
 
+def unet_from_config(config: dict, where: Path, dtype, **options) -> UNet2DConditionModel:
+    """The UNet a `unet/config.json` describes, checked; `options` go to the module."""
+    check_unet_config(config, where)
+    return unet_module(config, dtype, **options)
+
+
 def load_unet(folder: Path, dtype, variant=None, **options):
     """`(module, params, config)` of a `unet/` folder; `options` go to the module."""
     config = read_json(folder / "config.json")
-    check_unet_config(config, folder / "config.json")
-    module = unet_module(config, dtype, **options)
+    module = unet_from_config(config, folder / "config.json", dtype, **options)
     params = _load_weights(folder, "unet", unet_reference_shapes(module), variant)
     return module, cast_floats(params, dtype), config
 
 
-def _load_vae(folder: Path, dtype, variant=None):
+def vae_module(config: dict, where: Path, dtype):
+    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
     from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
     quiet_flax_deprecation_notices()
     from diffusers import FlaxAutoencoderKL
 
+    files.check_fixed(config, _VAE_FIXED, where)
+    return FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
+
+
+def decoder_params(vae_params) -> dict:
+    """The VAE params that decoding reads: the encoder half is never run."""
+    return {k: vae_params[k] for k in ("post_quant_conv", "decoder")}
+
+
+def _load_vae(folder: Path, dtype, variant=None):
     config = read_json(folder / "config.json")
-    files.check_fixed(config, _VAE_FIXED, folder / "config.json")
-    module = FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
+    module = vae_module(config, folder / "config.json", dtype)
     shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
-    params = _load_weights(folder, "vae", shapes, variant)
-    # Only the decoder half is ever run; dropping the encoder saves its memory.
-    params = {k: params[k] for k in ("post_quant_conv", "decoder")}
+    params = decoder_params(_load_weights(folder, "vae", shapes, variant))
     return module, cast_floats(params, dtype), config
 
 
@@ -256,7 +269,13 @@ def schedule_config(scheduler_config: dict, where: Path) -> DDIMScheduleConfig:
 # The model functions.
 
 
-def _make_denoise(unet: UNet2DConditionModel):
+def sample_shape(unet_config: dict) -> tuple[int, int, int]:
+    """One latent, channels first, as the UNet config sizes it."""
+    size = unet_config.get("sample_size", 64)
+    return (unet_config.get("in_channels", 4), size, size)
+
+
+def make_denoise(unet: UNet2DConditionModel):
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
         return unet.apply({"params": params}, x, t, cond).sample
@@ -285,7 +304,11 @@ def _make_encode_prompts(module, params, tokenizer, max_length: int):
     return encode_prompts
 
 
-def _make_decode(module, params, scaling_factor: float, batch_size: int, dtype):
+def decode_fn(module, vae_config: dict, batch_size: int, dtype):
+    """`(decoder params, latents [B, 4, h, w]) -> images [B, H, W, 3]` in [0, 1], jitted;
+    `batch_size` latents go through the decoder at once."""
+    scaling_factor = vae_config.get("scaling_factor", 0.18215)
+
     def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
         image = module.apply(
             {"params": params},
@@ -301,6 +324,11 @@ def _make_decode(module, params, scaling_factor: float, batch_size: int, dtype):
         images = jax.lax.map(lambda zi: decode_one(params, zi), z, batch_size=batch_size)
         return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
 
+    return decode_latents
+
+
+def _make_decode(module, params, vae_config: dict, batch_size: int, dtype):
+    decode_latents = decode_fn(module, vae_config, batch_size, dtype)
     return lambda latents: decode_latents(params, latents)
 
 
@@ -335,16 +363,13 @@ def load_sd(
     text, text_params, text_config = _load_text_encoder(folders["text_encoder"], dtype, variant)
     tokenizer = _load_tokenizer(folders["tokenizer"])
     max_length = min(tokenizer.model_max_length, text_config.max_position_embeddings)
-    size = unet_config.get("sample_size", 64)
     return StableDiffusionModel(
         name=root.name,
-        sample_shape=(unet_config.get("in_channels", 4), size, size),
+        sample_shape=sample_shape(unet_config),
         params=unet_params,
-        denoise=_make_denoise(unet),
+        denoise=make_denoise(unet),
         encode_prompts=_make_encode_prompts(text, text_params, tokenizer, max_length),
-        decode=_make_decode(
-            vae, vae_params, vae_config.get("scaling_factor", 0.18215), decode_batch_size, dtype
-        ),
+        decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
         schedule_config=schedule,
         path=root,
         unet=unet,

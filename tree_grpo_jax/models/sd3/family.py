@@ -41,6 +41,19 @@ def _load(request: registry.LoadRequest):
     )
 
 
+def _abstract(request: registry.LoadRequest):
+    from tree_grpo_jax.models.sd3.abstract import abstract_sd3
+
+    o = request.options
+    return abstract_sd3(
+        request.path,
+        dtype=request.dtype,
+        use_t5=o.use_t5,
+        t5_max_length=o.t5_max_length,
+        sample_size=o.sample_size or None,
+    )
+
+
 def _base_denoiser(path: str):
     from tree_grpo_jax.models.sd3.export import base_denoiser
 
@@ -81,5 +94,6 @@ FAMILY = registry.register(
         ),
         recognizes=lambda folder: (Path(folder) / "transformer").is_dir(),
         export=registry.FamilyExport("transformer", _base_denoiser, _base_params),
+        abstract=_abstract,
     )
 )

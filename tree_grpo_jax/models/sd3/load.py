@@ -23,7 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
+from tree_grpo_jax.models.base import (
+    FlowScheduleConfig,
+    ModelLoadError,
+    TextToImageModel,
+    cast_floats,
+)
 from tree_grpo_jax.models.sd3 import mmdit, text
 from tree_grpo_jax.sampling import flow_schedule_from_sigmas
 from tree_grpo_jax.weights import convert, files
@@ -74,8 +79,8 @@ class FlowMatchScheduleConfig:
             raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
         return flow_schedule_from_sigmas(
             self.sigmas(num_steps),
-            sampling.noise_level,
             timestep_scale=float(self.num_train_timesteps),
+            **FlowScheduleConfig.sde_options(sampling),
         )
 
 
@@ -111,44 +116,59 @@ def _weights(folder: Path, reference, drop=()) -> dict:
         ) from None
 
 
-def transformer_shapes(module, config: dict) -> dict:
-    """The flat {path: shape} of the transformer's params (nothing is computed)."""
+def abstract_params(module, config: dict):
+    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
     patch = config.get("patch_size", 2)
     x = jnp.zeros((1, config.get("in_channels", 16), 2 * patch, 2 * patch))
     context = jnp.zeros((1, 1, config.get("joint_attention_dim", 4096)))
     pooled = jnp.zeros((1, config.get("pooled_projection_dim", 2048)))
     t = jnp.zeros((1,))
     init = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, context, pooled, t))
-    return convert.shapes_of(init["params"])
+    return init["params"]
+
+
+def transformer_shapes(module, config: dict) -> dict:
+    """The flat {path: shape} of the transformer's params (nothing is computed)."""
+    return convert.shapes_of(abstract_params(module, config))
+
+
+def transformer_from_config(config: dict, where: Path, dtype):
+    """The MMDiT a `transformer/config.json` describes, checked."""
+    if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, not an "
+            f"SD3Transformer2DModel; {POINT}."
+        )
+    try:
+        return mmdit.transformer_module(config, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {e}") from None
 
 
 def load_transformer(folder: Path, dtype):
     """`(module, params, config)` of a `transformer/` folder."""
     config = files.read_json(folder / "config.json", POINT)
-    if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
-        raise ModelLoadError(
-            f"{folder}/config.json describes a {config.get('_class_name')}, not an "
-            f"SD3Transformer2DModel; {POINT}."
-        )
-    try:
-        module = mmdit.transformer_module(config, dtype)
-    except ValueError as e:
-        raise ModelLoadError(f"{folder}/config.json: {e}") from None
+    module = transformer_from_config(config, folder / "config.json", dtype)
     params = _weights(folder, transformer_shapes(module, config), drop=mmdit.BUFFERS)
     return module, cast_floats(params, dtype), config
 
 
-def _load_vae(folder: Path, dtype):
+def vae_module(config: dict, where: Path, dtype):
+    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
     from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
     quiet_flax_deprecation_notices()
     from diffusers import FlaxAutoencoderKL
 
-    config = files.read_json(folder / "config.json", POINT)
-    files.check_fixed(config, _VAE_FIXED, folder / "config.json")
+    files.check_fixed(config, _VAE_FIXED, where)
     fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
-    module = FlaxAutoencoderKL(**kwargs, dtype=dtype)
+    return FlaxAutoencoderKL(**kwargs, dtype=dtype)
+
+
+def _load_vae(folder: Path, dtype):
+    config = files.read_json(folder / "config.json", POINT)
+    module = vae_module(config, folder / "config.json", dtype)
     shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
     # Only the decoder is ever run; SD3's VAE has no quant convs.
     reference = {k: v for k, v in shapes.items() if k[0] == "decoder"}
@@ -189,7 +209,7 @@ def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
     return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
 
 
-def _make_denoise(module, context_dim: int, pooled_dim: int):
+def make_denoise(module, context_dim: int, pooled_dim: int):
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
         sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
@@ -198,7 +218,9 @@ def _make_denoise(module, context_dim: int, pooled_dim: int):
     return denoise
 
 
-def _make_decode(module, params, config: dict, batch_size: int, dtype):
+def decode_fn(module, config: dict, batch_size: int, dtype):
+    """`(decoder params, latents [B, 16, h, w]) -> images [B, H, W, 3]` in [0, 1], jitted;
+    `batch_size` latents go through the decoder at once."""
     scaling = float(config.get("scaling_factor", 1.5305))
     shift = float(config.get("shift_factor") or 0.0)
 
@@ -215,7 +237,26 @@ def _make_decode(module, params, config: dict, batch_size: int, dtype):
         )
         return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
 
+    return decode_latents
+
+
+def _make_decode(module, params, config: dict, batch_size: int, dtype):
+    decode_latents = decode_fn(module, config, batch_size, dtype)
     return lambda latents: decode_latents(params, latents)
+
+
+def sample_shape(transformer_config: dict, sample_size: int | None = None) -> tuple[int, ...]:
+    """One latent, channels first: `sample_size` on a side (default: the config's), which
+    must fit the transformer's position-embedding grid."""
+    size = sample_size or transformer_config.get("sample_size", 128)
+    patch = transformer_config.get("patch_size", 2)
+    grid = transformer_config.get("pos_embed_max_size") or size // patch
+    if size % patch or size // patch > grid:
+        raise ModelLoadError(
+            f"model.sample_size {size} must be a multiple of the patch size {patch} and at most "
+            f"{grid * patch} (the transformer's position grid)."
+        )
+    return (transformer_config.get("in_channels", 16), size, size)
 
 
 def load_sd3(
@@ -270,19 +311,11 @@ def load_sd3(
         encoders.drop_t5()
         return f"{len(unique)} prompts encoded ahead; T5 released"
 
-    size = sample_size or transformer_config.get("sample_size", 128)
-    patch = transformer_config.get("patch_size", 2)
-    grid = transformer_config.get("pos_embed_max_size") or size // patch
-    if size % patch or size // patch > grid:
-        raise ModelLoadError(
-            f"model.sample_size {size} must be a multiple of the patch size {patch} and at most "
-            f"{grid * patch} (the transformer's position grid)."
-        )
     return StableDiffusion3Model(
         name=root.name,
-        sample_shape=(transformer_config.get("in_channels", 16), size, size),
+        sample_shape=sample_shape(transformer_config, sample_size),
         params=params,
-        denoise=_make_denoise(
+        denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
         encode_prompts=encode_prompts,

@@ -529,6 +529,12 @@ class SD3TextEncoders:
         return embeds, pooled
 
 
+def check_t5_max_length(t5_max_length: int) -> None:
+    """The pipeline's `max_sequence_length` must be in [1, 512]; else one sentence."""
+    if not 1 <= t5_max_length <= 512:
+        raise ValueError(f"t5_max_length must be in [1, 512], got {t5_max_length}.")
+
+
 def load_text_encoders(
     root: Path,
     dtype=jnp.float32,
@@ -547,8 +553,7 @@ def load_text_encoders(
     most 512); `batch_size` bounds how many new prompts each encoder runs on at once.
     """
     root = Path(root)
-    if not 1 <= t5_max_length <= 512:
-        raise ValueError(f"t5_max_length must be in [1, 512], got {t5_max_length}.")
+    check_t5_max_length(t5_max_length)
     (l_encoder, l_tokenizer), (g_encoder, g_tokenizer) = CLIP_FOLDERS
     clip_l, config_l = _load_clip(root, l_encoder, l_tokenizer, dtype, None)
     # The pipeline pads both CLIP prompts to the first tokenizer's length.

@@ -19,13 +19,23 @@ def _rewards() -> dict:
     }
 
 
+def _kind(request: registry.LoadRequest) -> str:
+    return "flow" if request.name.endswith("flow") else "ddim"
+
+
 def _load(request: registry.LoadRequest):
     from tree_grpo_jax.models.tiny.model import build_tiny, load_tiny
 
-    kind = "flow" if request.name.endswith("flow") else "ddim"
+    kind = _kind(request)
     if request.name.startswith("random_"):
         return build_tiny(kind, seed=request.seed, dtype=request.dtype)
     return load_tiny(kind, dtype=request.dtype)
+
+
+def _abstract(request: registry.LoadRequest):
+    from tree_grpo_jax.models.tiny.model import abstract_tiny
+
+    return abstract_tiny(_kind(request), request.dtype)
 
 
 FAMILY = registry.register(
@@ -37,5 +47,6 @@ FAMILY = registry.register(
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         prompt_sets={"digits": DIGIT_PROMPTS},
         rewards=_rewards,
+        abstract=_abstract,
     )
 )

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.models.abstract import AbstractModel
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     FlowScheduleConfig,
@@ -82,3 +83,25 @@ def load_tiny(kind: str = "ddim", dtype=jnp.float32, path=None) -> TinyModel:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; run `{TRAIN_COMMAND} --kind={kind}`.")
     return model_from_weights(kind, load_weights(path, kind), dtype)
+
+
+def _decode_pixels(params, x):
+    del params  # pixel space: nothing to decode with
+    return networks.decode(x)
+
+
+def abstract_tiny(kind: str = "ddim", dtype=jnp.float32) -> AbstractModel:
+    """The tiny model as shapes: its networks' initialisation under `jax.eval_shape`."""
+    _check_kind(kind)
+    weights = jax.eval_shape(networks.init_weights, jax.random.key(0))
+    return AbstractModel(
+        name=f"tiny-{kind}",
+        source="the tiny model's architecture",
+        sample_shape=networks.SAMPLE_SHAPE,
+        params=jax.eval_shape(lambda w: cast_floats(w, dtype), weights["unet"]),
+        denoise=networks.denoise_fn(jnp.dtype(dtype)),
+        cond_shape=(tokenizer.MAX_LENGTH, networks.TEXT_CONFIG["hidden_size"]),
+        schedule_config=_SCHEDULES[kind],
+        decode=_decode_pixels,
+        decode_params={},
+    )

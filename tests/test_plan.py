@@ -1,0 +1,292 @@
+"""`python -m tree_grpo_jax.plan`: every program of a run compiled from shapes, with XLA's
+per-device memory; a model folder's JSON files are all it reads; FSDP divides the train
+step's state; bad input is one sentence and exit status 2.
+
+Expectations are counted independently: parameters from the weights a loader would read (the
+tiny model's random weights, the safetensors files of the SD folders), optimizer bytes by hand
+(float32 params and Adam's two float32 moments: 12 bytes per parameter)."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAMS = {"rollout", "train_step", "evaluate", "decode"}
+# Small runs: a 4-step tree with a 2-step window, a few prompts and rows.
+SMALL = [
+    "--config.sampling.num_steps=4",
+    "--config.tree.window=2",
+    "--config.prompts.batch_size=2",
+    "--config.prompts.eval_count=2",
+    "--config.train.rows_per_minibatch=4",
+]
+TINY = ["--config=configs/tiny.py", *SMALL]
+
+
+def run_plan(*args) -> subprocess.CompletedProcess:
+    """The command's own parsing and entry point, in this process (on one device: more would
+    start the command again)."""
+    from absl import flags
+
+    from tree_grpo_jax import main as cli
+    from tree_grpo_jax import plan
+
+    flags.FLAGS.unparse_flags()
+    out, err = io.StringIO(), io.StringIO()
+    cwd, argv = os.getcwd(), sys.argv
+    code = 0
+    try:
+        os.chdir(ROOT)
+        sys.argv = ["tree_grpo_jax.plan", "--devices=1", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            plan.main(cli.parse_flags(sys.argv))
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+        flags.FLAGS.unparse_flags()
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def plan_json(*args) -> dict:
+    result = run_plan(*args, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _one_error_line(result) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def tiny_unet_parameters() -> int:
+    from tree_grpo_jax.models.tiny.networks import random_weights
+
+    return sum(a.size for a in jax.tree.leaves(random_weights(0)["unet"]))
+
+
+def safetensors_parameters(folder, drop=()) -> int:
+    """Scalars in a folder's safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "np") as f:
+            names = [k for k in f.keys() if k not in drop]  # noqa: SIM118 - not a dict
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in names)
+    return total
+
+
+def json_only(folder, tmp_path):
+    """A copy of `folder` in which every file but the JSON ones holds garbage."""
+    copy = tmp_path / f"{folder.name}_json_only"
+    shutil.copytree(folder, copy)
+    for file in copy.rglob("*"):
+        if file.is_file() and file.suffix != ".json":
+            file.write_bytes(b"not what this file should hold")
+    return copy
+
+
+def _check_programs(plan, names=PROGRAMS):
+    assert set(plan["programs"]) == names
+    for name, p in plan["programs"].items():
+        assert p["argument_bytes"] > 0 and p["output_bytes"] > 0, name
+        peak = p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] - p["alias_bytes"]
+        assert p["peak_bytes"] == peak > 0, name
+        assert p["total_bytes"] == peak + p["held_bytes"], name
+
+
+def test_tiny_plan_has_every_program_and_the_train_state():
+    plan = plan_json(*TINY)
+    _check_programs(plan)
+    n = tiny_unet_parameters()
+    assert plan["parameters"] == plan["trained_parameters"] == n
+    assert plan["devices"] == 1 and plan["mesh"] == {"data": 1, "fsdp": 1}
+    step = plan["programs"]["train_step"]
+    assert step["argument_bytes"] >= 12 * n  # fp32 params and Adam's two fp32 moments
+    assert step["alias_bytes"] >= 12 * n  # the donated state is updated in place
+    assert plan["programs"]["rollout"]["argument_bytes"] >= 4 * n
+    assert plan["sample_shape"] == [1, 8, 8]
+    assert plan["largest_total_bytes"] == max(p["total_bytes"] for p in plan["programs"].values())
+    assert plan["fits"] == {"80": True, "141": True}
+
+
+def test_lora_plan_trains_only_the_factors():
+    from tree_grpo_jax.models.tiny.networks import random_weights
+
+    rank = 4
+    kernels = [
+        leaf.shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(random_weights(0)["unet"])
+        if path[-1].key == "kernel"
+        and leaf.ndim == 2
+        and path[-2].key in ("to_q", "to_k", "to_v", "to_out_0")
+    ]
+    factors = sum(rank * (fan_in + fan_out) for fan_in, fan_out in kernels)
+    result = run_plan(*TINY, f"--config.lora.rank={rank}", "--device_memory=0.0001,80")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = plan_json(*TINY, f"--config.lora.rank={rank}")
+    _check_programs(plan)
+    n = tiny_unet_parameters()
+    assert plan["trained_parameters"] == factors and plan["parameters"] == n
+    step = plan["programs"]["train_step"]
+    assert step["argument_bytes"] >= 4 * n + 12 * factors  # the frozen base and the factors
+    assert step["alias_bytes"] < 4 * n  # only the factors' state is updated in place
+    assert plan["held_bytes"]["LoRA base"] == 4 * n
+    # the table says what it measured and what does not fit
+    for name in PROGRAMS:
+        assert f"\n{name} " in result.stdout
+    assert "does not fit 0.0001 GB, fits 80 GB" in result.stdout
+    assert "LoRA rank 4" in result.stdout
+
+
+def test_sd_plan_reads_only_the_folders_json(sd_folder, tmp_path):
+    folder = json_only(sd_folder, tmp_path)
+    plan = plan_json(
+        "--config=configs/sd15.py",
+        *SMALL,
+        f"--config.model.path={folder}",
+        "--programs=rollout,decode",  # the UNet and the VAE; the tiny run compiles the rest
+    )
+    _check_programs(plan, {"rollout", "decode"})
+    assert "train_step, evaluate (not asked for)" in plan["not_planned"]
+    assert plan["parameters"] == safetensors_parameters(sd_folder / "unet")
+    # the fixture's 8x8 latents of 4 channels and its CLIP: 16 positions of 32 features
+    assert plan["sample_shape"] == [4, 8, 8]
+    assert plan["cond_shape"] == [16, 32]
+    assert plan["model"] == str(folder)
+
+
+def test_sd3_plan_reads_only_the_folders_json(tmp_path_factory, tmp_path):
+    pytest.importorskip("torch")
+    from sd3_fixtures import T5_WIDTH, make_tiny_sd3_folder
+
+    original = make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3_plan"))
+    folder = json_only(original, tmp_path)
+    plan = plan_json(
+        "--config=configs/sd35m.py",
+        *SMALL,
+        f"--config.model.path={folder}",
+        "--config.model.sd3.sample_size=8",
+        "--config.model.sd3.t5_max_length=8",
+    )
+    _check_programs(plan)
+    # diffusers saves the position table as a buffer: not a parameter
+    expected = safetensors_parameters(original / "transformer", drop=("pos_embed.pos_embed",))
+    assert plan["parameters"] == expected
+    # CLIP's 77 tokens, 8 T5 tokens and the pooled vector, each as wide as T5
+    assert plan["cond_shape"] == [77 + 8 + 1, T5_WIDTH]
+    assert plan["sample_shape"] == [16, 8, 8]
+
+
+def test_builtin_configs_are_the_releases():
+    """SD1.5's UNet has 859.5M parameters and SD3.5 Medium's MMDiT 2.24B (their model cards);
+    the text encoders give CLIP's 77 tokens of 768 (SD1.5) and 77 + 256 T5 tokens plus the
+    pooled vector, 4096 wide (SD3.5)."""
+    from ml_collections import ConfigDict
+
+    from tree_grpo_jax.models import registry
+
+    def model(name, path, **options):
+        return ConfigDict(dict(name=name, path=path, compute_dtype="float32", **options))
+
+    sd = registry.abstract_model(model("sd", "builtin:sd15"))
+    assert round(sum(x.size for x in jax.tree.leaves(sd.params)) / 1e6, 1) == 859.5
+    assert sd.cond_shape == (77, 768) and sd.sample_shape == (4, 64, 64)
+    sd3_options = ConfigDict(dict(use_t5=True, t5_max_length=256, sample_size=64))
+    sd3 = registry.abstract_model(
+        model("sd3", "stabilityai/stable-diffusion-3.5-medium", sd3=sd3_options)
+    )
+    assert round(sum(x.size for x in jax.tree.leaves(sd3.params)) / 1e9, 2) == 2.24
+    assert sd3.cond_shape == (77 + 256 + 1, 4096) and sd3.sample_shape == (16, 64, 64)
+    assert sd3.source == "builtin:sd35m (stabilityai/stable-diffusion-3.5-medium)"
+
+
+def _plan_process(*args, env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tree_grpo_jax.plan", *TINY, "--json", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
+    four = [
+        "--programs=train_step",
+        "--devices=4",
+        "--config.prompts.batch_size=4",
+        "--config.prompts.eval_count=4",
+        "--config.train.rows_per_minibatch=4",
+    ]
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    simulated = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = {
+        1: _plan_process(*four, "--config.mesh.fsdp=1", env=simulated),
+        # no XLA_FLAGS: the command starts itself again on 4 simulated devices
+        4: _plan_process(*four, "--config.mesh.fsdp=4", env=base),
+    }
+    plans = {}
+    for fsdp, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        plans[fsdp] = json.loads(stdout)
+        assert plans[fsdp]["devices"] == 4 and plans[fsdp]["platform"] == "cpu"
+        assert plans[fsdp]["mesh"] == {"data": 4 // fsdp, "fsdp": fsdp}
+    state = 12 * tiny_unet_parameters()  # fp32 params + Adam's moments, unsharded
+    args = {f: plans[f]["programs"]["train_step"]["argument_bytes"] for f in plans}
+    assert args[1] >= state
+    # The minibatch, prompts and schedule are laid out alike on both meshes: the difference is
+    # the state, of which each device holds a quarter with fsdp=4.
+    saved = args[1] - args[4]
+    assert 0.95 * state * 3 / 4 <= saved <= state * 3 / 4
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config.model.name=sd", "--config.model.path=/nonexistent/sd15"], "/nonexistent/sd15"),
+        (["--config.model.name=sd", "--config.model.path=builtin:sd99"], "'builtin:sd99'"),
+        (["--devices=-3"], "--devices=-3"),
+        (["--devices=100000"], "--devices=100000"),
+        (["--device_memory=eighty"], "--device_memory=eighty"),
+        (["--config.tree.method=bogus"], "unknown tree.method 'bogus'"),
+        (["--config.mesh.fsdp=3"], "does not cover"),
+        (["--config.no_such_field=1"], "no_such_field"),
+        (["--programs=rollout,backward"], "unknown program 'backward'"),
+        (["--config.lora.rank=2", "--config.lora.targets=('no_such_module',)"], "LoRA targets"),
+    ],
+)
+def test_bad_input_is_one_sentence(args, expected):
+    line = _one_error_line(run_plan(*TINY, *args))
+    assert expected in line
+
+
+def test_a_folder_without_a_config_is_one_sentence(sd_folder, tmp_path):
+    folder = json_only(sd_folder, tmp_path)
+    (folder / "unet" / "config.json").unlink()
+    line = _one_error_line(
+        run_plan("--config=configs/sd15.py", *SMALL, f"--config.model.path={folder}")
+    )
+    assert "has no unet/config.json" in line
+
+
+def test_a_missing_config_file_is_one_sentence():
+    line = _one_error_line(run_plan("--config=configs/no_such.py"))
+    assert "no_such.py" in line

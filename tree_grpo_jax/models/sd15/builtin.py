@@ -1,0 +1,89 @@
+"""Stable Diffusion 1.5's JSON configs as data: `model.path=builtin:sd15` plans a run on the
+public release (stable-diffusion-v1-5/stable-diffusion-v1-5) without any of its files.
+
+The values are the release's own `unet/config.json`, `vae/config.json`,
+`text_encoder/config.json` (OpenAI's CLIP ViT-L/14 text tower), `tokenizer/tokenizer_config.json`
+and `scheduler/scheduler_config.json`, with their architecture fields only (no file names,
+versions or dtypes).
+"""
+
+from __future__ import annotations
+
+from tree_grpo_jax.models.abstract import BuiltinRelease
+
+SD15 = BuiltinRelease(
+    hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5",
+    configs={
+        "unet/config.json": {
+            "_class_name": "UNet2DConditionModel",
+            "act_fn": "silu",
+            "attention_head_dim": 8,
+            "block_out_channels": [320, 640, 1280, 1280],
+            "center_input_sample": False,
+            "cross_attention_dim": 768,
+            "down_block_types": [
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+                "DownBlock2D",
+            ],
+            "downsample_padding": 1,
+            "flip_sin_to_cos": True,
+            "freq_shift": 0,
+            "in_channels": 4,
+            "layers_per_block": 2,
+            "mid_block_scale_factor": 1,
+            "norm_eps": 1e-05,
+            "norm_num_groups": 32,
+            "out_channels": 4,
+            "sample_size": 64,
+            "up_block_types": [
+                "UpBlock2D",
+                "CrossAttnUpBlock2D",
+                "CrossAttnUpBlock2D",
+                "CrossAttnUpBlock2D",
+            ],
+        },
+        "vae/config.json": {
+            "_class_name": "AutoencoderKL",
+            "act_fn": "silu",
+            "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "in_channels": 3,
+            "latent_channels": 4,
+            "layers_per_block": 2,
+            "norm_num_groups": 32,
+            "out_channels": 3,
+            "sample_size": 512,
+            "up_block_types": ["UpDecoderBlock2D"] * 4,
+        },
+        "text_encoder/config.json": {
+            "architectures": ["CLIPTextModel"],
+            "hidden_act": "quick_gelu",
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "layer_norm_eps": 1e-05,
+            "max_position_embeddings": 77,
+            "model_type": "clip_text_model",
+            "num_attention_heads": 12,
+            "num_hidden_layers": 12,
+            "projection_dim": 768,
+            "vocab_size": 49408,
+        },
+        "tokenizer/tokenizer_config.json": {"model_max_length": 77},
+        "scheduler/scheduler_config.json": {
+            "_class_name": "PNDMScheduler",
+            "beta_end": 0.012,
+            "beta_schedule": "scaled_linear",
+            "beta_start": 0.00085,
+            "clip_sample": False,
+            "num_train_timesteps": 1000,
+            "set_alpha_to_one": False,
+            "skip_prk_steps": True,
+            "steps_offset": 1,
+            "trained_betas": None,
+        },
+    },
+)
+
+RELEASES = {"sd15": SD15}
