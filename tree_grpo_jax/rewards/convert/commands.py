@@ -1,4 +1,4 @@
-"""The command line: the `hpsv2` and `aesthetic` subcommands, their arguments and `main`.
+"""The command line: the `hpsv2`, `aesthetic` and `imagereward` subcommands and `main`.
 
 Every failure is one `error:` line and exit status 2.
 """
@@ -18,6 +18,11 @@ from tree_grpo_jax.rewards.convert.dtypes import (
     _set_dtype,
 )
 from tree_grpo_jax.rewards.convert.errors import ConversionError, _first_line
+from tree_grpo_jax.rewards.convert.imagereward import (
+    blip_tokenizer,
+    convert_imagereward,
+    tokenizer_files,
+)
 from tree_grpo_jax.rewards.convert.keys import convert_open_clip
 from tree_grpo_jax.rewards.convert.reading import (
     load_checkpoint,
@@ -47,6 +52,8 @@ Pickled reward-model releases -> folders the JAX reward loader reads (safetensor
     python -m tree_grpo_jax.rewards.convert aesthetic \\
         --checkpoint=sac+logos+ava1-l14-linearMSE.pth --clip=<transformers CLIP folder> \\
         --out=<new folder>
+    python -m tree_grpo_jax.rewards.convert imagereward --checkpoint=ImageReward.pt \\
+        --tokenizer=<a bert-base-uncased folder> --out=<new folder>
 
 `hpsv2` turns an open_clip ViT CLIP state dict (HPS-v2.1 is open_clip's ViT-H-14, fine-tuned;
 `--open-clip-config` describes other open_clip ViTs) into a transformers CLIP folder:
@@ -55,7 +62,10 @@ files (`vocab.json`, `merges.txt`, `tokenizer_config.json`, `special_tokens_map.
 `reward_config.json`. `aesthetic` keeps the image tower of a transformers CLIP folder
 (`config.json`, `model.safetensors` with `vision_model.*` and `visual_projection.weight`) and
 writes the LAION aesthetic predictor's MLP as `aesthetic_mlp.safetensors` (float32, the
-release's key names) beside it, with `reward_config.json`.
+release's key names) beside it, with `reward_config.json`. `imagereward` keeps the tensors of
+the ImageReward release that its score reads (BLIP's ViT and BERT, the head in float32) under
+their own names in `model.safetensors`, its sizes in `config.json`, bert-base-uncased's
+tokenizer with BLIP's added [DEC] and [ENC] tokens, and `reward_config.json`.
 
 torch is needed only to read the pickled release (`torch.load(..., weights_only=True)`) and to
 learn the expected shapes from transformers' CLIP on the meta device. Every key and shape is
@@ -130,6 +140,30 @@ def run_aesthetic(args) -> Path:
     return write_folder(out, files)
 
 
+def run_imagereward(args) -> Path:
+    checkpoint = Path(args.checkpoint).expanduser()
+    out = check_out_dir(args.out, args.overwrite, [checkpoint])
+    _check_dtype(args.dtype)
+    tokenizer = blip_tokenizer(args.tokenizer)  # a wrong folder is refused before the release
+    _say(f"reading {checkpoint}")
+    state_dict = load_checkpoint(checkpoint)
+    _say(f"checking {len(state_dict)} tensors against ImageReward's layout")
+    config, weights = convert_imagereward(state_dict, args.dtype, f"checkpoint {checkpoint.name}")
+    del state_dict
+    files = {"config.json": config, "model.safetensors": weights}
+    files |= tokenizer_files(tokenizer, config["vocab_size"], args.tokenizer)
+    files["reward_config.json"] = {
+        "reward": "imagereward",
+        "converted_from": checkpoint.name,
+        "format": FORMAT,
+    }
+    _say(f"writing {out}")
+    return write_folder(out, files)
+
+
+_COMMANDS = {"hpsv2": run_hpsv2, "aesthetic": run_aesthetic, "imagereward": run_imagereward}
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one `error:` line (exit status 2), like every other failure."""
 
@@ -145,7 +179,9 @@ def _parser() -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{hpsv2,aesthetic}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{hpsv2,aesthetic,imagereward}"
+    )
     hps = commands.add_parser(
         "hpsv2", help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder"
     )
@@ -167,10 +203,18 @@ def _parser() -> argparse.ArgumentParser:
     aes.add_argument(
         "--clip", required=True, help="a transformers CLIP folder (openai/clip-vit-large-patch14)"
     )
-    for sub in (hps, aes):
+    ir = commands.add_parser(
+        "imagereward", help="ImageReward v1.0 (BLIP) -> a folder of safetensors and JSON"
+    )
+    ir.add_argument("--checkpoint", required=True, help="the release file, ImageReward.pt")
+    ir.add_argument("--tokenizer", required=True, help="a bert-base-uncased folder (vocab.txt)")
+    for sub in (hps, aes, ir):
         sub.add_argument("--out", required=True, help="the new reward folder")
         sub.add_argument(
-            "--dtype", default="float32", choices=sorted(OUTPUT_DTYPES), help="of the CLIP weights"
+            "--dtype",
+            default="float32",
+            choices=sorted(OUTPUT_DTYPES),
+            help="of the weights (MLP heads stay float32)",
         )
         sub.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
@@ -182,7 +226,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: usage errors exit 2, --help 0
         return e.code if isinstance(e.code, int) else 2
     try:
-        out = run_hpsv2(args) if args.command == "hpsv2" else run_aesthetic(args)
+        out = _COMMANDS[args.command](args)
     except ConversionError as e:
         print(f"error: {_first_line(e)}.", file=sys.stderr)
         return 2
