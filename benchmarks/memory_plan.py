@@ -8,8 +8,9 @@ gathered into one file and one table.
 
 Every setting plans a config's own run with the release's built-in configs
 (`--config.model.path=builtin:<name>`), one prompt per device
-(`--config.prompts.batch_size=<devices>`: the rollout splits its prompts over every device)
-and `--config.mesh.fsdp=K` (mesh.data takes the rest). The JSON is written after each
+(`--config.prompts.batch_size=<devices>`: the rollout splits its prompts over every device),
+on more than one device one train row per device (`--config.train.rows_per_minibatch`), and
+`--config.mesh.fsdp=K` (mesh.data takes the rest). The JSON is written after each
 setting; settings it already holds are not planned again, so an interrupted run continues
 where it stopped (`--fresh` starts over).
 """
@@ -26,7 +27,11 @@ import time
 from benchmarks.common import RESULTS_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RELEASES = {"sd15": "builtin:sd15", "sd35m": "builtin:sd35m"}
+RELEASES = {
+    "sd15": "builtin:sd15",
+    "sd35m": "builtin:sd35m",
+    "flux_branchgrpo": "builtin:flux-dev",
+}
 GB = 1e9
 
 
@@ -50,6 +55,8 @@ def command(config: str, fsdp: int, rank: int, devices: int) -> list[str]:
         f"--config.prompts.batch_size={devices}",
         f"--config.mesh.fsdp={fsdp}",
     ]
+    if devices > 1:  # one row per device, as one prompt per device
+        args.append(f"--config.train.rows_per_minibatch={devices}")
     if rank:
         args.append(f"--config.lora.rank={rank}")
     return [sys.executable, "-m", "tree_grpo_jax.plan", *args, "--json"]

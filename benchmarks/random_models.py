@@ -3,8 +3,8 @@
 Each entry builds a `TextToImageModel` of its architecture with random weights drawn on the
 host and random conditioning of the shape its text encoders give: nothing is downloaded and
 no text encoder or VAE runs (only the denoiser is timed; `decode` returns the latents). The
-denoiser is the one the family's loader builds (`models.sd15.load._make_denoise`,
-`models.sd3.load._make_denoise`), in bfloat16 over float32 master weights, so what is timed
+denoiser is the one the family's loader builds (`models.sd15.load.make_denoise`,
+`models.sd3.load.make_denoise`), in bfloat16 over float32 master weights, so what is timed
 is what training a loaded model runs. Each entry also names the repository config whose
 training settings (guidance, remat, dtypes) the benchmark keeps.
 
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import text_encoders
 from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 
 VAE_DOWNSCALE = 8  # pixels per latent, SD1.5's and SD3's VAEs alike
@@ -199,7 +200,7 @@ def latent_side(options: Options, multiple: int, what: str) -> int:
 
 
 def build_sd15(options: Options) -> Built:
-    from tree_grpo_jax.models.sd15.load import _make_denoise as make_denoise
+    from tree_grpo_jax.models.sd15.load import make_denoise
     from tree_grpo_jax.models.sd15.unet import unet_module
 
     base = SMOKE_UNET if options.smoke else SD15_UNET
@@ -253,13 +254,13 @@ def build_sd35m(options: Options) -> Built:
         # The text encoders' two outputs, packed into one array as the loader packs them.
         embeds = np.stack([prompt_draw(p, (tokens, width)) for p in prompts])
         vectors = np.stack([prompt_draw(p + " (pooled)", (pooled,)) for p in prompts])
-        return load.pack_conditioning(jnp.asarray(embeds), jnp.asarray(vectors))
+        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(vectors))
 
     model = TextToImageModel(
         name="sd35m-architecture-random",
         sample_shape=(config.get("in_channels", 16), side, side),
         params=params,
-        denoise=load._make_denoise(module, width, pooled),
+        denoise=load.make_denoise(module, width, pooled),
         encode_prompts=encode_prompts,
         decode=lambda latents: latents,
         schedule_config=load.FlowMatchScheduleConfig(shift=SD3_SHIFT),
@@ -284,13 +285,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         train_rows=2,
         build=build_sd35m,
     ),
-    # FLUX.1-dev goes here, a builder and a config like the rows above, once
-    # tree_grpo_jax/models/flux/ is a model family (denoiser, conditioning, schedule); it
-    # will want --resolution 720 too. Listed now so that every output says it is owed.
+    # FLUX.1-dev goes here, a builder and a config like the rows above; it will want
+    # --resolution 720 too. Listed now so that every output says it is owed.
     Architecture(
         name="flux1_dev",
         title="FLUX.1-dev (MMDiT, 12B)",
-        owed="no FLUX model in the library yet (tree_grpo_jax/models/flux/ has no family)",
+        owed="no random-weight builder for FLUX.1-dev in this table yet",
     ),
 )
 

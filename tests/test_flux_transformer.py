@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 from diffusers import FluxPipeline  # noqa: E402
+from residuals import residual_bytes  # noqa: E402
 
 from tree_grpo_jax.models.flux import transformer  # noqa: E402
 from tree_grpo_jax.weights import convert  # noqa: E402
@@ -92,18 +93,21 @@ def torch_output(model, inputs) -> np.ndarray:
         return model(hidden_states=packed, img_ids=ids, **tensors).sample.numpy()
 
 
-def flax_output(apply, params, inputs) -> np.ndarray:
+def flax_forward(apply, params, inputs) -> jax.Array:
     """Our module on latents packed, and image ids made, by our helpers."""
-    arrays = dict(inputs)
+    arrays = {k: jnp.asarray(v) for k, v in inputs.items()}
     latents = arrays.pop("latents")
     _, _, height, width = latents.shape
-    out = apply(
+    return apply(
         {"params": params},
-        hidden_states=transformer.pack_latents(jnp.asarray(latents)),
+        hidden_states=transformer.pack_latents(latents),
         img_ids=jnp.asarray(transformer.image_ids(height, width)),
-        **{k: jnp.asarray(v) for k, v in arrays.items()},
+        **arrays,
     )
-    return np.asarray(out, np.float32)
+
+
+def flax_output(apply, params, inputs) -> np.ndarray:
+    return np.asarray(flax_forward(apply, params, inputs), np.float32)
 
 
 def _relative_error(ours, theirs) -> float:
@@ -231,3 +235,47 @@ def test_config_refuses_what_is_not_implemented(change, words):
 def test_compute_dtype_is_checked():
     with pytest.raises(ValueError, match="float16"):
         transformer.transformer_module(DEV_CONFIG, dtype=jnp.float16)
+
+
+def test_block_remat_gives_pytorchs_gradient(dev):
+    """`remat_blocks` (what `model.remat` builds): PyTorch autograd's gradient of a weighted
+    sum of the output."""
+    inputs = make_inputs(dev.module, 8, 8)
+    tokens = (8 // 2) * (8 // 2)
+    weights = np.random.default_rng(2).standard_normal((len(SIGMAS), tokens, 64))
+    weights = weights.astype(np.float32)
+    tensors = {k: torch.from_numpy(v) for k, v in inputs.items()}
+    latents = tensors.pop("latents")
+    packed = FluxPipeline._pack_latents(latents, *latents.shape)
+    ids = FluxPipeline._prepare_latent_image_ids(1, 4, 4, torch.device("cpu"), torch.float32)
+    dev.torch_model.zero_grad()
+    out = dev.torch_model(hidden_states=packed, img_ids=ids, **tensors).sample
+    (out * torch.from_numpy(weights)).sum().backward()
+    theirs = {k: p.grad.numpy() for k, p in dev.torch_model.named_parameters()}
+
+    def compiled_grad(module):
+        def loss(params):
+            return jnp.sum(flax_forward(module.apply, params, inputs) * weights)
+
+        return jax.jit(jax.grad(loss)).lower(dev.params).compile()
+
+    remat = compiled_grad(transformer.transformer_module(DEV_CONFIG, remat_blocks=True))
+    ours = convert.flax_to_pytorch(remat(dev.params), list_names=transformer.MODULE_LISTS)
+    assert sorted(ours) == sorted(theirs)
+    scale = max(np.abs(g).max() for g in theirs.values())
+    worst = max(np.abs(ours[k] - theirs[k]).max() for k in theirs)
+    assert worst < 1e-5 * scale, (worst, scale)
+
+
+def test_block_remat_saves_only_the_blocks_inputs():
+    """What the gradient keeps from the forward: with `remat_blocks`, each block's input
+    (and the parameters) instead of every activation inside the blocks."""
+    inputs = make_inputs(transformer.transformer_module(DEV_CONFIG), 16, 16)
+
+    def saved(remat_blocks: bool) -> int:
+        module = transformer.transformer_module(DEV_CONFIG, remat_blocks=remat_blocks)
+        params = jax.eval_shape(module.init_weights, jax.random.key(0))
+        return residual_bytes(lambda p: flax_forward(module.apply, p, inputs), params)
+
+    remat, plain = saved(True), saved(False)
+    assert remat < 0.5 * plain, (remat, plain)

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
+from residuals import residual_bytes  # noqa: E402
 from sd3_fixtures import TRANSFORMER_CONFIG  # noqa: E402
 
 from tree_grpo_jax.models.sd3 import mmdit  # noqa: E402
@@ -160,3 +161,35 @@ def test_latents_larger_than_the_position_table_are_refused(sd3):
     inputs = sd3.inputs(26, 8, (1.0,))
     with pytest.raises(ValueError, match="pos_embed_max_size 12"):
         flax_output(sd3.apply, sd3.params, inputs)
+
+
+def test_block_remat_keeps_params_and_gradients_and_saves_less(sd35):
+    """`remat_blocks` (what `model.remat` builds): the same param tree, the gradient PyTorch's
+    autograd gives, and of the forward's activations only the blocks' inputs kept for it."""
+    inputs = sd35.inputs(8, 8, TIMESTEPS[0])
+    weights = np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(np.float32)
+    tensors = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in inputs.items()}
+    sd35.torch_model.zero_grad()
+    (sd35.torch_model(**tensors).sample * torch.from_numpy(weights)).sum().backward()
+    theirs = {k: p.grad.numpy() for k, p in sd35.torch_model.named_parameters()}
+
+    arrays = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+
+    def loss_of(module):
+        return lambda p: jnp.sum(module.apply({"params": p}, **arrays) * weights)
+
+    def compiled_grad(module):
+        return jax.jit(jax.grad(loss_of(module))).lower(sd35.params).compile()
+
+    remat = compiled_grad(mmdit.transformer_module(SD35_CONFIG, remat_blocks=True))
+    ours = convert.flax_to_pytorch(remat(sd35.params))
+    assert sorted(ours) == sorted(theirs)
+    scale = max(np.abs(g).max() for g in theirs.values())
+    worst = max(np.abs(ours[k] - theirs[k]).max() for k in theirs)
+    assert worst < 1e-5 * scale, (worst, scale)
+
+    plain, remat = (
+        residual_bytes(loss_of(mmdit.transformer_module(SD35_CONFIG, remat_blocks=r)), sd35.params)
+        for r in (False, True)
+    )
+    assert remat < 0.5 * plain, (remat, plain)

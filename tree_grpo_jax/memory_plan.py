@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, rollout, sharding
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES, cast_floats
+from tree_grpo_jax.models.base import DTYPES, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
 from tree_grpo_jax.transitions import Transitions
@@ -315,7 +315,7 @@ def _step_setup(run: _Run, tree):
     step's abstract arguments after the state: (batch, cond, schedule, uncond, ref)."""
     c = run.config
     uncond, scale = _guidance(run)
-    denoise = jax.checkpoint(run.model.denoise) if c.model.remat else run.model.denoise
+    denoise = training_denoise(run.model, c.model.remat)
     loss_kwargs = dict(
         denoise_fn=denoise,
         reduce=c.sampling.log_prob_reduce,

@@ -51,7 +51,12 @@ FORCE_DEVICES = "--xla_force_host_platform_device_count"
 SIMULATED = "TREE_GRPO_JAX_PLAN_SIMULATED"  # set in the re-started command
 # The CPU compiler hands fused chains (a matmul, softmax, matmul) to libraries whose scratch
 # memory its buffer analysis does not see; without them every intermediate is a counted buffer.
-CPU_FLAGS = tuple(f"--xla_cpu_experimental_{lib}_fusion_type=" for lib in ("ynn", "xnn", "onednn"))
+# Its default scheduler orders work for parallelism and runs a rematerialised forward as soon
+# as it can, holding what remat frees; the memory-minded one orders as accelerators do.
+CPU_FLAGS = (
+    *(f"--xla_cpu_experimental_{lib}_fusion_type=" for lib in ("ynn", "xnn", "onednn")),
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+)
 
 
 def xla_flags(current: str, devices: int | None = None) -> str:

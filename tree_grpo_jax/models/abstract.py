@@ -36,6 +36,7 @@ class AbstractModel:
     # (decoder params, latents [B, *sample_shape]) -> images [B, H, W, C]; None: not planned
     decode: Callable[[PyTree, Any], Any] | None = None
     decode_params: PyTree = None  # ShapeDtypeStructs of what `decode` reads
+    remat_blocks: bool = False  # as `TextToImageModel.remat_blocks`
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions):
         return self.schedule_config.make_schedule(num_steps, sampling)

@@ -131,9 +131,22 @@ class TextToImageModel:
     # Optional: told every prompt a run will encode, so the model may encode them ahead and
     # free its text encoders (SD3 releases its 4.7B T5); returns a line saying what it did.
     prepare_prompts: Callable[[Sequence[str]], str] | None = None
+    # True: `denoise` recomputes each of its blocks in the backward pass (model.remat asked
+    # the family for it), so the train step needs no checkpoint around the whole denoiser.
+    remat_blocks: bool = False
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
         """The schedule of `num_steps` steps; `sampling` is any object with `eta` (read by
         DDIM models), `noise_level` and `shift` (read by flow models), e.g. the config's
         `sampling` section or a `Sampling`."""
         return self.schedule_config.make_schedule(num_steps, sampling)
+
+
+def training_denoise(model, remat: bool) -> DenoiseFn:
+    """The denoiser the train step differentiates: with `remat`, the backward pass
+    recomputes the forward, block by block where the model does that itself
+    (`remat_blocks`), else around the whole denoiser (which still holds that whole
+    forward's activations at once while it recomputes them)."""
+    if not remat or getattr(model, "remat_blocks", False):
+        return model.denoise
+    return jax.checkpoint(model.denoise)

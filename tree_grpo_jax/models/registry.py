@@ -35,6 +35,9 @@ class LoadRequest:
     dtype: Any  # the compute dtype (a jnp dtype)
     seed: int  # the run's seed (for families that can build random weights)
     options: Any  # the family's own sub-section `model.<family>` (its defaults if absent)
+    # model.remat: a family whose denoiser can recompute each block in the backward pass
+    # builds it so (and says so in the model's `remat_blocks`); others ignore it
+    remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,9 @@ class ModelFamily:
     # -> a `models.abstract.AbstractModel`: the model as shapes, from its JSON configs or a
     # built-in release (`model.path=builtin:<name>`); None: its runs cannot be planned
     abstract: Callable[[LoadRequest], Any] | None = None
+    # () -> images [B, H, W, C] in [0, 1] -> features [B, D]: what the family's diversity
+    # measure compares when no CLIP is configured; None: pixels
+    image_features: Callable[[], Callable] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -166,6 +172,7 @@ def _request(family: ModelFamily, model_config, seed: int) -> LoadRequest:
         dtype=DTYPES[getattr(model_config, "compute_dtype", "float32")],
         seed=seed,
         options=options_of(family, model_config),
+        remat=bool(getattr(model_config, "remat", False)),
     )
 
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from tree_grpo_jax.weights.files import ModelLoadError
+
 FlatTree = dict[tuple[str, ...], np.ndarray]
 FlatShapes = Mapping[tuple[str, ...], tuple[int, ...]]
 
@@ -46,6 +48,7 @@ DIFFUSERS_LIST_NAMES = frozenset(
         "downsamplers",
         "upsamplers",
         "transformer_blocks",
+        "single_transformer_blocks",
         "to_out",
         "net",
     }
@@ -181,3 +184,14 @@ def flax_to_pytorch(params, *, list_names=DIFFUSERS_LIST_NAMES) -> dict[str, np.
         pt_leaf = "weight" if leaf in ("kernel", "scale", "embedding") else leaf
         state[f"{module}.{pt_leaf}" if module else pt_leaf] = np.ascontiguousarray(value)
     return state
+
+
+def folder_to_flax(folder, state, reference: FlatShapes, hint: str, *, merge_indices=True):
+    """`pytorch_to_flax` for the weights read from `folder`: a mismatch with the module's
+    `reference` is one ModelLoadError sentence naming the folder."""
+    try:
+        return pytorch_to_flax(state, reference, merge_indices=merge_indices)
+    except ParamTreeMismatch as e:
+        raise ModelLoadError(
+            f"the weights in {folder} do not match its config ({e}); {hint}."
+        ) from None

@@ -105,6 +105,20 @@ def read_safetensors_stem(
     return None
 
 
+def read_weights(folder: Path, stem: str, hint: str) -> dict[str, np.ndarray]:
+    """`stem.safetensors` of a component folder, or its shards; one sentence when there is
+    none (or only PyTorch pickles, which would need torch to read)."""
+    state = read_safetensors_stem(folder, stem, hint)
+    if state is not None:
+        return state
+    if has_pickles(folder):
+        raise ModelLoadError(
+            f"{folder} holds only PyTorch pickle weights, which need torch to read; save them "
+            f"as {stem}.safetensors or {hint} that has them."
+        )
+    raise ModelLoadError(f"{folder} has no {stem}.safetensors (or its index); {hint}.")
+
+
 def component_dir(root: Path, name: str, needed, hint: str) -> Path:
     """`root/name`, which must be a folder holding the files `needed`; else one sentence."""
     folder = Path(root) / name

@@ -2,7 +2,15 @@
 
 transformer   the FLUX transformer (`FluxTransformer2DModel`) in Flax with PyTorch's numerics
               and diffusers' parameter names, and the pipeline's latent packing and position ids
+text          CLIP-L's pooled output and T5-XXL's hidden states, as FluxPipeline encodes
+              prompts, cached per prompt
+load          the folder, the schedule (dynamic or static shift), the VAE decoder and
+              `load_flux` -> `FluxModel`
+export        what FLUX's denoiser is, for `models.export`
+builtin       FLUX.1-dev's and -schnell's JSON configs, for planning without their files
+abstract      the model as shapes, for `python -m tree_grpo_jax.plan`
+family        the family's record (`model.name="flux"`, options in `model.flux`)
 
-Modules are imported by name (`from tree_grpo_jax.models.flux import transformer`), so that
+Modules are imported by name (`from tree_grpo_jax.models.flux.load import load_flux`), so that
 importing the package reads nothing heavy.
 """

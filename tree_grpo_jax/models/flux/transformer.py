@@ -424,6 +424,9 @@ class FluxTransformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     attention_implementation: str | None = None
+    # Each block recomputes its forward in the backward pass, so a train step holds one
+    # block's activations and the blocks' inputs, not every block's activations.
+    remat_blocks: bool = False
 
     @property
     def inner_dim(self) -> int:
@@ -487,10 +490,11 @@ class FluxTransformer(nn.Module):
             dim=dim, guidance=self.guidance_embeds, **layer
         )
         self.context_embedder = dense(dim)
-        self.transformer_blocks = [FluxTransformerBlock(**block) for _ in range(self.num_layers)]
-        self.single_transformer_blocks = [
-            FluxSingleTransformerBlock(**block) for _ in range(self.num_single_layers)
-        ]
+        double, single = FluxTransformerBlock, FluxSingleTransformerBlock
+        if self.remat_blocks:
+            double, single = nn.remat(double), nn.remat(single)
+        self.transformer_blocks = [double(**block) for _ in range(self.num_layers)]
+        self.single_transformer_blocks = [single(**block) for _ in range(self.num_single_layers)]
         self.norm_out = AdaLayerNormContinuous(**layer)
         self.proj_out = dense(self.patch_size**2 * self.output_channels)
 
@@ -548,15 +552,16 @@ def _scaled(values, batch: int) -> jax.Array:
 _CONFIG_FIELDS = frozenset(
     f.name
     for f in dataclasses.fields(FluxTransformer)
-    if f.name not in ("parent", "name", "dtype", "param_dtype", "attention_implementation")
+    if f.name
+    not in ("parent", "name", "dtype", "param_dtype", "attention_implementation", "remat_blocks")
 )
 
 
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> FluxTransformer:
     """The FLUX transformer of a diffusers `transformer/config.json` dict; keys starting with
     `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
-    `attention_implementation`). Raises a one-sentence ValueError for keys or values this
-    module does not implement."""
+    `attention_implementation`, `remat_blocks`). Raises a one-sentence ValueError for keys
+    or values this module does not implement."""
     fields = {k: v for k, v in config.items() if not k.startswith("_")}
     unknown = sorted(set(fields) - _CONFIG_FIELDS)
     if unknown:

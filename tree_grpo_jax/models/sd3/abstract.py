@@ -2,9 +2,10 @@
 from SD3.5 Medium's own (`builtin:sd35m`), through the loader's config checks and module
 builders.
 
-The conditioning is what `load.pack_conditioning` makes of the text encoders' outputs: CLIP's
-padded prompt tokens, then `t5_max_length` T5 tokens (zeros without T5), then the pooled
-vector as one more token, every token as wide as the transformer's `joint_attention_dim`.
+The conditioning is what `text_encoders.pack_conditioning` makes of the text encoders'
+outputs: CLIP's padded prompt tokens, then `t5_max_length` T5 tokens (zeros without T5),
+then the pooled vector as one more token, every token as wide as the transformer's
+`joint_attention_dim`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.models import autoencoder
 from tree_grpo_jax.models.abstract import AbstractModel, clip_prompt_shape, read_configs
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.sd3 import load, text
@@ -72,6 +74,7 @@ def abstract_sd3(
     t5_max_length: int = 256,
     sample_size: int | None = None,
     decode_batch_size: int = 4,
+    remat_blocks: bool = False,
 ) -> AbstractModel:
     """What `load.load_sd3(path, dtype, ...)` would load, as shapes; reads JSON files only."""
     needed = (TRANSFORMER, VAE, SCHEDULER, CLIP_L)
@@ -80,12 +83,10 @@ def abstract_sd3(
     config = found[TRANSFORMER]
     check_text_widths(configs, config.get("joint_attention_dim", 4096), use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
-    transformer = load.transformer_from_config(config, configs.path(TRANSFORMER), dtype)
-    vae = load.vae_module(found[VAE], configs.path(VAE), dtype)
-    key = jax.random.PRNGKey(0)
-    decoder = jax.eval_shape(
-        lambda: cast_floats({"decoder": vae.init_weights(key)["decoder"]}, dtype)
+    transformer = load.transformer_from_config(
+        config, configs.path(TRANSFORMER), dtype, remat_blocks
     )
+    vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
     return AbstractModel(
         name=Path(configs.where).name,
@@ -101,6 +102,7 @@ def abstract_sd3(
         ),
         cond_shape=conditioning_shape(config, clip_tokens, t5_max_length),
         schedule_config=schedule,
-        decode=load.decode_fn(vae, found[VAE], decode_batch_size, dtype),
-        decode_params=decoder,
+        decode=autoencoder.decode_fn(vae, found[VAE], decode_batch_size, dtype),
+        decode_params=autoencoder.decoder_shapes(vae, dtype),
+        remat_blocks=remat_blocks,
     )

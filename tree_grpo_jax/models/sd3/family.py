@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import ml_collections
@@ -28,6 +29,22 @@ def check_options(o) -> str | None:
     return None
 
 
+def recognizes(folder: Path) -> bool:
+    """A folder with `transformer/` whose config names no class but SD3's (other transformer
+    families share the layout)."""
+    transformer = Path(folder) / "transformer"
+    if not transformer.is_dir():
+        return False
+    try:
+        config = json.loads((transformer / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # no readable config: the export's own checks say what is wrong
+    return not isinstance(config, dict) or config.get("_class_name") in (
+        None,
+        "SD3Transformer2DModel",
+    )
+
+
 def _load(request: registry.LoadRequest):
     from tree_grpo_jax.models.sd3.load import load_sd3
 
@@ -38,6 +55,7 @@ def _load(request: registry.LoadRequest):
         use_t5=o.use_t5,
         t5_max_length=o.t5_max_length,
         sample_size=o.sample_size or None,
+        remat_blocks=request.remat,
     )
 
 
@@ -51,6 +69,7 @@ def _abstract(request: registry.LoadRequest):
         use_t5=o.use_t5,
         t5_max_length=o.t5_max_length,
         sample_size=o.sample_size or None,
+        remat_blocks=request.remat,
     )
 
 
@@ -92,7 +111,7 @@ FAMILY = registry.register(
             "attn/add_v_proj",
             "attn/to_add_out",
         ),
-        recognizes=lambda folder: (Path(folder) / "transformer").is_dir(),
+        recognizes=recognizes,
         export=registry.FamilyExport("transformer", _base_denoiser, _base_params),
         abstract=_abstract,
     )

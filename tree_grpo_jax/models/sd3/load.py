@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import autoencoder, text_encoders
 from tree_grpo_jax.models.base import (
     FlowScheduleConfig,
     ModelLoadError,
@@ -38,13 +39,6 @@ from tree_grpo_jax.weights import convert, files
 MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
 _HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
-# VAE config fields our decoder does not read, with the one value it implements.
-_VAE_FIXED = {
-    "act_fn": "silu",
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "mid_block_add_attention": True,
-}
 _SCHEDULER_FIXED = {
     "use_dynamic_shifting": False,
     "use_karras_sigmas": False,
@@ -95,27 +89,6 @@ class StableDiffusion3Model(TextToImageModel):
     text_encoders: Any  # text.SD3TextEncoders
 
 
-def _weights(folder: Path, reference, drop=()) -> dict:
-    """The folder's diffusers-named safetensors as Flax params matching `reference`."""
-    state = files.read_safetensors_stem(folder, "diffusion_pytorch_model", POINT)
-    if state is None:
-        if files.has_pickles(folder):
-            raise ModelLoadError(
-                f"{folder} holds only PyTorch pickle weights, which need torch to read; save "
-                f"them as diffusion_pytorch_model.safetensors or {POINT} that has them."
-            )
-        raise ModelLoadError(
-            f"{folder} has no diffusion_pytorch_model.safetensors (or its index); {POINT}."
-        )
-    state = {k: v for k, v in state.items() if k not in drop}
-    try:
-        return convert.pytorch_to_flax(state, reference, merge_indices=True)
-    except convert.ParamTreeMismatch as e:
-        raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {POINT}."
-        ) from None
-
-
 def abstract_params(module, config: dict):
     """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
     patch = config.get("patch_size", 2)
@@ -132,56 +105,27 @@ def transformer_shapes(module, config: dict) -> dict:
     return convert.shapes_of(abstract_params(module, config))
 
 
-def transformer_from_config(config: dict, where: Path, dtype):
-    """The MMDiT a `transformer/config.json` describes, checked."""
+def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
+    """The MMDiT a `transformer/config.json` describes, checked; `remat_blocks`
+    recomputes each block in the backward pass."""
     if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
         raise ModelLoadError(
             f"{where} describes a {config.get('_class_name')}, not an "
             f"SD3Transformer2DModel; {POINT}."
         )
     try:
-        return mmdit.transformer_module(config, dtype)
+        return mmdit.transformer_module(config, dtype, remat_blocks=remat_blocks)
     except ValueError as e:
         raise ModelLoadError(f"{where}: {e}") from None
 
 
-def load_transformer(folder: Path, dtype):
+def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
     """`(module, params, config)` of a `transformer/` folder."""
     config = files.read_json(folder / "config.json", POINT)
-    module = transformer_from_config(config, folder / "config.json", dtype)
-    params = _weights(folder, transformer_shapes(module, config), drop=mmdit.BUFFERS)
-    return module, cast_floats(params, dtype), config
-
-
-def vae_module(config: dict, where: Path, dtype):
-    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-
-    quiet_flax_deprecation_notices()
-    from diffusers import FlaxAutoencoderKL
-
-    files.check_fixed(config, _VAE_FIXED, where)
-    fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
-    return FlaxAutoencoderKL(**kwargs, dtype=dtype)
-
-
-def _load_vae(folder: Path, dtype):
-    config = files.read_json(folder / "config.json", POINT)
-    module = vae_module(config, folder / "config.json", dtype)
-    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
-    # Only the decoder is ever run; SD3's VAE has no quant convs.
-    reference = {k: v for k, v in shapes.items() if k[0] == "decoder"}
-    state = files.read_safetensors_stem(folder, "diffusion_pytorch_model", POINT)
-    if state is None:
-        raise ModelLoadError(f"{folder} has no diffusion_pytorch_model.safetensors; {POINT}.")
-    state = {k: v for k, v in state.items() if k.startswith("decoder.")}
-    try:
-        params = convert.pytorch_to_flax(state, reference, merge_indices=True)
-    except convert.ParamTreeMismatch as e:
-        raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {POINT}."
-        ) from None
+    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
+    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
+    state = {k: v for k, v in state.items() if k not in mmdit.BUFFERS}
+    params = convert.folder_to_flax(folder, state, transformer_shapes(module, config), POINT)
     return module, cast_floats(params, dtype), config
 
 
@@ -200,15 +144,6 @@ def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
     )
 
 
-def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
-    """[P, T, D] and [P, Q] -> [P, T + 1, max(D, Q)]: the pooled vector as a last token
-    (zero-padded; SD3 has D = 4096 > Q = 2048)."""
-    width = max(prompt_embeds.shape[-1], pooled.shape[-1])
-    prompt_embeds = jnp.pad(prompt_embeds, ((0, 0), (0, 0), (0, width - prompt_embeds.shape[-1])))
-    pooled = jnp.pad(pooled, ((0, 0), (0, width - pooled.shape[-1])))
-    return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
-
-
 def make_denoise(module, context_dim: int, pooled_dim: int):
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
@@ -218,30 +153,8 @@ def make_denoise(module, context_dim: int, pooled_dim: int):
     return denoise
 
 
-def decode_fn(module, config: dict, batch_size: int, dtype):
-    """`(decoder params, latents [B, 16, h, w]) -> images [B, H, W, 3]` in [0, 1], jitted;
-    `batch_size` latents go through the decoder at once."""
-    scaling = float(config.get("scaling_factor", 1.5305))
-    shift = float(config.get("shift_factor") or 0.0)
-
-    def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
-        return module.apply(
-            {"params": params}, z[None], method=lambda m, z: m.decoder(z, deterministic=True)
-        )[0]
-
-    @jax.jit
-    def decode_latents(params, latents):
-        z = jnp.transpose(latents, (0, 2, 3, 1)).astype(jnp.float32) / scaling + shift
-        images = jax.lax.map(
-            lambda zi: decode_one(params, zi.astype(dtype)), z, batch_size=batch_size
-        )
-        return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
-
-    return decode_latents
-
-
 def _make_decode(module, params, config: dict, batch_size: int, dtype):
-    decode_latents = decode_fn(module, config, batch_size, dtype)
+    decode_latents = autoencoder.decode_fn(module, config, batch_size, dtype)
     return lambda latents: decode_latents(params, latents)
 
 
@@ -267,13 +180,15 @@ def load_sd3(
     t5_max_length: int = 256,
     sample_size: int | None = None,
     decode_batch_size: int = 4,
+    remat_blocks: bool = False,
 ) -> StableDiffusion3Model:
     """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
 
     `dtype` is the dtype of all params and of the computation. `use_t5=False` leaves the
     4.7B T5 encoder unread; its part of the conditioning is zeros, as the pipeline does.
     `sample_size` is the latent side to sample at (default: the folder's `sample_size`);
-    it must fit the transformer's position-embedding grid.
+    it must fit the transformer's position-embedding grid. `remat_blocks` recomputes each
+    transformer block in the backward pass (what `model.remat` asks for).
     """
     root = files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
     folders = {
@@ -283,8 +198,10 @@ def load_sd3(
     }
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
-    transformer, params, transformer_config = load_transformer(folders["transformer"], dtype)
-    vae, vae_params, vae_config = _load_vae(folders["vae"], dtype)
+    transformer, params, transformer_config = load_transformer(
+        folders["transformer"], dtype, remat_blocks
+    )
+    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
     encoders = text.load_text_encoders(
         root,
         dtype,
@@ -296,7 +213,7 @@ def load_sd3(
 
     def encode_prompts(prompts: Sequence[str]) -> jax.Array:
         embeds, pooled = encoders.encode(list(prompts))
-        return pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
+        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
 
     def prepare_prompts(prompts: Sequence[str]) -> str:
         unique = list(dict.fromkeys(prompts))
@@ -327,4 +244,5 @@ def load_sd3(
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoders,
+        remat_blocks=remat_blocks,
     )

@@ -411,6 +411,9 @@ class SD3Transformer(nn.Module):
     qk_norm: str | None = None
     dtype: jnp.dtype = jnp.float32
     attention_implementation: str | None = None
+    # Each block recomputes its forward in the backward pass, so a train step holds one
+    # block's activations and the blocks' inputs, not every block's activations.
+    remat_blocks: bool = False
 
     @property
     def inner_dim(self) -> int:
@@ -460,8 +463,9 @@ class SD3Transformer(nn.Module):
         )
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim, dtype=self.dtype)
         self.context_embedder = nn.Dense(self.caption_projection_dim, dtype=self.dtype)
+        block = nn.remat(JointTransformerBlock) if self.remat_blocks else JointTransformerBlock
         self.transformer_blocks = [
-            JointTransformerBlock(
+            block(
                 dim=dim,
                 heads=self.num_attention_heads,
                 head_dim=self.attention_head_dim,
@@ -505,13 +509,14 @@ class SD3Transformer(nn.Module):
 _CONFIG_FIELDS = frozenset(
     f.name
     for f in dataclasses.fields(SD3Transformer)
-    if f.name not in ("parent", "name", "dtype", "attention_implementation")
+    if f.name not in ("parent", "name", "dtype", "attention_implementation", "remat_blocks")
 )
 
 
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> SD3Transformer:
     """The MMDiT of a diffusers `transformer/config.json` dict; keys starting with `_` are
-    metadata and ignored, `options` set the non-config fields (`attention_implementation`).
+    metadata and ignored, `options` set the non-config fields (`attention_implementation`,
+    `remat_blocks`).
     Raises a one-sentence ValueError for keys or values this module does not implement."""
     fields = {k: v for k, v in config.items() if not k.startswith("_")}
     unknown = sorted(set(fields) - _CONFIG_FIELDS)

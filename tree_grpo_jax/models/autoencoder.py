@@ -1,0 +1,78 @@
+"""The VAE decoder of the flow families (SD3 / 3.5 and FLUX.1): diffusers' `AutoencoderKL`
+with 16 latent channels and no quant convs, from a diffusers `vae/` folder.
+
+Only the decoder is read and run. Latents are unscaled as the pipelines do before decoding,
+`z / scaling_factor + shift_factor` with the folder's factors (SD3.5: 1.5305 and 0.0609;
+FLUX.1: 0.3611 and 0.1159), and the images come back in [0, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models.base import cast_floats
+from tree_grpo_jax.weights import convert, files
+
+# Config fields the decoder does not read, with the one value it implements.
+FIXED = {
+    "act_fn": "silu",
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+
+
+def vae_module(config: dict, where: Path, dtype):
+    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
+    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+
+    quiet_flax_deprecation_notices()
+    from diffusers import FlaxAutoencoderKL
+
+    files.check_fixed(config, FIXED, where)
+    fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
+    return FlaxAutoencoderKL(**kwargs, dtype=dtype)
+
+
+def decoder_shapes(module, dtype=jnp.float32) -> dict:
+    """The decoder's params as ShapeDtypeStructs in `dtype` (nothing is computed)."""
+    init = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    return jax.eval_shape(lambda d: cast_floats({"decoder": d}, dtype), init["decoder"])
+
+
+def load_decoder(folder: Path, dtype, hint: str):
+    """`(module, decoder params, config)` of a `vae/` folder; the encoder is never read."""
+    config = files.read_json(folder / "config.json", hint)
+    module = vae_module(config, folder / "config.json", dtype)
+    state = files.read_weights(folder, "diffusion_pytorch_model", hint)
+    state = {k: v for k, v in state.items() if k.startswith("decoder.")}
+    reference = convert.shapes_of(decoder_shapes(module))
+    params = convert.folder_to_flax(folder, state, reference, hint)
+    return module, cast_floats(params, dtype), config
+
+
+def decode_fn(module, config: dict, batch_size: int, dtype):
+    """`(decoder params, latents [B, C, h, w]) -> images [B, H, W, 3]` in [0, 1], jitted;
+    `batch_size` latents go through the decoder at once."""
+    scaling = float(config.get("scaling_factor", 0.18215))  # absent: diffusers' default
+    shift = float(config.get("shift_factor") or 0.0)
+
+    def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
+        return module.apply(
+            {"params": params}, z[None], method=lambda m, z: m.decoder(z, deterministic=True)
+        )[0]
+
+    @jax.jit
+    def decode_latents(params, latents):
+        z = jnp.transpose(latents, (0, 2, 3, 1)).astype(jnp.float32) / scaling + shift
+        images = jax.lax.map(
+            lambda zi: decode_one(params, zi.astype(dtype)), z, batch_size=batch_size
+        )
+        return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
+
+    return decode_latents

@@ -1,0 +1,93 @@
+"""FLUX.1 as shapes, for planning: from a folder's JSON configs alone, or from the releases'
+own (`builtin:flux-dev`, `builtin:flux-schnell`), through the loader's config checks and
+module builders.
+
+The conditioning is what `text_encoders.pack_conditioning` makes of the text encoders' outputs:
+`t5_max_length` T5 tokens, then CLIP-L's pooled vector as one more token, every token as
+wide as the transformer's `joint_attention_dim`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models import autoencoder
+from tree_grpo_jax.models.abstract import AbstractModel, read_configs
+from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.flux import load
+from tree_grpo_jax.models.flux.builtin import RELEASES
+
+TRANSFORMER, VAE, SCHEDULER = (
+    "transformer/config.json",
+    "vae/config.json",
+    "scheduler/scheduler_config.json",
+)
+CLIP, T5 = "text_encoder/config.json", "text_encoder_2/config.json"
+HINT = (
+    "point --config.model.path at a diffusers-layout FLUX.1 folder (its JSON files are "
+    f"enough), or use {' or '.join('builtin:' + n for n in RELEASES)}"
+)
+
+
+def check_text_widths(configs, transformer) -> None:
+    """The loader's checks of the text encoders against the transformer, on their configs."""
+    found = configs.files
+    pairs = (
+        (CLIP, "hidden_size", transformer.pooled_projection_dim, "pooled_projection_dim"),
+        (T5, "d_model", transformer.joint_attention_dim, "joint_attention_dim"),
+    )
+    for file, field, expected, name in pairs:
+        value = found.get(file, {}).get(field, expected)
+        if value != expected:
+            raise ModelLoadError(
+                f"{configs.path(file)} has {field} {value}, but the transformer's {name} is "
+                f"{expected}; {HINT}."
+            )
+
+
+def abstract_flux(
+    path: str,
+    dtype=jnp.float32,
+    *,
+    guidance: float = 3.5,
+    t5_max_length: int = 0,
+    resolution: int = 0,
+    shift: float = 0.0,
+    decode_batch_size: int = 4,
+    remat_blocks: bool = False,
+) -> AbstractModel:
+    """What `load.load_flux(path, dtype, ...)` would load, as shapes; reads JSON files only."""
+    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (CLIP, T5), RELEASES, HINT)
+    found = configs.files
+    config, vae_config = found[TRANSFORMER], found[VAE]
+    load.check_latent_channels(config, vae_config, Path(configs.where))
+    transformer = load.transformer_from_config(
+        config, configs.path(TRANSFORMER), dtype, remat_blocks
+    )
+    check_text_widths(configs, transformer)
+    length = t5_max_length or load.default_t5_max_length(config)
+    if not 1 <= length <= 512:
+        raise ModelLoadError(f"t5_max_length must be in [1, 512], got {length}.")
+    shape = load.sample_shape(config, vae_config, resolution)
+    schedule = load.schedule_config(
+        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), shift
+    )
+    vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
+    width = max(transformer.joint_attention_dim, transformer.pooled_projection_dim)
+    return AbstractModel(
+        name=Path(configs.where).name,
+        source=configs.source,
+        sample_shape=shape,
+        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
+        denoise=load.make_denoise(
+            transformer, float(guidance) if transformer.guidance_embeds else None
+        ),
+        cond_shape=(length + 1, width),
+        schedule_config=schedule,
+        decode=autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype),
+        decode_params=autoencoder.decoder_shapes(vae, dtype),
+        remat_blocks=remat_blocks,
+    )

@@ -1,0 +1,314 @@
+"""FLUX.1 (dev or schnell) from a diffusers-layout folder, as a `FluxModel`.
+
+The folder holds `transformer/` (`FluxTransformer2DModel`, its safetensors sharded or not),
+`vae/` (the 16-channel `AutoencoderKL`), `text_encoder/` (CLIP-L), `text_encoder_2/`
+(T5-XXL), `tokenizer/`, `tokenizer_2/` and `scheduler/`. Weights are the PyTorch safetensors
+the folder carries, bfloat16 as the releases ship them or float32, converted in numpy (torch
+is never imported). Only the transformer's weights are trainable `params`; the text encoders
+and the VAE decoder are frozen and closed over by `encode_prompts` and `decode`.
+
+The trainer's denoiser sees unpacked latents [B, 16, h, w] and one conditioning array per
+prompt: `encode_prompts` packs CLIP-L's pooled vector [768] as one extra token (zero-padded
+to 4096) after T5's tokens, and `denoise` unpacks it, packs the latents into 2x2-patch
+tokens, builds the position ids, passes the distilled guidance scale (FLUX.1-dev; schnell
+has no guidance embedding) and unpacks the velocity.
+
+Measured against diffusers' PyTorch FluxPipeline on a tiny random FLUX.1-dev style folder
+(tests/test_flux_model.py, float32 on CPU, its transformer stored in bfloat16 and sharded):
+the deterministic sampler (4 steps, dynamic shifting) differs by at most 1.1e-6 from
+`FluxPipeline(latents=..., output_type="latent")` on latents up to 5.3; the VAE decode by
+9.5e-7; the schedule's sigmas by less than 1e-6, dynamic and static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.models import autoencoder, text_encoders
+from tree_grpo_jax.models.base import (
+    FlowScheduleConfig,
+    ModelLoadError,
+    TextToImageModel,
+    cast_floats,
+)
+from tree_grpo_jax.models.flux import text, transformer
+from tree_grpo_jax.sampling import flow_schedule_from_sigmas
+from tree_grpo_jax.weights import convert, files
+
+MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
+POINT = text.POINT
+HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
+_SCHEDULER_FIXED = {
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "invert_sigmas": False,
+    "shift_terminal": None,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxScheduleConfig:
+    """diffusers' FlowMatchEulerDiscreteScheduler as FluxPipeline sets it up: N sigmas
+    `linspace(1, 1/N, N)`, then 0. With `use_dynamic_shifting` (FLUX.1-dev) they are shifted
+    by `exp(mu) / (exp(mu) + 1/sigma - 1)`, mu growing linearly with the image's token count
+    from `base_shift` at `base_image_seq_len` to `max_shift` at `max_image_seq_len`; without
+    it (schnell) by the folder's static `shift`. `static_shift > 0` replaces both with
+    `s * sigma / (1 + (s - 1) * sigma)` (the released GRPO codes' shift 3). The SDE comes from
+    the sampling options."""
+
+    image_seq_len: int  # the packed latent's tokens: (h / 2) * (w / 2)
+    use_dynamic_shifting: bool = True
+    shift: float = 3.0
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    num_train_timesteps: int = 1000
+    static_shift: float = 0.0  # > 0: this shift, whatever the folder says
+
+    @property
+    def mu(self) -> float:
+        slope = (self.max_shift - self.base_shift) / (
+            self.max_image_seq_len - self.base_image_seq_len
+        )
+        return self.image_seq_len * slope + self.base_shift - slope * self.base_image_seq_len
+
+    def sigmas(self, num_steps: int) -> np.ndarray:
+        # The scheduler takes the pipeline's float64 linspace as float32, then shifts it.
+        base = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32).astype(np.float64)
+        if self.static_shift > 0 or not self.use_dynamic_shifting:
+            s = self.static_shift if self.static_shift > 0 else self.shift
+            shifted = s * base / (1.0 + (s - 1.0) * base)
+        else:
+            shifted = math.exp(self.mu) / (math.exp(self.mu) + (1.0 / base - 1.0))
+        return np.append(shifted, 0.0)
+
+    def make_schedule(self, num_steps: int, sampling):
+        if num_steps < 2:
+            raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
+        return flow_schedule_from_sigmas(
+            self.sigmas(num_steps),
+            timestep_scale=float(self.num_train_timesteps),
+            **FlowScheduleConfig.sde_options(sampling),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class FluxModel(TextToImageModel):
+    """A loaded FLUX.1 folder."""
+
+    path: Path
+    transformer: Any  # the Flax FluxTransformer `denoise` applies
+    transformer_config: dict
+    vae_config: dict
+    guidance: float | None  # the distilled guidance scale `denoise` passes (None: schnell)
+    text_encoders: Any  # text.FluxTextEncoders
+
+
+def schedule_config(
+    config: dict, where: Path, image_seq_len: int, static_shift: float = 0.0
+) -> FluxScheduleConfig:
+    """The schedule of a `scheduler/scheduler_config.json`, checked."""
+    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
+        "FlowMatchEulerDiscreteScheduler"
+    ):
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, but FLUX.1 folders use "
+            "FlowMatchEulerDiscreteScheduler."
+        )
+    files.check_fixed(config, _SCHEDULER_FIXED, where)
+    fields = {f.name for f in dataclasses.fields(FluxScheduleConfig)} - {
+        "image_seq_len",
+        "static_shift",
+    }
+    values = {k: config[k] for k in fields if config.get(k) is not None}
+    if values.get("max_image_seq_len", 4096) == values.get("base_image_seq_len", 256):
+        raise ModelLoadError(f"{where} has max_image_seq_len equal to base_image_seq_len.")
+    return FluxScheduleConfig(image_seq_len=image_seq_len, static_shift=static_shift, **values)
+
+
+def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
+    """The FLUX transformer a `transformer/config.json` describes, checked; `remat_blocks`
+    recomputes each block in the backward pass."""
+    if config.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, not a FluxTransformer2DModel; "
+            f"{POINT}."
+        )
+    try:
+        return transformer.transformer_module(config, dtype, remat_blocks=remat_blocks)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
+
+
+def abstract_params(module) -> dict:
+    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
+    return jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+
+
+def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
+    """`(module, params, config)` of a `transformer/` folder."""
+    config = files.read_json(folder / "config.json", POINT)
+    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
+    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
+    params = convert.folder_to_flax(
+        folder, state, convert.shapes_of(abstract_params(module)), POINT
+    )
+    return module, cast_floats(params, dtype), config
+
+
+def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0):
+    """`(params, x [B, C, h, w], t [B] (sigma * timestep_scale), cond [B, T + 1, D]) ->
+    velocity [B, C, h, w]`, as FluxPipeline calls its transformer."""
+    context_dim, pooled_dim = module.joint_attention_dim, module.pooled_projection_dim
+
+    def denoise(params, x, t, cond):
+        batch, _, height, width = x.shape
+        sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
+        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        out = module.apply(
+            {"params": params},
+            transformer.pack_latents(x.astype(module.dtype)),
+            sequence.astype(module.dtype),
+            pooled.astype(module.dtype),
+            sigma,
+            jnp.asarray(transformer.image_ids(height, width)),
+            jnp.asarray(transformer.text_ids(sequence.shape[1])),
+            None if guidance is None else jnp.full((batch,), guidance, jnp.float32),
+        )
+        return transformer.unpack_latents(out, height, width).astype(x.dtype)
+
+    return denoise
+
+
+def vae_scale_factor(vae_config: dict) -> int:
+    """Pixels per latent: 2 ** (levels - 1), as FluxPipeline computes it (8 for FLUX.1)."""
+    return 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
+
+
+def sample_shape(transformer_config: dict, vae_config: dict, resolution: int | None = None):
+    """One latent, channels first, for square images of `resolution` pixels (default: the
+    pipeline's 128 latents a side), rounded down as FluxPipeline rounds: to an even number
+    of latents."""
+    scale = vae_scale_factor(vae_config)
+    pixels = resolution or DEFAULT_LATENT_SIZE * scale
+    side = 2 * (int(pixels) // (scale * 2))
+    if side < 2:
+        raise ModelLoadError(
+            f"model.flux.resolution {pixels} is below the {2 * scale} pixels of one latent token."
+        )
+    channels = transformer_config.get("in_channels", 64) // transformer.LATENT_PATCH**2
+    return (channels, side, side)
+
+
+def image_tokens(shape: tuple[int, ...]) -> int:
+    return (shape[1] // transformer.LATENT_PATCH) * (shape[2] // transformer.LATENT_PATCH)
+
+
+def check_latent_channels(transformer_config: dict, vae_config: dict, where: Path) -> None:
+    packed = transformer_config.get("in_channels", 64)
+    latent = vae_config.get("latent_channels", 16)
+    if packed != latent * transformer.LATENT_PATCH**2:
+        raise ModelLoadError(
+            f"{where}'s transformer takes {packed} channels, not its VAE's {latent} latent "
+            f"channels packed in 2x2 patches ({latent * 4}); {POINT}."
+        )
+
+
+def default_t5_max_length(transformer_config: dict) -> int:
+    """512 tokens for a guidance-distilled model (FLUX.1-dev), 256 without (schnell)."""
+    return 512 if transformer_config.get("guidance_embeds", False) else 256
+
+
+def load_flux(
+    path: str,
+    dtype=jnp.float32,
+    *,
+    guidance: float = 3.5,
+    t5_max_length: int = 0,
+    resolution: int = 0,
+    shift: float = 0.0,
+    decode_batch_size: int = 4,
+    remat_blocks: bool = False,
+) -> FluxModel:
+    """Loads a FLUX.1 pipeline folder (or hub id) as a TextToImageModel.
+
+    `dtype` is the dtype of all params and of the computation. `guidance` is the distilled
+    guidance scale the transformer embeds (FLUX.1-dev; ignored by schnell, which has none).
+    `t5_max_length` is the pipeline's `max_sequence_length` (0: 512 for dev, 256 for
+    schnell). `resolution` is the square image side in pixels (0: 1024). `shift > 0` is a
+    static sigma shift in place of the folder's (dynamic for dev). `remat_blocks`
+    recomputes each transformer block in the backward pass (what `model.remat` asks for).
+    """
+    root = files.resolve_folder(path, "model path", POINT, HUB_PATTERNS)
+    folders = {
+        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
+        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
+        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
+    }
+    transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
+    vae_config = files.read_json(folders["vae"] / "config.json", POINT)
+    check_latent_channels(transformer_config, vae_config, root)
+    shape = sample_shape(transformer_config, vae_config, resolution)
+    scheduler_file = folders["scheduler"] / "scheduler_config.json"
+    schedule = schedule_config(
+        files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), shift
+    )
+    module, params, transformer_config = load_transformer(
+        folders["transformer"], dtype, remat_blocks
+    )
+    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
+    encoders = text.load_text_encoders(
+        root,
+        dtype,
+        t5_max_length=t5_max_length or default_t5_max_length(transformer_config),
+        joint_attention_dim=module.joint_attention_dim,
+        pooled_projection_dim=module.pooled_projection_dim,
+    )
+    guidance = float(guidance) if module.guidance_embeds else None
+    decode_latents = autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype)
+
+    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
+        embeds, pooled = encoders.encode(list(prompts))
+        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
+
+    def prepare_prompts(prompts: Sequence[str]) -> str:
+        unique = list(dict.fromkeys(prompts))
+        if len(unique) > MAX_PREPARED_PROMPTS:
+            return (
+                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
+                "so T5 stays loaded and encodes prompts as they come"
+            )
+        encoders.precompute(unique)
+        encoders.drop_t5()
+        return f"{len(unique)} prompts encoded ahead; T5 released"
+
+    return FluxModel(
+        name=root.name,
+        sample_shape=shape,
+        params=params,
+        denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
+        encode_prompts=encode_prompts,
+        decode=lambda latents: decode_latents(vae_params, latents),
+        schedule_config=schedule,
+        prepare_prompts=prepare_prompts,
+        path=root,
+        transformer=module,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        guidance=guidance,
+        text_encoders=encoders,
+        remat_blocks=remat_blocks,
+    )
