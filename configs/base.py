@@ -13,15 +13,21 @@ def get_config() -> ml_collections.ConfigDict:
 
     # The model: "tiny" (DDIM, ships in the package), "tiny_flow" (rectified flow, ships in the
     # package), "random_tiny" / "random_tiny_flow" (same architecture, random weights, for
-    # tests), "sd" (Stable Diffusion 1.x) or "sd3" (SD3 / 3.5), each from `path`: a local
-    # diffusers-layout folder or a hub id. A family's own settings are its sub-section.
+    # tests), "sd" (Stable Diffusion 1.x), "sd3" (SD3 / 3.5) or "flux" (FLUX.1), each from
+    # `path`: a local diffusers-layout folder or a hub id. A family's own settings are its
+    # sub-section.
     c.model = ml_collections.ConfigDict()
     c.model.name = "tiny"
-    c.model.path = ""  # a diffusers-layout folder, for "sd" and "sd3"
+    c.model.path = ""  # a diffusers-layout folder, for "sd", "sd3" and "flux"
     c.model.sd3 = ml_collections.ConfigDict()  # SD3 / 3.5 (tree_grpo_jax/models/sd3/family.py)
     c.model.sd3.use_t5 = True  # False leaves the 4.7B T5 unread (its tokens are zeros)
     c.model.sd3.t5_max_length = 256  # T5 tokens per prompt
     c.model.sd3.sample_size = 0  # latent side (0: the folder's; 64 -> 512 px)
+    c.model.flux = ml_collections.ConfigDict()  # FLUX.1 (tree_grpo_jax/models/flux/family.py)
+    c.model.flux.guidance = 3.5  # the distilled guidance FLUX.1-dev embeds (schnell has none)
+    c.model.flux.t5_max_length = 0  # T5 tokens per prompt (0: 512 for dev, 256 for schnell)
+    c.model.flux.resolution = 0  # square image side in pixels (0: 1024)
+    c.model.flux.shift = 0.0  # > 0: a static sigma shift instead of the folder's schedule
     c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
     c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
     c.model.remat = False  # recompute the denoiser's activations in the backward pass
@@ -132,6 +138,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward_models.pickscore = ""  # yuvalkirstain/PickScore_v1
     c.reward_models.aesthetic = ""  # written by `... rewards.convert aesthetic`
     c.reward_models.clip_score = ""  # any Hugging Face CLIP folder
+    c.reward_models.imagereward = ""  # written by `... rewards.convert imagereward`
     c.reward_options = ml_collections.ConfigDict()
     c.reward_options.dtype = "float32"  # the reward models' compute dtype (or "bfloat16")
     c.reward_options.chunk_size = 16  # images through a reward model at once (bounds memory)
@@ -145,6 +152,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.seed = 1234
     c.eval.num_steps = 0  # 0: the training steps
     c.eval.extra_rewards = ()  # reported beside the training reward, e.g. ("digit_accuracy",)
+    # fixed noises per eval prompt; `diversity` (tree_grpo_jax/diversity.py) compares the
+    # samples of a prompt: its repeats in the eval list (tiny: 10 of each digit) and these
+    c.eval.samples_per_prompt = 1
+    # the exact KL of the eval trajectories to the initial model (LoRA: the base), logged also
+    # with the guard on or train.kl_beta > 0; full fine-tuning keeps a copy of the initial
+    # weights for it when train.kl_beta is 0
+    c.eval.kl = False
+    # The guard: checked at every evaluation against the first one; it keeps the best eval
+    # step's checkpoint and stops the run (or warns) when diversity falls below
+    # `min_diversity_fraction` of its first value, or a held-out metric (eval.extra_rewards)
+    # falls by more than `held_out_drop` while the eval reward rises. 0 switches a test off.
+    c.eval.guard = ml_collections.ConfigDict()
+    c.eval.guard.min_diversity_fraction = 0.0  # e.g. 0.5
+    c.eval.guard.held_out_drop = 0.0  # in the metric's units, e.g. 0.05
+    c.eval.guard.action = "stop"  # "stop" or "warn"
 
     # Checkpoints: in <workdir>/checkpoints, or in `dir` (a local folder or a gs:// URL,
     # which every host of a pod can reach); a restart with the same workdir resumes.

@@ -16,9 +16,9 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax import diversity, lora, methods, sharding
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
+from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
 from tree_grpo_jax.prompts import load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.train_step import (
@@ -47,7 +47,8 @@ def check_sizes(config, spec, sample_shape) -> None:
     prompts = config.prompts.batch_size
     states = spec.recorded_states
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
-    eval_bytes = 2 * config.prompts.eval_count * sample_bytes
+    eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
+    eval_bytes = 2 * eval_rows * sample_bytes
     limit, where = _memory_limit()
     gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
     if rollout_bytes > limit:
@@ -58,8 +59,9 @@ def check_sizes(config, spec, sample_shape) -> None:
         )
     if eval_bytes > limit:
         raise cfg.ConfigError(
-            f"prompts.eval_count={config.prompts.eval_count} needs about {gib(eval_bytes)} of "
-            f"samples, more than the {gib(limit)} of {where}; lower prompts.eval_count."
+            f"prompts.eval_count={config.prompts.eval_count} ({eval_rows} samples) needs about "
+            f"{gib(eval_bytes)} of samples, more than the {gib(limit)} of {where}; lower "
+            "prompts.eval_count or eval.samples_per_prompt."
         )
 
 
@@ -153,7 +155,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     init_state = jax.jit(fresh, out_shardings=state_shardings)
     state = init_state(params)
 
-    denoise = jax.checkpoint(model.denoise) if config.model.remat else model.denoise
+    denoise = training_denoise(model, config.model.remat)
     loss_kwargs = dict(
         denoise_fn=denoise,
         reduce=config.sampling.log_prob_reduce,
@@ -162,11 +164,18 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         kl_beta=config.train.kl_beta,
     )
     use_kl = config.train.kl_beta > 0
+    # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
+    # KL term whose reference is kept anyway
+    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
     layout = {}
     if adapter is None:
-        ref_params = jax.tree_util.tree_map(jnp.copy, state.params) if use_kl else None
+        keep = use_kl or eval_kl
+        initial = jax.tree_util.tree_map(jnp.copy, state.params) if keep else None
+        ref_params = initial if use_kl else None
+        kl_reference = initial if eval_kl else None
     else:  # the KL reference is the base itself: no second copy
         ref_params = adapter.base if use_kl else None
+        kl_reference = adapter.base if eval_kl else None
         base_shardings = sharding.param_shardings(mesh, adapter.base)
         layout = dict(
             merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
@@ -193,5 +202,23 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
+        embed=diversity_embed(config, eval_prompts, reward_mesh),
+        kl_reference=kl_reference,
     )
     return trainer, state
+
+
+def diversity_embed(config, eval_prompts, mesh):
+    """The eval's diversity embedding, when some eval prompt has several samples (repeated
+    in the eval list, or `eval.samples_per_prompt` > 1); else None, or one sentence when
+    the guard would watch a diversity there is none of."""
+    if config.eval.get("samples_per_prompt", 1) < 2 and not diversity.repeats(eval_prompts):
+        guard = config.eval.get("guard")
+        if guard is not None and guard.min_diversity_fraction > 0:
+            raise cfg.ConfigError(
+                "eval.guard.min_diversity_fraction needs several samples of an eval prompt: "
+                f"set eval.samples_per_prompt >= 2 (the {len(eval_prompts)} eval prompts are "
+                "all different)."
+            )
+        return None
+    return diversity.make_embed(config, mesh)[0]

@@ -170,6 +170,8 @@ class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
         path = as_path(directory)
         self.directory = str(path)
+        self.keep = keep
+        self.protected: set[int] = set()  # steps kept beyond `keep` (the best eval's)
         if read_only:
             if not path.is_dir():
                 raise CheckpointError(f"there is no checkpoint folder {self.directory}.")
@@ -182,9 +184,8 @@ class Checkpointer:
                     child.rmtree(missing_ok=True)
         if jax.process_count() > 1:  # nobody saves before the folder is tidy
             multihost_utils.sync_global_devices("tree_grpo_jax: checkpoint folder ready")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only
-        )
+        # `keep` is applied by `save` itself, so that a protected step outlives it
+        options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         self.read_only = read_only
@@ -202,6 +203,14 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(step, args=args)
         self._manager.wait_until_finished()
+        steps = self.all_steps()
+        for old in steps[: max(len(steps) - self.keep, 0)]:
+            if old not in self.protected:
+                self._manager.delete(old)
+
+    def protect(self, step: int | None) -> None:
+        """Keeps checkpoint `step` whatever `keep` says (None: no step is protected)."""
+        self.protected = set() if step is None else {int(step)}
 
     def _restore(self, step: int, target_state: Any | None) -> tuple[Any, dict]:
         saved = self._manager.item_metadata(step)["state"]

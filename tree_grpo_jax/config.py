@@ -223,6 +223,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     )
     _require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
     _require(config.eval.every >= 0, "eval.every must be >= 0.")
+    _check_eval(config.eval)
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
     _require(
@@ -231,6 +232,48 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         "pip install wandb, or leave log.wandb_project empty.",
     )
     return rewards
+
+
+GUARD_ACTIONS = ("stop", "warn")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def guard_on(config) -> bool:
+    """Whether any test of `eval.guard` is switched on."""
+    g = config.eval.get("guard")
+    return g is not None and (g.min_diversity_fraction > 0 or g.held_out_drop > 0)
+
+
+def _check_eval(e) -> None:
+    k = e.get("samples_per_prompt", 1)
+    _require(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 1,
+        f"eval.samples_per_prompt must be a whole number >= 1, got {k!r}.",
+    )
+    _require(isinstance(e.get("kl", False), bool), f"eval.kl must be True or False, got {e.kl!r}.")
+    g = e.get("guard")
+    if g is None:
+        return
+    fraction = g.min_diversity_fraction
+    _require(
+        _is_number(fraction) and 0 <= fraction < 1,
+        f"eval.guard.min_diversity_fraction must be in [0, 1) (0: off), got {fraction!r}.",
+    )
+    _require(
+        _is_number(g.held_out_drop) and g.held_out_drop >= 0,
+        f"eval.guard.held_out_drop must be a number >= 0 (0: off), got {g.held_out_drop!r}.",
+    )
+    _require(
+        g.held_out_drop == 0 or len(e.extra_rewards) > 0,
+        "eval.guard.held_out_drop needs held-out metrics: name them in eval.extra_rewards.",
+    )
+    _require(
+        g.action in GUARD_ACTIONS,
+        f"eval.guard.action must be one of {GUARD_ACTIONS}, got {g.action!r}.",
+    )
 
 
 # Fields a resumed run may change: they decide how long it runs and what it reports, not

@@ -1,8 +1,9 @@
 """Command line: `python -m tree_grpo_jax.main --config=configs/tiny.py [--config.a.b=value]`.
 
 A restart with the same `--workdir` resumes exactly from its last checkpoint. Exit status:
-0 done (or already finished); 2 bad input (one `error:` sentence on stderr, nothing written);
-1 training failed (non-finite rewards, divergence; the last good checkpoint is kept);
+0 done (or already finished, or stopped by `eval.guard`, with one line saying why);
+2 bad input (one `error:` sentence on stderr, nothing written); 1 training failed
+(non-finite rewards, divergence; the last good checkpoint is kept);
 130 / 143 after Ctrl-C / SIGTERM (the current iteration finishes and is checkpointed first;
 a second signal stops at once, and the run resumes from its last checkpoint).
 """
@@ -30,12 +31,12 @@ EXIT_FAILED = 1
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
-def _fail(message: str, status: int) -> None:
+def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -112,22 +113,22 @@ def parse_flags(argv: list[str]) -> list[str]:
             # A file that failed to load yields a stand-in that raises when first read.
             CONFIG.value.keys()
     except flags.Error as e:
-        message = _first_line(e)
+        message = first_line(e)
         message = re.sub(r"^(FATAL )?Flags parsing error: ", "", message)
         if "could not convert" in message or "invalid literal" in message:
             flag = message.split(":", 1)[0].replace("flag ", "")
             message = f"{flag} has the wrong type for that field ({message.split(': ')[-1]})"
-        _fail(message.rstrip(".") + ".", EXIT_BAD_INPUT)
+        fail(message.rstrip(".") + ".", EXIT_BAD_INPUT)
     except (AttributeError, KeyError) as e:
         del e
-        _fail(_unknown_field(argv), EXIT_BAD_INPUT)
+        fail(_unknown_field(argv), EXIT_BAD_INPUT)
     except Exception as e:  # noqa: BLE001 - the config file itself failed
         path = _config_path(argv)
         if isinstance(e, OSError) and path and not os.path.isfile(path):
-            _fail(f"there is no config file {path!r} (from {os.getcwd()}).", EXIT_BAD_INPUT)
-        reason = e.msg if isinstance(e, SyntaxError) else _first_line(e)
+            fail(f"there is no config file {path!r} (from {os.getcwd()}).", EXIT_BAD_INPUT)
+        reason = e.msg if isinstance(e, SyntaxError) else first_line(e)
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        _fail(
+        fail(
             f"the config file {path!r} could not be loaded{where}: {type(e).__name__}: {reason}.",
             EXIT_BAD_INPUT,
         )
@@ -138,7 +139,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 # The run.
 
 
-def _remove_if_empty(workdir: str) -> None:
+def remove_if_empty(workdir: str) -> None:
     """A start that failed before writing anything leaves no folder behind."""
     if not os.path.isdir(workdir):
         return
@@ -156,7 +157,7 @@ def main(argv) -> None:
 
     config = CONFIG.value
     if config is None:
-        _fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
+        fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     existed = os.path.exists(workdir)
     cache = config.get("compile_cache")
@@ -166,30 +167,32 @@ def main(argv) -> None:
         try:
             compile_cache.enable(cache.dir or None)
         except OSError as e:  # a cold start, not a failure
-            print(f"warning: no compilation cache ({_first_line(e)}).", file=sys.stderr)
+            print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
     try:
         summary = train.train(config, workdir)
     except train.BAD_INPUT as e:
         if not existed:
-            _remove_if_empty(workdir)
-        _fail(_first_line(e), EXIT_BAD_INPUT)
+            remove_if_empty(workdir)
+        fail(first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
-        _fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))
+        fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))
     except train.Stopped as e:
         if not existed:
-            _remove_if_empty(workdir)
-        _fail(
+            remove_if_empty(workdir)
+        fail(
             f"{e.signal_name} stopped the run at once (while starting, or a second signal); the "
             f"same command resumes exactly from the last checkpoint in {workdir}/checkpoints, "
             "if any.",
             EXIT_SIGNAL.get(e.signal_name, 130),
         )
     except (train.RewardError, train.DivergenceError) as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
 
     from tree_grpo_jax import sharding
 
     if not sharding.is_primary():  # the primary process reports for all
+        return
+    if summary.get("guard_stop"):  # the loop printed why, and which checkpoint is best
         return
     if summary.get("already_finished"):
         print(

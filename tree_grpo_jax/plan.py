@@ -70,13 +70,7 @@ def xla_flags(current: str, devices: int | None = None) -> str:
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(cli.EXIT_BAD_INPUT)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    cli.fail(message, cli.EXIT_BAD_INPUT)
 
 
 def _progress(line: str) -> None:
@@ -250,7 +244,7 @@ def main(argv) -> None:
     try:
         cfg.validate(plannable(config), known_rewards=reward_registry.available_rewards())
     except bad_input as e:
-        _fail(_first_line(e))
+        _fail(cli.first_line(e))
 
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX starts
     import jax
@@ -263,7 +257,7 @@ def main(argv) -> None:
             config, devices[: count or None], progress=_progress, only=PROGRAMS.value
         )
     except bad_input as e:
-        _fail(_first_line(e))
+        _fail(cli.first_line(e))
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     if JSON.value:
         print(json.dumps(as_json(plan, config_path, sizes_gb), indent=2), flush=True)

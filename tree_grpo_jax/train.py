@@ -4,6 +4,8 @@ evaluation, logs and the summary.
 `train(config, workdir)` runs (or resumes) a run; `setup` (from `build`) gives the trainer
 and its initial state without the loop. A restart with the same workdir resumes exactly
 from its last checkpoint; SIGINT / SIGTERM finish the iteration in progress and save it.
+With `eval.guard` on, an evaluation that shows reward hacking (guard.py) stops the run at
+a checkpoint, the best evaluation's checkpoint kept.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import reporting, sharding
+from tree_grpo_jax import guard, reporting, sharding
 from tree_grpo_jax.build import build, setup
 from tree_grpo_jax.checkpoint import (
     Checkpointer,
@@ -155,17 +157,22 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
         )
 
 
+def check_base_weights(trainer: Trainer, meta: dict, directory: str) -> None:
+    """LoRA checkpoints (`meta` of one) fit only the base weights they were trained on."""
+    saved_base = meta.get("base_weights")
+    if trainer.adapter is not None and saved_base != trainer.adapter.base_fingerprint:
+        raise CheckpointError(
+            f"the LoRA checkpoints in {directory} were trained on other base weights "
+            f"than {trainer.config.model.name} {trainer.config.model.path!r} holds now "
+            "(their checksums differ); resume with the base weights they were trained on."
+        )
+
+
 def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
     """Restores the newest readable checkpoint in the workdir; a fresh start if none."""
     if ckpt.latest_step is None:
         return state, 0, {"eval": [], "wall_time": 0.0}
-    saved_base = ckpt.read_meta().get("base_weights")
-    if trainer.adapter is not None and saved_base != trainer.adapter.base_fingerprint:
-        raise CheckpointError(
-            f"the LoRA checkpoints in {ckpt.directory} were trained on other base weights "
-            f"than {trainer.config.model.name} {trainer.config.model.path!r} holds now "
-            "(their checksums differ); resume with the base weights they were trained on."
-        )
+    check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
     state, meta, _ = ckpt.restore(state)
     trainer.prompts.load_state_dict(meta["prompt_iterator"])
     if trainer.tracker is not None and meta.get("stat_tracker"):
@@ -263,6 +270,9 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     spec = trainer.spec().at(trainer.window_start(0))
     if start >= total and any(e["iteration"] == start for e in history["eval"]):
         return {**summarize(trainer, spec, history, workdir), "already_finished": True}
+    stopped = _stopped_before(c, history, start, ckpt.directory)
+    if stopped:
+        return _guard_stop(trainer, spec, history, stopped)
 
     primary = sharding.is_primary()
     if primary:
@@ -287,10 +297,36 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
         history["wall_time"] = time.time() - wall_start
         ckpt.save(done, state, _meta(trainer, done, history, host))
 
+    guarding = cfg.guard_on(c)
+    if guarding and history.get("best_step") is not None:
+        ckpt.protect(history["best_step"])
+
+    def evaluated(done: int) -> str | None:
+        """Evaluates after `done` iterations; with the guard on, checkpoints a new best
+        evaluation and returns the line to stop with when the guard says stop."""
+        save_eval(trainer, done, state.params, history, writer)
+        if not guarding:
+            return None
+        if guard.best(history["eval"])["iteration"] == done:
+            history["best_step"] = done
+            ckpt.protect(done)
+            save(done)
+        reason = guard.check(c, history["eval"])
+        if reason is None:
+            return None
+        if c.eval.guard.action == "warn":
+            if primary:
+                print(f"warning: guard: {reason}; training goes on.", file=sys.stderr, flush=True)
+            return None
+        save(done)
+        return guard.stop_line(reason, done, guard.best(history["eval"]), ckpt.directory)
+
     try:
         with _Signals() as signals:
             if start == 0 and not history["eval"]:
-                save_eval(trainer, 0, state.params, history, writer)
+                stopped = evaluated(0)
+                if stopped:
+                    return _guard_stop(trainer, spec, history, stopped)
             for iteration in range(start, total):
                 try:
                     state, metrics = trainer.iteration(state, iteration)
@@ -312,7 +348,9 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                 if done == total:
                     break
                 if c.eval.every and done % c.eval.every == 0:
-                    save_eval(trainer, done, state.params, history, writer)
+                    stopped = evaluated(done)
+                    if stopped:
+                        return _guard_stop(trainer, spec, history, stopped)
                 # A signal to any process stops them all after the same iteration.
                 stop = sharding.agree(float(signals.received is not None)) > 0
                 if stop or (c.checkpoint.every and done % c.checkpoint.every == 0):
@@ -321,11 +359,34 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                     stop = sharding.agree(float(signals.received is not None)) > 0
                 if stop:
                     raise Interrupted(signals.received or "SIGTERM", done, workdir)
-            save_eval(trainer, total, state.params, history, writer)
+            stopped = evaluated(total)
             save(total)
+            if stopped:
+                return _guard_stop(trainer, spec, history, stopped)
     finally:
         writer.close()
     return summarize(trainer, spec, history, workdir)
+
+
+def _guard_stop(trainer: Trainer, spec, history: dict, line: str) -> dict:
+    if sharding.is_primary():
+        print(line, flush=True)
+    return {**summarize(trainer, spec, history, trainer.workdir), "guard_stop": line}
+
+
+def _stopped_before(config, history: dict, start: int, directory: str) -> str | None:
+    """The guard's line when it stopped this run at its checkpoint `start` and, with the
+    config as it is now, would stop it again."""
+    evals = history["eval"]
+    if not (cfg.guard_on(config) and config.eval.guard.action == "stop"):
+        return None
+    if not evals or evals[-1]["iteration"] != start:
+        return None
+    reason = guard.check(config, evals)
+    if reason is None:
+        return None
+    line = guard.stop_line(reason, start, guard.best(evals), directory)
+    return f"{line} (stopped earlier; change eval.guard to go on)"
 
 
 def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
@@ -345,6 +406,7 @@ def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
         "first_grid": os.path.join(workdir, f"eval_{steps[0]:05d}.png"),
         "last_grid": os.path.join(workdir, f"eval_{steps[-1]:05d}.png"),
         "reward_curve": curve,
+        "best_step": history.get("best_step"),
         "evals": evals,
     }
     if sharding.is_primary():

@@ -30,7 +30,8 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import lora, methods, rollout, sharding, transitions
+from tree_grpo_jax import diversity, lora, methods, rollout, sharding, transitions
+from tree_grpo_jax.guidance import guided_prediction
 from tree_grpo_jax.models.base import TextToImageModel
 from tree_grpo_jax.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.train_step import TrainState, learning_rate
@@ -58,6 +59,23 @@ class Rollout:
     window_start: int  # the family's window position in this rollout
     tree: rollout.Tree  # this process's rows
     rows: slice  # which rows of the global batch `tree` holds
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSamples:
+    """Decoded evaluation samples: this process's rows of a batch padded over the devices."""
+
+    images: Any  # this process's rows
+    prompts: list[str]  # their prompts
+    count: int  # rows of the real batch; the rest is padding
+    kl: np.ndarray | None = None  # [count] per-sample KL to the reference, every process's
+
+    def values(self, fn) -> np.ndarray:
+        """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`)."""
+        return sharding.gather(np.asarray(fn(self.images, self.prompts), np.float64))[: self.count]
+
+    def all_images(self) -> np.ndarray:
+        return sharding.gather(np.asarray(self.images))[: self.count]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +122,9 @@ class Trainer:
     ref_params: Any
     key: jax.Array
     adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
+    embed: Any = None  # images -> [B, D]: the diversity measure's embedding (diversity.py)
+    # the denoiser's weights the eval KL compares with (the base for LoRA); None: no eval KL
+    kl_reference: Any = None
 
     @property
     def guidance(self) -> bool:
@@ -293,44 +314,70 @@ class Trainer:
         }
         return state, metrics
 
-    def evaluate(self, params) -> tuple[dict, np.ndarray]:
-        """Mean reward of fixed prompts from fixed noise with the deterministic sampler.
+    def eval_batch(self, params, prompts: Sequence[str], noise, with_kl: bool = False):
+        """The deterministic sampler's images of `prompts` from `noise` [N, *S], decoded.
 
-        The prompts are topped up with repeats to a multiple of the devices the batch splits
-        over; every device samples its share, every process decodes and scores its own
-        rows, and the values come back in order, cut to size."""
+        The batch is topped up with repeats to a multiple of the devices it splits over;
+        every device samples its share and every process decodes its own rows. `with_kl`
+        also measures the exact KL of every sample's trajectory to `kl_reference`."""
         c = self.config
-        prompts = self.eval_prompts
         count = len(prompts)
         shards = sharding.num_batch_shards(self.mesh)
         padded = np.arange(-(-count // shards) * shards) % count
         rows = sharding.process_rows(len(padded))
         mine = padded[rows]
         mine_prompts = [prompts[i] for i in mine]
-        noise = _eval_noise(c.eval.seed, count, self.model.sample_shape)[mine]
-        samples = rollout.sample_deterministic(
-            self.model.denoise,
-            self.model_params(params),
+        args = (
             sharding.global_batch(self.mesh, self.model.encode_prompts(mine_prompts)),
-            sharding.global_batch(self.mesh, noise),
+            sharding.global_batch(self.mesh, np.asarray(noise)[mine]),
             self.schedule(c.eval.num_steps or None),
-            uncond=self.uncond,
-            guidance_scale=c.sampling.guidance_scale,
+            self.uncond,
+            c.sampling.guidance_scale,
         )
+        params = self.model_params(params)
+        kl = None
+        if with_kl:
+            if self.kl_reference is None:
+                raise ValueError("the eval KL needs a reference; this trainer keeps none.")
+            samples, kl = _sample_with_kl(self.model.denoise, params, self.kl_reference, *args)
+            if sharding.multi_process():
+                kl = sharding.local_rows(kl, rows)
+            kl = sharding.gather(np.asarray(kl, np.float64))[:count]
+        else:
+            samples = rollout.sample_deterministic(
+                self.model.denoise, params, *args[:3], uncond=args[3], guidance_scale=args[4]
+            )
         if sharding.multi_process():
             samples = sharding.local_rows(samples, rows)
         if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
             raise DivergenceError(self._diverged("the evaluation samples"))
-        images = self.model.decode(samples)
-        total, parts = self.score(images, mine_prompts, "in evaluation")
-        total, parts = total[:count], {n: v[:count] for n, v in parts.items()}
+        return EvalSamples(self.model.decode(samples), mine_prompts, count, kl)
+
+    def evaluate(self, params) -> tuple[dict, np.ndarray]:
+        """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
+        fixed prompts, `eval.samples_per_prompt` fixed noises each, with the deterministic
+        sampler. Rows are sample-major (row k * P + p: prompt p's k-th noise)."""
+        c = self.config
+        k = c.eval.get("samples_per_prompt", 1)
+        prompts = list(self.eval_prompts) * k
+        noise = eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
+        with_kl = self.kl_reference is not None
+        batch = self.eval_batch(params, prompts, noise, with_kl=with_kl)
+        total, parts = self.score(batch.images, batch.prompts, "in evaluation")
+        total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
             metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
         for name, reward in self.eval_rewards.items():
-            values = sharding.gather(np.asarray(reward(images, mine_prompts), np.float64))
-            metrics[name] = float(np.mean(values[:count]))
-        return metrics, sharding.gather(np.asarray(images))[:count]
+            metrics[name] = float(np.mean(batch.values(reward)))
+        if self.embed is not None:
+            embeddings = batch.values(lambda images, _: self.embed(images))
+            value = diversity.mean_diversity_by_text(embeddings, prompts)
+            if value is not None:
+                metrics["diversity"] = value
+        if with_kl:
+            metrics["kl"] = float(batch.kl.mean())
+        return metrics, batch.all_images()
 
     def _diverged(self, what: str) -> str:
         return (
@@ -374,5 +421,31 @@ def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | N
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
+def eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
+    """The fixed evaluation noise [count, *S]. Its rows depend on `count`: a caller that
+    evaluates in parts draws the whole set and takes its rows."""
     return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample_with_kl(denoise_fn, params, ref_params, cond, noise, schedule, uncond, guidance_scale):
+    """The deterministic sampler from `noise` under `params`, and per sample the mean over
+    its steps of KL(policy step || reference step) at the states it passes: both are the
+    SDE step's Gaussians with the same std, so KL = |mean - ref_mean|^2 / (2 std^2) summed
+    over the sample's dimensions."""
+    event_axes = tuple(range(1, noise.ndim))
+
+    def body(x, i):
+        t = jnp.full((x.shape[0],), schedule.timesteps[i])
+        pred = guided_prediction(denoise_fn, params, x, t, cond, uncond, guidance_scale)
+        ref = guided_prediction(denoise_fn, ref_params, x, t, cond, uncond, guidance_scale)
+        mean, std = schedule.transition(i, x, pred)
+        ref_mean, _ = schedule.transition(i, x, ref)
+        std = jnp.broadcast_to(std, mean.shape)
+        per_dim = jnp.where(
+            std > 0, (mean - ref_mean) ** 2 / (2.0 * jnp.maximum(std, 1e-30) ** 2), 0.0
+        )
+        return schedule.deterministic_step(i, x, pred), jnp.sum(per_dim, axis=event_axes)
+
+    x, kl = jax.lax.scan(body, noise.astype(jnp.float32), jnp.arange(schedule.num_steps))
+    return x, kl.mean(axis=0)

@@ -62,6 +62,16 @@ def classifier_log_probs(params, images: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
+def classifier_features(params, images: jax.Array) -> jax.Array:
+    """`[B, H, W, C]` images in [0, 1] -> `[B, hidden]`: the activations before the logits."""
+    _, state = DigitClassifier().apply(
+        {"params": params},
+        to_classifier_input(images),
+        capture_intermediates=lambda module, name: module.name == "Dense_0",
+    )
+    return nn.relu(state["intermediates"]["Dense_0"]["__call__"][0])
+
+
 def save_classifier(path, params) -> None:
     payload = {"format_version": 1, "params": jax.tree.map(np.asarray, params)}
     pathlib.Path(path).write_bytes(flax.serialization.msgpack_serialize(payload))
@@ -86,6 +96,17 @@ def load_classifier(path=None):
 @functools.cache
 def _shipped_classifier():
     return load_classifier(), jax.jit(classifier_log_probs)
+
+
+@functools.cache
+def _shipped_features():
+    return load_classifier(), jax.jit(classifier_features)
+
+
+def digit_features(images: jax.Array) -> jax.Array:
+    """The shipped classifier's hidden features `[B, 128]` (the diversity measure's embedding)."""
+    params, features = _shipped_features()
+    return features(params, images)
 
 
 def digit_log_probs(images: jax.Array) -> jax.Array:

@@ -19,6 +19,12 @@ def _rewards() -> dict:
     }
 
 
+def _image_features():
+    from tree_grpo_jax.models.tiny.classifier import digit_features
+
+    return digit_features
+
+
 def _kind(request: registry.LoadRequest) -> str:
     return "flow" if request.name.endswith("flow") else "ddim"
 
@@ -48,5 +54,6 @@ FAMILY = registry.register(
         prompt_sets={"digits": DIGIT_PROMPTS},
         rewards=_rewards,
         abstract=_abstract,
+        image_features=_image_features,
     )
 )

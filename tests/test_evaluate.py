@@ -1,0 +1,199 @@
+"""`python -m tree_grpo_jax.evaluate` on a short run that the guard stops: its table agrees
+with the run's own evaluations, it continues from saved chunks, and bad input is one
+sentence with exit status 2 and nothing written."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# test_train.py's small_config("treegrpo") (its programs come from the session's compile
+# cache), with a held-out metric and the guard on
+RUN = [
+    "--config=configs/base.py",
+    "--config.model.name=random_tiny",
+    "--config.prompts.batch_size=2",
+    "--config.prompts.eval_count=4",
+    "--config.eval.samples_per_prompt=2",
+    "--config.sampling.num_steps=4",
+    "--config.sampling.guidance_scale=2.0",
+    "--config.tree.group_size=4",
+    "--config.tree.window=2",
+    "--config.tree.split_steps=(0, 2)",
+    "--config.train.iterations=3",
+    "--config.train.learning_rate=1e-3",
+    "--config.train.clip_range=0.2",
+    "--config.train.rows_per_minibatch=8",
+    "--config.rewards=jpeg_compressibility",
+    "--config.eval.extra_rewards=('digit_accuracy',)",
+    "--config.eval.every=1",
+    "--config.checkpoint.every=1",
+    "--config.eval.guard.min_diversity_fraction=0.99",
+    "--config.log.progress=False",
+    "--config.log.tensorboard=False",
+    "--config.compile_cache.enabled=False",
+]
+
+
+def run_in_process(module, *args) -> subprocess.CompletedProcess:
+    """A command line's own parsing and entry point, called in this process."""
+    from absl import flags
+
+    from tree_grpo_jax import main as cli
+
+    flags.FLAGS.unparse_flags()
+    out, err = io.StringIO(), io.StringIO()
+    cwd, argv = os.getcwd(), sys.argv
+    code = 0
+    try:
+        os.chdir(ROOT)
+        sys.argv = [module.__name__, *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main(cli.parse_flags(sys.argv))
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+        flags.FLAGS.unparse_flags()
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _main():
+    from tree_grpo_jax import main
+
+    return main
+
+
+def _evaluate():
+    from tree_grpo_jax import evaluate
+
+    return evaluate
+
+
+def _read(*path, parse=json.load):
+    with open(os.path.join(*path)) as f:
+        return parse(f)
+
+
+def _evals(workdir):
+    rows = _read(workdir, "metrics.jsonl", parse=lambda f: [json.loads(line) for line in f])
+    return {r["step"]: r for r in rows if "eval/reward_mean" in r}
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("guarded") / "run")
+    result = run_in_process(_main(), *RUN, f"--workdir={workdir}")
+    return workdir, result
+
+
+def test_the_guard_stops_the_run_with_one_line_and_status_0(stopped_run):
+    workdir, result = stopped_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if "stopped by the guard" in line]
+    assert len(lines) == 1 and "done:" not in result.stdout
+    evals = _evals(workdir)
+    assert sorted(evals) == [0, 1]  # stopped at the first evaluation that fell below 0.99
+    ratio = evals[1]["eval/diversity"] / evals[0]["eval/diversity"]
+    assert ratio < 0.99
+    best = max(evals, key=lambda s: (evals[s]["eval/reward_mean"], -s))
+    assert lines[0].startswith(
+        f"stopped by the guard after 1 iterations: diversity fell to {ratio:.2f} of its first"
+    )
+    assert f"the best checkpoint is step {best} " in lines[0]
+    assert str(best) in os.listdir(os.path.join(workdir, "checkpoints"))
+    assert evals[0]["eval/kl"] == 0.0 and evals[1]["eval/kl"] > 0  # the initial model's KL
+    again = run_in_process(_main(), *RUN, f"--workdir={workdir}")
+    assert again.returncode == 0 and "stopped earlier" in again.stdout
+    assert sorted(_evals(workdir)) == [0, 1]
+
+
+def test_evaluate_agrees_with_the_runs_evaluations_and_continues(stopped_run, tmp_path):
+    workdir, _ = stopped_run
+    out = str(tmp_path / "eval")
+    args = (f"--workdir={workdir}", f"--out={out}", "--samples_per_prompt=2")
+    result = run_in_process(_evaluate(), *args, "--prompts_per_chunk=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = _read(out, "evaluation.json")
+    assert [r["label"] for r in table["rows"]] == ["base", "step 1"]
+    assert table["metrics"] == ["jpeg_compressibility", "digit_accuracy"]
+    evals = _evals(workdir)
+    # the run's eval prompts and noises, split into chunks of 3 prompts (the last topped up)
+    for row, step in zip(table["rows"], (0, 1)):
+        e = evals[step]
+        np.testing.assert_allclose(row["jpeg_compressibility"]["mean"], e["eval/reward_mean"])
+        np.testing.assert_allclose(row["jpeg_compressibility"]["std"], e["eval/reward_std"])
+        np.testing.assert_allclose(row["digit_accuracy"]["mean"], e["eval/digit_accuracy"])
+        np.testing.assert_allclose(row["diversity"]["mean"], e["eval/diversity"], rtol=1e-5)
+    np.testing.assert_allclose(table["rows"][1]["kl"]["mean"], evals[1]["eval/kl"], rtol=1e-4)
+    md = _read(out, "evaluation.md", parse=lambda f: f.read())
+    diff = table["rows"][1]["diversity"]["mean"] - table["rows"][0]["diversity"]["mean"]
+    assert "| step 1 − base |" in md and f"{diff:+.4g}" in md
+    from PIL import Image
+
+    grid = Image.open(os.path.join(out, "grid_step_1.png"))
+    assert grid.width > grid.height  # 4 prompts across, 2 noises down
+
+    os.remove(os.path.join(out, "partial", "step_1-00001.npz"))
+    again = run_in_process(_evaluate(), *args, "--prompts_per_chunk=3")
+    assert again.returncode == 0, again.stderr[-2000:]
+    progress = [line for line in again.stdout.splitlines() if "chunks) in" in line]
+    assert len(progress) == 1 and progress[0].startswith("step 1: prompts 4-4 of 4")
+    assert _read(out, "evaluation.json")["rows"][1:] == [{**table["rows"][1]}]
+
+
+@pytest.fixture
+def no_checkpoint_run(stopped_run, tmp_path):
+    run = tmp_path / "fresh"
+    run.mkdir()
+    shutil.copy(os.path.join(stopped_run[0], "config.json"), run / "config.json")
+    (run / "checkpoints").mkdir()
+    return str(run)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "there is no run folder"),
+        ("no_checkpoint", "there is no checkpoint in"),
+        ("step", "there is no checkpoint 7 in"),
+        ("metric", "unknown metric 'no_such_metric' in --metrics"),
+        ("prompts", "has no prompts"),
+        ("out", "cannot write to the output folder"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_writes_nothing(
+    stopped_run, no_checkpoint_run, tmp_path, case, message
+):
+    workdir = stopped_run[0]
+    out = tmp_path / "out"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    in_the_way = tmp_path / "file"
+    in_the_way.write_text("x")
+    args = {
+        "missing": [f"--workdir={tmp_path / 'nope'}"],
+        "no_checkpoint": [f"--workdir={no_checkpoint_run}"],
+        "step": [f"--workdir={workdir}", "--step=7"],
+        "metric": [f"--workdir={workdir}", "--metrics=digit_accuracy,no_such_metric"],
+        "prompts": [f"--workdir={workdir}", f"--prompts={empty}"],
+        "out": [f"--workdir={workdir}", f"--out={in_the_way / 'eval'}"],
+    }[case]
+    if case != "out":
+        args.append(f"--out={out}")
+    result = run_in_process(_evaluate(), *args)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert message in errors[0] and "Traceback" not in result.stderr
+    assert not out.exists() and not (in_the_way.parent / "eval").exists()
