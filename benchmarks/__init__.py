@@ -1,6 +1,6 @@
 """Benchmarks of the tree engine: cost counts, time per iteration, reward against wall-clock,
 the batched engine against a node-at-a-time loop, and the accelerator benchmark of the real
-architectures (SD1.5, SD3.5 Medium; FLUX.1-dev owed).
+architectures (SD1.5, SD3.5 Medium, FLUX.1-dev).
 
 python -m benchmarks.run --quick     # about 3 minutes on a 2-core CPU
 python -m benchmarks.run             # the full CPU suite

@@ -1,5 +1,5 @@
 """The accelerator benchmark: every model of the table in `benchmarks/random_models.py`
-(SD1.5's UNet, SD3.5 Medium's MMDiT-X; FLUX.1-dev is owed) on this machine's devices, timed
+(SD1.5's UNet, SD3.5 Medium's MMDiT-X, FLUX.1-dev's transformer) on this machine's devices, timed
 through the library's own entry points (`train.setup(config, workdir, model=...)`,
 `Trainer.rollout`, the trainer's jitted train step).
 

@@ -3,13 +3,13 @@
 Each entry builds a `TextToImageModel` of its architecture with random weights drawn on the
 host and random conditioning of the shape its text encoders give: nothing is downloaded and
 no text encoder or VAE runs (only the denoiser is timed; `decode` returns the latents). The
-denoiser is the one the family's loader builds (`models.sd15.load.make_denoise`,
-`models.sd3.load.make_denoise`), in bfloat16 over float32 master weights, so what is timed
-is what training a loaded model runs. Each entry also names the repository config whose
+denoiser is the one the family's loader builds (`make_denoise` of `models.sd15.load`,
+`models.sd3.load` and `models.flux.load`), in bfloat16 over float32 master weights, so what
+is timed is what training a loaded model runs. Each entry also names the repository config whose
 training settings (guidance, remat, dtypes) the benchmark keeps.
 
-An architecture the library does not have yet is a row with no builder and the reason it is
-owed; it becomes one more builder once its family exists.
+An architecture the library does not have yet would be a row with no builder and the reason
+it is owed; every family here has its builder.
 """
 
 from __future__ import annotations
@@ -98,6 +98,35 @@ SD3_TEXT_TOKENS = 77 + 256
 SMOKE_SD3_TEXT_TOKENS = 8
 SD3_SHIFT = 3.0  # SD3.5's scheduler_config.json
 
+# black-forest-labs/FLUX.1-dev transformer/config.json: 19 double-stream and 38 single-stream
+# blocks of width 3072 (24 heads of 128), the distilled guidance embedded.
+FLUX1_DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+# A tiny FLUX like tests/flux_fixtures.py's: one block of each kind.
+SMOKE_FLUX = dict(
+    FLUX1_DEV,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=24,
+    axes_dims_rope=(4, 6, 6),
+)
+FLUX_TEXT_TOKENS = 512  # T5's tokens, FLUX.1-dev's max_sequence_length
+SMOKE_FLUX_TEXT_TOKENS = 8
+FLUX_GUIDANCE = 3.5  # the distilled guidance of configs/flux_branchgrpo.py
+FLUX_SHIFT = 3.0  # its static sigma shift
 POOL_SIZE = 1 << 25  # normals drawn once (SD3.5-M's largest kernel has 21M); weights are windows
 
 
@@ -268,6 +297,38 @@ def build_sd35m(options: Options) -> Built:
     return Built(model, config, (tokens + 1, max(width, pooled)), count_params(params))
 
 
+def build_flux1_dev(options: Options) -> Built:
+    from tree_grpo_jax.models.flux import load, transformer
+
+    config = dict(SMOKE_FLUX if options.smoke else FLUX1_DEV)
+    side = latent_side(options, transformer.LATENT_PATCH, "the FLUX transformer")
+    module = transformer.transformer_module(
+        config, jnp.bfloat16, attention_implementation=options.mmdit_attention
+    )
+    params = random_params(load.abstract_params(module))
+    width, pooled = config["joint_attention_dim"], config["pooled_projection_dim"]
+    tokens = SMOKE_FLUX_TEXT_TOKENS if options.smoke else FLUX_TEXT_TOKENS
+
+    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
+        # T5's tokens and CLIP-L's pooled vector, packed into one array as the loader does.
+        embeds = np.stack([prompt_draw(p, (tokens, width)) for p in prompts])
+        vectors = np.stack([prompt_draw(p + " (pooled)", (pooled,)) for p in prompts])
+        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(vectors))
+
+    model = TextToImageModel(
+        name="flux1-dev-architecture-random",
+        sample_shape=(config["in_channels"] // transformer.LATENT_PATCH**2, side, side),
+        params=params,
+        denoise=load.make_denoise(module, FLUX_GUIDANCE),
+        encode_prompts=encode_prompts,
+        decode=lambda latents: latents,
+        schedule_config=load.FluxScheduleConfig(
+            image_seq_len=(side // transformer.LATENT_PATCH) ** 2, static_shift=FLUX_SHIFT
+        ),
+    )
+    return Built(model, config, (tokens + 1, max(width, pooled)), count_params(params))
+
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         name="sd15",
@@ -285,12 +346,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         train_rows=2,
         build=build_sd35m,
     ),
-    # FLUX.1-dev goes here, a builder and a config like the rows above; it will want
-    # --resolution 720 too. Listed now so that every output says it is owed.
     Architecture(
         name="flux1_dev",
         title="FLUX.1-dev (MMDiT, 12B)",
-        owed="no random-weight builder for FLUX.1-dev in this table yet",
+        config="configs.flux_branchgrpo",
+        train_rows=1,  # one 1024-token row at 512 px (2025 at 720: --resolution 720)
+        build=build_flux1_dev,
     ),
 )
 
