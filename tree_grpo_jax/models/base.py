@@ -15,7 +15,12 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.sampling import Schedule, make_ddim_schedule, make_flow_schedule
+from tree_grpo_jax.sampling import (
+    Schedule,
+    flow_schedule_from_sigmas,
+    make_ddim_schedule,
+    make_flow_schedule,
+)
 from tree_grpo_jax.weights.files import ModelLoadError  # noqa: F401 - re-exported
 
 PyTree = Any
@@ -106,7 +111,27 @@ class FlowScheduleConfig:
         )
 
 
-ScheduleConfig = DDIMScheduleConfig | FlowScheduleConfig
+class FlowSigmasScheduleConfig:
+    """A flow model whose family computes its own sigmas (`sigmas(num_steps)`: N + 1 values
+    from 1 down to 0, as its pipeline's scheduler does); its timestep is
+    `num_train_timesteps * sigma` and the sampling options give the SDE."""
+
+    num_train_timesteps: int
+
+    def sigmas(self, num_steps: int):
+        raise NotImplementedError
+
+    def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
+        if num_steps < 2:
+            raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
+        return flow_schedule_from_sigmas(
+            self.sigmas(num_steps),
+            timestep_scale=float(self.num_train_timesteps),
+            **FlowScheduleConfig.sde_options(sampling),
+        )
+
+
+ScheduleConfig = DDIMScheduleConfig | FlowScheduleConfig | FlowSigmasScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

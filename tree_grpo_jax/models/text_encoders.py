@@ -453,3 +453,18 @@ def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
     prompt_embeds = jnp.pad(prompt_embeds, ((0, 0), (0, 0), (0, width - prompt_embeds.shape[-1])))
     pooled = jnp.pad(pooled, ((0, 0), (0, width - pooled.shape[-1])))
     return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
+
+
+class PromptCache:
+    """What the text encoders of the T5 families share: a host `cache` of every prompt
+    encoded so far, filled by their `_compute(prompts)`, and a releasable `t5`."""
+
+    def precompute(self, prompts: Sequence[str]) -> None:
+        """Encodes and caches every prompt not cached yet."""
+        if isinstance(prompts, str):
+            raise TypeError("precompute takes a list of prompts, not one string.")
+        self._compute([p for p in dict.fromkeys(prompts) if p not in self.cache])
+
+    def drop_t5(self) -> None:
+        """Releases T5's parameters; only prompts cached so far can be encoded afterwards."""
+        self.t5 = None

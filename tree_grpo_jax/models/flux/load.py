@@ -34,13 +34,12 @@ import numpy as np
 
 from tree_grpo_jax.models import autoencoder, text_encoders
 from tree_grpo_jax.models.base import (
-    FlowScheduleConfig,
+    FlowSigmasScheduleConfig,
     ModelLoadError,
     TextToImageModel,
     cast_floats,
 )
 from tree_grpo_jax.models.flux import text, transformer
-from tree_grpo_jax.sampling import flow_schedule_from_sigmas
 from tree_grpo_jax.weights import convert, files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
@@ -59,7 +58,7 @@ _SCHEDULER_FIXED = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxScheduleConfig:
+class FluxScheduleConfig(FlowSigmasScheduleConfig):
     """diffusers' FlowMatchEulerDiscreteScheduler as FluxPipeline sets it up: N sigmas
     `linspace(1, 1/N, N)`, then 0. With `use_dynamic_shifting` (FLUX.1-dev) they are shifted
     by `exp(mu) / (exp(mu) + 1/sigma - 1)`, mu growing linearly with the image's token count
@@ -94,15 +93,6 @@ class FluxScheduleConfig:
         else:
             shifted = math.exp(self.mu) / (math.exp(self.mu) + (1.0 / base - 1.0))
         return np.append(shifted, 0.0)
-
-    def make_schedule(self, num_steps: int, sampling):
-        if num_steps < 2:
-            raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
-        return flow_schedule_from_sigmas(
-            self.sigmas(num_steps),
-            timestep_scale=float(self.num_train_timesteps),
-            **FlowScheduleConfig.sde_options(sampling),
-        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import text_encoders
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.text_encoders import (
     FrozenEncoder,
@@ -43,7 +44,7 @@ T5_FOLDERS = ("text_encoder_2", "tokenizer_2")
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class FluxTextEncoders:
+class FluxTextEncoders(text_encoders.PromptCache):
     """CLIP-L and T5, with a host cache of every prompt encoded so far.
 
     `encode` runs the encoders only on prompts not yet cached, `batch_size` at a time (the
@@ -75,16 +76,6 @@ class FluxTextEncoders:
             sequence = np.asarray(self.t5(padded))
             for i, prompt in enumerate(chunk):
                 self.cache[prompt] = (sequence[i], pooled[i])
-
-    def precompute(self, prompts: Sequence[str]) -> None:
-        """Encodes and caches every prompt not cached yet."""
-        if isinstance(prompts, str):
-            raise TypeError("precompute takes a list of prompts, not one string.")
-        self._compute([p for p in dict.fromkeys(prompts) if p not in self.cache])
-
-    def drop_t5(self) -> None:
-        """Releases T5's parameters; only prompts cached so far can be encoded afterwards."""
-        self.t5 = None
 
     def encode(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """prompts -> (prompt_embeds [P, t5_max_length, width], pooled [P, pooled_dim]),

@@ -25,13 +25,12 @@ import numpy as np
 
 from tree_grpo_jax.models import autoencoder, text_encoders
 from tree_grpo_jax.models.base import (
-    FlowScheduleConfig,
+    FlowSigmasScheduleConfig,
     ModelLoadError,
     TextToImageModel,
     cast_floats,
 )
 from tree_grpo_jax.models.sd3 import mmdit, text
-from tree_grpo_jax.sampling import flow_schedule_from_sigmas
 from tree_grpo_jax.weights import convert, files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
@@ -51,7 +50,7 @@ _SCHEDULER_FIXED = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FlowMatchScheduleConfig:
+class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
     """diffusers' FlowMatchEulerDiscreteScheduler as the SD3 pipeline sets it up: `N` sigmas
     evenly spaced from 1 down to the scheduler's shifted minimum, shifted again, then 0.
     The shift is the folder's (3.0 for SD3.5); the sampling options give the SDE's noise."""
@@ -67,15 +66,6 @@ class FlowMatchScheduleConfig:
         # down to that value and shifts them once more (diffusers does exactly this).
         sigma_min = shifted(1.0 / self.num_train_timesteps)
         return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
-
-    def make_schedule(self, num_steps: int, sampling):
-        if num_steps < 2:
-            raise ValueError(f"a flow schedule needs at least 2 steps, got {num_steps}.")
-        return flow_schedule_from_sigmas(
-            self.sigmas(num_steps),
-            timestep_scale=float(self.num_train_timesteps),
-            **FlowScheduleConfig.sde_options(sampling),
-        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

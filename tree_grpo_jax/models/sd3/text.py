@@ -34,6 +34,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import text_encoders
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.text_encoders import (  # noqa: F401 - T5's pieces, re-exported
     FrozenEncoder,
@@ -69,7 +70,7 @@ def _load_clip(root: Path, encoder_name: str, tokenizer_name: str, dtype, max_le
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class SD3TextEncoders:
+class SD3TextEncoders(text_encoders.PromptCache):
     """CLIP-L, CLIP-G and (optionally) T5, with a host cache of every prompt encoded so far.
 
     `encode` runs the encoders only on prompts not yet cached, `batch_size` at a time (the
@@ -112,16 +113,6 @@ class SD3TextEncoders:
             t5 = np.asarray(self.t5(padded)) if self.t5 is not None else None
             for i, prompt in enumerate(chunk):
                 self.cache[prompt] = (clip[i], None if t5 is None else t5[i], pooled[i])
-
-    def precompute(self, prompts: Sequence[str]) -> None:
-        """Encodes and caches every prompt not cached yet."""
-        if isinstance(prompts, str):
-            raise TypeError("precompute takes a list of prompts, not one string.")
-        self._compute([p for p in dict.fromkeys(prompts) if p not in self.cache])
-
-    def drop_t5(self) -> None:
-        """Releases T5's parameters; only prompts cached so far can be encoded afterwards."""
-        self.t5 = None
 
     def encode(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """prompts -> (prompt_embeds [B, 77 + t5_max_length, width], pooled [B, pooled_dim]),
