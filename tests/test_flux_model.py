@@ -392,3 +392,46 @@ def test_bad_options_are_one_sentence():
         options[field] = value
         sentence = family.check_options(options)
         assert sentence.startswith(f"model.flux.{field} must be") and "\n" not in sentence
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("flux_branchgrpo_mix", {"tree.window": 2, "tree.split_steps": (0, 1)}),
+        ("flux_dancegrpo", {"tree.group_size": 2}),
+        ("flux_mixgrpo", {"tree.group_size": 2, "tree.window": 2}),
+        ("flux_treegrpo", {"tree.window": 2, "tree.split_steps": (0, 1)}),
+    ],
+)
+def test_every_flux_config_trains_an_iteration_on_the_tiny_folder(
+    folder, tmp_path, name, overrides
+):
+    """The other FLUX configs (BranchGRPO-Mix, DanceGRPO, MixGRPO, TreeGRPO) with their own
+    method, SDE and training settings, at the tiny folder's size: one iteration each."""
+    import importlib
+
+    from tree_grpo_jax import train
+
+    config = importlib.import_module(f"configs.{name}").get_config()
+    config.model.path = str(folder)
+    config.model.compute_dtype = "float32"
+    config.model.remat = False
+    config.model.flux.resolution = RESOLUTION
+    config.model.flux.t5_max_length = 8
+    config.rewards = "jpeg_compressibility"
+    config.reward_models.hpsv2 = ""
+    config.prompts.batch_size = 1
+    config.prompts.eval_count = 1
+    config.sampling.num_steps = 3
+    config.train.iterations = 1
+    config.train.rows_per_minibatch = 4
+    config.train.grad_accumulation = 1
+    config.eval.every = 0
+    config.checkpoint.every = 0
+    config.log.tensorboard = False
+    for field, value in overrides.items():
+        section, key = field.split(".")
+        config[section][key] = value
+    summary = train.train(config, str(tmp_path / name))
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/loss" in r and np.isfinite(r["train/loss"]) for r in rows), summary
