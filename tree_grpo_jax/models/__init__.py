@@ -1,11 +1,15 @@
 """Model families behind one interface (`base.TextToImageModel`), found through their records.
 
-base      the interface, the schedule configs, the dtypes, `cast_floats`
-registry  `ModelFamily` records and `load_model`: every family registers one
-export    trained denoiser params -> a diffusers pipeline folder (shared by the families)
-tiny      the embedded tiny digits model
-sd15      Stable Diffusion 1.x from a diffusers folder
-sd3       Stable Diffusion 3 / 3.5 (MMDiT, flow matching) from a diffusers folder
+base           the interface, the schedule configs, the dtypes, `cast_floats`
+registry       `ModelFamily` records and `load_model`: every family registers one
+abstract       a model as shapes, for the memory plan
+export         trained denoiser params -> a diffusers pipeline folder (shared by the families)
+text_encoders  the text side the T5 families share (Flax T5, CLIP and T5 loading, caching)
+autoencoder    the 16-channel VAE decoder the flow families share
+tiny           the embedded tiny digits model
+sd15           Stable Diffusion 1.x from a diffusers folder
+sd3            Stable Diffusion 3 / 3.5 (MMDiT, flow matching) from a diffusers folder
+flux           FLUX.1 dev and schnell (flow matching) from a diffusers folder
 
 A new family is one sub-package with a `family.py` that registers its `ModelFamily`
 (`registry.register`); nothing outside its sub-package names it.

@@ -4,7 +4,7 @@ transformer   the FLUX transformer (`FluxTransformer2DModel`) in Flax with PyTor
               and diffusers' parameter names, and the pipeline's latent packing and position ids
 text          CLIP-L's pooled output and T5-XXL's hidden states, as FluxPipeline encodes
               prompts, cached per prompt
-load          the folder, the schedule (dynamic or static shift), the VAE decoder and
+load          the folder, the schedule (dynamic or static shift), the denoiser and
               `load_flux` -> `FluxModel`
 export        what FLUX's denoiser is, for `models.export`
 builtin       FLUX.1-dev's and -schnell's JSON configs, for planning without their files
