@@ -21,34 +21,13 @@ def run_main(*args, timeout=300):
 
 
 def run_in_process(*args) -> subprocess.CompletedProcess:
-    """The command line's own parsing and entry point, called in this process (the many
-    bad-input cases then share one start of Python and JAX); same result fields as
-    `run_main`."""
-    import contextlib
-    import io
-
-    from absl import flags
+    """`tree_grpo_jax.main` in this process (the many bad-input cases then share one start
+    of Python and JAX); same result fields as `run_main`."""
+    from in_process import run_in_process as run
 
     from tree_grpo_jax import main as cli
 
-    flags.FLAGS.unparse_flags()
-    out, err = io.StringIO(), io.StringIO()
-    cwd, argv = os.getcwd(), sys.argv
-    code = 0
-    try:
-        os.chdir(ROOT)
-        sys.argv = ["tree_grpo_jax.main", *args]  # the config flag reads its overrides here
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli.main(cli.parse_flags(sys.argv))
-    except SystemExit as e:
-        code = e.code
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-        flags.FLAGS.unparse_flags()
-        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-            delattr(flags.FLAGS, name)  # the overrides' flags, registered per parse
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run(cli, *args, prog="tree_grpo_jax.main")
 
 
 def _one_error_line(result) -> str:

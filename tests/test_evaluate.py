@@ -2,18 +2,14 @@
 with the run's own evaluations, it continues from saved chunks, and bad input is one
 sentence with exit status 2 and nothing written."""
 
-import contextlib
-import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from in_process import run_in_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # test_train.py's small_config("treegrpo") (its programs come from the session's compile
 # cache), with a held-out metric and the guard on
@@ -41,32 +37,6 @@ RUN = [
     "--config.log.tensorboard=False",
     "--config.compile_cache.enabled=False",
 ]
-
-
-def run_in_process(module, *args) -> subprocess.CompletedProcess:
-    """A command line's own parsing and entry point, called in this process."""
-    from absl import flags
-
-    from tree_grpo_jax import main as cli
-
-    flags.FLAGS.unparse_flags()
-    out, err = io.StringIO(), io.StringIO()
-    cwd, argv = os.getcwd(), sys.argv
-    code = 0
-    try:
-        os.chdir(ROOT)
-        sys.argv = [module.__name__, *args]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            module.main(cli.parse_flags(sys.argv))
-    except SystemExit as e:
-        code = e.code
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-        flags.FLAGS.unparse_flags()
-        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-            delattr(flags.FLAGS, name)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _main():

@@ -6,8 +6,6 @@ Expectations are counted independently: parameters from the weights a loader wou
 tiny model's random weights, the safetensors files of the SD folders), optimizer bytes by hand
 (float32 params and Adam's two float32 moments: 12 bytes per parameter)."""
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -34,29 +32,11 @@ TINY = ["--config=configs/tiny.py", *SMALL]
 def run_plan(*args) -> subprocess.CompletedProcess:
     """The command's own parsing and entry point, in this process (on one device: more would
     start the command again)."""
-    from absl import flags
+    from in_process import run_in_process
 
-    from tree_grpo_jax import main as cli
     from tree_grpo_jax import plan
 
-    flags.FLAGS.unparse_flags()
-    out, err = io.StringIO(), io.StringIO()
-    cwd, argv = os.getcwd(), sys.argv
-    code = 0
-    try:
-        os.chdir(ROOT)
-        sys.argv = ["tree_grpo_jax.plan", "--devices=1", *args]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            plan.main(cli.parse_flags(sys.argv))
-    except SystemExit as e:
-        code = e.code
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-        flags.FLAGS.unparse_flags()
-        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-            delattr(flags.FLAGS, name)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run_in_process(plan, "--devices=1", *args, prog="tree_grpo_jax.plan")
 
 
 def plan_json(*args) -> dict:

@@ -1,0 +1,39 @@
+"""A command line's own flag parsing and entry point, called in the test's process (its
+bad-input cases then share one start of Python and JAX)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_process(module, *args, prog: str | None = None) -> subprocess.CompletedProcess:
+    """`module.main` on `args` parsed as its command line parses them, from the repository
+    root; stdout, stderr and the exit status as `subprocess.run` would give them."""
+    from absl import flags
+
+    from tree_grpo_jax import main as cli
+
+    flags.FLAGS.unparse_flags()
+    out, err = io.StringIO(), io.StringIO()
+    cwd, argv = os.getcwd(), sys.argv
+    code = 0
+    try:
+        os.chdir(ROOT)
+        sys.argv = [prog or module.__name__, *args]  # the config flag reads its overrides here
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main(cli.parse_flags(sys.argv))
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+        flags.FLAGS.unparse_flags()
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)  # the overrides' flags, registered per parse
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
