@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from in_process import run_in_process
 
-
 # test_train.py's small_config("treegrpo") (its programs come from the session's compile
 # cache), with a held-out metric and the guard on
 RUN = [
