@@ -10,7 +10,7 @@ from configs import base
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import guard, sampling
 from tree_grpo_jax.checkpoint import Checkpointer
-from tree_grpo_jax.trainer import _sample_with_kl
+from tree_grpo_jax.rollout import sample_with_kl
 
 
 def _config(fraction=0.0, drop=0.0):
@@ -114,7 +114,7 @@ def test_eval_kl_is_the_exact_gaussian_kl_of_the_ddim_steps():
     cond = rng.normal(size=(3, 5, 6)).astype(np.float32)
     theta = {"w": np.float32(0.3), "b": np.float32(0.1)}
     ref = {"w": np.float32(0.2), "b": np.float32(-0.05)}
-    x_out, kl = _sample_with_kl(
+    x_out, kl = sample_with_kl(
         _toy_denoise, theta, ref, jnp.asarray(cond), jnp.asarray(noise), schedule, None, 1.0
     )
 
@@ -139,7 +139,7 @@ def test_eval_kl_is_the_exact_gaussian_kl_of_the_ddim_steps():
         x = mu(theta, 0.0)  # the deterministic sampler's step (eta 0)
     np.testing.assert_allclose(kl, np.mean(per_step, axis=0), rtol=2e-3)
     np.testing.assert_allclose(x_out, x, rtol=1e-3, atol=1e-4)
-    _, same = _sample_with_kl(
+    _, same = sample_with_kl(
         _toy_denoise, ref, ref, jnp.asarray(cond), jnp.asarray(noise), schedule, None, 1.0
     )
     np.testing.assert_allclose(same, 0.0, atol=1e-8)

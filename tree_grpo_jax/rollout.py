@@ -364,3 +364,27 @@ def _sample_deterministic(denoise_fn, params, cond, noise, schedule, uncond, gui
 
     x, _ = jax.lax.scan(body, noise.astype(jnp.float32), jnp.arange(schedule.num_steps))
     return x
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def sample_with_kl(denoise_fn, params, ref_params, cond, noise, schedule, uncond, guidance_scale):
+    """The deterministic sampler from `noise` under `params`, and per sample the mean over
+    its steps of KL(policy step || reference step) at the states it passes: both are the
+    SDE step's Gaussians with the same std, so KL = |mean - ref_mean|^2 / (2 std^2) summed
+    over the sample's dimensions."""
+    event_axes = tuple(range(1, noise.ndim))
+
+    def body(x, i):
+        t = jnp.full((x.shape[0],), schedule.timesteps[i])
+        pred = guided_prediction(denoise_fn, params, x, t, cond, uncond, guidance_scale)
+        ref = guided_prediction(denoise_fn, ref_params, x, t, cond, uncond, guidance_scale)
+        mean, std = schedule.transition(i, x, pred)
+        ref_mean, _ = schedule.transition(i, x, ref)
+        std = jnp.broadcast_to(std, mean.shape)
+        per_dim = jnp.where(
+            std > 0, (mean - ref_mean) ** 2 / (2.0 * jnp.maximum(std, 1e-30) ** 2), 0.0
+        )
+        return schedule.deterministic_step(i, x, pred), jnp.sum(per_dim, axis=event_axes)
+
+    x, kl = jax.lax.scan(body, noise.astype(jnp.float32), jnp.arange(schedule.num_steps))
+    return x, kl.mean(axis=0)

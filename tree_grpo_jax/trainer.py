@@ -31,7 +31,6 @@ import numpy as np
 
 from tree_grpo_jax import advantages as adv
 from tree_grpo_jax import diversity, lora, methods, rollout, sharding, transitions
-from tree_grpo_jax.guidance import guided_prediction
 from tree_grpo_jax.models.base import TextToImageModel
 from tree_grpo_jax.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.train_step import TrainState, learning_rate
@@ -339,7 +338,9 @@ class Trainer:
         if with_kl:
             if self.kl_reference is None:
                 raise ValueError("the eval KL needs a reference; this trainer keeps none.")
-            samples, kl = _sample_with_kl(self.model.denoise, params, self.kl_reference, *args)
+            samples, kl = rollout.sample_with_kl(
+                self.model.denoise, params, self.kl_reference, *args
+            )
             if sharding.multi_process():
                 kl = sharding.local_rows(kl, rows)
             kl = sharding.gather(np.asarray(kl, np.float64))[:count]
@@ -425,27 +426,3 @@ def eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarr
     """The fixed evaluation noise [count, *S]. Its rows depend on `count`: a caller that
     evaluates in parts draws the whole set and takes its rows."""
     return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _sample_with_kl(denoise_fn, params, ref_params, cond, noise, schedule, uncond, guidance_scale):
-    """The deterministic sampler from `noise` under `params`, and per sample the mean over
-    its steps of KL(policy step || reference step) at the states it passes: both are the
-    SDE step's Gaussians with the same std, so KL = |mean - ref_mean|^2 / (2 std^2) summed
-    over the sample's dimensions."""
-    event_axes = tuple(range(1, noise.ndim))
-
-    def body(x, i):
-        t = jnp.full((x.shape[0],), schedule.timesteps[i])
-        pred = guided_prediction(denoise_fn, params, x, t, cond, uncond, guidance_scale)
-        ref = guided_prediction(denoise_fn, ref_params, x, t, cond, uncond, guidance_scale)
-        mean, std = schedule.transition(i, x, pred)
-        ref_mean, _ = schedule.transition(i, x, ref)
-        std = jnp.broadcast_to(std, mean.shape)
-        per_dim = jnp.where(
-            std > 0, (mean - ref_mean) ** 2 / (2.0 * jnp.maximum(std, 1e-30) ** 2), 0.0
-        )
-        return schedule.deterministic_step(i, x, pred), jnp.sum(per_dim, axis=event_axes)
-
-    x, kl = jax.lax.scan(body, noise.astype(jnp.float32), jnp.arange(schedule.num_steps))
-    return x, kl.mean(axis=0)
