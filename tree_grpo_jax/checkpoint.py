@@ -8,19 +8,28 @@ set aside (renamed, never deleted) and the newest readable one is used instead; 
 that holds another training state than the code builds, or that storage refuses to hand over
 (permission denied, unreachable), stops the run with one sentence and nothing is renamed.
 
+Every save records, in the meta document, a digest of each array of the state (two uint32
+sums over its bits, the same whatever the mesh: on the host when one process holds the whole
+state, on the devices when it is sharded over several processes); a restore recomputes them
+over what it read, so bits changed on disk since the save (files that still read cleanly)
+count as damage like any other. Checkpoints saved without digests restore unchecked.
+
 The folder may be local or a URL that etils' `epath` reaches (gs:// on TPU pods). With
 several processes all of them save and restore together; the primary one tidies the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import sys
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -88,17 +97,22 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _leaf_specs(tree) -> dict[str, tuple[tuple[int, ...] | None, np.dtype | None]]:
-    """path -> (shape, dtype) of every leaf (None where the leaf does not say); paths as
-    orbax names them ("opt_state.1.mu.w"), so a saved tree's metadata and a live state (its
-    dataclasses, named tuples and dicts) compare leaf by leaf."""
+def _named_leaves(tree) -> list[tuple[str, Any]]:
+    """(path, leaf) of every leaf; paths as orbax names them ("opt_state.1.mu.w"), so a
+    saved tree's metadata, a restored tree and a live state (its dataclasses, named tuples
+    and dicts) compare leaf by leaf."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(".".join(_key_name(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def _leaf_specs(tree) -> dict[str, tuple[tuple[int, ...] | None, np.dtype | None]]:
+    """path -> (shape, dtype) of every leaf (None where the leaf does not say)."""
     specs = {}
-    for path, leaf in leaves:
+    for path, leaf in _named_leaves(tree):
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
         if shape is None and isinstance(leaf, (int, float, complex, bool, np.generic)):
             shape, dtype = (), np.asarray(leaf).dtype
-        specs[".".join(_key_name(k) for k in path)] = (
+        specs[path] = (
             None if shape is None else tuple(shape),
             None if dtype is None else np.dtype(dtype),
         )
@@ -132,6 +146,185 @@ def state_mismatch(saved: Any, target: Any) -> str | None:
     return ", ".join(differences[:3]) + more
 
 
+# ---------------------------------------------------------------------------------------------
+# Digests of the saved arrays.
+
+DIGESTS_KEY = "digests"  # in the meta document: leaf path -> [sum, weighted sum]
+_WORD_TYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _digestible(leaf) -> bool:
+    """Arrays of whole-byte dtypes; Python and NumPy scalars are left out (orbax may hand
+    them back as another type, whose bits would not compare)."""
+    if not isinstance(leaf, (jax.Array, np.ndarray)):
+        return False
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return False  # orbax saves their key data, not the typed keys
+    dtype = np.dtype(leaf.dtype)
+    if dtype == np.bool_:
+        return True
+    # (bfloat16 and the float8 types are NumPy "void" kinds: ask jnp what they are)
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    else:
+        return False  # complex: left out
+    return dtype.itemsize in _WORD_TYPES and bits == 8 * dtype.itemsize  # not 4-bit packed
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """`x`'s bits as uint32 words: one per element (two for 64-bit dtypes, in a last axis)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, _WORD_TYPES[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+def _position_multipliers(shape: tuple[int, ...]) -> jax.Array:
+    """An odd uint32 per element, mixed from its row-major flat index. Built from per-axis
+    iotas rather than by flattening, which would regather a sharded array."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+        index = index + iota * np.uint32(stride % 2**32)
+        stride *= shape[axis]
+    # Two multiplies and a shift (of murmur3's finalizer): each costs compile time per leaf.
+    mixed = index * np.uint32(0x9E3779B9)
+    mixed = (mixed ^ (mixed >> 16)) * np.uint32(0x85EBCA6B)
+    return mixed | np.uint32(1)
+
+
+def _leaf_digest(x: jax.Array) -> jax.Array:
+    """[sum of the words, sum of word x multiplier], both wrapping at 2**32: integer sums
+    do not depend on the reduction order (so neither on the sharding), and an odd
+    multiplier makes any change to a single word change the second sum."""
+    words = _words(x)
+    weighted = words * _position_multipliers(words.shape)
+    # One reduction for both sums: one loop, and one kernel to compile, per leaf.
+    sums = jax.lax.reduce(
+        (words, weighted),
+        (np.uint32(0), np.uint32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        tuple(range(words.ndim)),
+    )
+    return jnp.stack(sums)
+
+
+@jax.jit
+def _digest_leaves(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([_leaf_digest(x) for x in leaves])
+
+
+_HOST_CHUNK = 1 << 22  # elements per step of the host digest: bounds its scratch memory
+
+
+def _host_digest(x: np.ndarray) -> list[int]:
+    """`_leaf_digest` in numpy, for arrays this process holds whole: the same two sums, by
+    uint32 arithmetic that wraps as the device's does."""
+    if x.dtype == np.bool_:
+        words = x.astype(np.uint32).ravel()
+    else:
+        words = np.ascontiguousarray(x).view(_WORD_TYPES[x.dtype.itemsize]).ravel()
+    total = weighted = np.uint32(0)
+    for start in range(0, words.size, _HOST_CHUNK):
+        chunk = words[start : start + _HOST_CHUNK].astype(np.uint32)
+        mixed = np.arange(start, start + chunk.size, dtype=np.uint32) * np.uint32(0x9E3779B9)
+        mixed = ((mixed ^ (mixed >> np.uint32(16))) * np.uint32(0x85EBCA6B)) | np.uint32(1)
+        total = total + chunk.sum(dtype=np.uint32)
+        weighted = weighted + (chunk * mixed).sum(dtype=np.uint32)
+    return [int(total), int(weighted)]
+
+
+def state_digests(tree: Any) -> dict[str, list[int]]:
+    """path -> [sum, weighted sum] of every array leaf of `tree`. A state this process
+    holds whole is digested on the host (no program to compile); one sharded over several
+    processes where its arrays live (every process must call it)."""
+    named = [(path, leaf) for path, leaf in _named_leaves(tree) if _digestible(leaf)]
+    if all(not isinstance(leaf, jax.Array) or leaf.is_fully_addressable for _, leaf in named):
+        with np.errstate(over="ignore"):
+            return {path: _host_digest(np.asarray(leaf)) for path, leaf in named}
+    # One program per set of devices: jit refuses arrays committed to different ones.
+    groups: dict[Any, list[tuple[str, Any]]] = {}
+    for path, leaf in named:
+        devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
+        groups.setdefault(None if devices is None else frozenset(devices), []).append((path, leaf))
+    digests = {}
+    for members in groups.values():
+        result = _digest_leaves([leaf for _, leaf in members])
+        if result.is_fully_replicated or result.is_fully_addressable:
+            values = np.asarray(result)
+        else:
+            values = np.asarray(multihost_utils.process_allgather(result, tiled=True))
+        digests.update({path: [int(a), int(b)] for (path, _), (a, b) in zip(members, values)})
+    return {path: digests[path] for path, _ in named}  # in the tree's leaf order
+
+
+def first_digest_mismatch(recorded: dict, tree: Any) -> str | None:
+    """The path of the first leaf of `tree` whose digest differs from `recorded`'s (leaves
+    `recorded` does not name are not checked); None if all agree."""
+    for path, digest in state_digests(tree).items():
+        if path in recorded and [int(v) for v in recorded[path]] != digest:
+            return path
+    return None
+
+
+class _NoPreviousSaveWait(logging.Filter):
+    """orbax counts the wait `Checkpointer.save` makes for its own save to finish as the
+    next save's wait for the previous one, and warns about it when it took over a second;
+    no save here ever waits for a previous one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Waiting for previous save to complete")
+
+
+# orbax logs through absl, whose records all come from this logger.
+logging.getLogger("absl").addFilter(_NoPreviousSaveWait())
+
+
+def _abandoned_read(unraisable) -> bool:
+    """When one array of a checkpoint fails to read, orbax abandons the others in flight:
+    their coroutines raise again as they are collected, and tensorstore's callbacks find
+    the event loop closed. Python reports each as an "Exception ignored" traceback (with
+    TensorStore's whole multi-line spec) at any later moment, up to the process's exit.
+    The failure itself was already reported (the checkpointer's warning line)."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def drop_abandoned_read_reports() -> None:
+    """Filters those reports out of `sys.unraisablehook` for the rest of the process (they
+    come after the restore has returned); every other one goes to the hook as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _abandoned_read(unraisable):
+            previous(unraisable)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def quiet_orbax_reads():
+    """orbax's own log lines silenced while checkpoints are opened and read: that a
+    read-only folder is read-only, and every file of a damaged checkpoint it fails to parse,
+    which the checkpointer's one warning line per damaged checkpoint already says."""
+    drop_abandoned_read_reports()
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
 def as_path(directory: str) -> epath.Path:
     """A local folder (made absolute) or a URL such as gs://bucket/run/checkpoints."""
     directory = os.fspath(directory)
@@ -148,6 +341,13 @@ def check_writable(directory: str) -> None:
         probe.unlink()
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoints to {directory}: {e.strerror or e}.") from e
+    except ImportError as e:  # fsspec's filesystem for the URL's scheme is not installed
+        scheme = str(directory).split("://", 1)[0]
+        package = {"gs": "gcsfs", "s3": "s3fs"}.get(scheme, f"the fsspec package for {scheme}://")
+        raise CheckpointError(
+            f"checkpoints in {directory} need {package}, which is not installed "
+            f"(pip install {package}), or a local checkpoint.dir."
+        ) from e
 
 
 def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
@@ -172,6 +372,7 @@ class Checkpointer:
         self.directory = str(path)
         self.keep = keep
         self.protected: set[int] = set()  # steps kept beyond `keep` (the best eval's)
+        self.unreadable: dict[int, str] = {}  # steps `restore` passed over, and why
         if read_only:
             if not path.is_dir():
                 raise CheckpointError(f"there is no checkpoint folder {self.directory}.")
@@ -187,7 +388,8 @@ class Checkpointer:
         # `keep` is applied by `save` itself, so that a protected step outlives it
         options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+        with quiet_orbax_reads():
+            self._manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         self.read_only = read_only
 
     @property
@@ -198,8 +400,10 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
+        """Saves `state` (its arrays' digests recorded in the meta document) and `meta`."""
         if step in self._manager.all_steps():
             return
+        meta = {**meta, DIGESTS_KEY: state_digests(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(step, args=args)
         self._manager.wait_until_finished()
@@ -239,7 +443,16 @@ class Checkpointer:
         )
         if restored.meta is None or restored.state is None:
             raise _Damaged(f"checkpoint {step} lacks its state or its meta document")
-        return restored.state, restored.meta
+        meta = dict(restored.meta)
+        recorded = meta.pop(DIGESTS_KEY, None)
+        if recorded is not None:
+            changed = first_digest_mismatch(recorded, restored.state)
+            if changed is not None:
+                raise _Damaged(
+                    f"checkpoint {step}'s {changed} does not match the digest recorded when it "
+                    "was saved"
+                )
+        return restored.state, meta
 
     def _probe(self, step: int) -> None:
         """Lists checkpoint `step`'s folders and reads their small metadata files: orbax
@@ -283,7 +496,8 @@ class Checkpointer:
         The state takes the structure, dtypes and shardings of `target_state` (when None:
         as saved, on one device). A checkpoint whose files are damaged is reported in one line,
         set aside as `<step>.unreadable-<time>` unless the folder is read-only, and the next
-        older one is tried. A saved state whose leaves, shapes or dtypes differ from
+        older one is tried; so is one whose arrays differ from the digests recorded when it
+        was saved. A saved state whose leaves, shapes or dtypes differ from
         `target_state`'s, a storage error (permission denied, unreachable) or any other
         failure raises CheckpointError and renames nothing.
         """
@@ -292,7 +506,8 @@ class Checkpointer:
             raise CheckpointError(f"there is no checkpoint in {self.directory}.")
         for candidate in steps:
             try:
-                state, meta = self._restore(candidate, target_state)
+                with quiet_orbax_reads():
+                    state, meta = self._restore(candidate, target_state)
                 return state, meta, candidate
             except CheckpointError:
                 raise
@@ -301,6 +516,7 @@ class Checkpointer:
                 if stop is not None:
                     raise stop from e
                 damage = next((c for c in _causes(e) if isinstance(c, _DAMAGE_TYPES)), e)
+                self.unreadable[candidate] = _one_line(damage)
                 print(
                     f"warning: checkpoint {candidate} in {self.directory} cannot be read "
                     f"({_one_line(damage)}); trying an older one.",
@@ -318,16 +534,17 @@ class Checkpointer:
         """The meta document of the newest checkpoint whose meta can be read ({} if none)."""
         for step in self.all_steps()[::-1]:
             try:
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-                )
+                with quiet_orbax_reads():
+                    restored = self._manager.restore(
+                        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                    )
             except Exception as e:  # noqa: BLE001 - damage: `restore` reports it, sets it aside
                 stop = self._unusable(step, e)
                 if stop is not None:
                     raise stop from e
                 continue
             if restored.meta is not None:
-                return restored.meta
+                return {k: v for k, v in restored.meta.items() if k != DIGESTS_KEY}
         return {}
 
     def restore_params(self, step: int | None = None) -> Any:
