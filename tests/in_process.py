@@ -37,3 +37,18 @@ def run_in_process(module, *args, prog: str | None = None) -> subprocess.Complet
         for name in [n for n in flags.FLAGS if n.startswith("config.")]:
             delattr(flags.FLAGS, name)  # the overrides' flags, registered per parse
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_main(*args) -> subprocess.CompletedProcess:
+    """`python -m tree_grpo_jax.main *args`, in this process."""
+    from tree_grpo_jax import main as cli
+
+    return run_in_process(cli, *args, prog="tree_grpo_jax.main")
+
+
+def one_error_line(result: subprocess.CompletedProcess, status: int = 2) -> str:
+    """The single `error:` line of a command that exited with `status`, no traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == status, result.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[0]

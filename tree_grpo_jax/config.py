@@ -3,9 +3,14 @@ starts, and the reward string's syntax."""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib
 import importlib.util
 import json
 import math
+import numbers
+from pathlib import Path
 
 import ml_collections
 
@@ -18,6 +23,18 @@ from tree_grpo_jax.sampling import FLOW_SDES
 
 WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")
+# jax.random.PRNGKey keeps 32 bits without x64: 2**32 would be seed 0 again, 2**64 overflows.
+SEED_LIMIT = 2**32
+# The shipped base config: every field a run's config must hold, with its default.
+BASE_CONFIG = Path(__file__).parents[1] / "configs" / "base.py"
+# Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
+# (config_flags reads the text as a Python literal; a bare word is a one-entry tuple).
+TUPLE_FIELDS = {
+    "tree.split_steps": (int, "'(0,3,6,9)'"),
+    "advantage.depth_pruning": (int, "'(2,3)'"),
+    "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
+    "lora.targets": (str, "\"('to_q','to_v')\""),
+}
 
 
 class ConfigError(ValueError):
@@ -63,19 +80,223 @@ def _has_field(config, path: str) -> bool:
     return True
 
 
-def _check_moved(config) -> None:
+def _check_moved(config, source: str = "the config") -> None:
     for old, new in moved_fields().items():
         _require(
             not _has_field(config, old),
-            f"the config sets {old}, which moved to {new}; set that instead.",
+            f"{source} sets {old}, which moved to {new}; set that instead.",
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape and types: a config holds every field of configs/base.py, each of its default's type.
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _describe(value) -> str:
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, ml_collections.ConfigDict):
+        return "a section"
+    if isinstance(value, (tuple, list)):
+        return repr(tuple(value))
+    if value is None or isinstance(value, numbers.Number):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _flat(node, prefix: str = "") -> dict:
+    """path -> value of every field and section below `node`, parents before children."""
+    out = {}
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out[path] = value
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_flat(value, f"{path}."))
+    return out
+
+
+def base_config() -> ml_collections.ConfigDict | None:
+    """A fresh configs/base.py `get_config()` (None when no base config ships beside the
+    package)."""
+    try:
+        if BASE_CONFIG.is_file():
+            spec = importlib.util.spec_from_file_location("tree_grpo_jax_base_config", BASE_CONFIG)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:  # an installed package: setup.py installs configs/ beside it
+            module = importlib.import_module("configs.base")
+        return module.get_config()
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _base_fields() -> dict | None:
+    """configs/base.py's fields (read only; None when no base config ships beside the
+    package, and the shape and type checks are skipped)."""
+    base = base_config()
+    return None if base is None else _flat(base)
+
+
+def saved_config(saved: dict) -> ml_collections.ConfigDict:
+    """A run's config.json laid over configs/base.py: fields added since the run was saved
+    take their defaults (JSON lists become the tuples they were)."""
+    config = base_config() or ml_collections.ConfigDict()
+    config.update(saved)
+    return config
+
+
+def _registered_fields() -> tuple[dict, tuple[str, ...]]:
+    """The sections registered families and rewards may add, which base.py need not hold
+    (path -> default), and those of them whose fields no record declares (any go)."""
+    fields, open_sections = {}, []
+
+    def add(path, options):
+        fields[path] = ml_collections.ConfigDict()
+        if options is None:
+            open_sections.append(path)
+        else:
+            fields.update(_flat(options, f"{path}."))
+
+    for family in model_registry.families():
+        add(f"model.{family.name}", family.options() if family.options else None)
+    for name in reward_registry.available_rewards():
+        add(f"reward_options.{name}", reward_registry.options_of(name, {}))
+        if reward_registry.needs_weights(name):
+            fields[f"reward_models.{name}"] = ""
+    return fields, tuple(open_sections)
+
+
+def _known_fields() -> tuple[dict, dict, tuple[str, ...]] | None:
+    base = _base_fields()
+    if base is None:
+        return None
+    registered, open_sections = _registered_fields()
+    return base, {**registered, **base}, open_sections
+
+
+def check_shape(config, source: str = "the config") -> None:
+    """Refuses, in one sentence, a config that is not a ConfigDict holding every section and
+    field of configs/base.py, or that sets a field nothing reads (a typo). `source` names
+    the config in the sentence (the command line: its file's get_config())."""
+    what = "None" if config is None else f"a {type(config).__name__}"
+    _require(
+        isinstance(config, ml_collections.ConfigDict),
+        f"{source} is {what}, not an ml_collections ConfigDict; start it from configs/base.py's "
+        "get_config().",
+    )
+    _check_moved(config, source)
+    known = _known_fields()
+    if known is None:
+        return
+    base, fields, open_sections = known
+    have = _flat(config)
+    for path, default in base.items():
+        _require(
+            path in have,
+            f"{source} lacks {path}; start it from configs/base.py's get_config().",
+        )
+        if isinstance(default, ml_collections.ConfigDict):  # its fields are checked next
+            _require(
+                isinstance(have[path], ml_collections.ConfigDict),
+                f"{path} must be a section (a ConfigDict, as in configs/base.py), got "
+                f"{_describe(have[path])}.",
+            )
+    for path in have:
+        if path in fields or any(path.startswith(f"{s}.") for s in open_sections):
+            continue
+        close = difflib.get_close_matches(path, list(fields), n=1)
+        hint = f"; did you mean {close[0]}?" if close else " (configs/base.py holds them all)."
+        raise ConfigError(f"{source} sets {path}, which is not a config field{hint}")
+
+
+def _element_sentence(path: str, kind, example: str, value) -> str | None:
+    names = {int: "ints", float: "numbers", str: "strings", bool: "bools"}
+    fits = {int: _is_int, float: _is_number, bool: lambda v: isinstance(v, bool)}.get(
+        kind, lambda v: isinstance(v, kind)
+    )
+    if not isinstance(value, (tuple, list)) or (
+        kind is not None and not all(fits(v) for v in value)
+    ):
+        of = f" of {names.get(kind, kind.__name__ + 's')}" if kind is not None else ""
+        return (
+            f"{path} must be a tuple{of}, e.g. --config.{path}={example}; got {_describe(value)}."
+        )
+    comma = next((v for v in value if isinstance(v, str) and "," in v), None)
+    if comma is not None:  # `--config.x=a,b` is the one entry 'a,b'
+        return f"{path} entry {comma!r} holds a comma; quote each entry: --config.{path}={example}."
+    return None
+
+
+def _type_sentence(path: str, default, value) -> str | None:
+    """One sentence when `value` is not of the type of `default` (base.py's), else None."""
+    got = _describe(value)
+    if isinstance(default, ml_collections.ConfigDict):
+        if isinstance(value, ml_collections.ConfigDict):
+            return None
+        return f"{path} must be a section (a ConfigDict, as in configs/base.py), got {got}."
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return None
+        return f"{path} must be True or False, e.g. --config.{path}={not default}; got {got}."
+    if isinstance(default, int):
+        if _is_int(value):
+            return None
+        return f"{path} must be a whole number, e.g. --config.{path}={default}; got {got}."
+    if isinstance(default, float):
+        if _is_number(value):
+            return None
+        return f"{path} must be a finite number, e.g. --config.{path}={default}; got {got}."
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return None
+        example = f", e.g. --config.{path}={default}" if default else ""
+        return f"{path} must be a string{example}; got {got}."
+    if isinstance(default, tuple):
+        kind = type(default[0]) if default else None
+        kind, example = TUPLE_FIELDS.get(path, (kind, f"'{default!r}'"))
+        return _element_sentence(path, kind, example, value)
+    return None
+
+
+def check_types(config) -> None:
+    """Every field of base.py (and of the registered sections) has its default's type: a
+    bool is True/False, an int a whole number, a float a finite number, a tuple a tuple (or
+    list) of its elements' type."""
+    known = _known_fields()
+    if known is None:
+        return
+    _, fields, _ = known
+    have = _flat(config)
+    for path, default in fields.items():
+        if path in have:
+            sentence = _type_sentence(path, default, have[path])
+            _require(sentence is None, sentence)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values.
 
 
 def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
     """Raises ConfigError with one sentence for the first bad value found; returns the
     parsed reward weights."""
+    check_shape(config)
+    check_types(config)
+    _require(
+        bool(config.name) and "/" not in config.name,
+        f"name must be a folder name without '/' (runs/<name>/<time>), got {config.name!r}.",
+    )
+    _check_seed("seed", config.seed)
     m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
-    _check_moved(config)
     try:
         family = model_registry.family_of(m.name)
     except ValueError as e:
@@ -84,13 +305,15 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         not family.needs_path or bool(m.path),
         f"model.name {m.name!r} needs model.path: set --config.model.path to {family.path_hint}.",
     )
-    if family.check_options is not None:
-        sentence = family.check_options(model_registry.options_of(family, m))
-        _require(sentence is None, sentence)
+    for other in sorted(model_registry.families(), key=lambda f: f is not family):
+        if other.check_options is not None:  # every family's section, the run's first
+            sentence = other.check_options(model_registry.options_of(other, m))
+            _require(sentence is None, sentence)
     dtypes = tuple(DTYPES)
     for field in ("param_dtype", "compute_dtype"):
         _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
 
+    _require(bool(config.prompts.source), "prompts.source must name a prompt set or file.")
     _require(config.prompts.batch_size >= 1, "prompts.batch_size must be at least 1.")
     _require(config.prompts.eval_count >= 1, "prompts.eval_count must be at least 1.")
 
@@ -105,6 +328,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         flow_sde in FLOW_SDES,
         f"sampling.flow_sde must be one of {FLOW_SDES}, got {flow_sde!r}.",
     )
+    _require(s.shift > 0, f"sampling.shift (the flow sigma shift) must be positive, got {s.shift}.")
     _require(
         s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
     )
@@ -117,10 +341,9 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         t.split_log_prob in rollout.SPLIT_LOG_PROBS,
         f"tree.split_log_prob must be one of {rollout.SPLIT_LOG_PROBS}, got {t.split_log_prob!r}.",
     )
+    _require(t.window_slide_every >= 0, "tree.window_slide_every must be 0 (fixed) or positive.")
     try:
         spec = methods.spec_at(config, 0)
-        if t.window_slide_every < 0:
-            raise ConfigError("tree.window_slide_every must be 0 (fixed) or positive.")
     except methods.UnknownMethodError as e:
         raise ConfigError(str(e)) from e
     except tree_spec.SpecError as e:
@@ -131,6 +354,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
         "need at least 2 (raise tree.group_size, tree.k or tree.num_trees).",
     )
+    _check_tree_fields(t)  # what the method in use does not read, after its own tree's checks
 
     _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
     _require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
@@ -152,8 +376,13 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         a.depth_pruning_count_from in (0, 1),
         f"advantage.depth_pruning_count_from must be 0 or 1, got {a.depth_pruning_count_from}.",
     )
+    _check_depth_pruning(a, spec.num_steps)
     _require(
         a.fusion in adv.FUSIONS, f"advantage.fusion must be one of {adv.FUSIONS}, got {a.fusion!r}."
+    )
+    _require(
+        a.fusion_alpha > 0,
+        f"advantage.fusion_alpha (a softmax temperature) must be positive, got {a.fusion_alpha}.",
     )
     _require(
         a.width_pruning in WIDTH_PRUNING,
@@ -171,6 +400,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"train.learning_rate must be a positive number, got {tr.learning_rate}.",
     )
     _require(tr.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {LR_SCHEDULES}.")
+    _require(
+        tr.warmup_iterations >= 0,
+        f"train.warmup_iterations must be >= 0 (0: no warmup), got {tr.warmup_iterations}.",
+    )
+    _check_adam(tr)
     _require(tr.inner_epochs >= 1, "train.inner_epochs must be at least 1.")
     _require(tr.rows_per_minibatch >= 1, "train.rows_per_minibatch must be at least 1.")
     _require(tr.grad_accumulation >= 1, "train.grad_accumulation must be at least 1.")
@@ -200,12 +434,14 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
             f"unknown eval.extra_rewards entry {name!r}; known rewards: "
             f"{', '.join(sorted(known_rewards))}.",
         )
-    for name in (*rewards, *config.eval.extra_rewards):
+    used = (*rewards, *config.eval.extra_rewards)
+    for name in used:
         if name in reward_registry.available_rewards():
             sentence = reward_registry.missing_weights(name, config.reward_models.get(name))
             _require(sentence is None, sentence)
-            sentence = reward_registry.check_options(name, config.reward_options)
-            _require(sentence is None, sentence)
+    for name in sorted(reward_registry.available_rewards(), key=lambda n: n not in used):
+        sentence = reward_registry.check_options(name, config.reward_options)  # the used first
+        _require(sentence is None, sentence)
     lo = config.lora
     _require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
     _require(
@@ -226,6 +462,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _check_eval(config.eval)
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
+    _check_mesh(config.mesh)
     _require(
         not config.log.wandb_project or importlib.util.find_spec("wandb") is not None,
         f"log.wandb_project is {config.log.wandb_project!r} but wandb is not installed; "
@@ -234,11 +471,71 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     return rewards
 
 
+def _check_seed(field: str, seed) -> None:
+    _require(
+        _is_int(seed) and 0 <= seed < SEED_LIMIT,
+        f"{field} must be a whole number in [0, 2**32) (what jax.random.PRNGKey keeps), "
+        f"got {seed!r}.",
+    )
+
+
+def _check_tree_fields(t) -> None:
+    """The tree fields, whichever method reads them (its own tree was built already)."""
+    _require(t.group_size >= 1, f"tree.group_size must be at least 1, got {t.group_size}.")
+    _require(t.window >= 1, f"tree.window must hold at least 1 step, got {t.window}.")
+    _require(t.window_start >= 0, f"tree.window_start must be >= 0, got {t.window_start}.")
+    _require(t.k >= 2, f"tree.k (children per branch) must be at least 2, got {t.k}.")
+    _require(t.num_trees >= 1, f"tree.num_trees must be at least 1, got {t.num_trees}.")
+    _require(
+        all(step >= 0 for step in t.split_steps),
+        f"tree.split_steps must be step indices >= 0, got {tuple(t.split_steps)}.",
+    )
+    _require(
+        t.split_noise_scale > 0,
+        f"tree.split_noise_scale must be positive, got {t.split_noise_scale}.",
+    )
+
+
+def _check_depth_pruning(a, num_steps: int) -> None:
+    """Depth d is the node made by step d - 1 (pruning.py), so depths run 1..num_steps."""
+    bad = [d for d in a.depth_pruning if not 1 <= d <= num_steps]
+    _require(
+        not bad,
+        f"advantage.depth_pruning holds depth(s) {bad} outside 1..{num_steps}: depth d is the "
+        f"node made by step d - 1 of the {num_steps} steps.",
+    )
+    _require(
+        a.depth_pruning_slide_every >= 0,
+        "advantage.depth_pruning_slide_every must be 0 (no slide) or a number of iterations, "
+        f"got {a.depth_pruning_slide_every}.",
+    )
+    stop = a.depth_pruning_stop
+    _require(
+        stop == -1 or 0 <= stop <= num_steps,
+        f"advantage.depth_pruning_stop must be -1 (the last split step) or a depth in "
+        f"0..{num_steps}, got {stop}.",
+    )
+
+
+def _check_adam(tr) -> None:
+    for field in ("adam_b1", "adam_b2"):
+        _require(0 <= tr[field] < 1, f"train.{field} must be in [0, 1), got {tr[field]}.")
+    _require(tr.adam_eps > 0, f"train.adam_eps must be positive, got {tr.adam_eps}.")
+    _require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
+
+
+def _check_mesh(mesh) -> None:
+    for field in ("data", "fsdp"):
+        _require(
+            mesh[field] == -1 or mesh[field] >= 1,
+            f"mesh.{field} must be -1 (every remaining device) or at least 1, got {mesh[field]}.",
+        )
+    _require(
+        not (mesh.data == -1 and mesh.fsdp == -1), "only one of mesh.data and mesh.fsdp may be -1."
+    )
+
+
 GUARD_ACTIONS = ("stop", "warn")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def guard_on(config) -> bool:
@@ -248,6 +545,11 @@ def guard_on(config) -> bool:
 
 
 def _check_eval(e) -> None:
+    _check_seed("eval.seed", e.seed)
+    _require(
+        e.num_steps == 0 or e.num_steps >= 2,
+        f"eval.num_steps must be 0 (the training steps) or at least 2, got {e.num_steps}.",
+    )
     k = e.get("samples_per_prompt", 1)
     _require(
         isinstance(k, int) and not isinstance(k, bool) and k >= 1,

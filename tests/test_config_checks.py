@@ -1,0 +1,474 @@
+"""A config of the wrong shape, a field of the wrong type and a value out of range are one
+sentence each, raised by `config.validate` before anything starts; on the command line a
+stray argument or a near-miss flag points at `--config.<field>`, `--print_config` lists the
+fields, and nothing is written for a bad config."""
+
+import math
+import os
+import pathlib
+import sys
+import uuid
+
+import jax
+import ml_collections
+import pytest
+
+from configs import base, tiny
+from tree_grpo_jax import config as cfg
+from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.rewards import registry as rewards
+
+ROOT = pathlib.Path(__file__).parents[1]
+KNOWN = rewards.available_rewards()
+NAN, INF = math.nan, math.inf
+
+
+def with_values(config, **values) -> ml_collections.ConfigDict:
+    """A copy of `config` with `section__field=value` set as given, whatever its type (a
+    ConfigDict refuses a value of another type than the field's, so rebuild it)."""
+    d = config.to_dict()
+    for key, value in values.items():
+        *parents, field = key.split("__")
+        node = d
+        for p in parents:
+            node = node[p]
+        node[field] = value
+    return ml_collections.ConfigDict(d)
+
+
+def sentence(config) -> str:
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.validate(config, known_rewards=KNOWN)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+def test_a_rebuilt_config_still_validates():
+    c = tiny.get_config()
+    assert cfg.validate(with_values(c), known_rewards=KNOWN) == cfg.parse_rewards(c.rewards)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape: a ConfigDict with every section and field of configs/base.py, and no other.
+
+
+def test_shipped_configs_add_no_field_to_the_base():
+    """Why an unknown field is refused: no shipped config holds one."""
+    fields = set(cfg._flat(base.get_config()))
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        if path.stem in ("__init__", "base"):
+            continue
+        module = __import__(f"configs.{path.stem}", fromlist=["get_config"])
+        assert set(cfg._flat(module.get_config())) == fields, path.stem
+
+
+def test_a_plain_dict_is_one_sentence():
+    message = sentence(tiny.get_config().to_dict())
+    assert message.startswith("the config is a dict, not an ml_collections ConfigDict")
+
+
+@pytest.mark.parametrize(
+    "section, field, missing",
+    [("train", "clip_range", "train.clip_range"), (None, "advantage", "advantage")],
+)
+def test_a_missing_field_or_section_is_named(section, field, missing):
+    c = tiny.get_config()
+    del (c[section] if section else c)[field]
+    assert sentence(c) == (
+        f"the config lacks {missing}; start it from configs/base.py's get_config()."
+    )
+    with pytest.raises(cfg.ConfigError, match=f"^configs/x.py's get_config\\(\\) lacks {missing};"):
+        cfg.check_shape(c, source="configs/x.py's get_config()")
+
+
+@pytest.mark.parametrize(
+    "path, suggestion",
+    [("trian", "train"), ("train.clip_rnage", "train.clip_range"), ("eval.guard.actoin", None)],
+)
+def test_an_unknown_field_is_refused_with_a_suggestion(path, suggestion):
+    c = tiny.get_config()
+    section, _, field = path.rpartition(".")
+    node = c
+    for p in section.split(".") if section else ():
+        node = node[p]
+    node[field] = 3
+    message = sentence(c)
+    assert message.startswith(f"the config sets {path}, which is not a config field")
+    if suggestion:
+        assert message.endswith(f"did you mean {suggestion}?")
+
+
+def test_a_moved_field_still_names_its_new_place():
+    c = base.get_config()
+    c.model.use_t5 = False
+    assert "sets model.use_t5, which moved to model.sd3.use_t5" in sentence(c)
+
+
+def test_a_registered_family_may_add_its_section():
+    family = model_registry.register(
+        model_registry.ModelFamily(
+            name="checks_toy",
+            model_names=("checks_toy",),
+            load=lambda request: None,
+            options=lambda: ml_collections.ConfigDict({"width": 3}),
+        )
+    )
+    try:
+        c = tiny.get_config()
+        c.model[family.name] = ml_collections.ConfigDict({"width": 4})
+        cfg.validate(c, known_rewards=KNOWN)
+        c.model[family.name].widht = 4
+        assert sentence(c).endswith("did you mean model.checks_toy.width?")
+        c = with_values(tiny.get_config(), model__checks_toy={"width": "4"})
+        assert sentence(c).startswith("model.checks_toy.width must be a whole number")
+    finally:
+        model_registry.unregister(family.name)
+
+
+@pytest.fixture
+def base_fields_reread():
+    cfg._base_fields.cache_clear()
+    yield
+    cfg._base_fields.cache_clear()
+
+
+def test_without_configs_base_py_the_shape_is_not_checked(
+    base_fields_reread, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(cfg, "BASE_CONFIG", tmp_path / "missing.py")
+    assert cfg._base_fields() == cfg._flat(base.get_config())  # the installed `configs.base`
+    cfg._base_fields.cache_clear()
+    monkeypatch.setitem(sys.modules, "configs.base", None)  # neither: the checks step aside
+    assert cfg._base_fields() is None
+    c = tiny.get_config()
+    c.trian = 3
+    cfg.validate(c, known_rewards=KNOWN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Types: each field has its default's type.
+
+
+def test_every_tuple_field_has_an_element_type():
+    for path, default in cfg._flat(base.get_config()).items():
+        if isinstance(default, tuple):
+            kind, _ = cfg.TUPLE_FIELDS[path]
+            assert all(type(v) is kind for v in default), path
+
+
+TYPE_CASES = [
+    (
+        {"tree__split_steps": "0,3"},
+        "tree.split_steps must be a tuple of ints, e.g. --config.tree.split_steps='(0,3,6,9)'; "
+        "got the string '0,3'.",
+    ),
+    (
+        {"eval__extra_rewards": "digit_accuracy"},
+        "eval.extra_rewards must be a tuple of strings, e.g. --config.eval.extra_rewards="
+        "\"('digit_accuracy','clip_score')\"; got the string 'digit_accuracy'.",
+    ),
+    ({"lora__targets": "to_q"}, "lora.targets must be a tuple of strings"),
+    ({"advantage__depth_pruning": 3}, "advantage.depth_pruning must be a tuple of ints"),
+    ({"advantage__depth_pruning": (2.5,)}, "got (2.5,)"),
+    ({"advantage__depth_pruning": (True,)}, "advantage.depth_pruning must be a tuple of ints"),
+    ({"eval__extra_rewards": ("digit_accuracy,clip_score",)}, "holds a comma; quote each entry"),
+    ({"model__remat": 1}, "model.remat must be True or False, e.g. --config.model.remat=True"),
+    ({"train__iterations": True}, "train.iterations must be a whole number"),
+    ({"train__iterations": 2.5}, "train.iterations must be a whole number"),
+    ({"train__learning_rate": "1e-4"}, "train.learning_rate must be a finite number"),
+    ({"rewards": 3}, "rewards must be a string, e.g. --config.rewards=digit_alignment"),
+    ({"seed": "0"}, "seed must be a whole number"),
+    ({"train": 3}, "train must be a section"),
+]
+
+
+@pytest.mark.parametrize("values, message", TYPE_CASES, ids=[m[:40] for _, m in TYPE_CASES])
+def test_a_wrong_type_is_one_sentence(values, message):
+    assert message in sentence(with_values(tiny.get_config(), **values))
+
+
+def test_lists_for_tuples_and_ints_for_floats_pass():
+    c = with_values(
+        tiny.get_config(),
+        tree__method="branchgrpo",
+        tree__split_steps=[0, 3],
+        eval__extra_rewards=["digit_accuracy"],
+        train__learning_rate=1,
+        advantage__clip=5,
+    )
+    cfg.validate(c, known_rewards=KNOWN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges: every number of configs/base.py.
+
+
+RANGE_CASES = [
+    ("seed", 2**70, "seed must be a whole number in [0, 2**32)"),
+    ("seed", 2**32, "seed must be a whole number in [0, 2**32)"),
+    ("seed", -1, "seed must be a whole number in [0, 2**32)"),
+    ("model.sd3.t5_max_length", 0, "model.sd3.t5_max_length must be at least 1"),
+    ("model.sd3.sample_size", -1, "model.sd3.sample_size must be >= 0"),
+    ("model.flux.guidance", -1.0, "model.flux.guidance must be >= 0"),
+    ("model.flux.t5_max_length", 600, "model.flux.t5_max_length must be in [0, 512]"),
+    ("model.flux.resolution", -1, "model.flux.resolution must be >= 0"),
+    ("model.flux.shift", -1.0, "model.flux.shift must be >= 0"),
+    ("prompts.batch_size", 0, "prompts.batch_size must be at least 1"),
+    ("prompts.eval_count", 0, "prompts.eval_count must be at least 1"),
+    ("sampling.num_steps", 1, "sampling.num_steps must be at least 2"),
+    ("sampling.eta", 0.0, "sampling.eta must be in (0, 1]"),
+    ("sampling.noise_level", NAN, "sampling.noise_level must be a finite number"),
+    ("sampling.noise_level", 0.0, "sampling.noise_level must be positive"),
+    ("sampling.shift", 0.0, "sampling.shift (the flow sigma shift) must be positive"),
+    ("sampling.guidance_scale", -1.0, "sampling.guidance_scale must be >= 0"),
+    ("tree.group_size", 0, "tree.group_size must be at least 1"),
+    ("tree.window", 0, "the window must hold at least one step"),
+    ("tree.window_start", 8, "runs past the last step"),
+    ("tree.window_slide_every", -1, "tree.window_slide_every must be 0 (fixed) or positive"),
+    ("tree.k", 1, "a branch needs k >= 2 children"),
+    ("tree.num_trees", 0, "num_trees must be at least 1"),
+    ("tree.split_noise_scale", 0.0, "tree.split_noise_scale must be positive"),
+    ("advantage.clip", INF, "advantage.clip must be a finite number"),
+    ("advantage.clip", 0.0, "advantage.clip must be positive"),
+    ("advantage.fusion_alpha", NAN, "advantage.fusion_alpha must be a finite number"),
+    ("advantage.fusion_alpha", 0.0, "advantage.fusion_alpha (a softmax temperature) must be"),
+    ("advantage.std_ddof", 2, "advantage.std_ddof must be 0 or 1"),
+    ("advantage.tracker_buffer", 8, "advantage.tracker_buffer must be at least"),
+    ("advantage.tracker_min_count", 0, "advantage.tracker_buffer must be at least"),
+    ("advantage.depth_pruning", (0,), "advantage.depth_pruning holds depth(s) [0] outside 1..10"),
+    ("advantage.depth_pruning", (3, 11), "holds depth(s) [11] outside 1..10"),
+    ("advantage.depth_pruning_slide_every", -1, "advantage.depth_pruning_slide_every must be 0"),
+    ("advantage.depth_pruning_stop", -2, "advantage.depth_pruning_stop must be -1"),
+    ("advantage.depth_pruning_stop", 11, "advantage.depth_pruning_stop must be -1"),
+    ("advantage.width_pruning_ratio", 0.0, "advantage.width_pruning_ratio must be in (0, 1]"),
+    ("advantage.pruning_step_ratio", -0.5, "advantage.pruning_step_ratio must be >= 0"),
+    ("advantage.depth_pruning_count_from", 2, "advantage.depth_pruning_count_from must be 0"),
+    ("train.iterations", 0, "train.iterations must be at least 1"),
+    ("train.learning_rate", 0.0, "train.learning_rate must be a positive number"),
+    ("train.warmup_iterations", -1, "train.warmup_iterations must be >= 0"),
+    ("train.weight_decay", -1e-4, "train.weight_decay must be >= 0"),
+    ("train.weight_decay", NAN, "train.weight_decay must be a finite number"),
+    ("train.adam_b1", 1.0, "train.adam_b1 must be in [0, 1)"),
+    ("train.adam_b1", -0.1, "train.adam_b1 must be in [0, 1)"),
+    ("train.adam_b1", NAN, "train.adam_b1 must be a finite number, e.g. --config.train.adam_b1"),
+    ("train.adam_b2", 1.5, "train.adam_b2 must be in [0, 1)"),
+    ("train.adam_eps", -1e-8, "train.adam_eps must be positive"),
+    ("train.adam_eps", 0.0, "train.adam_eps must be positive"),
+    ("train.adam_eps", NAN, "train.adam_eps must be a finite number"),
+    ("train.max_grad_norm", 0.0, "train.max_grad_norm must be positive"),
+    ("train.inner_epochs", 0, "train.inner_epochs must be at least 1"),
+    ("train.rows_per_minibatch", 0, "train.rows_per_minibatch must be at least 1"),
+    ("train.grad_accumulation", 0, "train.grad_accumulation must be at least 1"),
+    ("train.updates_per_iteration", -1, "train.updates_per_iteration must be 0"),
+    ("train.clip_range", 0.0, "train.clip_range must be positive"),
+    ("train.kl_beta", -1.0, "train.kl_beta must be >= 0"),
+    ("lora.rank", -1, "lora.rank must be >= 0"),
+    ("lora.alpha", -1.0, "lora.alpha must be >= 0"),
+    ("reward_options.chunk_size", 0, "reward_options.chunk_size must be at least 1"),
+    ("reward_options.pickscore.divisor", 0.0, "reward_options.pickscore.divisor must be positive"),
+    ("eval.every", -1, "eval.every must be >= 0"),
+    ("eval.seed", -5, "eval.seed must be a whole number in [0, 2**32)"),
+    ("eval.num_steps", -3, "eval.num_steps must be 0 (the training steps) or at least 2"),
+    ("eval.num_steps", 1, "eval.num_steps must be 0 (the training steps) or at least 2"),
+    ("eval.samples_per_prompt", 0, "eval.samples_per_prompt must be a whole number >= 1"),
+    ("eval.guard.min_diversity_fraction", 1.0, "eval.guard.min_diversity_fraction must be in"),
+    ("eval.guard.held_out_drop", -0.1, "eval.guard.held_out_drop must be a number >= 0"),
+    ("checkpoint.every", -1, "checkpoint.every must be >= 0"),
+    ("checkpoint.keep", 0, "checkpoint.keep must be at least 1"),
+    ("mesh.data", 0, "mesh.data must be -1 (every remaining device) or at least 1"),
+    ("mesh.fsdp", -2, "mesh.fsdp must be -1 (every remaining device) or at least 1"),
+]
+# Strings, checked against their choices (or as names) in their own tests or here.
+NAME_CASES = [
+    ("name", "", "name must be a folder name without '/'"),
+    ("name", "a/b", "name must be a folder name without '/'"),
+    ("prompts.source", "", "prompts.source must name a prompt set or file"),
+]
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    RANGE_CASES + NAME_CASES,
+    ids=[f"{p}={v}" for p, v, _ in RANGE_CASES + NAME_CASES],
+)
+def test_a_value_out_of_range_is_one_sentence(path, value, message):
+    c = with_values(tiny.get_config(), **{path.replace(".", "__"): value})
+    assert message in sentence(c)
+
+
+def test_every_number_of_the_base_has_a_range_case():
+    numbers = {
+        path
+        for path, v in cfg._flat(base.get_config()).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    assert numbers <= {path for path, _, _ in RANGE_CASES}, numbers - {p for p, _, _ in RANGE_CASES}
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [  # the fields a method does not read are checked too
+        ({"tree__method": "grpo", "tree__k": 1}, "tree.k (children per branch) must be at least 2"),
+        ({"tree__method": "grpo", "tree__split_steps": (-1,)}, "tree.split_steps must be step"),
+        ({"tree__method": "grpo", "tree__window_start": -1}, "tree.window_start must be >= 0"),
+        ({"mesh__data": -1, "mesh__fsdp": -1}, "only one of mesh.data and mesh.fsdp may be -1"),
+    ],
+)
+def test_unused_fields_and_pairs(values, message):
+    assert message in sentence(with_values(tiny.get_config(), **values))
+
+
+def test_the_seed_bound_is_what_prng_key_keeps():
+    """Without x64 PRNGKey keeps 32 bits: 2**32 would give seed 0's key again."""
+    assert not jax.config.jax_enable_x64
+    last = jax.random.PRNGKey(cfg.SEED_LIMIT - 1)
+    assert (last != jax.random.PRNGKey(0)).any()
+    assert (jax.random.PRNGKey(cfg.SEED_LIMIT) == jax.random.PRNGKey(0)).all()
+    for field in ("seed", "eval__seed"):
+        c = with_values(tiny.get_config(), **{field: cfg.SEED_LIMIT - 1})
+        cfg.validate(c, known_rewards=KNOWN)
+
+
+def test_depth_pruning_within_the_tree_passes():
+    c = with_values(
+        tiny.get_config(),
+        tree__method="branchgrpo",
+        advantage__depth_pruning=(1, 10),
+        advantage__depth_pruning_stop=10,
+    )
+    cfg.validate(c, known_rewards=KNOWN)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, in this process.
+
+
+def run_in_process(*args):
+    from in_process import run_in_process as run
+
+    from tree_grpo_jax import main as cli
+
+    sys.modules.pop("config_config", None)  # config_flags' module of the last file loaded
+    return run(cli, *args, prog="tree_grpo_jax.main")
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[0].removeprefix("error: ")
+
+
+CONFIG_FILES = {
+    "returns_a_dict": "    return base.get_config().to_dict()\n",
+    "calls_exit": "    import sys\n    sys.exit(0)\n",
+    "lacks_a_field": "    c = base.get_config()\n    del c.train['clip_range']\n    return c\n",
+    "lacks_a_section": "    c = base.get_config()\n    del c['advantage']\n    return c\n",
+    "has_a_typo": "    c = base.get_config()\n    c.trian = 3\n    return c\n",
+    "wrong_type": "    c = base.get_config()\n    c.tree.split_steps = '0,3'\n    return c\n",
+}
+FILE_MESSAGES = {
+    "returns_a_dict": "get_config() returned a dict, not an ml_collections ConfigDict",
+    "calls_exit": "called sys.exit(0) while loading",
+    "lacks_a_field": "get_config() lacks train.clip_range; start it from configs/base.py's",
+    "lacks_a_section": "get_config() lacks advantage; start it from configs/base.py's",
+    "has_a_typo": "get_config() sets trian, which is not a config field; did you mean train?",
+    "wrong_type": "could not be loaded (line 6): TypeError: Could not override field 'split_steps'",
+}
+
+
+@pytest.mark.parametrize("which", list(CONFIG_FILES))
+def test_a_bad_config_file_is_one_sentence_and_writes_nothing(tmp_path, which):
+    path = tmp_path / f"{which}.py"
+    path.write_text(f"from configs import base\n\n\ndef get_config():\n{CONFIG_FILES[which]}")
+    result = run_in_process(f"--config={path}", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert FILE_MESSAGES[which] in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.iterations=3"], "stray argument 'train.iterations=3'; did you mean "
+         "--config.train.iterations=3?"),
+        (["--iterations=3"], "did you mean --config.train.iterations=3?"),
+        (["--adam_b1=0.5"], "did you mean --config.train.adam_b1=0.5?"),
+        (["--num_steps=4"], "--config.eval.num_steps=4 or --config.sampling.num_steps=4?"),
+        (["--iteratons=3"], "did you mean --config.train.iterations=3?"),
+        (["--workdri=x"], "Unknown command line flag 'workdri'. Did you mean: workdir?"),
+        (["hello"], "stray argument 'hello': the command takes flags only"),
+        (["--config.train.adam_b1=1.0"], "train.adam_b1 must be in [0, 1)"),
+        (["--config.tree.split_steps=0,3", "--config.tree.method=branchgrpo",
+          "--config.advantage.depth_pruning=11"], "advantage.depth_pruning holds depth(s) [11]"),
+    ],
+)  # fmt: skip
+def test_a_bad_command_line_is_one_sentence_and_writes_nothing(tmp_path, args, message):
+    cache = tmp_path / "cache"
+    result = run_in_process(
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.compile_cache.dir={cache}",
+        *args,
+    )
+    assert result.returncode == 2
+    assert message in one_error_line(result)
+    assert not (tmp_path / "run").exists() and not cache.exists()
+
+
+def test_no_default_workdir_for_a_bad_value():
+    name = f"config_checks_{uuid.uuid4().hex[:8]}"
+    result = run_in_process(
+        "--config=configs/tiny.py", f"--config.name={name}", "--config.train.adam_eps=-1.0"
+    )
+    assert result.returncode == 2
+    assert "train.adam_eps must be positive" in one_error_line(result)
+    assert not (ROOT / "runs" / name).exists()
+
+
+def test_print_config_lists_every_field_with_the_overrides(tmp_path):
+    result = run_in_process(
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.train.iterations=7",
+        "--config.tree.split_steps=(0,3)",  # the shell's --config.tree.split_steps='(0,3)'
+        "--config.eval.extra_rewards=digit_accuracy",  # a bare word is a one-entry tuple
+        "--print_config",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    fields = [path for path, v in cfg._flat(base.get_config()).items() if not hasattr(v, "items")]
+    assert sorted(line.split(":")[0] for line in lines) == sorted(fields)
+    for line in (
+        "train.iterations: 7",
+        "tree.split_steps: (0, 3)",
+        "eval.extra_rewards: ('digit_accuracy',)",
+        "model.path: ''",
+    ):
+        assert line in lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatch):
+    from tree_grpo_jax import train
+
+    summary = {
+        "first_eval_reward": -0.458312,
+        "last_eval_reward": -4.6e-05,
+        "session_s": 1.0,
+        "wall_time_s": 1.0,
+        "rollout_denoiser_calls_per_leaf": 6.94,
+        "first_grid": "a.png",
+        "last_grid": "b.png",
+        "reward_curve": "c.png",
+    }
+    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    result = run_in_process(
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.compile_cache.enabled=False",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "done: eval reward -0.4583 -> -4.6e-05;" in result.stdout
+    assert os.listdir(tmp_path) == []
