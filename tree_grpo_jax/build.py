@@ -8,7 +8,6 @@ the benchmarks start from it.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import diversity, lora, methods, sharding
+from tree_grpo_jax import diversity, lora, methods, precompile, sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
 from tree_grpo_jax.prompts import load_prompts
@@ -30,16 +29,6 @@ from tree_grpo_jax.train_step import (
 from tree_grpo_jax.trainer import Trainer, make_tracker, prompt_iterator
 
 
-def _memory_limit() -> tuple[int, str]:
-    """Bytes this process's first device can hold (host memory for CPU devices), and what
-    it is."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
-
-
 def check_sizes(config, spec, sample_shape) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
     alone cannot fit in memory (float32 states of every trained step, and the leaves)."""
@@ -49,7 +38,7 @@ def check_sizes(config, spec, sample_shape) -> None:
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
     eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
     eval_bytes = 2 * eval_rows * sample_bytes
-    limit, where = _memory_limit()
+    limit, where = precompile.memory_limit()
     gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
     if rollout_bytes > limit:
         raise cfg.ConfigError(
@@ -63,6 +52,34 @@ def check_sizes(config, spec, sample_shape) -> None:
             f"{gib(eval_bytes)} of samples, more than the {gib(limit)} of {where}; lower "
             "prompts.eval_count or eval.samples_per_prompt."
         )
+
+
+def check_prompts(model: TextToImageModel, rewards, prompts, where: str) -> None:
+    """Every distinct prompt through the model's text encoder and through each reward that
+    reads no model, on blank images, before anything is written: a prompt the model or a
+    reward cannot read, or a reward that does not give one score per image, is one sentence
+    (rewards that read a model are built here and their shape is checked when they score)."""
+    distinct = list(dict.fromkeys(prompts))
+    if not distinct:
+        return
+    try:
+        model.encode_prompts(distinct)
+        images = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
+        blank = np.zeros((len(distinct), *images.shape[1:]), np.float32)
+        if images.ndim != 4 or images.shape[-1] not in (1, 3):
+            return  # no images (a benchmark's model without a decoder): nothing to score
+        for reward in rewards:
+            if not reward_registry.reads_model(reward.name):
+                reward(blank, distinct)
+    except reward_registry.RewardShapeError as e:
+        raise cfg.ConfigError(str(e)) from None
+    except ValueError as e:
+        raise cfg.ConfigError(f"{where}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def setup(
@@ -136,6 +153,18 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
         if jax.process_index() == 0 and config.log.progress:
             print(f"text encoders: {said}", flush=True)
+    trained = list(dict.fromkeys(prompts.prompts))
+    check_prompts(model, reward.rewards.values(), trained, "prompts.source")
+    # the eval's own prompts: through the training reward, and every prompt through the
+    # held-out ones
+    seen = set(trained)
+    check_prompts(
+        model,
+        reward.rewards.values(),
+        [p for p in eval_prompts if p not in seen],
+        "the eval prompts",
+    )
+    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts")
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -61,6 +63,19 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
+    def write_image(self, step: int, tag: str, images, captions, columns: int) -> None:
+        """A grid of `images` with a caption under each, to TensorBoard and wandb (the
+        workdir's own pictures are the plain grids)."""
+        if self._tb is None and self._wandb is None:
+            return
+        picture = captioned_grid(images, captions, columns)
+        if self._tb is not None:
+            self._tb.add_image(tag, np.asarray(picture), step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Image(picture)}, step=step)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -73,6 +88,9 @@ class NullWriter:
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         del step, metrics, prefix
+
+    def write_image(self, *args) -> None:
+        del args
 
     def close(self) -> None:
         pass
@@ -112,6 +130,34 @@ def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 1) -
     if scale > 1:
         picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
     return picture
+
+
+def captioned_grid(images, captions, columns: int, tile: int = 96) -> Image.Image:
+    """[N, H, W, C] in [0, 1] as tiles of at least `tile` pixels, each with its caption
+    (lines of text) under it; RGB."""
+    from PIL import ImageDraw, ImageFont
+
+    images = np.clip(np.asarray(images, np.float32), 0.0, 1.0)
+    n, h, w, _ = images.shape
+    scale = max(1, -(-tile // max(h, w)))
+    font = ImageFont.load_default()
+    lines = max(len(str(c).splitlines()) for c in captions) if captions else 0
+    text_h = 11 * lines + 4
+    cell_w, cell_h = w * scale + 4, h * scale + text_h + 4
+    rows = -(-n // columns)
+    sheet = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
+    draw = ImageDraw.Draw(sheet)
+    limit = max(cell_w // 6, 4)  # characters that fit under a tile
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        r, col = divmod(i, columns)
+        x, y = col * cell_w + 2, r * cell_h + 2
+        pixels = (image * 255).round().astype(np.uint8)
+        tile_image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+        sheet.paste(tile_image.convert("RGB").resize((w * scale, h * scale), Image.NEAREST), (x, y))
+        for j, line in enumerate(str(caption).splitlines()):
+            short = line if len(line) <= limit else line[: limit - 1] + "~"
+            draw.text((x, y + h * scale + 2 + 11 * j), short, fill="black", font=font)
+    return sheet
 
 
 def save_grid(path: str, images: np.ndarray, columns: int | None = None) -> str:
@@ -169,3 +215,53 @@ def _fmt(v) -> str:
 def _clock(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 60:d}:{seconds % 60:02d}"
+
+
+class _SurvivingStream:
+    """A text stream whose writes never raise when the reader has gone (`| tee log` closed
+    by Ctrl-C, a closed terminal): the run then goes on, and saves, without its output."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_reader = False
+
+    def _guarded(self, method, *args):
+        if self.closed_reader:
+            return None
+        try:
+            return getattr(self._stream, method)(*args)
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            pass  # ValueError: the stream object itself was closed
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+        self._drop()
+        return None
+
+    def _drop(self) -> None:
+        """From now on the stream's output goes nowhere, also what Python flushes at exit."""
+        self.closed_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass  # not a file descriptor (a test's StringIO): dropping the writes is enough
+
+    def write(self, text):
+        written = self._guarded("write", text)
+        return len(text) if written is None else written
+
+    def flush(self):
+        self._guarded("flush")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_closed_streams() -> None:
+    """Makes stdout and stderr survive a reader that has gone away (see _SurvivingStream)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _SurvivingStream):
+            setattr(sys, name, _SurvivingStream(stream))

@@ -206,6 +206,7 @@ def rollout(
     reduce: str = "mean",
     window_start: jax.Array | int = 0,
     split_log_prob: str = "sampled",
+    lower: bool = False,
 ) -> Tree:
     """Rolls out `spec.num_trees` trees for each of the P prompts in `cond` [P, L, D].
 
@@ -216,7 +217,8 @@ def rollout(
     drawn from) or "unscaled" (under the unscaled std, BranchGRPO's released code).
 
     Compiles once per spec, batch shape, denoiser and options, for every window position;
-    the same key gives the same tree.
+    the same key gives the same tree. `lower=True` returns the program lowered for these
+    arguments instead (`.compile()` it ahead: a later call of the same shapes reuses it).
     """
     chex.assert_rank(cond, 3)
     if schedule.num_steps != spec.num_steps:
@@ -229,7 +231,8 @@ def rollout(
         )
     if spec.sliding and not isinstance(window_start, jax.core.Tracer):
         spec.at(int(window_start))  # raises SpecError for a window that does not fit
-    return _rollout(
+    fn = _rollout.lower if lower else _rollout
+    return fn(
         denoise_fn,
         params,
         cond,
@@ -350,9 +353,12 @@ def sample_deterministic(
     *,
     uncond: jax.Array | None = None,
     guidance_scale: jax.Array | float = 1.0,
+    lower: bool = False,
 ) -> jax.Array:
-    """The deterministic sampler (DDIM eta 0 / Euler) from given noise [P, *S]: evaluation."""
-    return _sample_deterministic(denoise_fn, params, cond, noise, schedule, uncond, guidance_scale)
+    """The deterministic sampler (DDIM eta 0 / Euler) from given noise [P, *S]: evaluation.
+    `lower=True`: the program lowered for these arguments, as in `rollout`."""
+    fn = _sample_deterministic.lower if lower else _sample_deterministic
+    return fn(denoise_fn, params, cond, noise, schedule, uncond, guidance_scale)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

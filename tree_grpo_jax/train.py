@@ -14,6 +14,8 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
 import sys
 import threading
@@ -24,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import guard, reporting, sharding
+from tree_grpo_jax import guard, identity, precompile, reporting, sharding
 from tree_grpo_jax.build import build, setup
 from tree_grpo_jax.checkpoint import (
     Checkpointer,
@@ -42,6 +44,7 @@ __all__ = [
     "BAD_INPUT",
     "DivergenceError",
     "Interrupted",
+    "OutOfMemory",
     "RewardError",
     "Stopped",
     "Trainer",
@@ -68,6 +71,23 @@ class Interrupted(Exception):
             f"{signal_name} received; stopped after iteration {iteration}, saved in "
             f"{workdir}/checkpoints; the same command resumes it exactly."
         )
+
+
+class OutOfMemory(RuntimeError):
+    """XLA could not allocate what a program needed; the last checkpoint is kept."""
+
+
+def _out_of_memory(e: Exception, workdir: str) -> OutOfMemory | None:
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    needed = re.search(r"allocat\w* ([0-9.]+ ?[KMGT]i?B)", text)
+    size = f" ({needed.group(1)})" if needed else ""
+    return OutOfMemory(
+        f"the device ran out of memory{size}; lower prompts.batch_size, the tree's size "
+        "(tree.k, tree.window) or train.rows_per_minibatch, or set model.remat=True; the "
+        f"checkpoints in {workdir} are kept as they were."
+    )
 
 
 class Stopped(BaseException):
@@ -134,16 +154,21 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "rng_key": np.asarray(jax.random.key_data(trainer.key)).tolist(),
         "fingerprint": cfg.fingerprint(trainer.config),
         "base_weights": trainer.adapter.base_fingerprint if trainer.adapter else None,
+        "identity": identity.of_run(trainer.config),  # taken once, by check_resume
         "history": history,
         **host,
     }
 
 
 def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
-    """Refuses to resume checkpoints of another run, before anything heavy loads."""
+    """Refuses to resume checkpoints of another run, before anything heavy loads: another
+    config, or the same config over other prompts or frozen files (identity.py). Takes the
+    identity this run's checkpoints record."""
     if ckpt.latest_step is None:
+        identity.measure(config, say=_say(config))
         return
-    saved = ckpt.read_meta().get("fingerprint")
+    meta = ckpt.read_meta()
+    saved = meta.get("fingerprint")
     if saved is None:
         raise CheckpointError(
             f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
@@ -155,6 +180,9 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
             f"{ckpt.directory} holds another run ({differs}); resume it with its own config "
             "or choose another --workdir."
         )
+    changed = identity.mismatch(meta.get("identity"), identity.measure(config, say=_say(config)))
+    if changed:
+        raise CheckpointError(changed)
 
 
 def check_base_weights(trainer: Trainer, meta: dict, directory: str) -> None:
@@ -182,11 +210,14 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
 
 def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -> dict:
     """Evaluates (every process takes part); the primary process writes the grid."""
-    metrics, images = trainer.evaluate(params)
+    metrics, images, rewards, prompts = trainer.evaluate_samples(params)
     path = os.path.join(trainer.workdir, f"eval_{iteration:05d}.png")
+    columns = min(10, len(images))
     if sharding.is_primary():
-        reporting.save_grid(path, images, columns=min(10, len(images)))
+        reporting.save_grid(path, images, columns=columns)
     writer.write(iteration, metrics, prefix="eval/")
+    captions = [f"{p}\n{r:.4g}" for p, r in zip(prompts, rewards)]
+    writer.write_image(iteration, "eval/samples", images, captions, columns)
     history["eval"].append({"iteration": iteration, **metrics})
     if trainer.config.log.progress and sharding.is_primary():
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
@@ -208,8 +239,39 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sharding.maybe_initialize_distributed()
     _check_same_config(config)
     primary = sharding.is_primary()
+    created = _missing_folders(workdir)
     lock = WorkdirLock(workdir) if primary else None
     _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
+    try:
+        return _train_in(config, workdir, reward_weights, lock, session_start)
+    except BAD_INPUT:
+        if primary and created:  # a new run that could not start leaves nothing behind
+            _remove_new_run(workdir, created, checkpoint_dir(config, workdir))
+        raise
+
+
+def _missing_folders(workdir: str) -> list[str]:
+    """`workdir` and those of its parents that do not exist yet, deepest first."""
+    missing, path = [], os.path.abspath(workdir)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_new_run(workdir: str, created: list[str], checkpoints: str) -> None:
+    """Removes what a run that failed before its first checkpoint wrote in the folders it
+    created; a checkpoint saved meanwhile keeps everything."""
+    if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
+        return
+    shutil.rmtree(workdir, ignore_errors=True)
+    for folder in created[1:]:
+        with contextlib.suppress(OSError):  # not empty: another run's, keep it
+            os.rmdir(folder)
+
+
+def _train_in(config, workdir: str, reward_weights, lock, session_start: float) -> dict:
+    primary = lock is not None
     with _Signals(defer=False), contextlib.ExitStack() as held:
         if lock is not None:
             held.callback(lock.release)
@@ -218,15 +280,30 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             check_resume(config, ckpt)
             trainer, state = build(config, workdir, reward_weights)
             state, start, history = resume(trainer, state, ckpt)
+            if start < config.train.iterations:  # refused here if it cannot fit
+                precompile.precompile(trainer, state, _say(config))
             # Written only once the resume checks have passed: it describes the checkpoints.
             if primary:
                 with open(os.path.join(workdir, "config.json"), "w") as f:
                     f.write(config.to_json_best_effort(indent=2))
-            summary = _loop(trainer, state, start, history, ckpt)
+            try:
+                summary = _loop(trainer, state, start, history, ckpt)
+            except jax.errors.JaxRuntimeError as e:
+                oom = _out_of_memory(e, ckpt.directory)
+                if oom is None:
+                    raise
+                raise oom from None
         finally:
             ckpt.close()
     summary["session_s"] = time.time() - session_start
     return summary
+
+
+def _say(config):
+    """Prints a progress line on the primary process when the config asks for progress."""
+    if config.log.progress and sharding.is_primary():
+        return lambda line: print(line, flush=True)
+    return lambda line: None
 
 
 def _on_primary(action, what: str) -> None:
@@ -288,6 +365,7 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
             f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | workdir {workdir}",
             flush=True,
         )
+        print(_training_line(trainer, state), flush=True)
         if start:
             print(f"resumed from the checkpoint after iteration {start}", flush=True)
     wall_start = time.time() - history.get("wall_time", 0.0)
@@ -366,6 +444,21 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     finally:
         writer.close()
     return summarize(trainer, spec, history, workdir)
+
+
+def _training_line(trainer: Trainer, state) -> str:
+    """What is trained, on what, for how long: the startup's second line."""
+    c = trainer.config
+    count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
+    if trainer.adapter is None:
+        trained = f"full fine-tuning ({count:,} parameters)"
+    else:
+        trained = f"LoRA rank {trainer.adapter.rank} ({count:,} trainable parameters)"
+    schedule = "" if c.train.lr_schedule == "constant" else f" {c.train.lr_schedule}"
+    return (
+        f"reward {c.rewards} | learning rate {c.train.learning_rate:g}{schedule} | "
+        f"{c.train.iterations} iterations | {trained}"
+    )
 
 
 def _guard_stop(trainer: Trainer, spec, history: dict, line: str) -> dict:

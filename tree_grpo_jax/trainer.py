@@ -154,30 +154,33 @@ class Trainer:
         """The iteration's trees for the global batch `prompts` from `params` (no gradient,
         no update), its prompts split over the mesh's batch axes: every device rolls out its
         own. With several processes each encodes, and keeps, its own rows."""
-        c = self.config
         prompts = list(prompts)
         rows = sharding.process_rows(len(prompts))
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(prompts[rows]))
-        spec = self.spec()
         start = self.window_start(iteration)
-        tree = rollout.rollout(
+        tree = self._rollout_program(self.model_params(params), cond, key, start)
+        if sharding.multi_process():
+            tree = sharding.local_tree(tree, rows)
+        cond = sharding.replicate(self.mesh, cond)  # a minibatch row may meet any prompt
+        return Rollout(prompts, cond, self.spec(), start, tree, rows)
+
+    def _rollout_program(self, weights, cond, key, window_start: int, lower: bool = False):
+        c = self.config
+        return rollout.rollout(
             self.model.denoise,
-            self.model_params(params),
+            weights,
             cond,
             key,
             self.schedule(),
-            spec=spec,
+            spec=self.spec(),
             sample_shape=self.model.sample_shape,
             uncond=self.uncond,
             guidance_scale=c.sampling.guidance_scale,
             reduce=c.sampling.log_prob_reduce,
-            window_start=jnp.int32(start),  # data: one compiled rollout for every position
+            window_start=jnp.int32(window_start),  # data: one program for every position
             split_log_prob=c.tree.split_log_prob,
+            lower=lower,
         )
-        if sharding.multi_process():
-            tree = sharding.local_tree(tree, rows)
-        cond = sharding.replicate(self.mesh, cond)  # a minibatch row may meet any prompt
-        return Rollout(prompts, cond, spec, start, tree, rows)
 
     def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
         """Rewards of this process's images, then every process's, in process order: all
@@ -319,7 +322,28 @@ class Trainer:
         The batch is topped up with repeats to a multiple of the devices it splits over;
         every device samples its share and every process decodes its own rows. `with_kl`
         also measures the exact KL of every sample's trajectory to `kl_reference`."""
-        c = self.config
+        count = len(prompts)
+        if with_kl and self.kl_reference is None:
+            raise ValueError("the eval KL needs a reference; this trainer keeps none.")
+        rows, mine_prompts, args = self._eval_args(prompts, noise)
+        outputs = self._eval_program(self.model_params(params), args, with_kl)
+        kl = None
+        if with_kl:
+            samples, kl = outputs
+            if sharding.multi_process():
+                kl = sharding.local_rows(kl, rows)
+            kl = sharding.gather(np.asarray(kl, np.float64))[:count]
+        else:
+            samples = outputs
+        if sharding.multi_process():
+            samples = sharding.local_rows(samples, rows)
+        if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
+            raise DivergenceError(self._diverged("the evaluation samples"))
+        return EvalSamples(self.model.decode(samples), mine_prompts, count, kl)
+
+    def _eval_args(self, prompts: Sequence[str], noise) -> tuple[slice, list[str], tuple]:
+        """This process's rows of the eval batch padded to a multiple of the devices, their
+        prompts, and the sampler's arguments after the weights."""
         count = len(prompts)
         shards = sharding.num_batch_shards(self.mesh)
         padded = np.arange(-(-count // shards) * shards) % count
@@ -329,39 +353,102 @@ class Trainer:
         args = (
             sharding.global_batch(self.mesh, self.model.encode_prompts(mine_prompts)),
             sharding.global_batch(self.mesh, np.asarray(noise)[mine]),
-            self.schedule(c.eval.num_steps or None),
+            self.schedule(self.config.eval.num_steps or None),
             self.uncond,
-            c.sampling.guidance_scale,
+            self.config.sampling.guidance_scale,
         )
-        params = self.model_params(params)
-        kl = None
+        return rows, mine_prompts, args
+
+    def _eval_program(self, weights, args: tuple, with_kl: bool, lower: bool = False):
         if with_kl:
-            if self.kl_reference is None:
-                raise ValueError("the eval KL needs a reference; this trainer keeps none.")
-            samples, kl = rollout.sample_with_kl(
-                self.model.denoise, params, self.kl_reference, *args
+            fn = rollout.sample_with_kl.lower if lower else rollout.sample_with_kl
+            return fn(self.model.denoise, weights, self.kl_reference, *args)
+        cond, noise, schedule, uncond, scale = args
+        return rollout.sample_deterministic(
+            self.model.denoise,
+            weights,
+            cond,
+            noise,
+            schedule,
+            uncond=uncond,
+            guidance_scale=scale,
+            lower=lower,
+        )
+
+    def eval_inputs(self) -> tuple[list[str], np.ndarray]:
+        """The fixed eval prompts (`eval.samples_per_prompt` rounds of them) and noise."""
+        k = self.config.eval.get("samples_per_prompt", 1)
+        prompts = list(self.eval_prompts) * k
+        return prompts, eval_noise(self.config.eval.seed, len(prompts), self.model.sample_shape)
+
+    def lowered_programs(self, state: TrainState) -> dict:
+        """The rollout's, the evaluation's and the train step's programs lowered for the
+        arguments the run will pass them, nothing computed: compiled ahead, they tell the
+        programs' memory, and the run's own calls reuse them."""
+        c = self.config
+        params = weights = state.params
+        if self.adapter is not None:  # the merged weights' shapes, laid out as the base
+            weights = jax.tree_util.tree_map(
+                lambda s, b: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=b.sharding),
+                jax.eval_shape(self.adapter.merged, params),
+                self.adapter.base,
             )
-            if sharding.multi_process():
-                kl = sharding.local_rows(kl, rows)
-            kl = sharding.gather(np.asarray(kl, np.float64))[:count]
-        else:
-            samples = rollout.sample_deterministic(
-                self.model.denoise, params, *args[:3], uncond=args[3], guidance_scale=args[4]
+        batch = [
+            self.prompts.prompts[i % len(self.prompts.prompts)]
+            for i in range(c.prompts.batch_size * jax.process_count())
+        ]
+        rows = sharding.process_rows(len(batch))
+        cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
+        key = jax.random.split(jax.random.fold_in(self.key, 0))[0]
+        prompts, noise = self.eval_inputs()
+        _, _, args = self._eval_args(prompts, noise)
+        lowered = {"rollout": self._rollout_program(weights, cond, key, 0, lower=True)}
+        lowered["evaluation"] = self._eval_program(
+            weights, args, self.kl_reference is not None, lower=True
+        )
+        if not c.train.get("updates_per_iteration", 0):
+            tree = lowered["rollout"].out_info
+            batch = self._zero_minibatch(tree)
+            lowered["train step"] = self.train_step.lower(
+                state,
+                batch,
+                sharding.replicate(self.mesh, cond),
+                self.schedule(),
+                self.uncond,
+                self.ref_params,
+                jnp.float32(learning_rate(c.train, 0)),
+                *self._step_args(),
             )
-        if sharding.multi_process():
-            samples = sharding.local_rows(samples, rows)
-        if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
-            raise DivergenceError(self._diverged("the evaluation samples"))
-        return EvalSamples(self.model.decode(samples), mine_prompts, count, kl)
+        return lowered
+
+    def _zero_minibatch(self, tree) -> transitions.Transitions:
+        """A minibatch of zeros shaped as `transitions.minibatches` cuts them from `tree`
+        (shapes), laid out as `update` lays it out."""
+        rows = self.config.train.rows_per_minibatch // jax.process_count()
+        k = max((seg.k for seg in tree.segments), default=1)
+        sample, dtype = tuple(tree.leaves.shape[2:]), tree.leaves.dtype
+        batch = transitions.Transitions(
+            x=np.zeros((rows, *sample), dtype),
+            step=np.zeros((rows,), np.int32),
+            prompt=np.zeros((rows,), np.int32),
+            noise_scale=np.zeros((rows,), np.float32),
+            actions=np.zeros((rows, k, *sample), dtype),
+            old_log_probs=np.zeros((rows, k), np.float32),
+            advantages=np.zeros((rows, k), np.float32),
+            mask=np.zeros((rows, k), bool),
+        )
+        return sharding.shard_batch(self.mesh, batch)
 
     def evaluate(self, params) -> tuple[dict, np.ndarray]:
         """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
         fixed prompts, `eval.samples_per_prompt` fixed noises each, with the deterministic
         sampler. Rows are sample-major (row k * P + p: prompt p's k-th noise)."""
-        c = self.config
-        k = c.eval.get("samples_per_prompt", 1)
-        prompts = list(self.eval_prompts) * k
-        noise = eval_noise(c.eval.seed, len(prompts), self.model.sample_shape)
+        metrics, images, _, _ = self.evaluate_samples(params)
+        return metrics, images
+
+    def evaluate_samples(self, params) -> tuple[dict, np.ndarray, np.ndarray, list[str]]:
+        """`evaluate`, with each image's reward and prompt."""
+        prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
         batch = self.eval_batch(params, prompts, noise, with_kl=with_kl)
         total, parts = self.score(batch.images, batch.prompts, "in evaluation")
@@ -378,7 +465,7 @@ class Trainer:
                 metrics["diversity"] = value
         if with_kl:
             metrics["kl"] = float(batch.kl.mean())
-        return metrics, batch.all_images()
+        return metrics, batch.all_images(), total, prompts
 
     def _diverged(self, what: str) -> str:
         return (

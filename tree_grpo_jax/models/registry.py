@@ -179,7 +179,32 @@ def _request(family: ModelFamily, model_config, seed: int) -> LoadRequest:
 def load_model(model_config, seed: int = 0):
     """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
     family = family_of(model_config.name)
-    return family.load(_request(family, model_config, seed))
+    request = _request(family, model_config, seed)
+    try:
+        return family.load(request)
+    except ModelLoadError:
+        raise
+    except BUILD_ERRORS as e:  # a config.json whose keys or values do not build a model
+        raise ModelLoadError(
+            f"the {family.name} model in {request.path or model_config.name!r} could not be "
+            f"built from its folder's config files ({config_error(e)}); check the "
+            "components' config.json against the diffusers release they came from."
+        ) from e
+
+
+# What building a network from config values that do not fit raises (shapes that do not
+# broadcast, a string where a size belongs, a missing key).
+BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError)
+
+
+def config_error(e: BaseException) -> str:
+    """`Type: first line` of an error raised while building from config files."""
+    text = str(e).strip()
+    return (
+        f"{type(e).__name__}: {text.splitlines()[0][:160].rstrip('.')}"
+        if text
+        else type(e).__name__
+    )
 
 
 def abstract_model(model_config, seed: int = 0):

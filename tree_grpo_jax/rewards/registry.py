@@ -27,6 +27,10 @@ import numpy as np
 RewardFn = Callable[[object, Sequence[str]], object]
 
 
+class RewardShapeError(ValueError):
+    """A reward whose output is not one score per image; one sentence for the user."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Reward:
     name: str
@@ -36,7 +40,13 @@ class Reward:
     def __call__(self, images, prompts: Sequence[str]):
         chex.assert_rank(images, 4)
         scores = self.fn(images, prompts)
-        chex.assert_shape(scores, (images.shape[0],))
+        shape = tuple(getattr(scores, "shape", ()))
+        if shape != (images.shape[0],):
+            raise RewardShapeError(
+                f"reward {self.name!r} returned scores of shape {shape} for "
+                f"{images.shape[0]} images; a reward gives one score per image, shape "
+                f"[{images.shape[0]}]."
+            )
         return scores
 
 
@@ -146,6 +156,11 @@ def needs_weights(name: str) -> bool:
     return bool(_entry(name).weights)
 
 
+def reads_model(name: str) -> bool:
+    """Whether a reward of that name reads a model (False for one not registered)."""
+    return name in _REGISTRY and bool(_REGISTRY[name].weights)
+
+
 def missing_weights(name: str, path: str | None) -> str | None:
     """The sentence saying why `name` cannot load without a path, or None if it can."""
     entry = _entry(name)
@@ -176,7 +191,20 @@ def load_reward(name: str, path: str | None = None, **options) -> Reward:
     sentence = missing_weights(name, path)
     if sentence:
         raise ValueError(sentence)
-    return Reward(name, entry.make(path or entry.default_path, **options), entry.on_host)
+    from tree_grpo_jax.models.registry import BUILD_ERRORS, config_error
+    from tree_grpo_jax.weights.files import ModelLoadError
+
+    folder = path or entry.default_path
+    try:
+        fn = entry.make(folder, **options)
+    except ModelLoadError:
+        raise
+    except BUILD_ERRORS as e:  # a folder whose config.json does not build the model
+        raise ModelLoadError(
+            f"reward {name!r} could not build its model from {folder} ({config_error(e)}); "
+            "check the folder's config.json."
+        ) from e
+    return Reward(name, fn, entry.on_host)
 
 
 def options_of(name: str, reward_options) -> Any:
