@@ -51,16 +51,24 @@ class BadInput(ValueError):
     """One sentence for the user; exit status 2."""
 
 
-def _run_config(workdir: str):
-    import ml_collections
-
+def run_config(workdir: str):
+    """The config a training run in `workdir` was started with (its config.json, fields
+    added since taking their defaults); BadInput with one sentence when there is none."""
     if not os.path.isdir(workdir):
         raise BadInput(f"there is no run folder {workdir}.")
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise BadInput(f"{workdir} holds no config.json, so it is not a training run's workdir.")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"could not read {path} ({type(e).__name__}: {e}).") from None
+    if not isinstance(saved, dict):
+        raise BadInput(f"{path} does not hold a run's config.")
+    from tree_grpo_jax import config as cfg
+
+    return cfg.saved_config(saved)
 
 
 def _metric_names(config, text: str | None) -> list[str]:
@@ -83,7 +91,7 @@ def _metric_names(config, text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _check_out(out: str) -> None:
+def check_out(out: str) -> None:
     """An output folder that can be made and written, checked before anything is written."""
     path = os.path.abspath(out)
     while not os.path.exists(path):
@@ -242,7 +250,7 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         step = steps[-1] if STEP.value is None else STEP.value
         if step not in steps:
             raise BadInput(f"there is no checkpoint {step} in {ckpt.directory}; it holds {steps}.")
-    _check_out(out)
+    check_out(out)
 
     config = config.copy_and_resolve_references()
     config.eval.samples_per_prompt = k
@@ -319,7 +327,7 @@ def main(argv) -> None:
         if config is None:
             if workdir is None:
                 raise BadInput("give --workdir=<a training run> or --config=<a config file>.")
-            config = _run_config(workdir)
+            config = run_config(workdir)
         elif workdir is not None and not os.path.isdir(workdir):
             raise BadInput(f"there is no run folder {workdir}.")
         out = OUT.value or (os.path.join(workdir, "evaluation") if workdir else None)

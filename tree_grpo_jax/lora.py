@@ -37,7 +37,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tree_grpo_jax.weights import convert
 from tree_grpo_jax.weights.files import unwrap_params
-from tree_grpo_jax.weights.staging import check_out_dir, write_staged
+from tree_grpo_jax.weights.staging import CARD_FILE, check_out_dir, new_file_mode, write_staged
 
 KeyPath = tuple[str, ...]
 
@@ -453,12 +453,26 @@ def read_peft(path, prefix: str) -> tuple[dict, float, int]:
 
 
 def export_lora(
-    factors, prefix: str, rank: int, alpha: float, out_dir, overwrite=False, sources=()
+    factors,
+    prefix: str,
+    rank: int,
+    alpha: float,
+    out_dir,
+    overwrite=False,
+    sources=(),
+    card: str | None = None,
 ) -> Path:
     """`<out>/pytorch_lora_weights.safetensors` from LoRA factors, in the key format
-    diffusers' `load_lora_weights` reads (`prefix`: the family's, e.g. "unet"); written to a
-    staging folder and moved into place."""
+    diffusers' `load_lora_weights` reads (`prefix`: the family's, e.g. "unet"), with `card`
+    (a model card) as `<out>/README.md`; written to a staging folder and moved into place."""
     out = Path(out_dir).expanduser()
     check_out_dir(None, out, overwrite, sources)
     state = to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
-    return write_staged(out, lambda staging: save_peft(staging / LORA_FILE, state, alpha, rank))
+
+    def fill(staging: Path) -> None:
+        weights = save_peft(staging / LORA_FILE, state, alpha, rank)
+        os.chmod(weights, new_file_mode(staging))  # safetensors writes 0600 files
+        if card is not None:
+            (staging / CARD_FILE).write_text(card, encoding="utf-8")
+
+    return write_staged(out, fill)

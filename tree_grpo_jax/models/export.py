@@ -5,13 +5,18 @@ A family describes its trainable component with a `Denoiser` (the folder name, `
 `export_denoiser` writes `<out>/<component>/` with `config.json`, Flax
 `diffusion_flax_model.msgpack` and PyTorch-named `diffusion_pytorch_model.safetensors`
 (numpy only, no torch); `export_pipeline` also copies the base folder's other components
-beside it, so that diffusers' pipeline `from_pretrained(out)` loads the tuned model.
+beside it (or links them, `link_base`), so that diffusers' pipeline `from_pretrained(out)`
+loads the tuned model, and writes the model card it is given as `README.md`.
+
+Everything written gets the modes a new file or folder gets (the umask's, 0644 and 0755
+with the usual 022), whatever the base folder's own modes are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +29,7 @@ from safetensors.numpy import save_file
 
 from tree_grpo_jax.weights import convert
 from tree_grpo_jax.weights.files import unwrap_params
-from tree_grpo_jax.weights.staging import check_out_dir, write_staged
+from tree_grpo_jax.weights.staging import CARD_FILE, check_out_dir, new_file_mode, write_staged
 
 EXPORT_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -67,6 +72,13 @@ def checked_numpy(params, denoiser: Denoiser, dtype: str) -> dict:
     return jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), dtype=cast), params)
 
 
+def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, with the mode a new file gets: it writes its files 0600
+    whatever the umask, which would keep the exported weights from other users."""
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, new_file_mode(Path(path).parent))
+
+
 def _write(params: dict, denoiser: Denoiser, out_dir) -> Path:
     folder = Path(out_dir) / denoiser.component
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,7 @@ def _write(params: dict, denoiser: Denoiser, out_dir) -> Path:
     config["_class_name"] = denoiser.pt_class
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / "diffusion_flax_model.msgpack").write_bytes(serialization.to_bytes(params))
-    save_file(
+    save_tensors(
         convert.flax_to_pytorch(params, list_names=denoiser.list_names),
         folder / "diffusion_pytorch_model.safetensors",
         metadata={"format": "pt"},
@@ -90,6 +102,18 @@ def export_denoiser(params, denoiser: Denoiser, out_dir, dtype: str = "float32")
     return _write(checked_numpy(params, denoiser, dtype), denoiser, out_dir)
 
 
+def _copy_tree(source: Path, target: Path) -> None:
+    """`source` copied file by file (links followed) into a new `target`. Only the contents
+    are copied, not the modes: a base folder in a private temporary directory (0700) or a
+    read-only cache must not make the export private or read-only."""
+    target.mkdir()
+    for entry in source.iterdir():
+        if entry.is_dir():
+            _copy_tree(entry, target / entry.name)
+        else:
+            shutil.copyfile(entry, target / entry.name)
+
+
 def export_pipeline(
     params,
     base: Path,
@@ -98,26 +122,39 @@ def export_pipeline(
     dtype: str = "float32",
     overwrite: bool = False,
     sources=(),
+    *,
+    link_base: bool = False,
+    card: str | None = None,
 ) -> Path:
     """A whole pipeline folder: the base model's components with the denoiser replaced.
 
     Everything is checked first (the params against the denoiser, the export folder, which
     must not overlap the base folder or any of `sources`); the folder is then built beside
     `out_dir` and moved into place, so a failure leaves no half-built folder and an
-    existing one (with `overwrite`) is replaced only by a complete export.
+    existing one (with `overwrite`) is replaced only by a complete export. `link_base`
+    makes every base entry but the denoiser a symbolic link to the base folder's own
+    (resolved) entry instead of a copy; `card` is written as `README.md`, in place of the
+    base folder's.
     """
     out = Path(out_dir).expanduser()
     check_out_dir(base, out, overwrite, sources)
     params = checked_numpy(params, denoiser, dtype)
 
     def fill(staging: Path) -> None:
-        for entry in base.iterdir():
+        for entry in sorted(Path(base).iterdir()):
             if entry.name == denoiser.component or entry.name.startswith("."):
                 continue
-            if entry.is_dir():
-                shutil.copytree(entry, staging / entry.name)
+            if card is not None and entry.name == CARD_FILE:
+                continue  # the base model's card does not describe this model
+            if link_base:
+                target = entry.resolve()
+                (staging / entry.name).symlink_to(target, target_is_directory=target.is_dir())
+            elif entry.is_dir():
+                _copy_tree(entry, staging / entry.name)
             else:
-                shutil.copy2(entry, staging / entry.name)
+                shutil.copyfile(entry, staging / entry.name)
         _write(params, denoiser, staging)
+        if card is not None:
+            (staging / CARD_FILE).write_text(card, encoding="utf-8")
 
     return write_staged(out, fill)

@@ -51,3 +51,18 @@ def write_staged(out: Path, fill) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+CARD_FILE = "README.md"  # the model card, where the Hugging Face hub and readers look for it
+
+
+def new_file_mode(folder) -> int:
+    """The mode a file created in `folder` the ordinary way gets (0666 less the umask), read
+    off a probe file: reading the umask means setting it, for every thread at once."""
+    probe = Path(folder) / f".mode-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()

@@ -1,0 +1,164 @@
+"""`python -m tree_grpo_jax.sample` on a run trained for one iteration: it draws the run's own
+eval pictures bit for bit, the same arguments draw the same bytes, a damaged newest
+checkpoint is passed over and named, and bad input is one `error:` line, exit status 2,
+nothing written."""
+
+import os
+import shutil
+
+import pytest
+from PIL import Image
+from test_train import small_config
+
+from tree_grpo_jax import sample, train
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """test_train's small grpo run (its programs come from the session's compile cache), one
+    iteration: evaluations at steps 0 and 1, checkpoint 1."""
+    c = small_config("grpo")
+    c.train.iterations = 1
+    c.eval.every = 0
+    workdir = tmp_path_factory.mktemp("sampled") / "run"
+    train.train(c, str(workdir))
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def picture_size(run):
+    from tree_grpo_jax.models import registry
+
+    model = registry.load_model(small_config("grpo").model)
+    height, width = model.decode(_zeros(model.sample_shape)).shape[1:3]
+    return width, height
+
+
+def _zeros(shape):
+    import numpy as np
+
+    return np.zeros((1, *shape), np.float32)
+
+
+def _listing(folder):
+    return sorted(
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, dirs, files in os.walk(folder)
+        for name in dirs + files
+    )
+
+
+def test_the_runs_eval_pictures_bit_for_bit(run, picture_size, tmp_path, capsys):
+    out = tmp_path / "pictures"
+    assert sample.main([f"--workdir={run}", f"--out={out}"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    names = sorted(p.name for p in out.iterdir())
+    # the run's 4 eval prompts (prompts.eval_count), one picture each, and the grid
+    assert names == [
+        "000_a_handwritten_digit_zero.png",
+        "001_a_handwritten_digit_one.png",
+        "002_a_handwritten_digit_two.png",
+        "003_a_handwritten_digit_three.png",
+        "grid.png",
+    ]
+    assert printed[0].startswith(f"checkpoint 1 of {run}: 4 prompts, deterministic sampler")
+    assert printed[-5:] == [str(out / name) for name in names]
+    assert all(Image.open(out / n).size == picture_size for n in names[:-1])
+    # the same sampler, prompts, noise and weights as the run's evaluation after iteration 1
+    assert (out / "grid.png").read_bytes() == (run / "eval_00001.png").read_bytes()
+
+
+def test_a_prompt_file_twice_with_a_seed_gives_the_same_bytes(run, picture_size, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a thick handwritten digit seven\n\na thin handwritten digit one\n")
+    args = [f"--workdir={run}", f"--prompts={prompts}", "--num_steps=3"]
+    drawn = {}
+    for seed, out in (("7", None), ("7", tmp_path / "again"), ("8", tmp_path / "other")):
+        where = [] if out is None else [f"--out={out}"]
+        assert sample.main([*args, f"--seed={seed}", *where]) == 0
+        folder = out or run / "samples" / "step_1"  # the default --out
+        drawn[out] = {p.name: p.read_bytes() for p in folder.iterdir()}
+    first = drawn[None]
+    assert sorted(first) == [
+        "000_a_thick_handwritten_digit_seven.png",
+        "001_a_thin_handwritten_digit_one.png",
+        "grid.png",
+    ]
+    pictures = [run / "samples" / "step_1" / n for n in first if n != "grid.png"]
+    assert all(Image.open(p).size == picture_size for p in pictures)
+    assert drawn[tmp_path / "again"] == first
+    assert (
+        drawn[tmp_path / "other"]["000_a_thick_handwritten_digit_seven.png"]
+        != (first["000_a_thick_handwritten_digit_seven.png"])
+    )
+
+
+def _damage(step_dir):
+    """Every file of a checkpoint cut to half its length."""
+    for path in step_dir.rglob("*"):
+        if path.is_file():
+            os.truncate(path, path.stat().st_size // 2)
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("samples"))
+    shutil.copytree(copy / "checkpoints" / "1", copy / "checkpoints" / "2")
+    _damage(copy / "checkpoints" / "2")
+    out = tmp_path / "pictures"
+    assert sample.main([f"--workdir={copy}", f"--out={out}", "--prompts=digits"]) == 0
+    captured = capsys.readouterr()
+    first = captured.out.splitlines()[0]
+    assert first.startswith(
+        f"checkpoint 1 of {copy}, instead of the newest, checkpoint 2, which cannot be read ("
+    )
+    assert "10 prompts" in first and len(list(out.iterdir())) == 11
+    warnings = captured.err.splitlines()
+    assert warnings and all(w.startswith("warning: checkpoint 2 ") for w in warnings)
+    assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # read-only: nothing renamed
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no run", "there is no run folder"),
+        ("no checkpoint", "there is no checkpoint in"),
+        ("unreadable", "no checkpoint in"),
+        ("no such step", "there is no checkpoint 7 in"),
+        ("unreadable prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
+        ("no such prompt set", "is neither a built-in prompt set"),
+        ("unwritable out", "cannot write to the output folder"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
+    workdir = run
+    if case in ("no checkpoint", "unreadable"):
+        workdir = tmp_path / "copy"
+        shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("samples"))
+        if case == "no checkpoint":
+            shutil.rmtree(workdir / "checkpoints" / "1")
+        else:
+            _damage(workdir / "checkpoints" / "1")
+    in_the_way = tmp_path / "file"
+    in_the_way.write_text("x")
+    out = tmp_path / "out"
+    args = {
+        "no run": [f"--workdir={tmp_path / 'nope'}"],
+        "no such step": ["--step=7"],
+        "unreadable prompt": ["--prompt=a b c d e f g h"],
+        "no such prompt set": ["--prompts=no_such_set"],
+        "unwritable out": [f"--out={in_the_way / 'pictures'}"],
+    }.get(case, [])
+    if not any(a.startswith("--workdir") for a in args):
+        args.append(f"--workdir={workdir}")
+    if case != "unwritable out":
+        args.append(f"--out={out}")
+    before = _listing(workdir) if os.path.isdir(workdir) else None
+    code = sample.main(args)
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, err
+    assert message in errors[0] and all(line.startswith(("error: ", "warning: ")) for line in err)
+    assert not out.exists() and not (in_the_way.parent / "pictures").exists()
+    if before is not None:
+        assert _listing(workdir) == before
