@@ -6,6 +6,7 @@ through the library's own entry points (`train.setup(config, workdir, model=...)
     python -m benchmarks.accelerator                    # 512 px, bf16: sized for < 8 min, one H200
     python -m benchmarks.accelerator --models sd35m --resolution 720
     python -m benchmarks.accelerator --smoke --out DIR  # tiny models on a CPU: checks the code
+    python -m benchmarks.accelerator --out benchmarks/results   # updates the committed results
 
 Sections of each model:
   flops      XLA's FLOP count of one denoiser row (`cost_analysis()` of the lowered forward)
@@ -29,7 +30,9 @@ every model's grpo rollout, then the node loops, then the rewards. A section tha
 after `--time-limit` seconds (default 390; the longest, an SD3.5-M rollout's first call, is
 expected to take one to two minutes) is skipped and marked. Results go to
 `<out>/accelerator.json`, saved as each section finishes, and the headline figures to
-`<out>/accelerator.md`.
+`<out>/accelerator.md`; `<out>` is `runs/benchmarks/accelerator` (git-ignored, under the
+working directory; a temporary folder with `--smoke`) unless `--out` is given, and the
+committed results in `benchmarks/results/` change only with `--out benchmarks/results`.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import random_models
-from benchmarks.common import PRESETS, markdown_table
+from benchmarks.common import PRESETS, default_out, markdown_table
 
 METHODS = ("treegrpo", "grpo")  # the tree first: a run cut short keeps it
 # Trained by default: a train step costs about the same per row whichever tree its rows come
@@ -70,7 +73,10 @@ def parse_args(argv=None):
     built = [a.name for a in random_models.ARCHITECTURES if a.build]
     p.add_argument("--smoke", action="store_true", help="tiny models, few steps: runs on CPU")
     p.add_argument(
-        "--out", default=None, help="results folder (benchmarks/results; smoke: a temporary one)"
+        "--out",
+        default=None,
+        help="results folder (default runs/benchmarks/accelerator; smoke: a temporary one; "
+        "benchmarks/results updates the committed results)",
     )
     p.add_argument("--models", default=",".join(built), help=f"a subset of {','.join(built)}")
     p.add_argument("--resolution", type=int, default=None, help="image side, px (default 512)")
@@ -437,7 +443,7 @@ class Run:
         self.out = args.out or (
             os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks")
             if self.smoke
-            else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+            else default_out("accelerator")
         )
         os.makedirs(self.out, exist_ok=True)
         self.json_path = os.path.join(self.out, "accelerator.json")

@@ -19,7 +19,18 @@ import numpy as np
 
 from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 
+# The committed results that README.md and BENCHMARKS.md cite. A script writes there only when
+# told to (`--out=benchmarks/results`); by default it writes under RUNS_DIR.
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Where a script's results go by default: `runs/` (git-ignored) of the working directory, as
+# the trainer's runs do.
+RUNS_DIR = os.path.join("runs", "benchmarks")
+
+
+def default_out(name: str) -> str:
+    """A script's default results folder, `runs/benchmarks/<name>`, outside the tracked files."""
+    return os.path.join(RUNS_DIR, name)
+
 
 # ---------------------------------------------------------------------------------------------
 # The presets, all at 16 leaves per prompt and 10 denoising steps.

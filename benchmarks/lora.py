@@ -2,7 +2,8 @@
 UNet and the SD3.5-Medium MMDiT at their real sizes (from `jax.eval_shape`: nothing is
 allocated), and the train-step time of the tiny model, full and LoRA, measured side by side.
 
-    python -m benchmarks.lora                 # -> benchmarks/results/lora.json
+    python -m benchmarks.lora                 # -> runs/benchmarks/lora/lora.json
+    python -m benchmarks.lora --out benchmarks/results   # updates the committed lora.json
     python -m benchmarks.lora --smoke --out /tmp/bench
 
 Counts use the library's own selection (`lora.target_paths` with each family's `lora_targets`).
@@ -35,7 +36,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=20, help="timed train steps of each kind")
     p.add_argument("--smoke", action="store_true", help="3 timed steps: checks the code")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default runs/benchmarks/lora; smoke: a temporary one; "
+        "benchmarks/results updates the committed results)",
+    )
     return p.parse_args(argv)
 
 
@@ -158,12 +164,12 @@ def main(argv=None) -> dict:
         f"{steps['median_s']['lora_rank_4'] * 1e3:.1f} ms (ratio {steps['lora_over_full']:.2f})",
         flush=True,
     )
-    from benchmarks.common import RESULTS_DIR
+    from benchmarks.common import default_out
 
     out = args.out or (
         os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks")
         if args.smoke
-        else RESULTS_DIR
+        else default_out("lora")
     )
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "lora.json")

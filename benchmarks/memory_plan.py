@@ -2,9 +2,10 @@
 devices, full fine-tuning and LoRA: `python -m tree_grpo_jax.plan` once per setting, its JSON
 gathered into one file and one table.
 
-    python -m benchmarks.memory_plan               # -> benchmarks/results/memory_plan.{json,md}
+    python -m benchmarks.memory_plan          # -> runs/benchmarks/memory_plan/memory_plan.{json,md}
     python -m benchmarks.memory_plan --configs sd15 --fsdp 1,8 --lora 0
-    python -m benchmarks.memory_plan --table-only  # the table again from the JSON
+    python -m benchmarks.memory_plan --out benchmarks/results     # adds to the committed results
+    python -m benchmarks.memory_plan --out benchmarks/results --table-only   # table from the JSON
 
 Every setting plans a config's own run with the release's built-in configs
 (`--config.model.path=builtin:<name>`), one prompt per device
@@ -12,7 +13,9 @@ Every setting plans a config's own run with the release's built-in configs
 on more than one device one train row per device (`--config.train.rows_per_minibatch`), and
 `--config.mesh.fsdp=K` (mesh.data takes the rest). The JSON is written after each
 setting; settings it already holds are not planned again, so an interrupted run continues
-where it stopped (`--fresh` starts over).
+where it stopped (`--fresh` starts over). Results go to `runs/benchmarks/memory_plan`
+(git-ignored, under the working directory) unless `--out` is given; the committed results in
+`benchmarks/results/` change only with `--out benchmarks/results`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import RESULTS_DIR
+from benchmarks.common import default_out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = {
@@ -41,7 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", default="1,2,4,8", help="mesh.fsdp values")
     p.add_argument("--lora", default="0,32", help="lora.rank values (0: full fine-tuning)")
     p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--out", default=RESULTS_DIR, help="results folder")
+    p.add_argument(
+        "--out",
+        default=default_out("memory_plan"),
+        help="results folder (default runs/benchmarks/memory_plan; benchmarks/results updates "
+        "the committed results)",
+    )
     p.add_argument("--table-only", action="store_true", help="rewrite the table from the JSON")
     p.add_argument("--fresh", action="store_true", help="plan every setting again")
     return p.parse_args(argv)
@@ -119,6 +127,11 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "memory_plan.json")
     if args.table_only:
+        if not os.path.exists(path):
+            raise SystemExit(
+                f"error: there is no {path} to make the table from; --out names the results "
+                "folder (--out benchmarks/results for the committed one)."
+            )
         with open(path) as f:
             rows = json.load(f)
         _write(args.out, rows)

@@ -6,11 +6,14 @@ PickScore) at their real sizes with random weights (timing does not need trained
     python -m benchmarks.rewards                      # both towers, batch 4, float32, this CPU
     python -m benchmarks.rewards --dtype bfloat16 --batch 16
     python -m benchmarks.rewards --smoke              # tiny towers: checks the code in seconds
+    python -m benchmarks.rewards --out benchmarks/results   # updates the committed results
 
 The scorers are built by the library's `rewards.clip.make_scorer` exactly as `load_reward`
 builds them from a folder. Figures: median over `--reps` timed calls after one warm-up call
 (whose time, mostly compilation, is reported apart). Results go to
-`<out>/rewards_<backend>.json` (with --smoke, a temporary folder unless --out is given).
+`<out>/rewards_<backend>.json`: `runs/benchmarks/rewards` (git-ignored, under the working
+directory; with --smoke a temporary folder) unless --out is given. The committed results in
+`benchmarks/results/` change only with `--out benchmarks/results`.
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--reps", type=int, default=5, help="timed calls")
     p.add_argument("--smoke", action="store_true", help="tiny towers, 1 rep")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default runs/benchmarks/rewards; smoke: a temporary one; "
+        "benchmarks/results updates the committed results)",
+    )
     return p.parse_args(argv)
 
 
@@ -155,11 +163,11 @@ def main(argv=None) -> dict:
             raise SystemExit(f"unknown model {name!r}; choose from {sorted(ARCHITECTURES)}.")
         fields = SMOKE if args.smoke else ARCHITECTURES[name]
         results["models"][name] = measure(name, fields, args)
-    from benchmarks.common import RESULTS_DIR
+    from benchmarks.common import default_out
 
     # Smoke figures check the code, not the speed: they stay out of the results folder.
     smoke_dir = os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks")
-    out = args.out or (smoke_dir if args.smoke else RESULTS_DIR)
+    out = args.out or (smoke_dir if args.smoke else default_out("rewards"))
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"rewards_{results['backend']}.json")
     with open(path, "w") as f:

@@ -3,6 +3,8 @@
     python -m benchmarks.run            # full: about 30 minutes on a 2-core CPU
     python -m benchmarks.run --quick    # about 3 minutes
     python -m benchmarks.run --smoke    # under a minute, a stand-in model (checks the code)
+    python -m benchmarks.run --out=benchmarks/results         # updates the committed results
+    python -m benchmarks.run --quick --out=benchmarks/results/quick
 
 Stages, in order:
   1. costs:  every preset's derived per-leaf costs, checked against the counts its first
@@ -13,7 +15,11 @@ Stages, in order:
              budget per seed; eval reward against time and against images generated, and
              the time each needs to reach the reward grpo ends its budget with;
   4. engine: the batched tree engine against a node-at-a-time rollout of the same tree.
-Results go to `<out>/*.json`, `<out>/*.png` and `<out>/tables.md`.
+Results go to `<out>/*.json`, `<out>/*.png` and `<out>/tables.md`; `<out>` is
+`runs/benchmarks/run` (full) or `runs/benchmarks/run/quick` (git-ignored, under the working
+directory) unless `--out` says otherwise, and a temporary folder for `--smoke`. The committed
+results in `benchmarks/results/` change only with `--out=benchmarks/results` (or
+`benchmarks/results/quick`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from benchmarks import costs, node_loop, training
 from benchmarks.common import (
     LABELS,
     PRESETS,
-    RESULTS_DIR,
+    default_out,
     fmt_stats,
     machine,
     markdown_table,
@@ -92,7 +98,12 @@ def parse_args(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="about 3 minutes on 2 CPU cores")
     mode.add_argument("--smoke", action="store_true", help="a stand-in model; checks the code")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results[/mode])")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default runs/benchmarks/run[/quick]; benchmarks/results[/quick] "
+        "updates the committed results)",
+    )
     p.add_argument("--budget", type=float, default=None, help="training seconds per preset-seed")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (0, 1, ...)")
     p.add_argument("--iterations", type=int, default=None, help="timed iterations per preset")
@@ -375,8 +386,8 @@ def main(argv=None) -> dict:
     name, mode = resolve(args)
     # Smoke results check the code, not the speed: they stay out of the results folder.
     smoke_dir = os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks", "smoke")
-    out = args.out or {"full": RESULTS_DIR, "smoke": smoke_dir}.get(
-        name, os.path.join(RESULTS_DIR, name)
+    out = args.out or {"full": default_out("run"), "smoke": smoke_dir}.get(
+        name, os.path.join(default_out("run"), name)
     )
     os.makedirs(out, exist_ok=True)
     for stale in ("costs", "time_per_iteration", "reward_vs_time", "engine_vs_node_loop"):

@@ -10,6 +10,7 @@
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
+    python -m benchmarks.tree_study --out benchmarks/results   # updates the committed results
 
 Every setting (a preset of `benchmarks.common.PRESETS`, 16 leaves per prompt, plus config
 overrides) trains from the same weights with the harness of `benchmarks.training`: the
@@ -27,7 +28,10 @@ same seed by seed, and the ratios of mixgrpo's (and grpo's) figures to the setti
 1: sooner). Results: `<out>/tree_study_<tag>.json` (written after every run), `.md` (the
 tables), and per reward a PNG of eval reward against wall-clock and against images for every
 setting with the Pareto front (the best reward any setting has reached at that cost), and a
-PNG of the settings' cost to the 50% target.
+PNG of the settings' cost to the 50% target. `<out>` is `runs/benchmarks/tree_study`
+(git-ignored, under the working directory; with --smoke a temporary folder) unless --out is
+given; the committed results in `benchmarks/results/` change only with
+`--out benchmarks/results` (`--replot` writes beside the JSON it reads).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import training
-from benchmarks.common import RESULTS_DIR, _plain, fmt_stats, machine, pyplot, smoke_rng, stats
+from benchmarks.common import _plain, default_out, fmt_stats, machine, pyplot, smoke_rng, stats
 from benchmarks.presets import Settings, load_model, make_config, minibatches_per_iteration
 from tree_grpo_jax import compile_cache, methods, train
 
@@ -674,7 +678,12 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None, help="training seconds per run (cap)")
     p.add_argument("--iterations", type=int, default=None, help="iterations per run (0: time)")
     p.add_argument("--evals", type=int, default=None, help="evaluations per run")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default runs/benchmarks/tree_study; smoke: a temporary one; "
+        "benchmarks/results updates the committed results)",
+    )
     p.add_argument("--tag", default=None, help="names the output files (default: the group)")
     p.add_argument("--resume", action="store_true", help="keep the runs its JSON already has")
     p.add_argument("--replot", default=None, metavar="JSON", help="tables and plots from a JSON")
@@ -723,10 +732,10 @@ def main(argv=None) -> dict:
             r: depth_spread(model, r, ("treegrpo", "treegrpo_trees2", "treegrpo_trees4"))
             for r in mode["rewards"]
         }
-        save_json(args.out or RESULTS_DIR, "tree_study_depth_spread", spread)
+        save_json(args.out or default_out("tree_study"), "tree_study_depth_spread", spread)
         return spread
     smoke_dir = os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks", "study_smoke")
-    out = args.out or (smoke_dir if args.smoke else RESULTS_DIR)
+    out = args.out or (smoke_dir if args.smoke else default_out("tree_study"))
     os.makedirs(out, exist_ok=True)
     if not args.smoke:
         compile_cache.enable()  # identical train steps of different settings compile once

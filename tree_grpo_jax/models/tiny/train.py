@@ -5,8 +5,10 @@
     python -m tree_grpo_jax.models.tiny.train --evaluate          # figures of shipped weights
 
 Every run is deterministic (fixed seeds, fixed data split) and writes its weights into
-`tree_grpo_jax/assets/` (or `--out-dir`). The diffusion twins train their UNet and their text
-encoder together, with the prompt dropped to "" 10% of the time for classifier-free guidance.
+`runs/tiny_weights/` (git-ignored, under the working directory), or `--out-dir`:
+`--out-dir=tree_grpo_jax/assets` replaces the weights the package ships. The diffusion twins
+train their UNet and their text encoder together, with the prompt dropped to "" 10% of the
+time for classifier-free guidance.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ PROMPT_DROP = 0.1  # "" for classifier-free guidance
 STYLE_PROB = 0.5  # of the rest: a thin/thick prompt where the image is one
 EMA_DECAY = 0.999
 LOG_EVERY = 100
+DEFAULT_OUT_DIR = "runs/tiny_weights"  # the shipped weights change only with --out-dir
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +337,12 @@ def main(argv=None) -> None:
     parser.add_argument("--kind", default="all", choices=("all", "classifier", "ddim", "flow"))
     parser.add_argument("--steps", type=int, default=None, help="default: per kind")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--out-dir", default=str(ASSETS_DIR))
+    parser.add_argument(
+        "--out-dir",
+        default=DEFAULT_OUT_DIR,
+        help=f"where the weights go (default {DEFAULT_OUT_DIR}; {ASSETS_DIR} replaces the "
+        "shipped ones)",
+    )
     parser.add_argument("--evaluate", action="store_true", help="evaluate instead of training")
     parser.add_argument("--per-digit", type=int, default=50, help="samples per digit (evaluate)")
     parser.add_argument("--grid-dir", default=None, help="write sample grids here (evaluate)")

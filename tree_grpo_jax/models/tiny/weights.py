@@ -14,7 +14,7 @@ from tree_grpo_jax.models.tiny.networks import init_weights
 ASSETS_DIR = pathlib.Path(__file__).resolve().parents[2] / "assets"
 KINDS = ("ddim", "flow")
 FORMAT_VERSION = 1
-TRAIN_COMMAND = "python -m tree_grpo_jax.models.tiny.train"
+TRAIN_COMMAND = "python -m tree_grpo_jax.models.tiny.train --out-dir=tree_grpo_jax/assets"
 
 
 def weights_path(kind: str) -> pathlib.Path:
