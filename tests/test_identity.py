@@ -201,3 +201,49 @@ def test_hashing_a_large_folder_says_so_once(tmp_path, monkeypatch):
     identity.measure(_clip_config(folder), say=said.append)
     identity.measure(_clip_config(folder), say=said.append)
     assert said == ["hashing the files of reward_models.clip_score (0.0 GB, once)..."]
+
+
+def test_a_text_encoder_changed_under_a_full_fine_tuning_run_refuses_its_resume(
+    tmp_path, sd_folder
+):
+    """Through the command line, on a run whose checkpoint was saved by the trainer's own
+    pieces (no training needed: the check comes before any model loads)."""
+    import numpy as np
+
+    from configs import sd15
+    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.checkpoint import Checkpointer
+
+    base = tmp_path / "sd15"
+    shutil.copytree(sd_folder, base)
+    config = sd15.get_config()
+    config.model.path = str(base)
+    meta = {
+        "next_iteration": 1,
+        "fingerprint": cfg.fingerprint(config),
+        "identity": identity.measure(config, say=lambda line: None),
+    }
+    workdir = tmp_path / "run"
+    ckpt = Checkpointer(str(workdir / "checkpoints"))
+    ckpt.save(1, {"params": {"w": np.zeros(3, np.float32)}}, meta)
+    ckpt.close()
+    before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+    command = ("--config=configs/sd15.py", f"--config.model.path={base}", f"--workdir={workdir}")
+
+    weights = next((base / "text_encoder").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(255 - b for b in data[-4:])  # same size, other bytes
+    weights.write_bytes(bytes(data))
+    line = one_error_line(run_main(*command))
+    assert "model.path's text_encoder" in line and weights.name in line, line
+    assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
+    # the UNet is what full fine-tuning trains: its base file may change. With the text
+    # encoder restored the identity agrees, and the resume goes on to load the model and
+    # meet the stand-in state saved above (so no training starts)
+    unet = next((base / "unet").glob("*.safetensors"))
+    unet_data = bytearray(unet.read_bytes())
+    unet_data[-4:] = bytes(255 - b for b in unet_data[-4:])
+    unet.write_bytes(bytes(unet_data))
+    weights.write_bytes(bytes(data[:-4]) + bytes(255 - b for b in data[-4:]))  # restored
+    line = one_error_line(run_main(*command))
+    assert "changed since" not in line and "another training state" in line, line
