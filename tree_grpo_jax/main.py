@@ -374,9 +374,7 @@ def main(argv) -> None:
             print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
     try:
         summary = train.train(config, workdir)
-    except train.BAD_INPUT as e:
-        if not existed:
-            remove_if_empty(workdir)
+    except train.BAD_INPUT as e:  # what the run created is gone already
         fail(first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
         fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))

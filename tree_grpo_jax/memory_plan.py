@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import lora, methods, rollout, sharding
+from tree_grpo_jax import lora, methods, rollout, sharding, transitions
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -290,23 +290,13 @@ def rollout_program(run: _Run):
 
 def transition_rows(run: _Run, tree) -> Transitions:
     """One minibatch of transition rows as `transitions.minibatches` cuts it."""
-    rows = run.config.train.rows_per_minibatch
     k = max((b.step.k for b in run.spec.segment_blocks), default=1)
-    state = tree.leaves.dtype
-    sample = run.model.sample_shape
-
-    def rows_of(*shape, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct((rows, *shape), dtype)
-
-    return Transitions(
-        x=rows_of(*sample, dtype=state),
-        step=rows_of(dtype=jnp.int32),
-        prompt=rows_of(dtype=jnp.int32),
-        noise_scale=rows_of(),
-        actions=rows_of(k, *sample, dtype=state),
-        old_log_probs=rows_of(k),
-        advantages=rows_of(k),
-        mask=rows_of(k, dtype=jnp.bool_),
+    return transitions.zero_transitions(
+        run.config.train.rows_per_minibatch,
+        run.model.sample_shape,
+        k,
+        tree.leaves.dtype,
+        make=jax.ShapeDtypeStruct,
     )
 
 

@@ -241,8 +241,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     primary = sharding.is_primary()
     created = _missing_folders(workdir)
     lock = WorkdirLock(workdir) if primary else None
-    _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
     try:
+        _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
         return _train_in(config, workdir, reward_weights, lock, session_start)
     except BAD_INPUT:
         if primary and created:  # a new run that could not start leaves nothing behind

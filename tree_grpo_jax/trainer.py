@@ -426,17 +426,7 @@ class Trainer:
         (shapes), laid out as `update` lays it out."""
         rows = self.config.train.rows_per_minibatch // jax.process_count()
         k = max((seg.k for seg in tree.segments), default=1)
-        sample, dtype = tuple(tree.leaves.shape[2:]), tree.leaves.dtype
-        batch = transitions.Transitions(
-            x=np.zeros((rows, *sample), dtype),
-            step=np.zeros((rows,), np.int32),
-            prompt=np.zeros((rows,), np.int32),
-            noise_scale=np.zeros((rows,), np.float32),
-            actions=np.zeros((rows, k, *sample), dtype),
-            old_log_probs=np.zeros((rows, k), np.float32),
-            advantages=np.zeros((rows, k), np.float32),
-            mask=np.zeros((rows, k), bool),
-        )
+        batch = transitions.zero_transitions(rows, tree.leaves.shape[2:], k, tree.leaves.dtype)
         return sharding.shard_batch(self.mesh, batch)
 
     def evaluate(self, params) -> tuple[dict, np.ndarray]:

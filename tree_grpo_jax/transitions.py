@@ -114,17 +114,25 @@ def gather_transitions(
     return jax.tree_util.tree_map(lambda a: a[live], merged)
 
 
-def empty_transitions(sample_shape, max_k: int = 1, dtype=np.float32) -> Transitions:
+def zero_transitions(
+    rows: int, sample_shape, max_k: int = 1, dtype=np.float32, make=np.zeros
+) -> Transitions:
+    """`rows` rows of zeros (`make=jax.ShapeDtypeStruct`: their shapes alone), the layout
+    `gather_transitions` gives and `minibatches` cuts."""
     return Transitions(
-        x=np.zeros((0, *sample_shape), dtype),
-        step=np.zeros((0,), np.int32),
-        prompt=np.zeros((0,), np.int32),
-        noise_scale=np.ones((0,), np.float32),
-        actions=np.zeros((0, max_k, *sample_shape), dtype),
-        old_log_probs=np.zeros((0, max_k), np.float32),
-        advantages=np.zeros((0, max_k), np.float32),
-        mask=np.zeros((0, max_k), bool),
+        x=make((rows, *sample_shape), dtype),
+        step=make((rows,), np.int32),
+        prompt=make((rows,), np.int32),
+        noise_scale=make((rows,), np.float32),
+        actions=make((rows, max_k, *sample_shape), dtype),
+        old_log_probs=make((rows, max_k), np.float32),
+        advantages=make((rows, max_k), np.float32),
+        mask=make((rows, max_k), np.bool_),
     )
+
+
+def empty_transitions(sample_shape, max_k: int = 1, dtype=np.float32) -> Transitions:
+    return zero_transitions(0, sample_shape, max_k, dtype)
 
 
 def num_minibatches(num_rows: int, rows_per_batch: int) -> int:
