@@ -56,7 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampling.guidance_scale = 1.0  # classifier-free guidance; 1.0 switches it off
     c.sampling.log_prob_reduce = "mean"  # "mean" or "sum" over the image's dimensions
 
-    # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix".
+    # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix", or the
+    # forward-process methods "diffusion_nft" (tree.group_size ODE samples per prompt) and
+    # "diffusion_nft_tree" (the leaves of treegrpo's tree), flow models only (section below).
     c.tree = ml_collections.ConfigDict()
     c.tree.method = "treegrpo"
     c.tree.group_size = 16  # grpo / mixgrpo: chains per prompt
@@ -120,6 +122,24 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.updates_per_iteration = 0
     c.train.clip_range = 1e-4  # PPO clip epsilon
     c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
+
+    # DiffusionNFT (tree.method "diffusion_nft" / "diffusion_nft_tree", tree_grpo_jax/nft.py):
+    # the velocity is trained on the leaves noised again at sampling sigmas, between the
+    # implicit policies beta * v + (1 - beta) * v_old and (1 + beta) * v_old - beta * v, each
+    # leaf weighted by its optimality r = clip(A / (2 * advantage.clip) + 1/2, 0, 1). Defaults:
+    # the released SD3.5-M configs (NVlabs/DiffusionNFT config/nft.py); train.kl_beta is its
+    # KL to the initial model (theirs: 1e-4) and advantage.clip its adv_clip_max (5).
+    c.diffusion_nft = ml_collections.ConfigDict()
+    c.diffusion_nft.beta = 1.0  # the implicit policies' step (theirs: 1.0; 0.1 for OCR)
+    # The old policy samples and anchors the loss: after each iteration
+    # old <- d * old + (1 - d) * new, d = min(max(0, iterations done - flat) * rate, max)
+    # (their decay_type 1: 0, 0.001, 0.5; decay_type 2, for OCR: 75, 0.0075, 0.999).
+    c.diffusion_nft.old_policy_flat = 0
+    c.diffusion_nft.old_policy_rate = 0.001
+    c.diffusion_nft.old_policy_max = 0.5
+    # sigmas each leaf is trained at: int(sampling.num_steps * fraction) of the sampling steps,
+    # drawn per leaf without repeats, each with its own noise (theirs: 0.99)
+    c.diffusion_nft.timestep_fraction = 0.99
 
     # LoRA (rank 0: full fine-tuning): W + (alpha / rank) * A @ B on the `targets` kernels
     # (module names; () = the family's defaults in tree_grpo_jax.lora), the base frozen in

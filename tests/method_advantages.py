@@ -4,7 +4,8 @@ import ml_collections
 
 from tree_grpo_jax import methods
 
-METHOD_NAMES = tuple(methods.METHODS)
+# the methods whose credit is per edge (DiffusionNFT's is per leaf: tests/test_nft.py)
+METHOD_NAMES = tuple(n for n, m in methods.METHODS.items() if not m.forward_process)
 
 
 def advantages_of(

@@ -263,6 +263,12 @@ RANGE_CASES = [
     ("train.updates_per_iteration", -1, "train.updates_per_iteration must be 0"),
     ("train.clip_range", 0.0, "train.clip_range must be positive"),
     ("train.kl_beta", -1.0, "train.kl_beta must be >= 0"),
+    ("diffusion_nft.beta", 0.0, "diffusion_nft.beta must be positive"),
+    ("diffusion_nft.old_policy_flat", -1, "diffusion_nft.old_policy_flat must be >= 0"),
+    ("diffusion_nft.old_policy_rate", -0.1, "diffusion_nft.old_policy_rate must be >= 0"),
+    ("diffusion_nft.old_policy_max", 1.0, "diffusion_nft.old_policy_max must be in [0, 1)"),
+    ("diffusion_nft.timestep_fraction", 0.0, "diffusion_nft.timestep_fraction must be in (0, 1]"),
+    ("diffusion_nft.timestep_fraction", 1.5, "diffusion_nft.timestep_fraction must be in (0, 1]"),
     ("lora.rank", -1, "lora.rank must be >= 0"),
     ("lora.alpha", -1.0, "lora.alpha must be >= 0"),
     ("reward_options.chunk_size", 0, "reward_options.chunk_size must be at least 1"),
@@ -313,6 +319,14 @@ def test_every_number_of_the_base_has_a_range_case():
         ({"tree__method": "grpo", "tree__split_steps": (-1,)}, "tree.split_steps must be step"),
         ({"tree__method": "grpo", "tree__window_start": -1}, "tree.window_start must be >= 0"),
         ({"mesh__data": -1, "mesh__fsdp": -1}, "only one of mesh.data and mesh.fsdp may be -1"),
+        (
+            {"tree__method": "diffusion_nft", "sampling__guidance_scale": 4.5},
+            "diffusion_nft samples and trains the conditional velocity without guidance",
+        ),
+        (
+            {"tree__method": "diffusion_nft", "tree__group_size": 1},
+            "the diffusion_nft tree has 1 leaf per prompt",
+        ),
     ],
 )
 def test_unused_fields_and_pairs(values, message):

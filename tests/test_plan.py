@@ -134,6 +134,17 @@ def test_lora_plan_trains_only_the_factors():
     assert "LoRA rank 4" in result.stdout
 
 
+def test_diffusion_nft_plan_counts_the_old_policy():
+    one_step_per_minibatch = "--config.train.updates_per_iteration=0"
+    plan = plan_json("--config=configs/tiny_flow_nft.py", *SMALL, one_step_per_minibatch)
+    _check_programs(plan)
+    n = tiny_unet_parameters()
+    assert plan["held_bytes"]["old policy"] == 4 * n
+    step = plan["programs"]["train_step"]
+    assert step["argument_bytes"] >= 16 * n  # the params, Adam's moments and the old policy
+    assert step["alias_bytes"] >= 16 * n  # all of the donated state
+
+
 def test_sd_plan_reads_only_the_folders_json(sd_folder, tmp_path):
     folder = json_only(sd_folder, tmp_path)
     plan = plan_json(

@@ -12,6 +12,7 @@ import pytest
 from configs import base
 from tree_grpo_jax import train
 from tree_grpo_jax.checkpoint import Checkpointer
+from tree_grpo_jax.train_step import old_params
 
 
 def small_config(method: str):
@@ -57,15 +58,41 @@ def test_two_iterations_of_every_preset(tmp_path, method):
     assert np.isfinite(summary["last_eval_reward"])
 
 
+def nft_config(method: str = "diffusion_nft"):
+    """A small DiffusionNFT run: a flow model, no guidance."""
+    c = small_config(method)
+    c.model.name = "random_tiny_flow"
+    c.sampling.guidance_scale = 1.0
+    c.diffusion_nft.old_policy_rate = 0.25  # the old policy's decay moves within the run
+    return c
+
+
+def test_two_iterations_of_diffusion_nft_on_the_tree(tmp_path):
+    # (the plain diffusion_nft run is the resume test's)
+    c = nft_config("diffusion_nft_tree")
+    c.train.kl_beta = 0.1
+    train.train(c, str(tmp_path))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [m for m in metrics if "train/reward_mean" in m]
+    leaves = 4  # k2 over a window of 2
+    per_sample = int(c.sampling.num_steps * c.diffusion_nft.timestep_fraction)  # 3 of 4
+    assert [m["train/train_rows"] for m in rows] == [2 * leaves * per_sample] * 2
+    assert [m["train/old_policy_decay"] for m in rows] == [0.25, 0.5]
+    assert all(np.isfinite(m["train/loss"]) and m["train/kl"] >= 0 for m in rows)
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 2
+
+
 def _final_params(c, workdir):
     _, state = train.setup(c, str(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     restored, meta, _ = ckpt.restore(state)
-    return jax.device_get(restored.params), meta
+    return jax.device_get((restored.params, old_params(restored))), meta
 
 
-def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
-    c = small_config("grpo")
+@pytest.mark.parametrize("method", ["grpo", "diffusion_nft"])
+def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
+    # DiffusionNFT: the old policy (the sampler) is part of the state, compared too
+    c = small_config("grpo") if method == "grpo" else nft_config()
     c.advantage.stat_tracker = True
     c.advantage.tracker_min_count = 2
     c.train.iterations = 4
@@ -97,7 +124,7 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), expected, resumed
     )
     assert meta_a["prompt_iterator"] == meta_b["prompt_iterator"]
-    assert meta_a["stat_tracker"] == meta_b["stat_tracker"]
+    assert meta_a.get("stat_tracker") == meta_b.get("stat_tracker")
     moved = jax.tree_util.tree_leaves(
         jax.tree_util.tree_map(
             lambda a, b: float(np.abs(a - b).max()), expected, _initial_params(c)
@@ -108,7 +135,7 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
 
 def _initial_params(c):
     _, state = train.setup(c, "/tmp/unused")
-    return jax.device_get(state.params)
+    return jax.device_get((state.params, old_params(state)))
 
 
 def test_nan_reward_stops_with_one_sentence_and_keeps_progress(tmp_path):

@@ -20,8 +20,10 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
 from tree_grpo_jax.prompts import load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.sampling import FlowSchedule
 from tree_grpo_jax.train_step import (
     TrainState,
+    initial_state,
     make_accumulating_step,
     make_optimizer,
     make_train_step,
@@ -147,6 +149,14 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
+    if method.forward_process and not isinstance(
+        model.make_schedule(config.sampling.num_steps, config.sampling), FlowSchedule
+    ):
+        raise cfg.ConfigError(
+            f"tree.method={config.tree.method} trains a velocity on forward-noised samples: it "
+            f"needs a rectified-flow model (tiny_flow, sd3, flux), not model.name="
+            f"{config.model.name}."
+        )
     check_sizes(config, methods.build_spec(config), model.sample_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if model.prepare_prompts is not None:
@@ -178,25 +188,18 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     tx = make_optimizer(config.train)
 
     def fresh(p):
-        return TrainState(p, tx.init(p))
+        return initial_state(tx, p, method.forward_process)
 
     state_shardings = sharding.param_shardings(mesh, jax.eval_shape(fresh, params))
     init_state = jax.jit(fresh, out_shardings=state_shardings)
     state = init_state(params)
 
-    denoise = training_denoise(model, config.model.remat)
-    loss_kwargs = dict(
-        denoise_fn=denoise,
-        reduce=config.sampling.log_prob_reduce,
-        guidance_scale=config.sampling.guidance_scale,
-        clip_range=config.train.clip_range,
-        kl_beta=config.train.kl_beta,
-    )
+    loss_fn, loss_kwargs = methods.objective(config, training_denoise(model, config.model.remat))
     use_kl = config.train.kl_beta > 0
     # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
     # KL term whose reference is kept anyway
     eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
-    layout = {}
+    layout = {"loss_fn": loss_fn}
     if adapter is None:
         keep = use_kl or eval_kl
         initial = jax.tree_util.tree_map(jnp.copy, state.params) if keep else None
@@ -206,7 +209,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         ref_params = adapter.base if use_kl else None
         kl_reference = adapter.base if eval_kl else None
         base_shardings = sharding.param_shardings(mesh, adapter.base)
-        layout = dict(
+        layout.update(
             merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
             frozen_shardings=base_shardings,
             ref_shardings=base_shardings if use_kl else None,

@@ -40,12 +40,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import lora, methods, rollout, sharding, transitions
+from tree_grpo_jax import lora, methods, rollout, sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
-from tree_grpo_jax.transitions import Transitions
+from tree_grpo_jax.train_step import (
+    TrainState,
+    initial_state,
+    make_optimizer,
+    make_train_step,
+    old_params,
+)
 
 # How a fusion the CPU compiler hands to a library (XNNPACK, oneDNN) is marked in its HLO.
 LIBRARY_FUSION = '"kind":"__'
@@ -188,7 +193,8 @@ def build_run(config, model, mesh) -> _Run:
             lambda b: cast_floats(lora.init_lora(key, b, paths, rank), param_dtype), base
         )
         weights = base  # `lora.merge` keeps every leaf's shape and dtype
-    state = jax.eval_shape(lambda p: TrainState(p, tx.init(p)), params)
+    old_policy = methods.get(config.tree.method).forward_process
+    state = jax.eval_shape(lambda p: initial_state(tx, p, old_policy), params)
     kl = config.train.kl_beta > 0
     return _Run(
         config=config,
@@ -288,10 +294,11 @@ def rollout_program(run: _Run):
     return what, fn, args
 
 
-def transition_rows(run: _Run, tree) -> Transitions:
-    """One minibatch of transition rows as `transitions.minibatches` cuts it."""
+def transition_rows(run: _Run, tree):
+    """One minibatch of the method's rows as `transitions.minibatches` cuts it."""
     k = max((b.step.k for b in run.spec.segment_blocks), default=1)
-    return transitions.zero_transitions(
+    return methods.zero_minibatch(
+        run.config,
         run.config.train.rows_per_minibatch,
         run.model.sample_shape,
         k,
@@ -304,19 +311,12 @@ def _step_setup(run: _Run, tree):
     """What `build.build` gives the train step: the loss settings, the LoRA layout, and the
     step's abstract arguments after the state: (batch, cond, schedule, uncond, ref)."""
     c = run.config
-    uncond, scale = _guidance(run)
-    denoise = training_denoise(run.model, c.model.remat)
-    loss_kwargs = dict(
-        denoise_fn=denoise,
-        reduce=c.sampling.log_prob_reduce,
-        guidance_scale=scale,
-        clip_range=c.train.clip_range,
-        kl_beta=c.train.kl_beta,
-    )
+    uncond, _ = _guidance(run)
+    loss_fn, loss_kwargs = methods.objective(c, training_denoise(run.model, c.model.remat))
     kl = c.train.kl_beta > 0
-    layout = {}
+    layout = {"loss_fn": loss_fn}
     if run.base is not None:
-        layout = dict(
+        layout.update(
             merge=functools.partial(
                 lora.merge, alpha=float(c.lora.alpha or c.lora.rank), rank=int(c.lora.rank)
             ),
@@ -446,6 +446,8 @@ def resident_bytes(run: _Run, tree, tree_shardings) -> dict[str, int]:
         "trained params": device_bytes(run.state.params, state_sh.params),
         "optimizer state": device_bytes(run.state.opt_state, state_sh.opt_state),
     }
+    if old_params(run.state) is not None:  # DiffusionNFT's sampling policy
+        out["old policy"] = device_bytes(old_params(run.state), old_params(state_sh))
     if run.base is not None:
         out["LoRA base"] = device_bytes(run.base, run.base_shardings)
     if run.ref is not None:
@@ -458,7 +460,9 @@ def resident_bytes(run: _Run, tree, tree_shardings) -> dict[str, int]:
 
 def _held(name: str, resident: dict[str, int], lora_run: bool) -> int:
     """What stays on the device while `name` runs but is not one of its arguments."""
-    state = ["optimizer state"] + (["trained params", "LoRA base"] if lora_run else [])
+    # (with an old policy, the rollout takes it and the trained params stay: the same bytes)
+    state = ["optimizer state", "old policy"]
+    state += ["trained params", "LoRA base"] if lora_run else []
     between = [*state, "KL reference", "decoder weights"]  # rollout, evaluation
     held = {
         "rollout": between,
@@ -469,6 +473,7 @@ def _held(name: str, resident: dict[str, int], lora_run: bool) -> int:
         "decode": [
             "trained params",
             "optimizer state",
+            "old policy",
             "LoRA base",
             "KL reference",
             "rollout tree",

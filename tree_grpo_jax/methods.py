@@ -1,8 +1,11 @@
 """The method table: every training method as one entry.
 
 A method is a tree (its spec builder), a credit assignment (its advantage function), which of
-its trainable edges train (its edge-mask hook: BranchGRPO's pruning) and a few flags the
-trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat tracker.
+its trainable edges train (its edge-mask hook: BranchGRPO's pruning), its objective and a few
+flags the trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat
+tracker. The objective is "ppo" (PPO-clip on the rollout's own steps: loss.py) or "nft"
+(DiffusionNFT: the velocity trained on forward-noised copies of the leaves, nft.py; its
+advantages are one array per leaf, [P, L], and it samples from an old copy of the policy).
 This is the one place that maps a method name to behaviour; the trainer, the benchmarks and
 the config checks look methods up here.
 
@@ -18,9 +21,11 @@ from collections.abc import Callable, Hashable, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import pruning, tree_spec
+from tree_grpo_jax import nft, pruning, transitions, tree_spec
+from tree_grpo_jax.loss import ppo_loss
 from tree_grpo_jax.rollout import Tree
 
 # (tree section, number of steps) -> the run's tree. A windowed method's tree is a family
@@ -52,11 +57,18 @@ class Method:
     windowed: bool = False  # has a window of trained steps that may slide
     stat_tracker: bool = False  # may normalise with DDPO's per-prompt stat tracker
     edge_masks: EdgeMaskFn | None = None  # which trainable edges train; None: all of them
+    objective: str = "ppo"  # "ppo" (loss.py) or "nft" (nft.py)
 
     @property
     def pruning(self) -> bool:
         """True when the method may leave trainable edges out of the loss."""
         return self.edge_masks is not None
+
+    @property
+    def forward_process(self) -> bool:
+        """True when the method trains on its leaves alone (no step is scored), sampling
+        from an old copy of the policy that it keeps in the state."""
+        return self.objective == "nft"
 
 
 def _grpo_credit(spec, tree, rewards, credit: Credit):
@@ -91,6 +103,10 @@ def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
         alpha=o.fusion_alpha,
         normalization=o.get("branch_normalization", "depthwise"),
     )
+
+
+def _nft_credit(spec, tree, rewards, credit: Credit):
+    return (jnp.asarray(nft.advantages(np.asarray(rewards)), jnp.float32),)
 
 
 METHODS: dict[str, Method] = {
@@ -133,6 +149,23 @@ METHODS: dict[str, Method] = {
             advantages=_branchgrpo_credit,
             windowed=True,
             edge_masks=pruning.branchgrpo_masks,
+        ),
+        # DiffusionNFT on G deterministic (ODE) samples per prompt, the released sampler's
+        Method(
+            "diffusion_nft",
+            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "nft"),
+            advantages=_nft_credit,
+            objective="nft",
+        ),
+        # DiffusionNFT on the leaves of TreeGRPO's tree: shared prefixes make samples cheaper
+        Method(
+            "diffusion_nft_tree",
+            spec=lambda t, n: tree_spec.named(
+                tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), "nft_tree"
+            ),
+            advantages=_nft_credit,
+            windowed=True,
+            objective="nft",
         ),
     )
 }
@@ -182,7 +215,8 @@ def compute_advantages(
     prompt_ids: Sequence[Hashable] = (),
     tracker: adv.PerPromptStatTracker | None = None,
 ) -> adv.Advantages:
-    """The configured method's advantages, clipped once to +-advantage.clip."""
+    """The configured method's advantages, clipped once to +-advantage.clip: one array per
+    segment ("ppo"), or one [P, L] array of the leaves ("nft")."""
     credit = Credit(config.advantage, prompt_ids, tracker)
     raw = get(config.tree.method).advantages(spec, tree, rewards, credit)
     clip = config.advantage.clip
@@ -210,3 +244,28 @@ def edge_masks(
         total_iterations=config.train.iterations,
         window_start=window_start,
     )
+
+
+def objective(config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, dict]:
+    """The configured method's loss function and its settings, for the train step."""
+    c = config
+    if get(c.tree.method).forward_process:
+        settings = dict(beta=c.diffusion_nft.beta, clip=c.advantage.clip)
+        return nft.nft_loss, dict(denoise_fn=denoise_fn, kl_beta=c.train.kl_beta, **settings)
+    settings = dict(reduce=c.sampling.log_prob_reduce, clip_range=c.train.clip_range)
+    return ppo_loss, dict(
+        denoise_fn=denoise_fn,
+        guidance_scale=c.sampling.guidance_scale,
+        kl_beta=c.train.kl_beta,
+        **settings,
+    )
+
+
+def zero_minibatch(
+    config: ml_collections.ConfigDict, rows: int, sample_shape, max_k: int, dtype, make=np.zeros
+):
+    """A minibatch of `rows` zero rows of the configured method's kind (`make=
+    jax.ShapeDtypeStruct`: shapes alone); `max_k` is the tree's widest branch."""
+    if get(config.tree.method).forward_process:
+        return nft.zero_rows(rows, sample_shape, dtype, make)
+    return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make)

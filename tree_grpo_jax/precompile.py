@@ -21,6 +21,7 @@ import jax
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
+from tree_grpo_jax.train_step import old_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,10 @@ def check_fits(
 
 def _held(trainer, state) -> dict[str, int]:
     """Per program, what stays on the device while it runs without being its argument."""
-    optimizer = device_bytes(state.opt_state)
+    # the state's other parts; an old policy (DiffusionNFT) is the rollout's argument while
+    # the trained weights stay: the same bytes either way
+    old = old_params(state)
+    optimizer = device_bytes(state.opt_state) + (0 if old is None else device_bytes(old))
     if trainer.adapter is not None:  # the programs take the merged weights; base, factors stay
         kept = optimizer + device_bytes(trainer.adapter.base) + device_bytes(state.params)
         with_kl = trainer.kl_reference is not None  # then the eval takes the base

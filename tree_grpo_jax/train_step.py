@@ -22,6 +22,26 @@ class TrainState:
     opt_state: Any
 
 
+@struct.dataclass
+class OldPolicyState(TrainState):
+    """The state of a method that samples from an old copy of the policy and trains against
+    it (DiffusionNFT): `old_params` is checkpointed with the rest, so a resume is exact."""
+
+    old_params: Any = None
+
+
+def initial_state(tx, params, old_policy: bool = False) -> TrainState:
+    """A fresh state for `params`; with `old_policy` the old policy starts as their copy."""
+    if old_policy:
+        return OldPolicyState(params, tx.init(params), jax.tree_util.tree_map(jnp.copy, params))
+    return TrainState(params, tx.init(params))
+
+
+def old_params(state: TrainState):
+    """The old policy's trained weights, or None for a state that keeps none."""
+    return state.old_params if isinstance(state, OldPolicyState) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Optimizer and the train step.
 
@@ -55,24 +75,30 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _loss_and_grads(loss_kwargs: dict, merge):
-    """(params, batch, cond, schedule, uncond, ref_params, frozen) -> ((loss, metrics), grads);
-    with `merge` (LoRA) the loss sees `merge(frozen, params)`."""
+def _loss_and_grads(loss_fn, loss_kwargs: dict, merge):
+    """(params, batch, cond, schedule, uncond, ref_params, frozen, old) -> ((loss, metrics),
+    grads); with `merge` (LoRA) the loss sees `merge(frozen, params)` (and the old policy
+    `merge(frozen, old)`). `old` (None: none kept) reaches the loss as `old_params`."""
 
-    def loss_and_grads(params, batch, cond, schedule, uncond, ref_params, frozen):
-        def loss_fn(p):
-            weights = p if merge is None else merge(frozen, p)
-            return ppo_loss(
-                weights,
+    def weights_of(p, frozen):
+        return p if merge is None else merge(frozen, p)
+
+    def loss_and_grads(params, batch, cond, schedule, uncond, ref_params, frozen, old):
+        extra = {} if old is None else {"old_params": weights_of(old, frozen)}
+
+        def loss_of(p):
+            return loss_fn(
+                weights_of(p, frozen),
                 batch,
                 schedule=schedule,
                 cond=cond,
                 uncond=uncond,
                 ref_params=ref_params,
+                **extra,
                 **loss_kwargs,
             )
 
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.value_and_grad(loss_of, has_aux=True)(params)
 
     return loss_and_grads
 
@@ -89,7 +115,8 @@ def _apply(tx, state: TrainState, grads, lr, loss=0.0):
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     params = jax.tree_util.tree_map(keep, params, state.params)
     opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
-    return TrainState(params, opt_state), {"grad_norm": grad_norm, "finite": finite}
+    state = state.replace(params=params, opt_state=opt_state)
+    return state, {"grad_norm": grad_norm, "finite": finite}
 
 
 def _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings) -> tuple:
@@ -109,19 +136,22 @@ def make_train_step(
     merge=None,
     frozen_shardings=None,
     ref_shardings=None,
+    loss_fn=ppo_loss,
 ):
     """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
 
-    loss_kwargs: the static arguments of `ppo_loss` (denoise_fn, reduce) and its scalars.
+    loss_kwargs: the static arguments of `loss_fn` (`ppo_loss`, or the method's own
+    objective, e.g. `nft.nft_loss`) such as denoise_fn, and its scalars. A state that keeps
+    an old policy (`OldPolicyState`) hands it to the loss as `old_params`.
     With `merge` (LoRA), the state's params are the adapter, the step takes the frozen base
     weights as an eighth argument (laid out as `frozen_shardings`) and the loss sees
     `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
     """
-    loss_and_grads = _loss_and_grads(loss_kwargs, merge)
+    loss_and_grads = _loss_and_grads(loss_fn, loss_kwargs, merge)
 
     def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
         (loss, metrics), grads = loss_and_grads(
-            state.params, batch, cond, schedule, uncond, ref_params, frozen
+            state.params, batch, cond, schedule, uncond, ref_params, frozen, old_params(state)
         )
         state, applied = _apply(tx, state, grads, lr, loss)
         return state, {**metrics, "loss": loss, **applied}
@@ -163,6 +193,7 @@ def make_accumulating_step(
     merge=None,
     frozen_shardings=None,
     ref_shardings=None,
+    loss_fn=ppo_loss,
 ) -> AccumulatingStep:
     """The train step split in two so that one update may span any number of minibatches.
 
@@ -171,7 +202,7 @@ def make_accumulating_step(
     every edge of the update (exactly for the PPO term; the KL term, a mean over rows,
     is weighted the same way).
     """
-    loss_and_grads = _loss_and_grads(loss_kwargs, merge)
+    loss_and_grads = _loss_and_grads(loss_fn, loss_kwargs, merge)
     rep = sharding.replicated(mesh)
     grad_shardings = state_shardings.params
     acc_shardings = Accumulated(grad_shardings, rep)
@@ -182,7 +213,7 @@ def make_accumulating_step(
 
     def accumulate(acc, state, batch, cond, schedule, uncond, ref_params, frozen=None):
         (loss, metrics), grads = loss_and_grads(
-            state.params, batch, cond, schedule, uncond, ref_params, frozen
+            state.params, batch, cond, schedule, uncond, ref_params, frozen, old_params(state)
         )
         edges = jnp.sum(batch.mask).astype(jnp.float32)
         summed = jax.tree_util.tree_map(lambda a, g: a + edges * g, acc.grads, grads)

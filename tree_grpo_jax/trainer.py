@@ -30,10 +30,10 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import diversity, lora, methods, rollout, sharding, transitions
+from tree_grpo_jax import diversity, lora, methods, nft, rollout, sharding, transitions
 from tree_grpo_jax.models.base import TextToImageModel
 from tree_grpo_jax.prompts import PromptIterator, load_prompts
-from tree_grpo_jax.train_step import TrainState, learning_rate
+from tree_grpo_jax.train_step import TrainState, learning_rate, old_params
 
 
 class RewardError(RuntimeError):
@@ -197,13 +197,16 @@ class Trainer:
         return total, parts
 
     def trainable_rows(
-        self, sampled: Rollout, rewards, iteration: int = 0
-    ) -> transitions.Transitions:
+        self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
+    ):
         """This process's trainable edges of a rollout as rows, with their advantages
         (rewards [P, L] of the global batch); updates the stat tracker when the method uses
-        one. A row's `prompt` indexes the global batch (`sampled.cond`)."""
+        one. A row's `prompt` indexes the global batch (`sampled.cond`). A forward-process
+        method's rows are its leaves noised again (`nft.NFTRows`), drawn with `key`."""
         c = self.config
         rewards = np.asarray(rewards, np.float32)
+        if self.method.forward_process:
+            return self._nft_rows(sampled, rewards, key)
         tracker = self.tracker
         if tracker is not None:
             tracker = _TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
@@ -221,12 +224,45 @@ class Trainer:
         rows = transitions.gather_transitions(sampled.tree, advantages, masks)
         return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
 
+    def _nft_rows(self, sampled: Rollout, rewards: np.ndarray, key) -> nft.NFTRows:
+        """DiffusionNFT's rows: every leaf at `timestep_fraction` of the sampling steps,
+        weighted by its optimality (normalised over the global batch, as every process)."""
+        c = self.config
+        (leaf_advantages,) = methods.compute_advantages(
+            c, sampled.spec, sampled.tree, jnp.asarray(rewards)
+        )
+        r = nft.optimality(np.asarray(leaf_advantages)[sampled.rows], c.advantage.clip)
+        num_steps = c.sampling.num_steps
+        per_sample = nft.steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
+        key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
+        rows = nft.gather_rows(sampled.tree.leaves, r, key, num_steps, per_sample)
+        return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
+
+    def sampling_params(self, state: TrainState):
+        """The trained weights the rollout samples with: the old policy where the method
+        keeps one (DiffusionNFT), else the current ones."""
+        old = old_params(state)
+        return state.params if old is None else old
+
+    def _advance_old_policy(self, state: TrainState, iteration: int) -> tuple[TrainState, float]:
+        """After iteration `iteration`: old <- d * old + (1 - d) * new."""
+        n = self.config.diffusion_nft
+        decay = nft.old_policy_decay(
+            iteration + 1, n.old_policy_flat, n.old_policy_rate, n.old_policy_max
+        )
+        old = nft.mix_old_policy(old_params(state), state.params, jnp.float32(decay))
+        return state.replace(old_params=old), decay
+
     def update(
         self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
     ) -> tuple[TrainState, dict]:
-        """Advantages, pruning and every minibatch step of one iteration's rollout."""
+        """Advantages, pruning and every minibatch step of one iteration's rollout (and,
+        for a method that keeps one, the old policy's move towards the new weights)."""
         c = self.config
-        rows = self.trainable_rows(sampled, rewards, iteration)
+        rows_key = None
+        if self.method.forward_process:
+            rows_key, key = jax.random.split(key)
+        rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
@@ -267,11 +303,15 @@ class Trainer:
             "learning_rate": lr,
         }
         if step_metrics:
-            for name in ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl"):
+            means = ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl")
+            for name in (*means, "old_deviation"):
                 if name in step_metrics[0]:
                     metrics[name] = float(np.mean([m[name] for m in step_metrics]))
-            metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
-            metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+            if "ratio_min" in step_metrics[0]:
+                metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
+                metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+        if old_params(state) is not None:
+            state, metrics["old_policy_decay"] = self._advance_old_policy(state, iteration)
         return state, metrics
 
     def _minibatches(self, rows, key, per_process: int, count: int):
@@ -287,7 +327,7 @@ class Trainer:
         t0 = time.perf_counter()
         rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
         prompts = self.prompts.next_global_batch()
-        sampled = self.rollout(state.params, prompts, rollout_key, iteration)
+        sampled = self.rollout(self.sampling_params(state), prompts, rollout_key, iteration)
         finite = bool(jnp.all(jnp.isfinite(sampled.tree.leaves)))
         if not sharding.agree(finite, "min"):
             raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))
@@ -421,12 +461,14 @@ class Trainer:
             )
         return lowered
 
-    def _zero_minibatch(self, tree) -> transitions.Transitions:
+    def _zero_minibatch(self, tree):
         """A minibatch of zeros shaped as `transitions.minibatches` cuts them from `tree`
         (shapes), laid out as `update` lays it out."""
         rows = self.config.train.rows_per_minibatch // jax.process_count()
         k = max((seg.k for seg in tree.segments), default=1)
-        batch = transitions.zero_transitions(rows, tree.leaves.shape[2:], k, tree.leaves.dtype)
+        batch = methods.zero_minibatch(
+            self.config, rows, tree.leaves.shape[2:], k, tree.leaves.dtype
+        )
         return sharding.shard_batch(self.mesh, batch)
 
     def evaluate(self, params) -> tuple[dict, np.ndarray]:

@@ -537,3 +537,8 @@ def deterministic(num_steps: int, num_trees: int = 1) -> TreeSpec:
     """All ODE steps: the deterministic sampler used for evaluation."""
     _check_steps(num_steps)
     return TreeSpec((ODE,) * num_steps, num_trees=num_trees, name="deterministic")
+
+
+def named(spec: TreeSpec, name: str) -> TreeSpec:
+    """`spec` under another name (what `describe` prints): a preset's tree reused."""
+    return dataclasses.replace(spec, name=name)

@@ -1,0 +1,226 @@
+"""DiffusionNFT: the forward-process objective of arXiv 2509.16117 on a flow model.
+
+No step of the sampler is scored. The final samples x0 of a rollout (a tree's leaves) are
+noised again along the flow, x_t = (1 - sigma) x0 + sigma * eps at sampling sigmas drawn per
+sample, and the velocity is trained there, weighted by each sample's reward:
+
+    r = clip(A / (2 * clip) + 1/2, 0, 1)        the optimality probability of a sample
+    v+ = beta * v + (1 - beta) * v_old           the implicit positive policy
+    v- = (1 + beta) * v_old - beta * v           the implicit negative policy
+    x0+- = x_t - sigma * v+-                     what each policy says x0 was
+    loss = clip / beta * [r |x0+ - x0|^2 / w+  +  (1 - r) |x0- - x0|^2 / w-]
+
+with A the sample's advantage clipped to +-clip, |.|^2 a mean over the sample's entries and
+w+- the (constant) mean absolute error of x0+- (the released code's adaptive weighting).
+`v_old` is the old policy: the copy that samples, moved towards the trained weights after
+every iteration as old <- d * old + (1 - d) * new, with d rising over the iterations
+(`old_policy_decay`). A KL term kl_beta * |v - v_ref|^2 to the initial model is optional.
+
+Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per iteration;
+`loss.ppo_loss`'s minibatching and train step carry them unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from tree_grpo_jax import sampling
+from tree_grpo_jax.models.base import DenoiseFn, PyTree
+
+# The adaptive weights' floor: the released code's, so a perfect prediction divides by it.
+WEIGHT_FLOOR = 1e-5
+# advantages = (reward - prompt mean) / (batch std + STD_EPS), the released stat tracker's.
+STD_EPS = 1e-4
+
+
+@struct.dataclass
+class NFTRows:
+    x0: np.ndarray  # [R, *S] a final sample (the rollout's leaf)
+    noise: np.ndarray  # [R, *S] the forward process's noise for this row
+    step: np.ndarray  # [R] int32: the sampling step whose sigma noises the sample
+    prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
+    optimality: np.ndarray  # [R] float32 in [0, 1]: r of the row's sample
+    mask: np.ndarray  # [R] bool, True = a real row
+
+    @property
+    def num_rows(self) -> int:
+        return self.x0.shape[0]
+
+    @property
+    def num_edges(self) -> int:
+        return int(np.sum(self.mask))
+
+
+def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> NFTRows:
+    """`rows` rows of zeros (`make=jax.ShapeDtypeStruct`: their shapes alone)."""
+    return NFTRows(
+        x0=make((rows, *sample_shape), dtype),
+        noise=make((rows, *sample_shape), dtype),
+        step=make((rows,), np.int32),
+        prompt=make((rows,), np.int32),
+        optimality=make((rows,), np.float32),
+        mask=make((rows,), np.bool_),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Credit: rewards -> advantages -> optimality probabilities.
+
+
+def advantages(rewards: np.ndarray) -> np.ndarray:
+    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
+    the whole batch (the released code's per-prompt tracker with `global_std`)."""
+    rewards = np.asarray(rewards, np.float64)
+    chex.assert_rank(rewards, 2)
+    # less each prompt's first reward before the mean: a constant prompt gives exact zeros
+    shifted = rewards - rewards[:, :1]
+    centred = shifted - shifted.mean(axis=1, keepdims=True)
+    return centred / (rewards.std() + STD_EPS)
+
+
+def optimality(advantages: np.ndarray, clip: float) -> np.ndarray:
+    """Advantages clipped to +-clip, mapped linearly onto [0, 1] (0: the worst, 1/2: the
+    prompt's mean, 1: the best)."""
+    a = np.clip(np.asarray(advantages, np.float64), -clip, clip)
+    return np.clip(a / clip / 2.0 + 0.5, 0.0, 1.0)
+
+
+def steps_per_sample(num_steps: int, timestep_fraction: float) -> int:
+    """Sigmas each sample is trained at: the released `int(num_steps * timestep_fraction)`,
+    at least one."""
+    return max(1, int(num_steps * timestep_fraction))
+
+
+def gather_rows(
+    leaves: np.ndarray,
+    optimality: np.ndarray,
+    key: jax.Array,
+    num_steps: int,
+    per_sample: int,
+) -> NFTRows:
+    """Every leaf [P, L, *S] at `per_sample` distinct sampling steps of the `num_steps`,
+    each with its own noise: P * L * per_sample rows, sample-major. `optimality` is [P, L]."""
+    leaves = np.asarray(leaves)
+    num_prompts, num_leaves = leaves.shape[:2]
+    chex.assert_shape(optimality, (num_prompts, num_leaves))
+    if not 1 <= per_sample <= num_steps:
+        raise ValueError(f"per_sample must be in 1..{num_steps}, got {per_sample}.")
+    samples = num_prompts * num_leaves
+    step_key, noise_key = jax.random.split(key)
+    # A random subset of the steps per sample, as the released per-sample permutations.
+    order = jax.vmap(lambda k: jax.random.permutation(k, num_steps))(
+        jax.random.split(step_key, samples)
+    )
+    steps = np.asarray(order[:, :per_sample], np.int32).reshape(-1)
+    flat = leaves.reshape(samples, *leaves.shape[2:])
+    x0 = np.repeat(flat, per_sample, axis=0)
+    noise = np.asarray(jax.random.normal(noise_key, x0.shape, jnp.float32)).astype(x0.dtype)
+    prompt = np.repeat(np.arange(num_prompts, dtype=np.int32), num_leaves * per_sample)
+    r = np.repeat(np.asarray(optimality, np.float32).reshape(-1), per_sample)
+    return NFTRows(x0, noise, steps, prompt, r, np.ones(x0.shape[0], bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective.
+
+
+def _row_mean(values: jax.Array) -> jax.Array:
+    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _weighted_error(x0_hat: jax.Array, x0: jax.Array) -> jax.Array:
+    """|x0_hat - x0|^2 per row over its (constant) mean absolute error."""
+    error = x0_hat - x0
+    weight = jax.lax.stop_gradient(jnp.maximum(_row_mean(jnp.abs(error)), WEIGHT_FLOOR))
+    return _row_mean(error**2) / weight
+
+
+def nft_loss(
+    params: PyTree,
+    batch: NFTRows,
+    *,
+    denoise_fn: DenoiseFn,
+    schedule: sampling.FlowSchedule,
+    cond: jax.Array,
+    old_params: PyTree,
+    beta: jax.Array | float = 1.0,
+    clip: jax.Array | float = 5.0,
+    kl_beta: jax.Array | float = 0.0,
+    ref_params: PyTree | None = None,
+    uncond: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The DiffusionNFT loss averaged over the batch's real rows, plus kl_beta times the
+    mean squared velocity gap to `ref_params` when given. Two forwards per row (three with
+    the KL); the gradient flows through `params` alone. `uncond` is not read: the method
+    samples and trains the conditional velocity (the config refuses guidance with it)."""
+    chex.assert_rank(cond, 3)
+    chex.assert_equal_shape([batch.x0, batch.noise])
+    chex.assert_equal_shape([batch.step, batch.prompt, batch.optimality, batch.mask])
+    if ref_params is None and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
+        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    mask = batch.mask.astype(bool)
+    x0 = batch.x0.astype(jnp.float32)
+    sigma = schedule.sigmas[batch.step].reshape(-1, *([1] * (x0.ndim - 1)))
+    xt = (1.0 - sigma) * x0 + sigma * batch.noise.astype(jnp.float32)
+    t = schedule.timesteps[batch.step]
+    row_cond = cond[batch.prompt]
+
+    def velocity(p):
+        return denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
+
+    v = velocity(params)
+    v_old = jax.lax.stop_gradient(velocity(old_params))
+    positive = xt - sigma * (beta * v + (1.0 - beta) * v_old)
+    negative = xt - sigma * ((1.0 + beta) * v_old - beta * v)
+    r = batch.optimality.astype(jnp.float32)
+    per_row = r * _weighted_error(positive, x0) + (1.0 - r) * _weighted_error(negative, x0)
+    policy_loss = _masked_mean(per_row * (clip / beta), mask)
+    if ref_params is not None:
+        v_ref = jax.lax.stop_gradient(velocity(ref_params))
+        kl = _masked_mean(_row_mean((v - v_ref) ** 2), mask)
+    else:
+        kl = jnp.zeros((), jnp.float32)
+    metrics = {
+        "policy_loss": policy_loss,
+        "kl": kl,
+        # how far the trained velocity has moved from the sampling policy's
+        "old_deviation": _masked_mean(_row_mean((v - v_old) ** 2), mask),
+        "optimality_mean": _masked_mean(r, mask),
+        "trained_edges": jnp.sum(mask),
+        "rows": jnp.sum(mask),
+    }
+    return policy_loss + kl_beta * kl, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# The old policy.
+
+
+def old_policy_decay(iterations_done: int, flat: int, rate: float, ceiling: float) -> float:
+    """d after `iterations_done` iterations: 0 for the first `flat`, then rising by `rate`
+    per iteration up to `ceiling` (the released `return_decay`, counted in iterations)."""
+    if iterations_done < flat:
+        return 0.0
+    return float(min((iterations_done - flat) * rate, ceiling))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
+    """old <- decay * old + (1 - decay) * new, leaf by leaf, in the old leaves' dtype."""
+    return jax.tree_util.tree_map(
+        lambda o, n: (decay * o.astype(jnp.float32) + (1.0 - decay) * n.astype(jnp.float32)).astype(
+            o.dtype
+        ),
+        old,
+        new,
+    )
