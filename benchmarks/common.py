@@ -62,6 +62,9 @@ PRESETS: dict[str, dict] = {
         "tree.k": 2,
         "tree.window": 4,
     },
+    # flow models only: 16 ODE samples per prompt, or treegrpo's 16 leaves
+    "diffusion_nft": {"tree.method": "diffusion_nft", "tree.group_size": 16},
+    "diffusion_nft_tree": {"tree.method": "diffusion_nft_tree", "tree.window": 4, "tree.k": 2},
 }
 
 LABELS = {
@@ -72,6 +75,8 @@ LABELS = {
     "branchgrpo_depth": "branchgrpo + depth pruning (8, 9)",
     "branchgrpo_width": "branchgrpo + width pruning (top 0.5)",
     "branchgrpo_mix": "branchgrpo_mix (window 4)",
+    "diffusion_nft": "diffusion_nft (16 ODE samples)",
+    "diffusion_nft_tree": "diffusion_nft on treegrpo's tree (w=4, k=2)",
 }
 
 

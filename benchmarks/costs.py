@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from benchmarks.common import LABELS, fmt_stats, markdown_table
-from tree_grpo_jax import methods
+from tree_grpo_jax import methods, nft
 from tree_grpo_jax.tree_spec import Kind, TreeSpec
 
 
@@ -34,6 +34,8 @@ def derived_counts(config, iteration: int = 0) -> dict:
     spec = methods.spec_at(config, iteration)
     a = config.advantage
     guidance = config.sampling.guidance_scale != 1.0
+    if methods.get(config.tree.method).forward_process:
+        return _forward_process_counts(config, spec)
     prunes = methods.get(config.tree.method).pruning
     # depth d = the nodes step d - 1 makes
     pruned_steps = {d - 1 for d in a.depth_pruning} if prunes else set()
@@ -60,6 +62,27 @@ def derived_counts(config, iteration: int = 0) -> dict:
         # Unpruned and un-amortized, for reference: the spec's own counts.
         "spec_trainable_edges": spec.trainable_edges,
         "spec_train_rows": spec.training_forward_rows(True, False),
+    }
+
+
+def _forward_process_counts(config, spec) -> dict:
+    """DiffusionNFT: every leaf at its share of the sampling steps, one row each; a row runs
+    the trained and the old policy (and the reference with a KL term)."""
+    per_sample = nft.steps_per_sample(
+        config.sampling.num_steps, config.diffusion_nft.timestep_fraction
+    )
+    rows = spec.leaves * per_sample
+    forwards = 3 if config.train.kl_beta > 0 else 2
+    return {
+        "spec": spec.describe(),
+        "leaves": spec.leaves,
+        "guidance": False,
+        "rollout_rows": spec.rollout_denoiser_calls(False),
+        "trained_edges": rows,
+        "train_rows": rows,
+        "train_forward_rows": rows * forwards,
+        "spec_trainable_edges": 0,
+        "spec_train_rows": 0,
     }
 
 

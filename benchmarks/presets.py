@@ -14,7 +14,9 @@ from tree_grpo_jax.models.base import TextToImageModel
 class Settings:
     """The run settings shared by every preset of a comparison."""
 
-    model: str = "tiny"  # "tiny" (the shipped DDIM model), "random_tiny" or "standin"
+    # "tiny" (the shipped DDIM model), "tiny_flow" (its rectified-flow twin), "random_tiny"
+    # or "standin"
+    model: str = "tiny"
     num_steps: int = 10
     prompts: int = 4  # prompts per iteration; every preset has 16 leaves per prompt
     guidance_scale: float = 1.0  # 1.0: no classifier-free guidance
@@ -74,4 +76,4 @@ def load_model(settings: Settings) -> TextToImageModel:
 
     if settings.model == "random_tiny":
         return tiny.build_tiny("ddim", seed=0)
-    return tiny.load_tiny("ddim")
+    return tiny.load_tiny("flow" if settings.model == "tiny_flow" else "ddim")

@@ -77,8 +77,17 @@ LR2 = (("train.learning_rate", 2e-4),)
 LR3 = (("train.learning_rate", 3e-4),)
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
+NFT_BETA01 = (("diffusion_nft.beta", 0.1),)
+
 SETTINGS: dict[str, Setting] = {
     "grpo": Setting("grpo", label="grpo"),
+    "diffusion_nft": Setting("diffusion_nft", label="diffusion_nft (16 ODE samples)"),
+    "diffusion_nft_lr3e-4": Setting("diffusion_nft", LR3, label="diffusion_nft, lr 3e-4"),
+    "diffusion_nft_beta0.1": Setting("diffusion_nft", NFT_BETA01, label="diffusion_nft, beta 0.1"),
+    "diffusion_nft_tree": Setting("diffusion_nft_tree", label="diffusion_nft on treegrpo's tree"),
+    "diffusion_nft_tree_lr3e-4": Setting(
+        "diffusion_nft_tree", LR3, label="diffusion_nft on the tree, lr 3e-4"
+    ),
     "mixgrpo": Setting("mixgrpo", label="mixgrpo (w4)"),
     "mixgrpo_lr2e-4": Setting("mixgrpo", LR2, label="mixgrpo, lr 2e-4"),
     "mixgrpo_lr3e-4": Setting("mixgrpo", LR3, label="mixgrpo, lr 3e-4"),
@@ -226,7 +235,32 @@ GROUPS = {
         "branchgrpo_mix_splits0123_lr2e-4",
     ),
     "smoke": ("grpo", "treegrpo_depthnorm"),
+    # The forward-process baseline beside the trees, on the rectified-flow twin.
+    # Every method at the harness's learning rate and at DiffusionNFT's released 3e-4.
+    "nft": (
+        "grpo",
+        "mixgrpo",
+        "treegrpo",
+        "branchgrpo_mix",
+        "diffusion_nft",
+        "diffusion_nft_tree",
+        "mixgrpo_lr3e-4",
+        "treegrpo_lr3e-4",
+        "branchgrpo_mix_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "diffusion_nft_tree_lr3e-4",
+    ),
+    "nft_screen": (
+        "grpo",
+        "diffusion_nft",
+        "diffusion_nft_lr3e-4",
+        "diffusion_nft_beta0.1",
+        "diffusion_nft_tree",
+        "diffusion_nft_tree_lr3e-4",
+    ),
 }
+# groups on the rectified-flow twin (configs/tiny_flow.py's model), in the "flow" mode
+FLOW_GROUPS = ("nft", "nft_screen")
 
 MODES = {
     # seeds; budget: training seconds per run (a cap when `iterations` is set); iterations:
@@ -258,6 +292,16 @@ MODES = {
         iterations=16,
         evals=0,
         rewards=("digit_alignment", "jpeg_compressibility"),
+    ),
+    # "final" on the flow twin, whose digits start near the reward's ceiling (-0.02):
+    # jpeg_compressibility and jpeg_incompressibility leave room both ways
+    "flow": dict(
+        model="tiny_flow",
+        seeds=(0, 1, 2),
+        budget=150.0,
+        iterations=16,
+        evals=0,
+        rewards=("jpeg_compressibility", "jpeg_incompressibility"),
     ),
 }
 
@@ -705,8 +749,12 @@ def main(argv=None) -> dict:
         save_json(out, f"tree_study_{payload['tag']}", payload)  # with the summaries redone
         return payload
     group = "smoke" if args.smoke else args.group or "final"
-    mode = dict(MODES["smoke" if args.smoke else "screen" if group == "screen" else "final"])
-    # (every group but "screen" runs the "final" mode: the same images for every setting)
+    if args.smoke:
+        kind = "smoke"
+    else:
+        kind = "screen" if group == "screen" else "flow" if group in FLOW_GROUPS else "final"
+    mode = dict(MODES[kind])
+    # (every group but "screen" runs a mode of the same images for every setting)
     names = tuple(GROUPS[group])
     if args.settings:
         names = tuple(n.strip() for n in args.settings.split(","))
