@@ -486,3 +486,15 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
     assert result.returncode == 0, result.stderr[-2000:]
     assert "done: eval reward -0.4583 -> -4.6e-05;" in result.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_older_than_a_field_resumes_at_its_default():
+    from tree_grpo_jax.checkpoint import fingerprint_mismatch
+
+    current = cfg.fingerprint(tiny.get_config())
+    older = {k: v for k, v in current.items() if not k.startswith("diffusion_nft.")}
+    assert fingerprint_mismatch(older, current) is not None  # without the defaults
+    assert fingerprint_mismatch(cfg.with_added_defaults(older), current) is None
+    changed = with_values(tiny.get_config(), diffusion_nft__beta=0.5)
+    differs = fingerprint_mismatch(cfg.with_added_defaults(older), cfg.fingerprint(changed))
+    assert differs == "diffusion_nft.beta was 1.0, now 0.5"

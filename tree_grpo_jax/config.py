@@ -642,3 +642,12 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
                 yield path, json.loads(json.dumps(value, default=str))
 
     return dict(flat(config))
+
+
+def with_added_defaults(saved: dict) -> dict:
+    """A saved run fingerprint with every field added to configs/base.py since it was
+    written, at its default: a run that predates a field ran as its default does."""
+    base = base_config()
+    if base is None:
+        return dict(saved)
+    return {**fingerprint(base), **saved}

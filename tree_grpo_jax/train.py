@@ -174,7 +174,7 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
             f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
             "checked against this config; use another --workdir."
         )
-    differs = fingerprint_mismatch(saved, cfg.fingerprint(config))
+    differs = fingerprint_mismatch(cfg.with_added_defaults(saved), cfg.fingerprint(config))
     if differs:
         raise CheckpointError(
             f"{ckpt.directory} holds another run ({differs}); resume it with its own config "
