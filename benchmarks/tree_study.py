@@ -7,13 +7,16 @@
     python -m benchmarks.tree_study --group epochs     # two updates per iteration, clip ranges
     python -m benchmarks.tree_study --group epochs_both    # two updates for flat and tree alike
     python -m benchmarks.tree_study --group lr         # a larger step against a second update
+    python -m benchmarks.tree_study --group nft        # DiffusionNFT beside the trees (flow twin)
+    python -m benchmarks.tree_study --group nft_cost   # the same seconds each, fewer sigmas too
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
     python -m benchmarks.tree_study --out benchmarks/results   # updates the committed results
 
 Every setting (a preset of `benchmarks.common.PRESETS`, 16 leaves per prompt, plus config
-overrides) trains from the same weights with the harness of `benchmarks.training`: the
+overrides) trains from the same weights (the shipped DDIM model; the groups of `FLOW_GROUPS`
+its rectified-flow twin, on the JPEG rewards) with the harness of `benchmarks.training`: the
 clock is the sum of the iterations' own `time_iteration`, evaluation on fixed prompts and
 noises runs off the clock, and every compile happens before the clock starts. The "final"
 runs give every setting the same number of iterations (so the same images); the screen
@@ -78,6 +81,7 @@ LR3 = (("train.learning_rate", 3e-4),)
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
 NFT_BETA01 = (("diffusion_nft.beta", 0.1),)
+NFT_2_SIGMAS = (("diffusion_nft.timestep_fraction", 0.2),)  # 2 of the 10 sigmas per sample
 
 SETTINGS: dict[str, Setting] = {
     "grpo": Setting("grpo", label="grpo"),
@@ -87,6 +91,14 @@ SETTINGS: dict[str, Setting] = {
     "diffusion_nft_tree": Setting("diffusion_nft_tree", label="diffusion_nft on treegrpo's tree"),
     "diffusion_nft_tree_lr3e-4": Setting(
         "diffusion_nft_tree", LR3, label="diffusion_nft on the tree, lr 3e-4"
+    ),
+    "diffusion_nft_lr3e-4_2sigmas": Setting(
+        "diffusion_nft", LR3 + NFT_2_SIGMAS, label="diffusion_nft, lr 3e-4, 2 sigmas per sample"
+    ),
+    "diffusion_nft_tree_lr3e-4_2sigmas": Setting(
+        "diffusion_nft_tree",
+        LR3 + NFT_2_SIGMAS,
+        label="diffusion_nft on the tree, lr 3e-4, 2 sigmas per sample",
     ),
     "mixgrpo": Setting("mixgrpo", label="mixgrpo (w4)"),
     "mixgrpo_lr2e-4": Setting("mixgrpo", LR2, label="mixgrpo, lr 2e-4"),
@@ -250,6 +262,17 @@ GROUPS = {
         "diffusion_nft_lr3e-4",
         "diffusion_nft_tree_lr3e-4",
     ),
+    # The same training seconds for each (the "flow_time" mode): DiffusionNFT, also with
+    # fewer sigmas per sample, against the trees at the same learning rate.
+    "nft_cost": (
+        "grpo",
+        "treegrpo_lr3e-4",
+        "branchgrpo_mix_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "diffusion_nft_lr3e-4_2sigmas",
+        "diffusion_nft_tree_lr3e-4",
+        "diffusion_nft_tree_lr3e-4_2sigmas",
+    ),
     "nft_screen": (
         "grpo",
         "diffusion_nft",
@@ -259,8 +282,8 @@ GROUPS = {
         "diffusion_nft_tree_lr3e-4",
     ),
 }
-# groups on the rectified-flow twin (configs/tiny_flow.py's model), in the "flow" mode
-FLOW_GROUPS = ("nft", "nft_screen")
+# groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
+FLOW_GROUPS = {"nft": "flow", "nft_cost": "flow_time", "nft_screen": "flow"}
 
 MODES = {
     # seeds; budget: training seconds per run (a cap when `iterations` is set); iterations:
@@ -301,6 +324,15 @@ MODES = {
         budget=150.0,
         iterations=16,
         evals=0,
+        rewards=("jpeg_compressibility", "jpeg_incompressibility"),
+    ),
+    # the flow twin again, 30 s of training per run whatever the images
+    "flow_time": dict(
+        model="tiny_flow",
+        seeds=(0, 1, 2),
+        budget=30.0,
+        iterations=None,
+        evals=8,
         rewards=("jpeg_compressibility", "jpeg_incompressibility"),
     ),
 }
@@ -752,7 +784,7 @@ def main(argv=None) -> dict:
     if args.smoke:
         kind = "smoke"
     else:
-        kind = "screen" if group == "screen" else "flow" if group in FLOW_GROUPS else "final"
+        kind = "screen" if group == "screen" else FLOW_GROUPS.get(group, "final")
     mode = dict(MODES[kind])
     # (every group but "screen" runs a mode of the same images for every setting)
     names = tuple(GROUPS[group])

@@ -90,6 +90,10 @@ def test_cost_counts_by_hand():
     assert (width["trained_edges"], width["train_rows"]) == (68, 53)
     mix = count("branchgrpo_mix")  # branch 0,2,4,6 and SDE 1,3
     assert (mix["trained_edges"], mix["train_rows"]) == (36, 21)
+    nft = count("diffusion_nft")  # 16 ODE chains; each leaf at 9 sigmas, old + trained policy
+    assert (nft["rollout_rows"], nft["train_rows"], nft["train_forward_rows"]) == (160, 144, 288)
+    nft_tree = count("diffusion_nft_tree")  # treegrpo's rollout, the same rows
+    assert (nft_tree["rollout_rows"], nft_tree["train_rows"]) == (111, 144)
 
 
 def test_one_update_per_iteration():
