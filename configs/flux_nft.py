@@ -8,18 +8,11 @@ python -m tree_grpo_jax.main --config=configs/flux_nft.py \
     --config.model.path=/path/to/FLUX.1-dev --config.reward_models.hpsv2=/path/to/hpsv2.1
 """
 
-from configs import flux_branchgrpo
+from configs import flux_branchgrpo, sd35m_nft
 
 
 def get_config():
-    c = flux_branchgrpo.get_config()
+    c = sd35m_nft.released_method(flux_branchgrpo.get_config())
     c.name = "flux_nft"
-    c.tree.method = "diffusion_nft"
     c.tree.group_size = 16
-    c.lora.rank = 32
-    c.lora.alpha = 64.0
-    c.train.learning_rate = 3e-4
-    c.train.kl_beta = 1e-4
-    c.train.updates_per_iteration = 1
-    c.train.grad_accumulation = 1
     return c

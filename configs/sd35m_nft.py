@@ -14,11 +14,10 @@ with 40 steps; here the sampler is the flow's Euler step and the eval uses the t
 from configs import sd35m
 
 
-def get_config():
-    c = sd35m.get_config()
-    c.name = "sd35m_nft"
+def released_method(c):
+    """The release's DiffusionNFT settings on config `c` (the diffusion_nft section's defaults
+    are the release's too): ODE samples without guidance, LoRA, its optimizer and KL."""
     c.tree.method = "diffusion_nft"
-    c.tree.group_size = 24
     c.tree.window_slide_every = 0
     c.sampling.guidance_scale = 1.0
     c.lora.rank = 32
@@ -26,8 +25,15 @@ def get_config():
     c.train.learning_rate = 3e-4
     c.train.kl_beta = 1e-4
     c.train.updates_per_iteration = 1
-    c.train.rows_per_minibatch = 8
     c.train.grad_accumulation = 1
+    return c
+
+
+def get_config():
+    c = released_method(sd35m.get_config())
+    c.name = "sd35m_nft"
+    c.tree.group_size = 24
+    c.train.rows_per_minibatch = 8
     c.rewards = "pickscore"
     c.eval.num_steps = 40
     return c
