@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import diversity, lora, methods, precompile, sharding
+from tree_grpo_jax import diversity, lora, methods, nft, precompile, sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
 from tree_grpo_jax.prompts import load_prompts
@@ -37,6 +37,11 @@ def check_sizes(config, spec, sample_shape) -> None:
     sample_bytes = 4 * int(np.prod(sample_shape))
     prompts = config.prompts.batch_size
     states = spec.recorded_states
+    if methods.get(config.tree.method).forward_process:  # rows: each leaf and its noise, again
+        per_sample = nft.steps_per_sample(
+            config.sampling.num_steps, config.diffusion_nft.timestep_fraction
+        )
+        states += 2 * per_sample * spec.leaves
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
     eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
     eval_bytes = 2 * eval_rows * sample_bytes
@@ -45,8 +50,9 @@ def check_sizes(config, spec, sample_shape) -> None:
     if rollout_bytes > limit:
         raise cfg.ConfigError(
             f"one rollout stores about {gib(rollout_bytes)} of samples ({prompts} prompts x "
-            f"{spec.leaves} leaves, {states} stored states per prompt), more than the "
-            f"{gib(limit)} of {where}; lower prompts.batch_size or the tree's size."
+            f"{spec.leaves} leaves, {states} stored states or training rows per prompt), "
+            f"more than the {gib(limit)} of {where}; lower prompts.batch_size or the tree's "
+            "size."
         )
     if eval_bytes > limit:
         raise cfg.ConfigError(
