@@ -9,6 +9,7 @@
     python -m benchmarks.tree_study --group lr         # a larger step against a second update
     python -m benchmarks.tree_study --group nft        # DiffusionNFT beside the trees (flow twin)
     python -m benchmarks.tree_study --group nft_cost   # the same seconds each, fewer sigmas too
+    python -m benchmarks.tree_study --group nft_screen # DiffusionNFT's learning rate, beta, tree
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
