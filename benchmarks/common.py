@@ -62,7 +62,10 @@ PRESETS: dict[str, dict] = {
         "tree.k": 2,
         "tree.window": 4,
     },
-    # flow models only: 16 ODE samples per prompt, or treegrpo's 16 leaves
+}
+# Presets of flow models only (the suite of `benchmarks.run` trains the DDIM model): 16 ODE
+# samples per prompt, or treegrpo's 16 leaves.
+FLOW_PRESETS: dict[str, dict] = {
     "diffusion_nft": {"tree.method": "diffusion_nft", "tree.group_size": 16},
     "diffusion_nft_tree": {"tree.method": "diffusion_nft_tree", "tree.window": 4, "tree.k": 2},
 }

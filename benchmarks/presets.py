@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from benchmarks import costs
-from benchmarks.common import PRESETS, standin_model
+from benchmarks.common import FLOW_PRESETS, PRESETS, standin_model
 from tree_grpo_jax.models.base import TextToImageModel
 
 
@@ -55,7 +55,7 @@ def make_config(preset: str, settings: Settings, seed: int = 0):
     c.checkpoint.every = 0
     c.log.progress = False
     c.log.tensorboard = False
-    for path, value in PRESETS[preset].items():
+    for path, value in {**PRESETS, **FLOW_PRESETS}[preset].items():
         section, field = path.split(".")
         c[section][field] = value
     if settings.one_update_per_iteration:

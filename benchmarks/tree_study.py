@@ -15,9 +15,10 @@
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
     python -m benchmarks.tree_study --out benchmarks/results   # updates the committed results
 
-Every setting (a preset of `benchmarks.common.PRESETS`, 16 leaves per prompt, plus config
-overrides) trains from the same weights (the shipped DDIM model; the groups of `FLOW_GROUPS`
-its rectified-flow twin, on the JPEG rewards) with the harness of `benchmarks.training`: the
+Every setting (a preset of `benchmarks.common.PRESETS` or `FLOW_PRESETS`, 16 leaves per
+prompt, plus config overrides) trains from the same weights (the shipped DDIM model; in the
+groups of `FLOW_GROUPS` its rectified-flow twin, on the JPEG rewards) with the harness of
+`benchmarks.training`: the
 clock is the sum of the iterations' own `time_iteration`, evaluation on fixed prompts and
 noises runs off the clock, and every compile happens before the clock starts. The "final"
 runs give every setting the same number of iterations (so the same images); the screen

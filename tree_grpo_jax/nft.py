@@ -17,7 +17,7 @@ every iteration as old <- d * old + (1 - d) * new, with d rising over the iterat
 (`old_policy_decay`). A KL term kl_beta * |v - v_ref|^2 to the initial model is optional.
 
 Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per iteration;
-`loss.ppo_loss`'s minibatching and train step carry them unchanged.
+`transitions.minibatches` and the train step carry them as they carry PPO's transitions.
 """
 
 from __future__ import annotations
