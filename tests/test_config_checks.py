@@ -15,6 +15,7 @@ import pytest
 
 from configs import base, tiny
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax import fingerprint as run_fingerprint
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as rewards
 
@@ -491,10 +492,12 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
 def test_a_run_older_than_a_field_resumes_at_its_default():
     from tree_grpo_jax.checkpoint import fingerprint_mismatch
 
-    current = cfg.fingerprint(tiny.get_config())
+    current = run_fingerprint.fingerprint(tiny.get_config())
     older = {k: v for k, v in current.items() if not k.startswith("diffusion_nft.")}
     assert fingerprint_mismatch(older, current) is not None  # without the defaults
-    assert fingerprint_mismatch(cfg.with_added_defaults(older), current) is None
+    assert fingerprint_mismatch(run_fingerprint.with_added_defaults(older), current) is None
     changed = with_values(tiny.get_config(), diffusion_nft__beta=0.5)
-    differs = fingerprint_mismatch(cfg.with_added_defaults(older), cfg.fingerprint(changed))
+    differs = fingerprint_mismatch(
+        run_fingerprint.with_added_defaults(older), run_fingerprint.fingerprint(changed)
+    )
     assert differs == "diffusion_nft.beta was 1.0, now 0.5"

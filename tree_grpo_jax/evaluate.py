@@ -31,6 +31,7 @@ import time
 
 from absl import app, flags, logging
 
+from tree_grpo_jax import fingerprint as run_fingerprint
 from tree_grpo_jax import main as cli
 
 STEP = flags.DEFINE_integer("step", None, "The run's checkpoint to evaluate (default: latest).")
@@ -228,7 +229,6 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def evaluate(config, workdir: str | None, out: str) -> dict:
     """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`."""
-    from tree_grpo_jax import config as cfg
     from tree_grpo_jax import reporting, sharding, train
     from tree_grpo_jax.build import setup
     from tree_grpo_jax.checkpoint import Checkpointer
@@ -279,7 +279,7 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         "seed": config.eval.seed,
         "num_steps": config.eval.num_steps or config.sampling.num_steps,
         "prompts_per_chunk": CHUNK.value,
-        "config": cfg.fingerprint(config),
+        "config": run_fingerprint.fingerprint(config),
     }
     primary = sharding.is_primary()
     chunks = _Chunks(out, arguments) if primary else None

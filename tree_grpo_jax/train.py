@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax import fingerprint as run_fingerprint
 from tree_grpo_jax import guard, identity, precompile, reporting, sharding
 from tree_grpo_jax.build import build, setup
 from tree_grpo_jax.checkpoint import (
@@ -152,7 +153,7 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "next_iteration": next_iteration,
         "seed": trainer.config.seed,
         "rng_key": np.asarray(jax.random.key_data(trainer.key)).tolist(),
-        "fingerprint": cfg.fingerprint(trainer.config),
+        "fingerprint": run_fingerprint.fingerprint(trainer.config),
         "base_weights": trainer.adapter.base_fingerprint if trainer.adapter else None,
         "identity": identity.of_run(trainer.config),  # taken once, by check_resume
         "history": history,
@@ -174,7 +175,9 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
             f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
             "checked against this config; use another --workdir."
         )
-    differs = fingerprint_mismatch(cfg.with_added_defaults(saved), cfg.fingerprint(config))
+    differs = fingerprint_mismatch(
+        run_fingerprint.with_added_defaults(saved), run_fingerprint.fingerprint(config)
+    )
     if differs:
         raise CheckpointError(
             f"{ckpt.directory} holds another run ({differs}); resume it with its own config "
@@ -324,7 +327,7 @@ def _check_same_config(config) -> None:
     when their configs differ in anything a resume would refuse (or in the mesh)."""
     if not sharding.multi_process():
         return
-    text = json.dumps([cfg.fingerprint(config), config.mesh.to_dict()], sort_keys=True)
+    text = json.dumps([run_fingerprint.fingerprint(config), config.mesh.to_dict()], sort_keys=True)
     digest = np.uint32(int(hashlib.sha256(text.encode()).hexdigest()[:8], 16))
     digests = sharding.gather(np.asarray([digest]))
     differ = np.flatnonzero(digests != digests[0])
