@@ -211,7 +211,7 @@ def test_a_text_encoder_changed_under_a_full_fine_tuning_run_refuses_its_resume(
     import numpy as np
 
     from configs import sd15
-    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax import fingerprint as run_fingerprint
     from tree_grpo_jax.checkpoint import Checkpointer
 
     base = tmp_path / "sd15"
@@ -220,7 +220,7 @@ def test_a_text_encoder_changed_under_a_full_fine_tuning_run_refuses_its_resume(
     config.model.path = str(base)
     meta = {
         "next_iteration": 1,
-        "fingerprint": cfg.fingerprint(config),
+        "fingerprint": run_fingerprint.fingerprint(config),
         "identity": identity.measure(config, say=lambda line: None),
     }
     workdir = tmp_path / "run"
