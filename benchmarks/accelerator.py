@@ -272,7 +272,7 @@ class ModelBench:
         return {"denoiser_flops_per_row": self.flops_per_row}
 
     def rollout(self, method: str) -> dict:
-        from tree_grpo_jax import train
+        from tree_grpo_jax.run import loop as train
 
         self.live = None
         start = time.perf_counter()
@@ -316,7 +316,8 @@ class ModelBench:
         return out
 
     def train(self, method: str) -> dict:
-        from tree_grpo_jax import sharding, transitions
+        from tree_grpo_jax import sharding
+        from tree_grpo_jax.core import transitions
 
         if self.live is None or self.live[0] != method:
             return {"skipped": "its rollout did not run"}
@@ -378,7 +379,8 @@ class ModelBench:
 
     def node_loop(self) -> dict:
         from benchmarks import node_loop
-        from tree_grpo_jax import sharding, train
+        from tree_grpo_jax import sharding
+        from tree_grpo_jax.run import loop as train
 
         trainer = self.trainers.get("treegrpo")
         if trainer is None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 from benchmarks.common import LABELS, fmt_stats, markdown_table
-from tree_grpo_jax import methods, nft
-from tree_grpo_jax.tree_spec import Kind, TreeSpec
+from tree_grpo_jax import methods
+from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
+from tree_grpo_jax.methods import nft
 
 
 def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) -> float:

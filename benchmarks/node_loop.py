@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import fmt_stats, markdown_table, stats, timed
-from tree_grpo_jax import rollout, sampling
-from tree_grpo_jax.guidance import guided_prediction
-from tree_grpo_jax.tree_spec import Kind, TreeSpec
+from tree_grpo_jax.core import rollout, sampling
+from tree_grpo_jax.core.guidance import guided_prediction
+from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 
 
 @functools.lru_cache(maxsize=8)

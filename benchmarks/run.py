@@ -50,8 +50,9 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.presets import Settings, load_model, make_config
-from tree_grpo_jax import methods, train
-from tree_grpo_jax.prompts import load_prompts
+from tree_grpo_jax import methods
+from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run.prompts import load_prompts
 
 MODES = {
     # presets, timed iterations, seeds, budget s, evals per run, engine trees, engine reps

@@ -27,7 +27,7 @@ from benchmarks.common import (
     with_denoiser,
 )
 from benchmarks.presets import Settings, load_model, make_config
-from tree_grpo_jax import train
+from tree_grpo_jax.run import loop as train
 
 TIME_KEYS = ("time_rollout", "time_reward", "time_update", "time_iteration")
 

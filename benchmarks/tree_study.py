@@ -56,7 +56,9 @@ import numpy as np
 from benchmarks import training
 from benchmarks.common import _plain, default_out, fmt_stats, machine, pyplot, smoke_rng, stats
 from benchmarks.presets import Settings, load_model, make_config, minibatches_per_iteration
-from tree_grpo_jax import compile_cache, methods, train
+from tree_grpo_jax import methods
+from tree_grpo_jax.run import compile_cache
+from tree_grpo_jax.run import loop as train
 
 # ---------------------------------------------------------------------------------------------
 # The settings: a preset of `benchmarks.common.PRESETS` (16 leaves per prompt, 10 steps,
@@ -592,10 +594,10 @@ def depth_spread(model, reward: str, names, draws: int = 4, prompts: int = 10) -
     edge. A depth at the independent figure gets no more credit than averaging unrelated
     leaves gives; near 1, its subtrees decide the reward. Library functions only (rollout,
     advantages), no training."""
-    from tree_grpo_jax import advantages as adv
-    from tree_grpo_jax import rollout as tree_rollout
-    from tree_grpo_jax.prompts import load_prompts
+    from tree_grpo_jax.core import advantages as adv
+    from tree_grpo_jax.core import rollout as tree_rollout
     from tree_grpo_jax.rewards import load_reward
+    from tree_grpo_jax.run.prompts import load_prompts
 
     score = load_reward(reward)
     texts = load_prompts("digits")[:prompts]

@@ -35,7 +35,7 @@ def sd_model(sd_folder):
 def shared_compile_cache(tmp_path_factory):
     """One persistent compilation cache for the whole session (and the command-line runs it
     starts): the many small trainings compile the same programs, and a hit skips XLA."""
-    from tree_grpo_jax import compile_cache
+    from tree_grpo_jax.run import compile_cache
 
     folder = tmp_path_factory.mktemp("jax_compile_cache")
     os.environ[compile_cache.ENV_DIR] = str(folder)

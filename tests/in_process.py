@@ -17,7 +17,7 @@ def run_in_process(module, *args, prog: str | None = None) -> subprocess.Complet
     root; stdout, stderr and the exit status as `subprocess.run` would give them."""
     from absl import flags
 
-    from tree_grpo_jax import main as cli
+    from tree_grpo_jax.cli import main as cli
 
     flags.FLAGS.unparse_flags()
     out, err = io.StringIO(), io.StringIO()
@@ -41,7 +41,7 @@ def run_in_process(module, *args, prog: str | None = None) -> subprocess.Complet
 
 def run_main(*args) -> subprocess.CompletedProcess:
     """`python -m tree_grpo_jax.main *args`, in this process."""
-    from tree_grpo_jax import main as cli
+    from tree_grpo_jax.cli import main as cli
 
     return run_in_process(cli, *args, prog="tree_grpo_jax.main")
 

@@ -15,8 +15,8 @@ import statistics
 
 import numpy as np
 
-from tree_grpo_jax.rollout import Segment, Tree
-from tree_grpo_jax.tree_spec import Kind, TreeSpec
+from tree_grpo_jax.core.rollout import Segment, Tree
+from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 
 
 @dataclasses.dataclass(eq=False)

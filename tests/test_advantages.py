@@ -10,8 +10,8 @@ import pytest
 import reference_tree as ref
 from method_advantages import METHOD_NAMES, advantages_of
 
-from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import tree_spec as ts
+from tree_grpo_jax.core import advantages as adv
+from tree_grpo_jax.core import tree_spec as ts
 
 NUM_RANDOM_TREES = 20
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from tree_grpo_jax import export
+from tree_grpo_jax.cli import export
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.tiny.classifier import load_classifier
 from tree_grpo_jax.models.tiny.weights import load_weights, weights_path
@@ -176,7 +176,7 @@ def test_export_rejects_garbage_params_and_overlapping_folders(
 
 
 def test_export_from_a_run_reads_it_without_writing(sd_folder, sd_model, tmp_path, capsys):
-    from tree_grpo_jax.checkpoint import Checkpointer
+    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     run = tmp_path / "run"
     ckpt = Checkpointer(str(run / "checkpoints"))

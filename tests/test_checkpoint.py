@@ -13,8 +13,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
-from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
-from tree_grpo_jax.train_step import TrainState, make_optimizer
+from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
+from tree_grpo_jax.run.train_step import TrainState, make_optimizer
 
 # A failed read leaves orbax's other array reads un-awaited; Python reports them when they are
 # collected, in whichever test runs then.

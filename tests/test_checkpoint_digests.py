@@ -20,8 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 from absl import logging as absl_logging
 
-from tree_grpo_jax import checkpoint
-from tree_grpo_jax.checkpoint import DIGESTS_KEY, Checkpointer, state_digests
+from tree_grpo_jax.run import checkpoint
+from tree_grpo_jax.run.checkpoint import DIGESTS_KEY, Checkpointer, state_digests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MASK = 2**32 - 1

@@ -25,7 +25,7 @@ def run_in_process(*args) -> subprocess.CompletedProcess:
     of Python and JAX); same result fields as `run_main`."""
     from in_process import run_in_process as run
 
-    from tree_grpo_jax import main as cli
+    from tree_grpo_jax.cli import main as cli
 
     return run(cli, *args, prog="tree_grpo_jax.main")
 

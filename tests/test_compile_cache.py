@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tree_grpo_jax import compile_cache
+from tree_grpo_jax.run import compile_cache
 
 OPTIONS = (
     "jax_compilation_cache_dir",

@@ -15,9 +15,9 @@ import pytest
 
 from configs import base, tiny
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import fingerprint as run_fingerprint
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as rewards
+from tree_grpo_jax.run import fingerprint as run_fingerprint
 
 ROOT = pathlib.Path(__file__).parents[1]
 KNOWN = rewards.available_rewards()
@@ -362,7 +362,7 @@ def test_depth_pruning_within_the_tree_passes():
 def run_in_process(*args):
     from in_process import run_in_process as run
 
-    from tree_grpo_jax import main as cli
+    from tree_grpo_jax.cli import main as cli
 
     sys.modules.pop("config_config", None)  # config_flags' module of the last file loaded
     return run(cli, *args, prog="tree_grpo_jax.main")
@@ -466,7 +466,7 @@ def test_print_config_lists_every_field_with_the_overrides(tmp_path):
 
 
 def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatch):
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     summary = {
         "first_eval_reward": -0.458312,
@@ -490,7 +490,7 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
 
 
 def test_a_run_older_than_a_field_resumes_at_its_default():
-    from tree_grpo_jax.checkpoint import fingerprint_mismatch
+    from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
 
     current = run_fingerprint.fingerprint(tiny.get_config())
     older = {k: v for k, v in current.items() if not k.startswith("diffusion_nft.")}

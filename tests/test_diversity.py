@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from tree_grpo_jax import diversity
+from tree_grpo_jax.evaluation import diversity
 
 
 def _brute_force(embeddings):

@@ -39,13 +39,13 @@ RUN = [
 
 
 def _main():
-    from tree_grpo_jax import main
+    from tree_grpo_jax.cli import main
 
     return main
 
 
 def _evaluate():
-    from tree_grpo_jax import evaluate
+    from tree_grpo_jax.cli import evaluate
 
     return evaluate
 

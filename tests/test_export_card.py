@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from configs import sd15
-from tree_grpo_jax import export, identity, lora, reporting
-from tree_grpo_jax.checkpoint import Checkpointer
+from tree_grpo_jax import lora
+from tree_grpo_jax.cli import export
+from tree_grpo_jax.run import identity, reporting
+from tree_grpo_jax.run.checkpoint import Checkpointer
 
 pytest.importorskip("torch")
 

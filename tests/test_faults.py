@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from test_train import small_config
 
-from tree_grpo_jax import reporting, train
-from tree_grpo_jax import trainer as trainer_module
-from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
-from tree_grpo_jax.workdir import WorkdirBusy
+from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run import reporting
+from tree_grpo_jax.run import trainer as trainer_module
+from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
+from tree_grpo_jax.run.workdir import WorkdirBusy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

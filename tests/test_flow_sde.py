@@ -15,10 +15,12 @@ from scipy import stats
 
 from configs import base
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import rewards, sampling, train
-from tree_grpo_jax import tree_spec as ts
+from tree_grpo_jax import rewards
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core import tree_spec as ts
+from tree_grpo_jax.core.rollout import noise_by_step, rollout
 from tree_grpo_jax.models.base import DDIMScheduleConfig, FlowScheduleConfig, Sampling
-from tree_grpo_jax.rollout import noise_by_step, rollout
+from tree_grpo_jax.run import loop as train
 
 # Includes sigma = 1 (the first step) and a last step to 0, unevenly spaced.
 SIGMAS = np.array([1.0, 0.93, 0.6, 0.25, 0.02, 0.0])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tree_grpo_jax import rollout
+from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
@@ -186,8 +186,8 @@ def _our_velocity(model, params, x, context, pooled, sigma):
 def test_a_training_iteration_and_the_export_pytorch_loads(folder, model, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from tree_grpo_jax import export
-    from tree_grpo_jax.checkpoint import Checkpointer
+    from tree_grpo_jax.cli import export
+    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     workdir, out = tmp_path / "run", tmp_path / "exported"
     overrides = [
@@ -410,7 +410,7 @@ def test_every_flux_config_trains_an_iteration_on_the_tiny_folder(
     method, SDE and training settings, at the tiny folder's size: one iteration each."""
     import importlib
 
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     config = importlib.import_module(f"configs.{name}").get_config()
     config.model.path = str(folder)

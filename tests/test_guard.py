@@ -8,9 +8,10 @@ import pytest
 
 from configs import base
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import guard, sampling
-from tree_grpo_jax.checkpoint import Checkpointer
-from tree_grpo_jax.rollout import sample_with_kl
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.rollout import sample_with_kl
+from tree_grpo_jax.evaluation import guard
+from tree_grpo_jax.run.checkpoint import Checkpointer
 
 
 def _config(fraction=0.0, drop=0.0):
@@ -82,7 +83,7 @@ def test_bad_guard_settings_are_one_sentence(field, value, message):
 
 
 def test_the_guard_needs_what_it_watches():
-    from tree_grpo_jax import build
+    from tree_grpo_jax.run import build
 
     c = base.get_config()
     c.model.name = "random_tiny"

@@ -8,8 +8,8 @@ import time
 import pytest
 from in_process import one_error_line, run_main
 
-from tree_grpo_jax import identity
 from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
+from tree_grpo_jax.run import identity
 
 
 @pytest.fixture(autouse=True)
@@ -211,8 +211,8 @@ def test_a_text_encoder_changed_under_a_full_fine_tuning_run_refuses_its_resume(
     import numpy as np
 
     from configs import sd15
-    from tree_grpo_jax import fingerprint as run_fingerprint
-    from tree_grpo_jax.checkpoint import Checkpointer
+    from tree_grpo_jax.run import fingerprint as run_fingerprint
+    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     base = tmp_path / "sd15"
     shutil.copytree(sd_folder, base)

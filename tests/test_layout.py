@@ -1,10 +1,9 @@
-"""The package's import graph, read from its source: no cycles, weight I/O beneath
-everything that reads weights, and no module outside a family's sub-package naming it."""
+"""The package's import graph, read from its source: no cycles, every arrow pointing down the
+layers, no module outside a family's sub-package naming it, few modules at the top, and one
+way to cut an error to its first line. Each rule is also run on an injected violation."""
 
 import ast
 import pathlib
-
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tree_grpo_jax"
 
@@ -94,31 +93,102 @@ def test_no_import_cycles():
     assert not cycles
 
 
-def _below(prefix: str):
-    return [m for m in GRAPH if m == prefix or m.startswith(prefix + ".")]
+# The layers, bottom up: what each top-level unit of the package may import besides itself.
+# The data's way reads upwards: core (spec, rollout, credit, rows) -> methods -> run (step,
+# checkpoint) -> cli; models, rewards and weight I/O sit beneath the run.
+BASE = {"errors", "core", "sharding"}
+ALLOWED = {
+    "errors": set(),
+    "core": set(),
+    "sharding": set(),
+    "weights": {"errors"},
+    "models": {"errors", "core", "weights"},
+    "lora": {"errors", "weights"},
+    "rewards": BASE | {"weights", "models"},
+    "methods": BASE | {"models"},
+    "evaluation": BASE | {"weights", "models", "rewards"},
+    "config": BASE | {"weights", "models", "rewards", "methods"},
+    "run": BASE | {"weights", "models", "lora", "rewards", "methods", "evaluation", "config"},
+    "cli": BASE
+    | {"weights", "models", "lora", "rewards", "methods", "evaluation", "config", "run"},
+    "train": {"run"},  # `tree_grpo_jax.train.train`, the short path of the Python entry point
+    **{command: {"cli"} for command in ("main", "plan", "evaluate", "sample", "export")},
+}
+MAX_TOP_LEVEL_MODULES = 12
 
 
-@pytest.mark.parametrize(
-    "lower, forbidden",
-    [
-        ("tree_grpo_jax.weights", ("",)),  # weight I/O imports nothing else of the package
-        ("tree_grpo_jax.lora", ("",)),
-        (
-            "tree_grpo_jax.models",
-            ("rewards", "lora", "export", "train", "trainer", "build", "config", "methods"),
-        ),
-        ("tree_grpo_jax.rewards", ("lora", "export", "train", "trainer", "build", "config")),
-    ],
-)
-def test_arrows_point_down(lower, forbidden):
-    allowed_inside = {"tree_grpo_jax.weights"} if lower != "tree_grpo_jax.weights" else set()
-    for module in _below(lower):
-        for target in GRAPH[module]:
-            if target.startswith(lower) or any(target.startswith(a) for a in allowed_inside):
-                continue
-            name = target.removeprefix("tree_grpo_jax.")
-            bad = any(f == "" or name == f or name.startswith(f + ".") for f in forbidden)
-            assert not bad, f"{module} imports {target}"
+def _unit(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def upward_arrows(graph) -> list[str]:
+    """Imports that leave a unit for one it may not import."""
+    found = []
+    for module, targets in graph.items():
+        unit = _unit(module)
+        for target in targets:
+            other = _unit(target)
+            if unit and other != unit and other not in ALLOWED.get(unit, set()):
+                found.append(f"{module} imports {target}")
+    return found
+
+
+def top_level_modules(root: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in root.glob("*.py"))
+
+
+def first_line_helpers(sources: dict[str, str]) -> list[str]:
+    """Places outside `tree_grpo_jax.errors` that cut a message to its first line themselves."""
+    found = []
+    for module, text in sources.items():
+        if module == "tree_grpo_jax.errors":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and "first_line" in node.name:
+                found.append(f"{module}:{node.lineno} defines {node.name}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "splitlines"
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "attr", None) == "strip"
+            ):
+                found.append(f"{module}:{node.lineno} cuts a message with .strip().splitlines()")
+    return found
+
+
+SOURCES = {m: p.read_text() for m, p in MODULES.items()}
+
+
+def test_every_unit_has_a_layer():
+    assert {_unit(m) for m in MODULES} - {""} <= set(ALLOWED) | {"__init__"}
+
+
+def test_arrows_point_down():
+    assert not upward_arrows(GRAPH)
+
+
+def test_an_upward_arrow_is_caught():
+    injected = {**GRAPH, "tree_grpo_jax.core.rollout": {"tree_grpo_jax.run.trainer"}}
+    assert upward_arrows(injected) == [
+        "tree_grpo_jax.core.rollout imports tree_grpo_jax.run.trainer"
+    ]
+    injected = {**GRAPH, "tree_grpo_jax.weights.files": {"tree_grpo_jax.models.base"}}
+    assert upward_arrows(injected)
+
+
+def test_at_most_twelve_modules_at_the_top(tmp_path):
+    assert len(top_level_modules(ROOT)) <= MAX_TOP_LEVEL_MODULES
+    for i in range(MAX_TOP_LEVEL_MODULES + 1):
+        (tmp_path / f"m{i}.py").write_text("")
+    assert len(top_level_modules(tmp_path)) > MAX_TOP_LEVEL_MODULES
+
+
+def test_one_first_line_helper():
+    assert not first_line_helpers(SOURCES)
+    own = "def _first_line(e):\n    return str(e).strip().splitlines()[0]\n"
+    assert len(first_line_helpers({**SOURCES, "tree_grpo_jax.run.x": own})) == 2
+    inline = "reason = str(e).strip().splitlines()[0]\n"
+    assert first_line_helpers({"tree_grpo_jax.cli.x": inline})
 
 
 def test_only_a_family_sub_package_names_its_family():

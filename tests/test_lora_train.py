@@ -10,9 +10,9 @@ import pytest
 from flax.traverse_util import flatten_dict
 from test_train import small_config
 
-from tree_grpo_jax import train
-from tree_grpo_jax.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
 
 
 def lora_config(method="treegrpo"):
@@ -87,7 +87,7 @@ def test_sd_lora_run_exports_peft_weights_and_merged_weights(tmp_path, sd_folder
     pytest.importorskip("peft")
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
-    from tree_grpo_jax import export
+    from tree_grpo_jax.cli import export
     from tree_grpo_jax.models.sd15 import load_sd
 
     c = lora_config("grpo")

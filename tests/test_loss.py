@@ -12,11 +12,11 @@ import method_advantages
 import numpy as np
 import pytest
 
-from tree_grpo_jax import pruning, sampling
-from tree_grpo_jax import tree_spec as ts
-from tree_grpo_jax.loss import ppo_loss, score_actions
-from tree_grpo_jax.rollout import rollout
-from tree_grpo_jax.transitions import Transitions, gather_transitions, minibatches
+from tree_grpo_jax.core import pruning, sampling
+from tree_grpo_jax.core import tree_spec as ts
+from tree_grpo_jax.core.loss import ppo_loss, score_actions
+from tree_grpo_jax.core.rollout import rollout
+from tree_grpo_jax.core.transitions import Transitions, gather_transitions, minibatches
 
 SAMPLE_SHAPE = (1, 3, 3)
 P, L, D = 2, 3, 4

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax.checkpoint import Checkpointer
+from tree_grpo_jax.run.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_PROMPTS = 4

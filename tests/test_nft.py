@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tree_grpo_jax import nft
-from tree_grpo_jax.sampling import make_flow_schedule
+from tree_grpo_jax.core.sampling import make_flow_schedule
+from tree_grpo_jax.methods import nft
 
 SHAPE = (3, 2)  # a sample's entries
 NUM_STEPS = 5
@@ -203,7 +203,7 @@ def test_the_old_policy_follows_the_released_schedules():
 def test_a_model_that_is_not_a_flow_is_one_sentence(tmp_path):
     from configs import tiny
     from tree_grpo_jax import config as cfg
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     c = tiny.get_config()
     c.model.name = "random_tiny"  # DDIM: its denoiser predicts noise, not a velocity
@@ -216,7 +216,7 @@ def test_a_tiny_run_raises_its_reward(tmp_path):
     """The shipped flow twin on JPEG compressibility, which it starts far from: six
     iterations of DiffusionNFT make its fixed eval samples smaller files."""
     from configs import tiny_flow_nft
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     c = tiny_flow_nft.get_config()
     c.rewards = "jpeg_compressibility"

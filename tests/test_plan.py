@@ -34,7 +34,7 @@ def run_plan(*args) -> subprocess.CompletedProcess:
     start the command again)."""
     from in_process import run_in_process
 
-    from tree_grpo_jax import plan
+    from tree_grpo_jax.cli import plan
 
     return run_in_process(plan, "--devices=1", *args, prog="tree_grpo_jax.plan")
 

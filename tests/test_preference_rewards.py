@@ -295,7 +295,7 @@ def test_training_on_a_weighted_mix_reports_every_eval_reward(tmp_path, clip_fol
     """`rewards=pickscore:1,clip_score:0.5` trains on their weighted sum; eval lists more."""
     from test_train import small_config
 
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     folder, _ = clip_folder
     aesthetic, *_ = _aesthetic_folder(tmp_path, clip_folder)

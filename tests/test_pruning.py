@@ -5,8 +5,8 @@ import pytest
 import reference_tree as ref
 from test_advantages import expected_arrays, random_spec
 
-from tree_grpo_jax import pruning
-from tree_grpo_jax import tree_spec as ts
+from tree_grpo_jax.core import pruning
+from tree_grpo_jax.core import tree_spec as ts
 
 NUM_RANDOM_TREES = 40
 

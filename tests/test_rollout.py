@@ -10,9 +10,9 @@ from compiles import count_compiles
 from diffusers import FlaxDDIMScheduler
 from scipy import stats
 
-from tree_grpo_jax import guidance, sampling
-from tree_grpo_jax import tree_spec as ts
-from tree_grpo_jax.rollout import (
+from tree_grpo_jax.core import guidance, sampling
+from tree_grpo_jax.core import tree_spec as ts
+from tree_grpo_jax.core.rollout import (
     initial_noise,
     noise_by_step,
     rollout,

@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 from test_train import small_config
 
-from tree_grpo_jax import sample, train
+from tree_grpo_jax.cli import sample
+from tree_grpo_jax.run import loop as train
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from diffusers import FlaxDDIMScheduler
 from scipy import stats
 
-from tree_grpo_jax import sampling
+from tree_grpo_jax.core import sampling
 
 SD15_SCHEDULER = dict(
     num_train_timesteps=1000,

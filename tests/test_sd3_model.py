@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from tree_grpo_jax import rollout
+from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
@@ -94,7 +94,7 @@ def test_decode_equals_the_vae(model, pipe):
 
 def test_sde_step_log_prob_is_the_gaussian_density(model):
     """One SDE step of the SD3 schedule: the log-prob is scipy's normal density."""
-    from tree_grpo_jax import sampling
+    from tree_grpo_jax.core import sampling
 
     schedule = model.schedule_config.make_schedule(10, Sampling(noise_level=0.7))
     rng = np.random.default_rng(2)
@@ -120,7 +120,7 @@ def test_sde_step_log_prob_is_the_gaussian_density(model):
 def test_a_training_iteration_and_the_export_pytorch_loads(folder, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    from tree_grpo_jax.checkpoint import Checkpointer
+    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     workdir = tmp_path / "run"
     out = tmp_path / "exported"

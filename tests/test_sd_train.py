@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax import export
-from tree_grpo_jax.checkpoint import Checkpointer
+from tree_grpo_jax.cli import export
 from tree_grpo_jax.models.sd15 import load_sd
+from tree_grpo_jax.run.checkpoint import Checkpointer
 
 torch = pytest.importorskip("torch")
 from sd_fixtures import make_tiny_sd_folder  # noqa: E402

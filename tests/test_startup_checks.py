@@ -13,8 +13,8 @@ import pytest
 from in_process import one_error_line, run_main
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import precompile
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.run import precompile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,7 +220,7 @@ def test_a_checkpoint_url_without_its_filesystem_package_is_one_sentence(tmp_pat
 
 
 def test_an_xla_out_of_memory_becomes_one_sentence():
-    from tree_grpo_jax import train
+    from tree_grpo_jax.run import loop as train
 
     error = RuntimeError(
         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.80GiB.\n"

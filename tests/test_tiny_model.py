@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tree_grpo_jax import sampling
+from tree_grpo_jax.core import sampling
 from tree_grpo_jax.models import load_model, tiny
 from tree_grpo_jax.models.base import DDIMScheduleConfig, FlowScheduleConfig, Sampling
 from tree_grpo_jax.models.tiny import classifier, networks, tokenizer

@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from configs import base
-from tree_grpo_jax import train
-from tree_grpo_jax.checkpoint import Checkpointer
-from tree_grpo_jax.train_step import old_params
+from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run.checkpoint import Checkpointer
+from tree_grpo_jax.run.train_step import old_params
 
 
 def small_config(method: str):

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from tree_grpo_jax import tree_spec as ts
+from tree_grpo_jax.core import tree_spec as ts
 
 
 def _enumerate(spec):

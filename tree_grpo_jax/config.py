@@ -13,12 +13,13 @@ from pathlib import Path
 
 import ml_collections
 
-from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import methods, pruning, rollout, tree_spec
+from tree_grpo_jax import methods
+from tree_grpo_jax.core import advantages as adv
+from tree_grpo_jax.core import pruning, rollout, tree_spec
+from tree_grpo_jax.core.sampling import FLOW_SDES
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.sampling import FLOW_SDES
 
 WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")

@@ -16,7 +16,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 
 from configs import base
-from tree_grpo_jax import train
+from tree_grpo_jax.run import loop as train
 
 
 def config(kind: str, data: int, fsdp: int):

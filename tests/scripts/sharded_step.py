@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax import sampling, sharding
-from tree_grpo_jax.train_step import TrainState, make_optimizer, make_train_step
-from tree_grpo_jax.transitions import Transitions
+from tree_grpo_jax import sharding
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.transitions import Transitions
+from tree_grpo_jax.run.train_step import TrainState, make_optimizer, make_train_step
 
 SAMPLE_SHAPE = (1, 4, 4)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.sampling import (
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree  # noqa: F401 - re-exported
+from tree_grpo_jax.core.sampling import (
     Schedule,
     flow_schedule_from_sigmas,
     make_ddim_schedule,
@@ -23,11 +24,8 @@ from tree_grpo_jax.sampling import (
 )
 from tree_grpo_jax.weights.files import ModelLoadError  # noqa: F401 - re-exported
 
-PyTree = Any
 # The dtypes a config may name (model.param_dtype, model.compute_dtype, reward_options.dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# (params, x [B, *sample_shape], t [B], cond [B, L, D]) -> eps / v / velocity, shaped like x.
-DenoiseFn = Callable[[PyTree, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def cast_floats(tree: PyTree, dtype) -> PyTree:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tree_grpo_jax.errors import reason
 from tree_grpo_jax.weights.files import ModelLoadError
 
 
@@ -199,12 +200,7 @@ BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, Zer
 
 def config_error(e: BaseException) -> str:
     """`Type: first line` of an error raised while building from config files."""
-    text = str(e).strip()
-    return (
-        f"{type(e).__name__}: {text.splitlines()[0][:160].rstrip('.')}"
-        if text
-        else type(e).__name__
-    )
+    return reason(e, limit=160)
 
 
 def abstract_model(model_config, seed: int = 0):

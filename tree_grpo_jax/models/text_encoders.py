@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -297,9 +298,8 @@ def load_t5_tokenizer(folder: Path, hint: str):
     try:  # tokenizer.json needs only `tokenizers`; spiece.model alone needs sentencepiece
         return T5TokenizerFast.from_pretrained(str(folder))
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(
-            f"could not read the T5 tokenizer in {folder} ({reason}); {hint}."
+            f"could not read the T5 tokenizer in {folder} ({first_line(e)}); {hint}."
         ) from None
 
 

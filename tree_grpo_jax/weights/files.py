@@ -14,6 +14,8 @@ import numpy as np
 from flax import serialization
 from safetensors.numpy import load_file
 
+from tree_grpo_jax.errors import first_line
+
 
 class ModelLoadError(ValueError):
     """A model folder or weights file is missing, incomplete, or not what the loader supports."""
@@ -27,11 +29,6 @@ def unwrap_params(params) -> dict:
     return params
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else ""
-
-
 def read_json(path: Path, hint: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
@@ -43,7 +40,7 @@ def read_json(path: Path, hint: str) -> dict:
 
 
 def damaged(path: Path, error: Exception, hint: str) -> ModelLoadError:
-    reason = _first_line(error)
+    reason = first_line(error, default="").rstrip(".")
     name = type(error).__name__
     reason = f" ({name}: {reason[:200]})" if reason else f" ({name})"
     return ModelLoadError(
@@ -159,7 +156,7 @@ def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> 
 
         return Path(snapshot_download(str(path), allow_patterns=hub_patterns))
     except Exception as e:  # any hub failure becomes the same sentence
-        reason = _first_line(e) or type(e).__name__
+        reason = first_line(e, default="").rstrip(".") or type(e).__name__
         raise ModelLoadError(
             f"{what} {path} is not a folder and could not be downloaded: {reason}; {hint}."
         ) from None

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
+from tree_grpo_jax.core.sampling import PREDICTION_TYPES
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     ModelLoadError,
@@ -31,7 +32,6 @@ from tree_grpo_jax.models.sd15.unet import (
     UNet2DConditionModel,
     unet_module,
 )
-from tree_grpo_jax.sampling import PREDICTION_TYPES
 from tree_grpo_jax.weights import convert, files
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tree_grpo_jax import sampling
+from tree_grpo_jax.core import sampling
 from tree_grpo_jax.models.base import Sampling
 from tree_grpo_jax.models.tiny import classifier, grammar, networks, tokenizer
 from tree_grpo_jax.models.tiny.data import digits_dataset

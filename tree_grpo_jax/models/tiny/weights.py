@@ -8,6 +8,7 @@ import flax.serialization
 import jax
 import numpy as np
 
+from tree_grpo_jax.errors import reason
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.tiny.networks import init_weights
 
@@ -37,10 +38,9 @@ def read_payload(path, what: str, command: str) -> dict:
     try:
         payload = flax.serialization.msgpack_restore(data)
     except Exception as e:  # msgpack's ExtraData, UnpackValueError, ValueError, ...
-        reason = str(e).strip().splitlines()[0].rstrip(".")[:200] if str(e).strip() else ""
         raise ModelLoadError(
             f"{what} file {path} is damaged or truncated and cannot be read "
-            f"({type(e).__name__}{': ' + reason if reason else ''}); rebuild it with `{command}`."
+            f"({reason(e)}); rebuild it with `{command}`."
         ) from None
     if not isinstance(payload, dict):
         raise ModelLoadError(

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.rewards.convert.aesthetic import check_aesthetic_mlp, convert_aesthetic
 from tree_grpo_jax.rewards.convert.clip_configs import hf_clip_config, read_open_clip_config
 from tree_grpo_jax.rewards.convert.dtypes import (
@@ -17,7 +18,7 @@ from tree_grpo_jax.rewards.convert.dtypes import (
     _dtype_name,
     _set_dtype,
 )
-from tree_grpo_jax.rewards.convert.errors import ConversionError, _first_line
+from tree_grpo_jax.rewards.convert.errors import ConversionError
 from tree_grpo_jax.rewards.convert.imagereward import (
     blip_tokenizer,
     convert_imagereward,
@@ -168,9 +169,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors as one `error:` line (exit status 2), like every other failure."""
 
     def error(self, message):
-        self.exit(
-            2, f"error: {message.strip().splitlines()[0].rstrip('.')}; see {self.prog} --help.\n"
-        )
+        self.exit(2, f"error: {first_line(message).rstrip('.')}; see {self.prog} --help.\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,7 +227,7 @@ def main(argv=None) -> int:
     try:
         out = _COMMANDS[args.command](args)
     except ConversionError as e:
-        print(f"error: {_first_line(e)}.", file=sys.stderr)
+        print(f"error: {first_line(e, default='').rstrip('.')}.", file=sys.stderr)
         return 2
     except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
         where = f" {e.filename}" if e.filename else ""

@@ -5,6 +5,8 @@ Also the optional imports (torch, transformers), which fail as a `ConversionErro
 
 from __future__ import annotations
 
+from tree_grpo_jax.errors import first_line
+
 _MAX_NAMED = 5
 
 
@@ -12,13 +14,9 @@ class ConversionError(ValueError):
     """A release, folder or option that cannot be converted; the message is one sentence."""
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else ""
-
-
 def _reason(error: BaseException) -> str:
-    text = _first_line(error).split(". ")[0][:200]  # torch's messages run on for sentences
+    # torch's messages run on for sentences: the first one only
+    text = first_line(error, default="").rstrip(".").split(". ")[0][:200]
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 

@@ -10,9 +10,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.rewards.convert.clip_configs import hf_clip_config, reference_shapes
 from tree_grpo_jax.rewards.convert.dtypes import _cast, _check_dtype, _dtype_name, _set_dtype
-from tree_grpo_jax.rewards.convert.errors import ConversionError, _first_line, _fit_message, _named
+from tree_grpo_jax.rewards.convert.errors import ConversionError, _fit_message, _named
 from tree_grpo_jax.rewards.convert.reading import (
     _looks_like_aesthetic,
     _looks_like_open_clip,
@@ -152,8 +153,8 @@ def convert_open_clip(
         if open_clip_config is not None:
             raise
         raise ConversionError(
-            f"{_first_line(e)}; pass --open-clip-config=<its open_clip model config> if it is "
-            "another architecture."
+            f"{first_line(e, default='').rstrip('.')}; pass --open-clip-config=<its open_clip "
+            "model config> if it is another architecture."
         ) from None
 
     out = {}

@@ -40,11 +40,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import lora, methods, rollout, sharding
+from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.train_step import (
+from tree_grpo_jax.run.train_step import (
     TrainState,
     initial_state,
     make_optimizer,
@@ -348,7 +349,7 @@ def train_step_program(run: _Run, tree):
 def accumulating_programs(run: _Run, tree):
     """With `train.updates_per_iteration`, the trainer's update spans minibatches: one
     gradient per minibatch added to a sum (`accumulate`), then one optimizer step (`apply`)."""
-    from tree_grpo_jax.train_step import make_accumulating_step
+    from tree_grpo_jax.run.train_step import make_accumulating_step
 
     loss_kwargs, layout, args, what = _step_setup(run, tree)
     step = make_accumulating_step(run.tx, loss_kwargs, run.mesh, run.state_shardings, **layout)

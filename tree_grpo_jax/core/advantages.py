@@ -57,8 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.rollout import Tree
-from tree_grpo_jax.tree_spec import TreeSpec
+from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.core.tree_spec import TreeSpec
 
 EPS = 1e-8  # added to the std in every normalization (GRPO, TreeGRPO, BranchGRPO)
 DEPTH_STD_FLOOR = 1e-6  # BranchGRPO: a depth whose fused rewards are this flat gets A = 0

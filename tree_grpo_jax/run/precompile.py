@@ -21,7 +21,7 @@ import jax
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
-from tree_grpo_jax.train_step import old_params
+from tree_grpo_jax.run.train_step import old_params
 
 
 @dataclasses.dataclass(frozen=True)

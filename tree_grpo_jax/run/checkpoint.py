@@ -35,6 +35,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from tree_grpo_jax.errors import reason
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used; the message is one sentence for the user."""
@@ -82,12 +84,6 @@ def _is_storage_problem(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, ValueError) and any(code in text for code in _STORAGE_CODES)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    reason = text.splitlines()[0][:200] if text else repr(e)
-    return f"{type(e).__name__}: {reason}"
 
 
 def _key_name(key) -> str:
@@ -478,14 +474,14 @@ class Checkpointer:
         storage = next((e for e in causes if _is_storage_problem(e)), None)
         if storage is not None:
             return CheckpointError(
-                f"checkpoint {step} in {self.directory} cannot be read ({_one_line(storage)}), "
+                f"checkpoint {step} in {self.directory} cannot be read ({reason(storage)}), "
                 "a storage problem rather than a damaged file; fix the folder's access and "
                 "rerun (no checkpoint was changed)."
             )
         if any(isinstance(e, _DAMAGE_TYPES) for e in causes):
             return None
         return CheckpointError(
-            f"restoring checkpoint {step} from {self.directory} failed ({_one_line(error)}), "
+            f"restoring checkpoint {step} from {self.directory} failed ({reason(error)}), "
             "which is not what a damaged file raises; fix the cause and rerun (no checkpoint "
             "was changed)."
         )
@@ -516,10 +512,10 @@ class Checkpointer:
                 if stop is not None:
                     raise stop from e
                 damage = next((c for c in _causes(e) if isinstance(c, _DAMAGE_TYPES)), e)
-                self.unreadable[candidate] = _one_line(damage)
+                self.unreadable[candidate] = reason(damage)
                 print(
                     f"warning: checkpoint {candidate} in {self.directory} cannot be read "
-                    f"({_one_line(damage)}); trying an older one.",
+                    f"({reason(damage)}); trying an older one.",
                     file=sys.stderr,
                     flush=True,
                 )

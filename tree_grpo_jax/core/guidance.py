@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models.base import DenoiseFn, PyTree
+PyTree = Any
+# (params, x [B, *sample_shape], t [B], cond [B, L, D]) -> eps / v / velocity, shaped like x.
+DenoiseFn = Callable[[PyTree, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def guided_prediction(

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.rollout import Tree
+from tree_grpo_jax.core.rollout import Tree
 
 
 @struct.dataclass

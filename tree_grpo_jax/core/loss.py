@@ -19,10 +19,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax import sampling
-from tree_grpo_jax.guidance import guided_prediction
-from tree_grpo_jax.models.base import DenoiseFn, PyTree
-from tree_grpo_jax.transitions import Transitions
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction
+from tree_grpo_jax.core.transitions import Transitions
 
 
 def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:

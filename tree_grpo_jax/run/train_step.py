@@ -13,7 +13,7 @@ import optax
 from flax import struct
 
 from tree_grpo_jax import sharding
-from tree_grpo_jax.loss import ppo_loss
+from tree_grpo_jax.core.loss import ppo_loss
 
 
 @struct.dataclass

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax import sampling
-from tree_grpo_jax.models.base import DenoiseFn, PyTree
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
 
 # The adaptive weights' floor: the released code's, so a perfect prediction divides by it.
 WEIGHT_FLOOR = 1e-5

@@ -15,20 +15,24 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import diversity, lora, methods, nft, precompile, sharding
+from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core.sampling import FlowSchedule
+from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.evaluation import diversity
+from tree_grpo_jax.methods import nft
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
-from tree_grpo_jax.prompts import load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.sampling import FlowSchedule
-from tree_grpo_jax.train_step import (
+from tree_grpo_jax.run import precompile
+from tree_grpo_jax.run.prompts import load_prompts
+from tree_grpo_jax.run.train_step import (
     TrainState,
     initial_state,
     make_accumulating_step,
     make_optimizer,
     make_train_step,
 )
-from tree_grpo_jax.trainer import Trainer, make_tracker, prompt_iterator
+from tree_grpo_jax.run.trainer import Trainer, make_tracker, prompt_iterator
 
 
 def check_sizes(config, spec, sample_shape) -> None:
@@ -82,12 +86,7 @@ def check_prompts(model: TextToImageModel, rewards, prompts, where: str) -> None
     except reward_registry.RewardShapeError as e:
         raise cfg.ConfigError(str(e)) from None
     except ValueError as e:
-        raise cfg.ConfigError(f"{where}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise cfg.ConfigError(f"{where}: {first_line(e)}") from None
 
 
 def setup(

@@ -29,11 +29,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import diversity, lora, methods, nft, rollout, sharding, transitions
+from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core import advantages as adv
+from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.evaluation import diversity
+from tree_grpo_jax.methods import nft
 from tree_grpo_jax.models.base import TextToImageModel
-from tree_grpo_jax.prompts import PromptIterator, load_prompts
-from tree_grpo_jax.train_step import TrainState, learning_rate, old_params
+from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
+from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
 class RewardError(RuntimeError):

@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax import sampling
-from tree_grpo_jax.guidance import guided_prediction
-from tree_grpo_jax.models.base import DenoiseFn, PyTree
-from tree_grpo_jax.tree_spec import Block, TreeSpec
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction
+from tree_grpo_jax.core.tree_spec import Block, TreeSpec
 
 # How a split child's log-prob is computed. "sampled" (default): under the Gaussian it was
 # drawn from, std widened by the split's noise_scale. "unscaled": under the unscaled std,

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.prompts import load_prompts
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.run.prompts import load_prompts
 
 ENV_CACHE = "TREE_GRPO_JAX_DIGEST_CACHE"  # overrides the digest cache's file
 ANNOUNCE_BYTES = 1 << 30  # hashing more than this for the first time prints a line

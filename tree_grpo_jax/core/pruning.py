@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tree_grpo_jax.rollout import Tree
-from tree_grpo_jax.tree_spec import Kind, TreeSpec
+from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 
 WIDTH_MODES = ("top_per_branch", "best_worst")
 

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax import advantages as adv
-from tree_grpo_jax import nft, pruning, transitions, tree_spec
-from tree_grpo_jax.loss import ppo_loss
-from tree_grpo_jax.rollout import Tree
+from tree_grpo_jax.core import advantages as adv
+from tree_grpo_jax.core import pruning, transitions, tree_spec
+from tree_grpo_jax.core.loss import ppo_loss
+from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.methods import nft
 
 # (tree section, number of steps) -> the run's tree. A windowed method's tree is a family
 # whose window position is the rollout's argument: one compiled rollout serves them all.

@@ -1,0 +1,362 @@
+"""Evaluate like the papers: base model against trained checkpoint, on fixed prompts and seeds.
+
+    python -m tree_grpo_jax.evaluate --workdir=<a training run> [--step=N]
+        [--prompts=FILE] [--samples_per_prompt=K] [--metrics=hpsv2,imagereward,...] [--out=DIR]
+    python -m tree_grpo_jax.evaluate --config=configs/sd15.py --config.model.path=<folder> \\
+        --out=DIR [--prompts=FILE] ...
+
+A run is read as its `config.json` says (its base model, rewards and eval prompts) and its
+checkpoint (the latest, or `--step`; opened read-only). Every prompt gets K fixed noises
+(the run's `eval.seed`) and the deterministic sampler, as the training evaluation samples
+them, its batch split over the devices. Every metric (a registered reward's name; default:
+the run's rewards and `eval.extra_rewards`) is scored on every sample; the diversity of a
+prompt's K samples (tree_grpo_jax/diversity.py) and, for a trained checkpoint, the exact KL
+of its trajectories to the base model are reported beside them.
+
+The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
+per model, each metric's mean and std, `diversity`), `evaluation.md` (the base-vs-trained
+table with the differences) and one picture grid per model (a column per prompt, a row per
+noise, the first ten prompts). Results are saved per chunk of prompts in `<out>/partial/`: a
+rerun with the same arguments continues where the last one stopped. Bad input is one
+`error:` sentence and exit status 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+from tree_grpo_jax.cli import main as cli
+from tree_grpo_jax.run import fingerprint as run_fingerprint
+
+STEP = flags.DEFINE_integer("step", None, "The run's checkpoint to evaluate (default: latest).")
+PROMPTS = flags.DEFINE_string(
+    "prompts", None, "A prompt file or built-in set (default: the run's eval prompts)."
+)
+SAMPLES = flags.DEFINE_integer("samples_per_prompt", 4, "Fixed noises (samples) per prompt.")
+METRICS = flags.DEFINE_string(
+    "metrics", None, "Comma-separated reward names (default: the run's rewards and extras)."
+)
+OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/evaluation).")
+CHUNK = flags.DEFINE_integer("prompts_per_chunk", 32, "Prompts per saved chunk of results.")
+
+GRID_PROMPTS = 10
+
+
+class BadInput(ValueError):
+    """One sentence for the user; exit status 2."""
+
+
+def run_config(workdir: str):
+    """The config a training run in `workdir` was started with (its config.json, fields
+    added since taking their defaults); BadInput with one sentence when there is none."""
+    if not os.path.isdir(workdir):
+        raise BadInput(f"there is no run folder {workdir}.")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise BadInput(f"{workdir} holds no config.json, so it is not a training run's workdir.")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"could not read {path} ({type(e).__name__}: {e}).") from None
+    if not isinstance(saved, dict):
+        raise BadInput(f"{path} does not hold a run's config.")
+    from tree_grpo_jax import config as cfg
+
+    return cfg.saved_config(saved)
+
+
+def _metric_names(config, text: str | None) -> list[str]:
+    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.rewards import registry
+
+    if text is None:
+        names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:
+            raise BadInput("--metrics names no metric; give reward names, e.g. --metrics=hpsv2.")
+    known = registry.available_rewards()
+    for name in names:
+        if name not in known:
+            raise BadInput(f"unknown metric {name!r} in --metrics; known: {', '.join(known)}.")
+        missing = registry.missing_weights(name, config.reward_models.get(name))
+        if missing:
+            raise BadInput(missing)
+    return list(dict.fromkeys(names))
+
+
+def check_out(out: str) -> None:
+    """An output folder that can be made and written, checked before anything is written."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise BadInput(f"cannot write to the output folder {out}: {path} is not a writable folder.")
+
+
+class _Chunks:
+    """Per-chunk results in `<out>/partial`, valid for one set of arguments."""
+
+    def __init__(self, out: str, arguments: dict):
+        self.folder = os.path.join(out, "partial")
+        os.makedirs(self.folder, exist_ok=True)
+        digest = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()
+        marker = os.path.join(self.folder, "arguments.json")
+        if os.path.exists(marker):
+            with open(marker) as f:
+                same = json.load(f).get("digest") == digest
+            if not same:
+                print(f"other arguments than {out}'s partial results: starting over.", flush=True)
+                for name in os.listdir(self.folder):
+                    os.remove(os.path.join(self.folder, name))
+        with open(marker, "w") as f:
+            json.dump({"digest": digest, **arguments}, f, indent=2, default=str)
+
+    def path(self, label: str, index: int) -> str:
+        return os.path.join(self.folder, f"{label.replace(' ', '_')}-{index:05d}.npz")
+
+    def load(self, label: str, index: int):
+        import numpy as np
+
+        try:
+            with np.load(self.path(label, index)) as data:
+                return {k: data[k] for k in data.files}
+        except (OSError, ValueError, EOFError):  # missing or cut short by a kill
+            return None
+
+    def save(self, label: str, index: int, values: dict) -> None:
+        import numpy as np
+
+        tmp = self.path(label, index) + ".tmp.npz"
+        np.savez(tmp, **values)
+        os.replace(tmp, self.path(label, index))
+
+
+def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> dict:
+    """The results of prompts `ids` (one chunk): metric values (sample-major), each
+    prompt's diversity, the KL of each sample, and the grid's images among them."""
+    import numpy as np
+
+    from tree_grpo_jax.evaluation import diversity
+
+    n = len(prompts)
+    # The last chunk is topped up to the others' size: one compiled sampler serves all.
+    padded = np.resize(ids, min(size, n))
+    rows = (np.arange(k)[:, None] * n + padded[None]).reshape(-1)  # sample-major
+    batch = trainer.eval_batch(params, [prompts[i] for i in rows % n], noise[rows], with_kl)
+
+    def per_prompt(values):  # [K * padded, ...] -> [chunk prompts, K, ...]
+        return diversity.by_prompt(values, len(padded), k)[: len(ids)]
+
+    def flat(values):  # sample-major rows of the chunk's own prompts
+        return np.swapaxes(per_prompt(values), 0, 1).reshape(-1, *np.shape(values)[1:])
+
+    done = {m: flat(batch.values(r)) for m, r in metrics.items()}
+    if k > 1:
+        embedded = batch.values(lambda images, _: trainer.embed(images))
+        done["diversity"] = diversity.per_prompt(per_prompt(embedded))
+    if with_kl:
+        done["kl"] = flat(batch.kl)
+    shown = ids[ids < GRID_PROMPTS]
+    if shown.size:
+        images = per_prompt(batch.all_images())[: shown.size]
+        done["grid"] = np.swapaxes(images, 0, 1)  # [K, prompts shown, H, W, C]
+    return done
+
+
+def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl):
+    """Every chunk of `prompts` for one model (chunks already saved are read back); the
+    model's row and its grid images (None on the processes that do not write)."""
+    import numpy as np
+
+    from tree_grpo_jax import sharding
+    from tree_grpo_jax.run import trainer as trainer_lib
+
+    n = len(prompts)
+    noise = trainer_lib.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
+    size = CHUNK.value
+    count = -(-n // size)
+    parts = []
+    for index in range(count):
+        done = chunks.load(label, index) if chunks is not None else None
+        # the primary process's folder decides; every process samples the chunk together
+        if sharding.agree(float(chunks is not None and done is None)) > 0:
+            t0 = time.time()
+            ids = np.arange(index * size, min(n, (index + 1) * size))
+            done = _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl)
+            if chunks is not None:
+                chunks.save(label, index, done)
+                print(
+                    f"{label}: prompts {ids[0] + 1}-{ids[-1] + 1} of {n} ({index + 1}/{count} "
+                    f"chunks) in {time.time() - t0:.1f}s",
+                    flush=True,
+                )
+        parts.append(done)
+    if chunks is None:
+        return None, None
+    row = {"label": label}
+    for name in [*metrics, *(["diversity"] if k > 1 else []), *(["kl"] if with_kl else [])]:
+        values = np.concatenate([p[name] for p in parts])
+        row[name] = {"mean": float(values.mean()), "std": float(values.std())}
+    grid = np.concatenate([p["grid"] for p in parts if "grid" in p], axis=1)
+    return row, grid
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    def cell(v):
+        return f"{v['mean']:.4g} ± {v['std']:.3g}" if v else "—"
+
+    lines = ["| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [
+        f"| {r['label']} | " + " | ".join(cell(r.get(m)) for m in columns) + " |" for r in rows
+    ]
+    base = rows[0]
+    for r in rows[1:]:
+        diffs = [
+            f"{r[m]['mean'] - base[m]['mean']:+.4g}" if m in r and m in base else "—"
+            for m in columns
+        ]
+        lines.append(f"| {r['label']} − {base['label']} | " + " | ".join(diffs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(config, workdir: str | None, out: str) -> dict:
+    """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`."""
+    from tree_grpo_jax import sharding
+    from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.run.build import setup
+    from tree_grpo_jax.run.checkpoint import Checkpointer
+    from tree_grpo_jax.run.prompts import load_prompts
+
+    k = SAMPLES.value
+    if k < 1:
+        raise BadInput(f"--samples_per_prompt must be at least 1, got {k}.")
+    if CHUNK.value < 1:
+        raise BadInput(f"--prompts_per_chunk must be at least 1, got {CHUNK.value}.")
+    names = _metric_names(config, METRICS.value)
+    prompts = load_prompts(PROMPTS.value) if PROMPTS.value else None
+    ckpt, step = None, None
+    if workdir is not None:
+        ckpt = Checkpointer(train.checkpoint_dir(config, workdir), read_only=True)
+        steps = ckpt.all_steps()
+        if not steps:
+            raise BadInput(f"there is no checkpoint in {ckpt.directory}.")
+        step = steps[-1] if STEP.value is None else STEP.value
+        if step not in steps:
+            raise BadInput(f"there is no checkpoint {step} in {ckpt.directory}; it holds {steps}.")
+    check_out(out)
+
+    config = config.copy_and_resolve_references()
+    config.eval.samples_per_prompt = k
+    config.eval.extra_rewards = tuple(names)
+    config.eval.kl = workdir is not None
+    if "guard" in config.eval:
+        config.eval.guard.min_diversity_fraction = 0.0
+        config.eval.guard.held_out_drop = 0.0
+    config.log.progress = False
+    trainer, state = setup(config, out)
+    prompts = prompts or list(trainer.eval_prompts)
+    models = [("base", state.params)]
+    if ckpt is not None:
+        train.check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
+        restored, _, _ = ckpt.restore(state, step)
+        models.append((f"step {step}", restored.params))
+        ckpt.close()
+
+    arguments = {
+        "run": os.path.abspath(workdir) if workdir else None,
+        "step": step,
+        "model": [config.model.name, config.model.path],
+        "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "samples_per_prompt": k,
+        "metrics": names,
+        "seed": config.eval.seed,
+        "num_steps": config.eval.num_steps or config.sampling.num_steps,
+        "prompts_per_chunk": CHUNK.value,
+        "config": run_fingerprint.fingerprint(config),
+    }
+    primary = sharding.is_primary()
+    chunks = _Chunks(out, arguments) if primary else None
+    rows = []
+    for label, params in models:
+        with_kl = label != "base"
+        row, grid = _evaluate_model(
+            trainer, params, label, prompts, k, trainer.eval_rewards, chunks, with_kl
+        )
+        rows.append(row)
+        if primary:
+            path = os.path.join(out, f"grid_{label.replace(' ', '_')}.png")
+            shown = grid.shape[1]
+            reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
+            row["grid"] = path
+    result = {
+        "source": arguments["run"] or config.model.path or config.model.name,
+        "prompts": len(prompts),
+        "samples_per_prompt": k,
+        "metrics": names,
+        "rows": rows,
+    }
+    if primary:
+        with open(os.path.join(out, "evaluation.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        columns = [*names, *(["diversity"] if k > 1 else []), *(["kl"] if len(rows) > 1 else [])]
+        head = (
+            f"{len(prompts)} prompts x {k} samples, deterministic sampler "
+            f"({arguments['num_steps']} steps), seed {config.eval.seed}; mean ± std over "
+            "samples (diversity: over prompts).\n\n"
+        )
+        with open(os.path.join(out, "evaluation.md"), "w") as f:
+            f.write(head + _table(rows, columns))
+    return result
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from tree_grpo_jax.run import loop as train
+
+    workdir = cli.WORKDIR.value
+    config = cli.CONFIG.value
+    try:
+        if config is None:
+            if workdir is None:
+                raise BadInput("give --workdir=<a training run> or --config=<a config file>.")
+            config = run_config(workdir)
+        elif workdir is not None and not os.path.isdir(workdir):
+            raise BadInput(f"there is no run folder {workdir}.")
+        out = OUT.value or (os.path.join(workdir, "evaluation") if workdir else None)
+        if out is None:
+            raise BadInput("give --out=<folder> for the results of a model folder.")
+        existed = os.path.exists(out)
+        try:
+            result = evaluate(config, workdir, out)
+        except BaseException:
+            if not existed:
+                cli.remove_if_empty(out)
+            raise
+    except (BadInput, *train.BAD_INPUT) as e:
+        cli.fail(cli.first_line(e), cli.EXIT_BAD_INPUT)
+    except (train.RewardError, train.DivergenceError) as e:
+        cli.fail(str(e), cli.EXIT_FAILED)
+    from tree_grpo_jax import sharding
+
+    if sharding.is_primary():
+        print(f"evaluation of {result['source']} -> {os.path.join(out, 'evaluation.md')}")
+        with open(os.path.join(out, "evaluation.md")) as f:
+            sys.stdout.write(f.read())
+
+
+def run() -> None:
+    app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,273 @@
+"""Command line: will a run fit? Its programs' per-device memory, before any weight is read.
+
+    python -m tree_grpo_jax.plan --config=configs/sd35m.py [--devices=8] \\
+        [--config.mesh.fsdp=4] [--config.lora.rank=32] [--device_memory=80,141] [--json] \\
+        [--programs=rollout,train_step,evaluate,decode]
+
+The run's programs (the rollout, the train step, evaluation and the decode of one iteration's
+leaves) are compiled from abstract shapes on the run's mesh and XLA's memory analysis of one
+device is printed (`memory_plan.py` says what each figure is). The model is read from its
+folder's JSON configs only: a local folder, a hub id (only its `*.json` files are
+downloaded), or `--config.model.path=builtin:<name>` for a release whose configs the
+family keeps as data (the hub id of such a release needs no download either).
+
+`--devices=N` plans for N devices. With more than this machine has, the command starts itself
+again on N simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N,
+JAX_PLATFORMS=cpu): a CPU compile, whose buffer sizes approximate an accelerator's.
+
+Exit status: 0 planned; 2 bad input (one `error:` sentence on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tree_grpo_jax.cli import main as cli
+
+DEVICES = flags.DEFINE_integer(
+    "devices",
+    0,
+    "Plan for this many devices (0: this machine's); more than it has are simulated on CPU.",
+)
+DEVICE_MEMORY = flags.DEFINE_list(
+    "device_memory", ["80", "141"], "Device memory sizes in GB (10^9 bytes) to compare with."
+)
+PROGRAMS = flags.DEFINE_list(
+    "programs",
+    ["rollout", "train_step", "evaluate", "decode"],
+    "The programs to compile (default: all of them).",
+)
+JSON = flags.DEFINE_bool("json", False, "Print one JSON object (byte counts) instead of a table.")
+
+MAX_DEVICES = 4096
+GPU_DEFAULT_SHARE = 0.75  # of a GPU's memory JAX preallocates for its arrays
+FORCE_DEVICES = "--xla_force_host_platform_device_count"
+SIMULATED = "TREE_GRPO_JAX_PLAN_SIMULATED"  # set in the re-started command
+# The CPU compiler hands fused chains (a matmul, softmax, matmul) to libraries whose scratch
+# memory its buffer analysis does not see; without them every intermediate is a counted buffer.
+# Its default scheduler orders work for parallelism and runs a rematerialised forward as soon
+# as it can, holding what remat frees; the memory-minded one orders as accelerators do.
+CPU_FLAGS = (
+    *(f"--xla_cpu_experimental_{lib}_fusion_type=" for lib in ("ynn", "xnn", "onednn")),
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+)
+
+
+def xla_flags(current: str, devices: int | None = None) -> str:
+    """`current` XLA_FLAGS with the CPU library fusions off and, given `devices`, that many
+    simulated CPU devices."""
+    if devices is not None:
+        current = re.sub(rf"{FORCE_DEVICES}=\S*", "", current)
+        current += f" {FORCE_DEVICES}={devices}"
+    missing = [f for f in CPU_FLAGS if f.split("=")[0] + "=" not in current]
+    return " ".join([*current.split(), *missing])
+
+
+def _fail(message: str) -> None:
+    cli.fail(message, cli.EXIT_BAD_INPUT)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def device_memory(values) -> list[float]:
+    """`--device_memory` as positive numbers of GB; one sentence for anything else."""
+    try:
+        sizes = [float(v) for v in values]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(0 < s < 1e6 for s in sizes):
+        _fail(f"--device_memory={','.join(values)} must be sizes in GB, e.g. 80,141.")
+    return sizes
+
+
+def simulate(count: int) -> None:
+    """Starts this command again on `count` simulated CPU devices (never returns)."""
+    if os.environ.get(SIMULATED):
+        _fail(f"XLA did not make {count} simulated CPU devices; plan with fewer --devices.")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": xla_flags(os.environ.get("XLA_FLAGS", ""), count),
+        "JAX_PLATFORMS": "cpu",
+        SIMULATED: "1",
+    }
+    _progress(f"planning on {count} simulated CPU devices (this machine has fewer)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "tree_grpo_jax.plan", *sys.argv[1:]], env)
+
+
+def plannable(config):
+    """The config as validation sees it for a plan: reward models are not read, so a reward
+    whose folder is not given yet is no error."""
+    config = config.copy_and_resolve_references()
+    for name in config.reward_models:
+        if not config.reward_models[name]:
+            config.reward_models[name] = "(not read by the plan)"
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def size(n: int) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
+
+
+COLUMNS = ("arguments", "outputs", "temps", "aliased", "peak", "held", "total")
+
+
+def _figures(p) -> tuple[int, ...]:
+    return (p.argument, p.output, p.temp, p.alias, p.peak, p.held, p.total)
+
+
+def fits(plan, sizes_gb, share: float = 1.0) -> dict[str, bool]:
+    """Whether the largest total fits `share` of each device memory size."""
+    return {f"{gb:g}": plan.largest.total <= share * gb * 1e9 for gb in sizes_gb}
+
+
+def _verdict(gb: str, whole: bool, default_share: bool) -> str:
+    if default_share:
+        return f"fits {gb} GB"
+    if whole:
+        return f"fits {gb} GB only with XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's default"
+    return f"does not fit {gb} GB"
+
+
+def table(plan, config_path: str, sizes_gb) -> str:
+    kind = "simulated CPU" if FORCE_DEVICES in os.environ.get("XLA_FLAGS", "") else plan.platform
+    where = f"{kind} device{'s' if plan.devices > 1 else ''}"
+    lines = [
+        f"memory plan of {config_path}: {plan.model}",
+        f"{plan.devices} {where}, mesh data={plan.mesh['data']} x fsdp={plan.mesh['fsdp']}; "
+        f"{plan.training}; {plan.trained_parameters:,} trained of {plan.parameters:,} "
+        f"denoiser parameters; samples {list(plan.sample_shape)}, conditioning "
+        f"{list(plan.cond_shape)} per prompt",
+        "",
+    ]
+    width = max(len(p.name) for p in plan.programs)
+    lines.append(f"{'per device':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS))
+    for p in plan.programs:
+        cells = "  ".join(f"{size(n):>10}" for n in _figures(p))
+        lines.append(f"{p.name:<{width}}  {cells}  {p.what}")
+    lines += [
+        "",
+        "peak = arguments + outputs + temps - aliased: the buffers XLA assigned to the compiled "
+        "program on one device (aliased: outputs written into donated arguments); held = what "
+        "the run keeps on that device meanwhile without passing it in; total = peak + held.",
+        "held between programs: "
+        + ", ".join(f"{k} {size(v)}" for k, v in plan.resident.items() if v),
+        "not planned: " + "; ".join(plan.not_planned) + ".",
+    ]
+    largest = plan.largest
+    whole, default = fits(plan, sizes_gb), fits(plan, sizes_gb, GPU_DEFAULT_SHARE)
+    verdicts = [_verdict(gb, whole[gb], default[gb]) for gb in whole]
+    lines.append(
+        f"largest total: {size(largest.total)} per device ({largest.name}): "
+        + ", ".join(verdicts)
+        + f" per device (GB = 10^9 bytes; JAX on a GPU takes {GPU_DEFAULT_SHARE:.0%} of it by "
+        "default)."
+    )
+    return "\n".join(lines)
+
+
+def as_json(plan, config_path: str, sizes_gb) -> dict:
+    return {
+        "config": config_path,
+        "model": plan.model,
+        "platform": plan.platform,
+        "devices": plan.devices,
+        "mesh": plan.mesh,
+        "training": plan.training,
+        "parameters": plan.parameters,
+        "trained_parameters": plan.trained_parameters,
+        "sample_shape": list(plan.sample_shape),
+        "cond_shape": list(plan.cond_shape),
+        "programs": {
+            p.name: {
+                "what": p.what,
+                "argument_bytes": p.argument,
+                "output_bytes": p.output,
+                "temp_bytes": p.temp,
+                "alias_bytes": p.alias,
+                "generated_code_bytes": p.generated_code,
+                "peak_bytes": p.peak,
+                "held_bytes": p.held,
+                "total_bytes": p.total,
+                "compile_seconds": round(p.compile_s, 1),
+            }
+            for p in plan.programs
+        },
+        "held_bytes": plan.resident,
+        "largest_total_bytes": plan.largest.total,
+        "device_memory_gb": sizes_gb,
+        "fits": fits(plan, sizes_gb),
+        "fits_default_gpu_share": fits(plan, sizes_gb, GPU_DEFAULT_SHARE),
+        "not_planned": list(plan.not_planned),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The command.
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    # Compiling needs no device memory: take none on an accelerator another job may be using.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    config = cli.CONFIG.value
+    if config is None:
+        _fail("give a config file, e.g. --config=configs/sd35m.py.")
+    sizes_gb = device_memory(DEVICE_MEMORY.value)
+    count = DEVICES.value
+    if not 0 <= count <= MAX_DEVICES:
+        _fail(f"--devices={count} is not a device count to plan for; give 1 to {MAX_DEVICES}.")
+
+    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.models.base import ModelLoadError
+    from tree_grpo_jax.rewards import registry as reward_registry
+    from tree_grpo_jax.run import memory_plan
+
+    bad_input = (cfg.ConfigError, ModelLoadError, FileNotFoundError, ValueError)
+    try:
+        cfg.validate(plannable(config), known_rewards=reward_registry.available_rewards())
+    except bad_input as e:
+        _fail(cli.first_line(e))
+
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX starts
+    import jax
+
+    devices = jax.devices()
+    if count > len(devices):
+        simulate(count)
+    try:
+        plan = memory_plan.plan_memory(
+            config, devices[: count or None], progress=_progress, only=PROGRAMS.value
+        )
+    except bad_input as e:
+        _fail(cli.first_line(e))
+    config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+    if JSON.value:
+        print(json.dumps(as_json(plan, config_path, sizes_gb), indent=2), flush=True)
+    else:
+        print(table(plan, config_path, sizes_gb), flush=True)
+
+
+def run() -> None:
+    app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

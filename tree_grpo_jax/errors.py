@@ -1,0 +1,29 @@
+"""The errors a user can fix, and how one is told in a sentence.
+
+`UserError` is the base of every error caused by the user's input (a config value, a file, a
+flag): the commands print its first line as one `error:` sentence and exit 2, never a
+traceback. `first_line` and `reason` are the one way an error's message is shortened for that
+sentence. This module imports nothing of the package, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
+
+
+def first_line(error: BaseException | str, default: str | None = None) -> str:
+    """The first line of an error's message (or of a message); `default`, or the error's class
+    name, when it is empty."""
+    text = str(error).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(error).__name__ if default is None else default
+
+
+def reason(error: BaseException, limit: int = 200) -> str:
+    """`Class: first line` for a sentence's parenthesis: without its full stop, at most
+    `limit` characters of the message; the class name alone when the message is empty."""
+    text = first_line(error, default="").rstrip(".")[:limit]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,0 +1,1 @@
+"""Evaluating a run: sample diversity and the eval guard against reward hacking."""
