@@ -31,7 +31,10 @@ import time
 
 from absl import app, flags, logging
 
+from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import main as cli
+from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
+from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
 STEP = flags.DEFINE_integer("step", None, "The run's checkpoint to evaluate (default: latest).")
@@ -46,30 +49,6 @@ OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/evalua
 CHUNK = flags.DEFINE_integer("prompts_per_chunk", 32, "Prompts per saved chunk of results.")
 
 GRID_PROMPTS = 10
-
-
-class BadInput(ValueError):
-    """One sentence for the user; exit status 2."""
-
-
-def run_config(workdir: str):
-    """The config a training run in `workdir` was started with (its config.json, fields
-    added since taking their defaults); BadInput with one sentence when there is none."""
-    if not os.path.isdir(workdir):
-        raise BadInput(f"there is no run folder {workdir}.")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        raise BadInput(f"{workdir} holds no config.json, so it is not a training run's workdir.")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise BadInput(f"could not read {path} ({type(e).__name__}: {e}).") from None
-    if not isinstance(saved, dict):
-        raise BadInput(f"{path} does not hold a run's config.")
-    from tree_grpo_jax import config as cfg
-
-    return cfg.saved_config(saved)
 
 
 def _metric_names(config, text: str | None) -> list[str]:
@@ -90,15 +69,6 @@ def _metric_names(config, text: str | None) -> list[str]:
         if missing:
             raise BadInput(missing)
     return list(dict.fromkeys(names))
-
-
-def check_out(out: str) -> None:
-    """An output folder that can be made and written, checked before anything is written."""
-    path = os.path.abspath(out)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise BadInput(f"cannot write to the output folder {out}: {path} is not a writable folder.")
 
 
 class _Chunks:
@@ -340,12 +310,12 @@ def main(argv) -> None:
             result = evaluate(config, workdir, out)
         except BaseException:
             if not existed:
-                cli.remove_if_empty(out)
+                common.remove_if_empty(out)
             raise
     except (BadInput, *train.BAD_INPUT) as e:
-        cli.fail(cli.first_line(e), cli.EXIT_BAD_INPUT)
+        common.fail(first_line(e), common.EXIT_BAD_INPUT)
     except (train.RewardError, train.DivergenceError) as e:
-        cli.fail(str(e), cli.EXIT_FAILED)
+        common.fail(str(e), common.EXIT_FAILED)
     from tree_grpo_jax import sharding
 
     if sharding.is_primary():

@@ -43,12 +43,13 @@ from pathlib import Path
 from flax import serialization
 
 from tree_grpo_jax import lora
+from tree_grpo_jax.cli import common
 from tree_grpo_jax.errors import first_line, reason
 from tree_grpo_jax.models import export as pipeline_export
 from tree_grpo_jax.models.export import EXPORT_DTYPES
 from tree_grpo_jax.models.registry import ModelFamily, families, family_of_folder
 from tree_grpo_jax.run import identity
-from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError, quiet_orbax_reads
+from tree_grpo_jax.run.checkpoint import CheckpointError, quiet_orbax_reads
 from tree_grpo_jax.weights.files import unwrap_params
 
 DESCRIPTION = """\
@@ -111,63 +112,6 @@ def load_params(path) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Reading a run's checkpoint quietly, and saying which one was read.
-
-
-def skipped_checkpoints(reasons: dict[int, str], steps: list[int], restored: int) -> str:
-    """'' when `restored` is the newest of `steps`; otherwise the clause saying which newer
-    checkpoints could not be read and why (`reasons`: `Checkpointer.unreadable`)."""
-    newer = [s for s in steps if s > restored][::-1]
-
-    def why(step: int) -> str:
-        return f" ({reasons[step]})" if step in reasons else ""
-
-    if not newer:
-        return ""
-    if len(newer) == 1:
-        return f"instead of the newest, checkpoint {newer[0]}, which cannot be read{why(newer[0])}"
-    said = ", ".join(f"{s}{why(s)}" for s in newer)
-    return f"instead of the newer checkpoints {said}, which cannot be read"
-
-
-def restore_run_state(directory: str, step: int | None = None, target=None):
-    """(state, meta, step, skipped) of a run's checkpoint folder, opened read-only: the newest
-    readable checkpoint (or `step`), as `Checkpointer.restore` returns it, with `skipped`
-    the clause of `skipped_checkpoints`. Bad input raises ValueError or CheckpointError
-    (one sentence); nothing is written."""
-    ckpt = Checkpointer(directory, read_only=True)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise ValueError(f"there is no checkpoint in {ckpt.directory}.")
-        if step is not None and step not in steps:
-            raise ValueError(
-                f"there is no checkpoint {step} in {ckpt.directory}; it holds "
-                f"{', '.join(map(str, steps))}."
-            )
-        try:
-            state, meta, restored = ckpt.restore(target, step)
-        except CheckpointError:
-            # Damage alone (every step tried has its warning line): say which, and why.
-            tried = [step] if step is not None else steps[::-1]
-            reasons = ckpt.unreadable
-            if not all(s in reasons for s in tried):
-                raise
-            if step is not None:
-                others = [s for s in steps if s != step]
-                hint = f"; choose another --step ({', '.join(map(str, others))})" if others else ""
-                raise CheckpointError(
-                    f"checkpoint {step} in {ckpt.directory} cannot be read ({reasons[step]}){hint}."
-                ) from None
-            older = {1: "", 2: ", nor the older one"}.get(
-                len(steps), f", nor the {len(steps) - 1} older ones"
-            )
-            raise CheckpointError(
-                f"no checkpoint in {ckpt.directory} can be read: checkpoint {steps[-1]} "
-                f"({reasons[steps[-1]]}){older}."
-            ) from None
-    finally:
-        ckpt.close()
-    return state, meta, restored, skipped_checkpoints(ckpt.unreadable, steps, restored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +200,9 @@ def _source(args) -> _Source:
     if not workdir.is_dir():
         raise ValueError(f"there is no training run at {workdir}; pass the --workdir of a run.")
     family, run_path, adapter, run_config = _run_model(workdir)
-    state, meta, step, skipped = restore_run_state(_checkpoint_dir(workdir, run_config), args.step)
+    state, meta, step, skipped = common.restore_run_state(
+        _checkpoint_dir(workdir, run_config), args.step
+    )
     model_path = args.model_path or run_path
     differs = identity.other_base(meta.get("identity"), model_path)
     if differs and not args.allow_other_base:
@@ -415,15 +361,8 @@ def model_card(source: _Source, out: Path, args, base: Path | None) -> str:
 # The command line.
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse, with a command line it cannot parse said in one `error:` line (exit 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help).\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineErrors(
+    parser = common.OneLineErrors(
         prog="python -m tree_grpo_jax.export",
         description=DESCRIPTION,
         epilog=EPILOG,

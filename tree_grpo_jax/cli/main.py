@@ -21,7 +21,6 @@ import difflib
 import importlib.util
 import os
 import re
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -30,6 +29,13 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tree_grpo_jax.cli.common import (  # noqa: F401 - the commands' shared names, re-exported
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_SIGNAL,
+    fail,
+    remove_if_empty,
+)
 from tree_grpo_jax.errors import first_line
 
 CONFIG = config_flags.DEFINE_config_file(
@@ -48,15 +54,6 @@ PRINT_CONFIG = flags.DEFINE_bool(
     "value` a line, and exit.",
 )
 BASE_CONFIG = Path(__file__).parents[2] / "configs" / "base.py"
-
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
-EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
-
-
-def fail(message: str, status: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
 
 
 def default_workdir(name: str) -> str:
@@ -328,16 +325,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # The run.
-
-
-def remove_if_empty(workdir: str) -> None:
-    """A start that failed before writing anything leaves no folder behind."""
-    if not os.path.isdir(workdir):
-        return
-    for _, _, files in os.walk(workdir):
-        if files:
-            return
-    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv) -> None:

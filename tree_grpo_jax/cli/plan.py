@@ -28,7 +28,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import main as cli
+from tree_grpo_jax.errors import first_line
 
 DEVICES = flags.DEFINE_integer(
     "devices",
@@ -70,7 +72,7 @@ def xla_flags(current: str, devices: int | None = None) -> str:
 
 
 def _fail(message: str) -> None:
-    cli.fail(message, cli.EXIT_BAD_INPUT)
+    common.fail(message, common.EXIT_BAD_INPUT)
 
 
 def _progress(line: str) -> None:
@@ -244,7 +246,7 @@ def main(argv) -> None:
     try:
         cfg.validate(plannable(config), known_rewards=reward_registry.available_rewards())
     except bad_input as e:
-        _fail(cli.first_line(e))
+        _fail(first_line(e))
 
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX starts
     import jax
@@ -257,7 +259,7 @@ def main(argv) -> None:
             config, devices[: count or None], progress=_progress, only=PROGRAMS.value
         )
     except bad_input as e:
-        _fail(cli.first_line(e))
+        _fail(first_line(e))
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     if JSON.value:
         print(json.dumps(as_json(plan, config_path, sizes_gb), indent=2), flush=True)

@@ -29,7 +29,7 @@ import re
 import sys
 import time
 
-from tree_grpo_jax.cli import evaluate
+from tree_grpo_jax.cli import common
 from tree_grpo_jax.errors import first_line
 
 DESCRIPTION = """\
@@ -47,7 +47,7 @@ The same arguments draw the same pictures. Bad input is one "error:" line and ex
 2, with nothing written.
 """
 
-BadInput = evaluate.BadInput
+BadInput = common.BadInput
 GRID_COLUMNS = 10
 # Sampling scores nothing: a reward that reads no weights stands in for the run's, so that
 # reward models (and their weights) are not needed to draw pictures.
@@ -55,9 +55,7 @@ STAND_IN_REWARD = "jpeg_compressibility"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tree_grpo_jax.cli.export import OneLineErrors
-
-    parser = OneLineErrors(
+    parser = common.OneLineErrors(
         prog="python -m tree_grpo_jax.sample",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -208,7 +206,6 @@ def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str]:
     import numpy as np
     from PIL import Image
 
-    from tree_grpo_jax.cli import main as cli
     from tree_grpo_jax.run import reporting
 
     existed = os.path.exists(out)
@@ -227,7 +224,7 @@ def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str]:
         for path in written:
             os.remove(path)
         if not existed:
-            cli.remove_if_empty(out)
+            common.remove_if_empty(out)
         raise
     return written, grid
 
@@ -235,19 +232,18 @@ def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str]:
 def sample(args) -> Drawn:
     """Draws `args`' prompts from the run's checkpoint and writes the pictures."""
     from tree_grpo_jax import sharding
-    from tree_grpo_jax.cli import export
     from tree_grpo_jax.run import loop as train
     from tree_grpo_jax.run.build import setup
     from tree_grpo_jax.run.checkpoint import Checkpointer
 
     workdir = args.workdir
-    config = evaluate.run_config(workdir)
+    config = common.run_config(workdir)
     _check_numbers(args)
     prompts = _prompts(args, config)
     if args.out is not None:
-        evaluate.check_out(args.out)
+        common.check_out(args.out)
     else:
-        evaluate.check_out(os.path.join(workdir, "samples"))
+        common.check_out(os.path.join(workdir, "samples"))
     directory = train.checkpoint_dir(config, workdir)
     listing = Checkpointer(directory, read_only=True)  # before the model loads: is it futile?
     steps = listing.all_steps()
@@ -263,7 +259,7 @@ def sample(args) -> Drawn:
 
     config = _sampling_config(config, args)
     trainer, state = setup(config, workdir, model=_model(config, prompts))
-    restored, meta, step, skipped = export.restore_run_state(directory, args.step, target=state)
+    restored, meta, step, skipped = common.restore_run_state(directory, args.step, target=state)
     train.check_base_weights(trainer, meta, directory)
     steps_used = config.eval.num_steps or config.sampling.num_steps
     count = f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''}"

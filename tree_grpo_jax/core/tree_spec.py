@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from tree_grpo_jax.errors import UserError
+
 
 class Kind(str, enum.Enum):
     ODE = "ode"  # deterministic, not trained
@@ -60,7 +62,7 @@ def BRANCH(k: int, noise_scale: float = 1.0) -> Step:  # noqa: N802 - reads as t
     return Step(Kind.BRANCH, k, noise_scale)
 
 
-class SpecError(ValueError):
+class SpecError(UserError):
     """A tree spec that cannot be built; the message is one sentence for the user."""
 
 

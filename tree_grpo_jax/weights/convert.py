@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.weights.files import ModelLoadError
 
 FlatTree = dict[tuple[str, ...], np.ndarray]
@@ -56,7 +57,7 @@ DIFFUSERS_LIST_NAMES = frozenset(
 _MAX_NAMED = 5
 
 
-class ParamTreeMismatch(ValueError):
+class ParamTreeMismatch(UserError):
     """Converted weights do not fit the Flax module's parameter tree."""
 
 

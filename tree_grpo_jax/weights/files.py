@@ -14,10 +14,10 @@ import numpy as np
 from flax import serialization
 from safetensors.numpy import load_file
 
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import UserError, first_line
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model folder or weights file is missing, incomplete, or not what the loader supports."""
 
 

@@ -5,12 +5,12 @@ Also the optional imports (torch, transformers), which fail as a `ConversionErro
 
 from __future__ import annotations
 
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import UserError, first_line
 
 _MAX_NAMED = 5
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError):
     """A release, folder or option that cannot be converted; the message is one sentence."""
 
 

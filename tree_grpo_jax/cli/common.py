@@ -1,0 +1,134 @@
+"""What every command shares: exit statuses, the one `error:` line, argparse that fails in
+one line, and reading a training run's folder (its config, its checkpoints) read-only.
+
+Everything heavy is imported inside the functions, so that `--help` and bad flags answer
+before JAX starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from tree_grpo_jax.errors import UserError
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def fail(message: str, status: int) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def remove_if_empty(workdir: str) -> None:
+    """A start that failed before writing anything leaves no folder behind."""
+    if not os.path.isdir(workdir):
+        return
+    for _, _, files in os.walk(workdir):
+        if files:
+            return
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, with a command line it cannot parse said in one `error:` line (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help).\n")
+
+
+class BadInput(UserError):
+    """One sentence for the user; exit status 2."""
+
+
+def run_config(workdir: str):
+    """The config a training run in `workdir` was started with (its config.json, fields
+    added since taking their defaults); BadInput with one sentence when there is none."""
+    if not os.path.isdir(workdir):
+        raise BadInput(f"there is no run folder {workdir}.")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise BadInput(f"{workdir} holds no config.json, so it is not a training run's workdir.")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"could not read {path} ({type(e).__name__}: {e}).") from None
+    if not isinstance(saved, dict):
+        raise BadInput(f"{path} does not hold a run's config.")
+    from tree_grpo_jax import config as cfg
+
+    return cfg.saved_config(saved)
+
+
+def check_out(out: str) -> None:
+    """An output folder that can be made and written, checked before anything is written."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise BadInput(f"cannot write to the output folder {out}: {path} is not a writable folder.")
+
+
+def skipped_checkpoints(reasons: dict[int, str], steps: list[int], restored: int) -> str:
+    """'' when `restored` is the newest of `steps`; otherwise the clause saying which newer
+    checkpoints could not be read and why (`reasons`: `Checkpointer.unreadable`)."""
+    newer = [s for s in steps if s > restored][::-1]
+
+    def why(step: int) -> str:
+        return f" ({reasons[step]})" if step in reasons else ""
+
+    if not newer:
+        return ""
+    if len(newer) == 1:
+        return f"instead of the newest, checkpoint {newer[0]}, which cannot be read{why(newer[0])}"
+    said = ", ".join(f"{s}{why(s)}" for s in newer)
+    return f"instead of the newer checkpoints {said}, which cannot be read"
+
+
+def restore_run_state(directory: str, step: int | None = None, target=None):
+    """(state, meta, step, skipped) of a run's checkpoint folder, opened read-only: the newest
+    readable checkpoint (or `step`), as `Checkpointer.restore` returns it, with `skipped`
+    the clause of `skipped_checkpoints`. Bad input raises ValueError or CheckpointError
+    (one sentence); nothing is written."""
+    from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
+
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise ValueError(f"there is no checkpoint in {ckpt.directory}.")
+        if step is not None and step not in steps:
+            raise ValueError(
+                f"there is no checkpoint {step} in {ckpt.directory}; it holds "
+                f"{', '.join(map(str, steps))}."
+            )
+        try:
+            state, meta, restored = ckpt.restore(target, step)
+        except CheckpointError:
+            # Damage alone (every step tried has its warning line): say which, and why.
+            tried = [step] if step is not None else steps[::-1]
+            reasons = ckpt.unreadable
+            if not all(s in reasons for s in tried):
+                raise
+            if step is not None:
+                others = [s for s in steps if s != step]
+                hint = f"; choose another --step ({', '.join(map(str, others))})" if others else ""
+                raise CheckpointError(
+                    f"checkpoint {step} in {ckpt.directory} cannot be read ({reasons[step]}){hint}."
+                ) from None
+            older = {1: "", 2: ", nor the older one"}.get(
+                len(steps), f", nor the {len(steps) - 1} older ones"
+            )
+            raise CheckpointError(
+                f"no checkpoint in {ckpt.directory} can be read: checkpoint {steps[-1]} "
+                f"({reasons[steps[-1]]}){older}."
+            ) from None
+    finally:
+        ckpt.close()
+    return state, meta, restored, skipped_checkpoints(ckpt.unreadable, steps, restored)
