@@ -470,3 +470,26 @@ def test_schedule_and_spec_must_agree():
             spec=ts.grpo(4, 2),
             sample_shape=SAMPLE_SHAPE,
         )
+
+
+@pytest.mark.parametrize("batch, rows", [(12, 4), (13, 4), (5, 16), (7, 1)])
+def test_a_denoiser_in_chunks_gives_every_row_its_own_prediction(batch, rows):
+    from tree_grpo_jax.core.guidance import in_chunks
+
+    rng = np.random.default_rng(batch * rows)
+    w = jnp.asarray(rng.normal(size=(6, 6)), jnp.float32)
+    calls = []
+
+    def denoise(params, x, t, cond):  # rows must not mix: each row's own x, t and cond
+        calls.append(x.shape[0])
+        return jnp.tanh(x @ params) * t[:, None] + cond.mean(axis=(1, 2))[:, None]
+
+    x = jnp.asarray(rng.normal(size=(batch, 6)), jnp.float32)
+    t = jnp.asarray(rng.uniform(size=batch), jnp.float32)
+    cond = jnp.asarray(rng.normal(size=(batch, 3, 2)), jnp.float32)
+    want = np.tanh(np.asarray(x) @ np.asarray(w)) * np.asarray(t)[:, None]
+    want = want + np.asarray(cond).mean(axis=(1, 2))[:, None]
+    got = in_chunks(denoise, rows)(w, x, t, cond)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert max(calls) <= max(rows, -(-batch // -(-batch // rows)))  # no call sees the batch
+    assert len(set(np.round(want[:, 0], 4))) == batch  # rows that differ

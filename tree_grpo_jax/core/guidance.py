@@ -1,4 +1,5 @@
-"""Calling the denoiser on a flat batch, with classifier-free guidance as one batched call."""
+"""Calling the denoiser on a flat batch, with classifier-free guidance as one batched call, and
+the same denoiser run over a few rows at a time."""
 
 from __future__ import annotations
 
@@ -42,3 +43,32 @@ def guided_prediction(
     )
     pred_u, pred_c = jnp.split(both.astype(jnp.float32), 2)
     return pred_u + guidance_scale * (pred_c - pred_u)
+
+
+def in_chunks(denoise_fn: DenoiseFn, rows: int) -> DenoiseFn:
+    """`denoise_fn` run over at most about `rows` rows at a time (`lax.map` over chunks), so a
+    level's activations are those of one chunk; the same numbers, row by row. rows <= 0: the
+    plain function. A batch of B rows becomes ceil(B / rows) chunks, chunk j taking rows j,
+    j + n, j + 2n, ...: with the batch split over devices in contiguous blocks, every chunk
+    keeps an equal share on each device. A batch that does not divide is padded by
+    repeating its last row."""
+    if rows <= 0:
+        return denoise_fn
+
+    def chunked(params, x, t, cond):
+        batch = x.shape[0]
+        count = -(-batch // rows)
+        if count <= 1:
+            return denoise_fn(params, x, t, cond)
+        padded = -(-batch // count) * count
+
+        def split(a):  # [B, ...] -> [count, padded / count, ...]
+            if padded != batch:
+                a = jnp.concatenate([a, jnp.repeat(a[-1:], padded - batch, axis=0)])
+            return jnp.moveaxis(a.reshape(padded // count, count, *a.shape[1:]), 1, 0)
+
+        out = jax.lax.map(lambda xs: denoise_fn(params, *xs), (split(x), split(t), split(cond)))
+        out = jnp.moveaxis(out, 0, 1).reshape(padded, *out.shape[2:])
+        return out[:batch]
+
+    return chunked
