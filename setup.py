@@ -13,6 +13,7 @@ setup(
     ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     # `configs` too, so that config files (`from configs import base`) load from any folder.
     packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*", "configs"]),
