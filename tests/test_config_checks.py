@@ -56,12 +56,12 @@ def test_a_rebuilt_config_still_validates():
 
 def test_shipped_configs_add_no_field_to_the_base():
     """Why an unknown field is refused: no shipped config holds one."""
-    fields = set(cfg._flat(base.get_config()))
+    fields = set(cfg.flatten(base.get_config()))
     for path in sorted((ROOT / "configs").glob("*.py")):
         if path.stem in ("__init__", "base"):
             continue
         module = __import__(f"configs.{path.stem}", fromlist=["get_config"])
-        assert set(cfg._flat(module.get_config())) == fields, path.stem
+        assert set(cfg.flatten(module.get_config())) == fields, path.stem
 
 
 def test_a_plain_dict_is_one_sentence():
@@ -127,24 +127,28 @@ def test_a_registered_family_may_add_its_section():
         model_registry.unregister(family.name)
 
 
-@pytest.fixture
-def base_fields_reread():
-    cfg._base_fields.cache_clear()
-    yield
-    cfg._base_fields.cache_clear()
-
-
-def test_without_configs_base_py_the_shape_is_not_checked(
-    base_fields_reread, monkeypatch, tmp_path
-):
-    monkeypatch.setattr(cfg, "BASE_CONFIG", tmp_path / "missing.py")
-    assert cfg._base_fields() == cfg._flat(base.get_config())  # the installed `configs.base`
-    cfg._base_fields.cache_clear()
-    monkeypatch.setitem(sys.modules, "configs.base", None)  # neither: the checks step aside
-    assert cfg._base_fields() is None
+def test_the_schema_needs_no_configs_folder(monkeypatch):
+    """The package holds the schema: with no `configs` importable, the shape is still checked."""
+    monkeypatch.setitem(sys.modules, "configs", None)
+    monkeypatch.setitem(sys.modules, "configs.base", None)
+    assert cfg.base_config().model.name == "tiny"
     c = tiny.get_config()
     c.trian = 3
+    assert sentence(c).startswith("the config sets trian, which is not a config field")
+
+
+def test_a_registered_section_may_be_left_out_but_not_mistyped():
+    """A family's or a reward's own section is its record's: a config without it runs at the
+    record's defaults, one that holds it is checked field by field."""
+    c = tiny.get_config()
+    del c.model["sd3"]
+    del c.reward_options["pickscore"]
+    del c.reward_models["hpsv2"]
     cfg.validate(c, known_rewards=KNOWN)
+    c.model.sd3 = ml_collections.ConfigDict({"use_t5": "yes"})
+    assert sentence(c).startswith("model.sd3.use_t5 must be True or False")
+    c.model.sd3 = ml_collections.ConfigDict({"use_t6": True})
+    assert sentence(c).endswith("did you mean model.sd3.use_t5?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ def test_without_configs_base_py_the_shape_is_not_checked(
 
 
 def test_every_tuple_field_has_an_element_type():
-    for path, default in cfg._flat(base.get_config()).items():
+    for path, default in cfg.flatten(base.get_config()).items():
         if isinstance(default, tuple):
             kind, _ = cfg.TUPLE_FIELDS[path]
             assert all(type(v) is kind for v in default), path
@@ -307,7 +311,7 @@ def test_a_value_out_of_range_is_one_sentence(path, value, message):
 def test_every_number_of_the_base_has_a_range_case():
     numbers = {
         path
-        for path, v in cfg._flat(base.get_config()).items()
+        for path, v in cfg.flatten(base.get_config()).items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     assert numbers <= {path for path, _, _ in RANGE_CASES}, numbers - {p for p, _, _ in RANGE_CASES}
@@ -453,7 +457,7 @@ def test_print_config_lists_every_field_with_the_overrides(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    fields = [path for path, v in cfg._flat(base.get_config()).items() if not hasattr(v, "items")]
+    fields = [path for path, v in cfg.flatten(base.get_config()).items() if not hasattr(v, "items")]
     assert sorted(line.split(":")[0] for line in lines) == sorted(fields)
     for line in (
         "train.iterations: 7",
