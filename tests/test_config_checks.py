@@ -3,6 +3,7 @@ sentence each, raised by `config.validate` before anything starts; on the comman
 stray argument or a near-miss flag points at `--config.<field>`, `--print_config` lists the
 fields, and nothing is written for a bad config."""
 
+import json
 import math
 import os
 import pathlib
@@ -505,3 +506,58 @@ def test_a_run_older_than_a_field_resumes_at_its_default():
         run_fingerprint.with_added_defaults(older), run_fingerprint.fingerprint(changed)
     )
     assert differs == "diffusion_nft.beta was 1.0, now 0.5"
+
+
+# A run saved before the schema moved from configs/base.py into the package: base.py's
+# get_config(), and tiny.py's config.json and checkpoint fingerprint, written by that code.
+SAVED = json.loads((ROOT / "tests" / "data" / "saved_before_the_schema_moved.json").read_text())
+
+
+def test_the_schema_keeps_every_default_of_the_old_base_config():
+    old = cfg.flatten(ml_collections.ConfigDict(SAVED["base_config"]), leaves_only=True)
+    new = {
+        path: json.loads(json.dumps(value))
+        for path, value in cfg.flatten(cfg.base_config(), leaves_only=True).items()
+    }
+    assert old.keys() <= new.keys()
+    for path, value in old.items():
+        assert (type(new[path]), new[path]) == (type(value), value), path
+
+
+def test_a_run_saved_before_the_schema_moved_resumes():
+    from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
+
+    saved = SAVED["tiny_fingerprint"]
+    current = run_fingerprint.fingerprint(tiny.get_config())
+    assert current == saved
+    assert (
+        fingerprint_mismatch(
+            run_fingerprint.with_added_defaults(saved),
+            run_fingerprint.with_added_defaults(current),
+        )
+        is None
+    )
+    # its config.json, read today (evaluate, export): the same run, and a valid config
+    config = cfg.saved_config(SAVED["tiny_config_json"])
+    assert cfg.validate(config, known_rewards=KNOWN) == {"digit_alignment": 1.0}
+    assert run_fingerprint.fingerprint(config) == saved
+
+
+def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_path):
+    """The resume check sees both sides at the schema's defaults (loop.check_resume)."""
+    from tree_grpo_jax.run import loop
+
+    class Saved:
+        directory = str(tmp_path)
+        latest_step = 1
+
+        @staticmethod
+        def read_meta():
+            return {"fingerprint": SAVED["tiny_fingerprint"], "identity": None}
+
+    c = tiny.get_config()
+    del c.model["sd3"]
+    loop.check_resume(c, Saved())
+    c.model.sd3 = ml_collections.ConfigDict({"use_t5": False})
+    with pytest.raises(loop.CheckpointError, match="model.sd3.use_t5 was True, now False"):
+        loop.check_resume(c, Saved())
