@@ -15,8 +15,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    # `configs` too, so that config files (`from configs import base`) load from any folder.
-    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*", "configs"]),
+    # The config schema is tree_grpo_jax.config's; configs/ holds experiment files, passed by
+    # path (--config=configs/tiny.py), and is no package of the install (a user's own
+    # `configs` stays theirs).
+    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]),
     package_data={"tree_grpo_jax": ["assets/*", "assets/**/*"]},
     include_package_data=True,
     install_requires=[

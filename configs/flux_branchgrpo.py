@@ -17,11 +17,11 @@ children under the unscaled std: `--config.tree.split_log_prob=unscaled` does th
 (gradient_accumulation_steps 12): here every 3 minibatches of 4 rows.
 """
 
-from configs import base
+from tree_grpo_jax.config import base_config
 
 
 def get_config():
-    c = base.get_config()
+    c = base_config()
     c.name = "flux_branchgrpo"
     c.model.name = "flux"
     c.model.path = "black-forest-labs/FLUX.1-dev"

@@ -5,11 +5,11 @@ python -m tree_grpo_jax.main --config=configs/sd15.py --config.model.path=/path/
 (a diffusers-layout folder; a hub id works where the machine reaches the hub).
 """
 
-from configs import base
+from tree_grpo_jax.config import base_config
 
 
 def get_config():
-    c = base.get_config()
+    c = base_config()
     c.name = "sd15"
     c.model.name = "sd"
     c.model.path = "stable-diffusion-v1-5/stable-diffusion-v1-5"

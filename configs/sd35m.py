@@ -10,11 +10,11 @@ python -m tree_grpo_jax.main --config=configs/sd35m.py --config.model.path=/path
 `--config.model.sd3.use_t5=False` runs without the 4.7B T5 encoder (its tokens are zeros).
 """
 
-from configs import base
+from tree_grpo_jax.config import base_config
 
 
 def get_config():
-    c = base.get_config()
+    c = base_config()
     c.name = "sd35m"
     c.model.name = "sd3"
     c.model.path = "stabilityai/stable-diffusion-3.5-medium"

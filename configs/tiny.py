@@ -3,11 +3,11 @@
 python -m tree_grpo_jax.main --config=configs/tiny.py
 """
 
-from configs import base
+from tree_grpo_jax.config import base_config
 
 
 def get_config():
-    c = base.get_config()
+    c = base_config()
     c.name = "tiny"
     c.model.name = "tiny"
     c.prompts.source = "digits"

@@ -167,23 +167,31 @@ def test_broken_config_file_is_one_sentence(tmp_path, broken_configs, which, mes
 
 
 def test_configs_load_from_any_working_directory(tmp_path):
-    """An absolute --config path from another folder, and a user's own config file outside
-    the repository that imports `configs.base`, load (the run then stops on a bad value)."""
+    """An absolute --config path from another folder, a user's own config file outside the
+    repository that starts from the package's schema, and, run from the repository's root,
+    one that starts from `configs.base` as older files do, load (the run then stops on a bad
+    value)."""
     own = tmp_path / "my_config.py"
     own.write_text(
+        "from tree_grpo_jax.config import base_config\n\n\ndef get_config():\n"
+        "    c = base_config()\n    c.tree.method = 'bogus_from_my_config'\n    return c\n"
+    )
+    older = tmp_path / "my_older_config.py"
+    older.write_text(
         "from configs import base\n\n\ndef get_config():\n"
-        "    c = base.get_config()\n    c.tree.method = 'bogus_from_my_config'\n    return c\n"
+        "    c = base.get_config()\n    c.tree.method = 'bogus_from_base'\n    return c\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for config, message in (
-        (os.path.join(ROOT, "configs", "tiny.py"), "unknown tree.method 'bogus'"),
-        (str(own), "unknown tree.method 'bogus_from_my_config'"),
+    for config, cwd, message in (
+        (os.path.join(ROOT, "configs", "tiny.py"), tmp_path, "unknown tree.method 'bogus'"),
+        (str(own), tmp_path, "unknown tree.method 'bogus_from_my_config'"),
+        (str(older), ROOT, "unknown tree.method 'bogus_from_base'"),
     ):
         result = subprocess.run(
             [sys.executable, "-m", "tree_grpo_jax.main", f"--config={config}",
              f"--workdir={tmp_path / 'run'}", "--config.tree.method=bogus"
              if config.endswith("tiny.py") else "--config.log.progress=False"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+            cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
         assert result.returncode == 2, result.stderr[-2000:]
         assert message in _one_error_line(result)

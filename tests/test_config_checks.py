@@ -3,6 +3,7 @@ sentence each, raised by `config.validate` before anything starts; on the comman
 stray argument or a near-miss flag points at `--config.<field>`, `--print_config` lists the
 fields, and nothing is written for a bad config."""
 
+import json
 import math
 import os
 import pathlib
@@ -56,12 +57,12 @@ def test_a_rebuilt_config_still_validates():
 
 def test_shipped_configs_add_no_field_to_the_base():
     """Why an unknown field is refused: no shipped config holds one."""
-    fields = set(cfg._flat(base.get_config()))
+    fields = set(cfg.flatten(base.get_config()))
     for path in sorted((ROOT / "configs").glob("*.py")):
         if path.stem in ("__init__", "base"):
             continue
         module = __import__(f"configs.{path.stem}", fromlist=["get_config"])
-        assert set(cfg._flat(module.get_config())) == fields, path.stem
+        assert set(cfg.flatten(module.get_config())) == fields, path.stem
 
 
 def test_a_plain_dict_is_one_sentence():
@@ -127,24 +128,28 @@ def test_a_registered_family_may_add_its_section():
         model_registry.unregister(family.name)
 
 
-@pytest.fixture
-def base_fields_reread():
-    cfg._base_fields.cache_clear()
-    yield
-    cfg._base_fields.cache_clear()
-
-
-def test_without_configs_base_py_the_shape_is_not_checked(
-    base_fields_reread, monkeypatch, tmp_path
-):
-    monkeypatch.setattr(cfg, "BASE_CONFIG", tmp_path / "missing.py")
-    assert cfg._base_fields() == cfg._flat(base.get_config())  # the installed `configs.base`
-    cfg._base_fields.cache_clear()
-    monkeypatch.setitem(sys.modules, "configs.base", None)  # neither: the checks step aside
-    assert cfg._base_fields() is None
+def test_the_schema_needs_no_configs_folder(monkeypatch):
+    """The package holds the schema: with no `configs` importable, the shape is still checked."""
+    monkeypatch.setitem(sys.modules, "configs", None)
+    monkeypatch.setitem(sys.modules, "configs.base", None)
+    assert cfg.base_config().model.name == "tiny"
     c = tiny.get_config()
     c.trian = 3
+    assert sentence(c).startswith("the config sets trian, which is not a config field")
+
+
+def test_a_registered_section_may_be_left_out_but_not_mistyped():
+    """A family's or a reward's own section is its record's: a config without it runs at the
+    record's defaults, one that holds it is checked field by field."""
+    c = tiny.get_config()
+    del c.model["sd3"]
+    del c.reward_options["pickscore"]
+    del c.reward_models["hpsv2"]
     cfg.validate(c, known_rewards=KNOWN)
+    c.model.sd3 = ml_collections.ConfigDict({"use_t5": "yes"})
+    assert sentence(c).startswith("model.sd3.use_t5 must be True or False")
+    c.model.sd3 = ml_collections.ConfigDict({"use_t6": True})
+    assert sentence(c).endswith("did you mean model.sd3.use_t5?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +157,7 @@ def test_without_configs_base_py_the_shape_is_not_checked(
 
 
 def test_every_tuple_field_has_an_element_type():
-    for path, default in cfg._flat(base.get_config()).items():
+    for path, default in cfg.flatten(base.get_config()).items():
         if isinstance(default, tuple):
             kind, _ = cfg.TUPLE_FIELDS[path]
             assert all(type(v) is kind for v in default), path
@@ -307,7 +312,7 @@ def test_a_value_out_of_range_is_one_sentence(path, value, message):
 def test_every_number_of_the_base_has_a_range_case():
     numbers = {
         path
-        for path, v in cfg._flat(base.get_config()).items()
+        for path, v in cfg.flatten(base.get_config()).items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     assert numbers <= {path for path, _, _ in RANGE_CASES}, numbers - {p for p, _, _ in RANGE_CASES}
@@ -453,7 +458,7 @@ def test_print_config_lists_every_field_with_the_overrides(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    fields = [path for path, v in cfg._flat(base.get_config()).items() if not hasattr(v, "items")]
+    fields = [path for path, v in cfg.flatten(base.get_config()).items() if not hasattr(v, "items")]
     assert sorted(line.split(":")[0] for line in lines) == sorted(fields)
     for line in (
         "train.iterations: 7",
@@ -501,3 +506,58 @@ def test_a_run_older_than_a_field_resumes_at_its_default():
         run_fingerprint.with_added_defaults(older), run_fingerprint.fingerprint(changed)
     )
     assert differs == "diffusion_nft.beta was 1.0, now 0.5"
+
+
+# A run saved before the schema moved from configs/base.py into the package: base.py's
+# get_config(), and tiny.py's config.json and checkpoint fingerprint, written by that code.
+SAVED = json.loads((ROOT / "tests" / "data" / "saved_before_the_schema_moved.json").read_text())
+
+
+def test_the_schema_keeps_every_default_of_the_old_base_config():
+    old = cfg.flatten(ml_collections.ConfigDict(SAVED["base_config"]), leaves_only=True)
+    new = {
+        path: json.loads(json.dumps(value))
+        for path, value in cfg.flatten(cfg.base_config(), leaves_only=True).items()
+    }
+    assert old.keys() <= new.keys()
+    for path, value in old.items():
+        assert (type(new[path]), new[path]) == (type(value), value), path
+
+
+def test_a_run_saved_before_the_schema_moved_resumes():
+    from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
+
+    saved = SAVED["tiny_fingerprint"]
+    current = run_fingerprint.fingerprint(tiny.get_config())
+    assert current == saved
+    assert (
+        fingerprint_mismatch(
+            run_fingerprint.with_added_defaults(saved),
+            run_fingerprint.with_added_defaults(current),
+        )
+        is None
+    )
+    # its config.json, read today (evaluate, export): the same run, and a valid config
+    config = cfg.saved_config(SAVED["tiny_config_json"])
+    assert cfg.validate(config, known_rewards=KNOWN) == {"digit_alignment": 1.0}
+    assert run_fingerprint.fingerprint(config) == saved
+
+
+def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_path):
+    """The resume check sees both sides at the schema's defaults (loop.check_resume)."""
+    from tree_grpo_jax.run import loop
+
+    class Saved:
+        directory = str(tmp_path)
+        latest_step = 1
+
+        @staticmethod
+        def read_meta():
+            return {"fingerprint": SAVED["tiny_fingerprint"], "identity": None}
+
+    c = tiny.get_config()
+    del c.model["sd3"]
+    loop.check_resume(c, Saved())
+    c.model.sd3 = ml_collections.ConfigDict({"use_t5": False})
+    with pytest.raises(loop.CheckpointError, match="model.sd3.use_t5 was True, now False"):
+        loop.check_resume(c, Saved())

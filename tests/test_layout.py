@@ -1,6 +1,7 @@
 """The package's import graph, read from its source: no cycles, every arrow pointing down the
-layers, no module outside a family's sub-package naming it, few modules at the top, and one
-way to cut an error to its first line. Each rule is also run on an injected violation."""
+layers, no module outside a family's sub-package naming it, few modules at the top, one way
+to cut an error to its first line, and no library module reading the experiment files of
+configs/. Each rule is also run on an injected violation."""
 
 import ast
 import pathlib
@@ -215,3 +216,44 @@ def test_no_library_string_is_a_model_name_outside_its_family():
 def test_no_library_module_is_over_about_650_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 660}
     assert not long
+
+
+def configs_imports(sources: dict[str, str]) -> list[str]:
+    """Places where a library module reads the repository's configs/ folder: an import of
+    `configs`, an `import_module("configs...")`, or the folder named as a path part. The
+    schema is the package's (tree_grpo_jax.config); configs/ holds experiment files only."""
+
+    def names_configs(name) -> bool:
+        return isinstance(name, str) and (name == "configs" or name.startswith("configs."))
+
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            elif isinstance(node, ast.Constant):
+                names = [node.value]  # import_module("configs.base"), root / "configs"
+            else:
+                continue
+            if any(names_configs(n) for n in names):
+                found.append(f"{module}:{node.lineno} reads configs")
+    return found
+
+
+def test_no_library_module_reads_configs():
+    assert not configs_imports(SOURCES)
+    for injected in (
+        "from configs import base\n",
+        "import configs.base\n",
+        "def f():\n    from configs.base import get_config\n",
+        "import importlib\nimportlib.import_module('configs.base')\n",
+        "import pathlib\nBASE = pathlib.Path(__file__).parents[1] / 'configs' / 'base.py'\n",
+    ):
+        assert configs_imports({**SOURCES, "tree_grpo_jax.run.x": injected}) == [
+            f"tree_grpo_jax.run.x:{injected.count(chr(10))} reads configs"
+        ], injected
+    # the package's own config modules and relative imports are not the folder
+    own = "from tree_grpo_jax.config import schema\nfrom . import configs\nx = 'my_configs'\n"
+    assert not configs_imports({"tree_grpo_jax.run.x": own})

@@ -1,6 +1,6 @@
 """Model families and rewards are registered records: a toy family and a toy reward defined
 here, outside the package, train the tiny loop; their own config sections reach their
-loader and builder; the built-in records agree with configs/base.py; moved fields and
+loader and builder; the schema takes their sections from them; moved fields and
 unknown names are one sentence each."""
 
 import dataclasses
@@ -172,15 +172,26 @@ def test_a_moved_field_names_its_new_place(old, value, new):
         cfg.validate(c)
 
 
-def test_base_config_holds_each_built_in_record_defaults():
-    c = base.get_config()
-    for family in model_registry.families():
-        if family.options is not None:
-            assert c.model[family.name].to_dict() == family.options().to_dict(), family.name
-    for name in reward_registry.available_rewards():
-        defaults = reward_registry.options_of(name, ml_collections.ConfigDict())
-        if defaults is not None:
-            assert c.reward_options[name].to_dict() == defaults.to_dict(), name
+def test_the_schema_takes_each_section_from_its_record(toys):
+    """A registered family's and reward's sections join the schema at their records' defaults
+    (a reward that reads a model also gets its folder field), and leave with them."""
+    c = cfg.base_config()
+    assert c.model.toy.to_dict() == {"weight_seed": 3}
+    assert c.reward_options.brightness.to_dict() == {"scale": 1.0}
+    assert c.reward_models.brightness == ""
+    model_registry.unregister("toy")
+    reward_registry.unregister("brightness")
+    c = cfg.base_config()
+    assert "toy" not in c.model and "brightness" not in c.reward_options
+    assert "brightness" not in c.reward_models
+
+
+def test_one_family_gives_the_default_run(toys):
+    assert cfg.base_config().model.name in model_registry.family_of("tiny").model_names
+    model_registry.register(dataclasses.replace(toys, default_run={"model.name": "toy_digits"}),
+                            overwrite=True)  # fmt: skip
+    with pytest.raises(ValueError, match="each give the default run; one may"):
+        cfg.base_config()
 
 
 def test_every_family_of_the_package_is_found():

@@ -125,7 +125,7 @@ def test_cpu_devices_share_the_host_memory():
 
 SCRIPT = """
 import os, sys, time
-from tree_grpo_jax import reporting
+from tree_grpo_jax.run import reporting
 reporting.survive_closed_streams()
 time.sleep(0.5)  # the reader has gone by now
 for i in range(2000):

@@ -2,8 +2,8 @@
 
 Every field of the config can be overridden with `--config.<section>.<field>=<value>` (a tuple
 as a Python literal: `--config.tree.split_steps='(0,3)'`); `--print_config` prints every
-field of the config with its value, overrides applied, and exits (configs/base.py documents
-them).
+field of the config with its value, overrides applied, and exits (the schema,
+tree_grpo_jax/config/schema.py, documents them).
 
 A restart with the same `--workdir` resumes exactly from its last checkpoint. Exit status:
 0 done (or already finished, or stopped by `eval.guard`, with one line saying why);
@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import traceback
-from pathlib import Path
 
 import ml_collections
 from absl import app, flags, logging
@@ -53,7 +52,6 @@ PRINT_CONFIG = flags.DEFINE_bool(
     "Print every field of the config with its value (overrides applied), one `section.field: "
     "value` a line, and exit.",
 )
-BASE_CONFIG = Path(__file__).parents[2] / "configs" / "base.py"
 
 
 def default_workdir(name: str) -> str:
@@ -79,16 +77,16 @@ def _config_path(argv) -> str | None:
     return None
 
 
-def _fields(config, prefix="", leaves_only=False) -> list[str]:
-    out = []
-    for key, value in config.items():
-        path = f"{prefix}{key}"
-        if hasattr(value, "items"):
-            out += [] if leaves_only else [path]
-            out += _fields(value, f"{path}.", leaves_only)
-        else:
-            out.append(path)
-    return out
+def _fields(config, leaves_only=False) -> list[str]:
+    from tree_grpo_jax.config import flatten  # only now: it starts JAX
+
+    return list(flatten(config, leaves_only=leaves_only))
+
+
+def _schema_fields(leaves_only=False) -> list[str]:
+    from tree_grpo_jax.config import base_config
+
+    return _fields(base_config(), leaves_only=leaves_only)
 
 
 _UNREADABLE = object()
@@ -112,12 +110,12 @@ def _config_fields(path, leaves_only=False) -> list[str]:
 
 
 def _known_fields(argv, leaves_only=False) -> list[str]:
-    """The fields to suggest: the loaded config's, else its file's, else configs/base.py's."""
+    """The fields to suggest: the loaded config's, else its file's, else the schema's."""
     config = CONFIG.value if flags.FLAGS["config"].present else None
     if isinstance(config, ml_collections.ConfigDict):
         return _fields(config, leaves_only=leaves_only)
     path = _config_path(argv)
-    return (path and _config_fields(path, leaves_only)) or _config_fields(BASE_CONFIG, leaves_only)
+    return (path and _config_fields(path, leaves_only)) or _schema_fields(leaves_only)
 
 
 def _fields_like(name: str, known: list[str], fuzzy: bool = True) -> list[str]:
@@ -151,7 +149,7 @@ def _unknown_field(argv) -> str:
             moved = cfg.moved_fields().get(field)
             if moved:
                 return f"the config has no field {field!r} (from {flag}): it moved to {moved}."
-            if field in _config_fields(BASE_CONFIG):
+            if field in _schema_fields():
                 return (
                     f"{_config_path(argv)}'s get_config() lacks {field} (from {flag}); start it "
                     "from configs/base.py's get_config()."
@@ -237,13 +235,11 @@ def _load_failure(message: str, path: str | None) -> str:
 def _config_text(config) -> str:
     """Every field with its value, one `section.field: value` a line (sorted, as ConfigDict
     keeps them)."""
-    lines = []
-    for path in _fields(config, leaves_only=True):
-        node = config
-        for part in path.split("."):
-            node = node[part]
-        lines.append(f"{path}: {node!r}\n")
-    return "".join(lines)
+    from tree_grpo_jax.config import flatten
+
+    return "".join(
+        f"{path}: {value!r}\n" for path, value in flatten(config, leaves_only=True).items()
+    )
 
 
 def _print_and_exit(text: str) -> None:

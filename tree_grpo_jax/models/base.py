@@ -53,7 +53,7 @@ class SamplingOptions(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """A plain `SamplingOptions`, with the defaults of configs/base.py."""
+    """A plain `SamplingOptions`, with the config schema's defaults (tree_grpo_jax.config)."""
 
     eta: float = 1.0
     noise_level: float = 0.7

@@ -3,8 +3,9 @@
 A `ModelFamily` says everything the rest of the library needs to know about a family: the
 `model.name` values it loads, its loader, its own config sub-section (`model.<family>`),
 whether it needs `model.path`, its LoRA default targets, how to recognise its folders and
-how it exports, the prompt sets and rewards of its own world (the tiny model's digits), and
-how to describe its model as shapes alone, for planning a run's memory (`abstract`).
+how it exports, the prompt sets and rewards of its own world (the tiny model's digits),
+how to describe its model as shapes alone, for planning a run's memory (`abstract`), and,
+for one family, the model, prompts and reward of the config's default run.
 Each sub-package of `models/` registers one in its `family.py`; the
 trainer, the config checks, `lora` and `export` look families up here and never name one.
 
@@ -76,6 +77,9 @@ class ModelFamily:
     # () -> images [B, H, W, C] in [0, 1] -> features [B, D]: what the family's diversity
     # measure compares when no CLIP is configured; None: pixels
     image_features: Callable[[], Callable] | None = None
+    # the config fields of the package's default run, when it is this family's (dotted path ->
+    # value: the tiny family's model, prompts and reward); one family at most says them
+    default_run: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -129,6 +133,17 @@ def families() -> tuple[ModelFamily, ...]:
 def model_names() -> tuple[str, ...]:
     """Every model.name some family loads, in registration order."""
     return tuple(n for f in families() for n in f.model_names)
+
+
+def default_run() -> dict[str, Any]:
+    """The config fields of the package's default run: its family's `default_run` ({} when no
+    family says them; ValueError when several do)."""
+    runs = {f.name: f.default_run for f in families() if f.default_run}
+    if len(runs) > 1:
+        raise ValueError(
+            f"model families {', '.join(sorted(runs))} each give the default run; one may."
+        )
+    return dict(next(iter(runs.values()), {}))
 
 
 def family_of(model_name: str) -> ModelFamily:

@@ -6,7 +6,7 @@ import json
 
 import ml_collections
 
-from tree_grpo_jax.config import base_config
+from tree_grpo_jax.config import base_config, flatten
 
 # Fields a resumed run may change: they decide how long it runs and what it reports, not
 # what any finished iteration computed.
@@ -29,24 +29,14 @@ RESUME_MAY_CHANGE = (
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict:
     """Every setting a resume must keep, flat (`section.field` -> JSON value)."""
-
-    def flat(node, prefix=""):
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            if isinstance(value, ml_collections.ConfigDict):
-                yield from flat(value, f"{path}.")
-            elif not any(
-                path == k or (k.endswith(".") and path.startswith(k)) for k in RESUME_MAY_CHANGE
-            ):
-                yield path, json.loads(json.dumps(value, default=str))
-
-    return dict(flat(config))
+    return {
+        path: json.loads(json.dumps(value, default=str))
+        for path, value in flatten(config, leaves_only=True).items()
+        if not any(path == k or (k.endswith(".") and path.startswith(k)) for k in RESUME_MAY_CHANGE)
+    }
 
 
 def with_added_defaults(saved: dict) -> dict:
-    """A saved run fingerprint with every field added to configs/base.py since it was
-    written, at its default: a run that predates a field ran as its default does."""
-    base = base_config()
-    if base is None:
-        return dict(saved)
-    return {**fingerprint(base), **saved}
+    """A saved run fingerprint with every field added to the schema since it was written, at
+    its default: a run that predates a field ran as its default does."""
+    return {**fingerprint(base_config()), **saved}

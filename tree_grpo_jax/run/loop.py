@@ -177,8 +177,11 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
             f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
             "checked against this config; use another --workdir."
         )
+    # Both at the schema's defaults: a field the saved run predates, or a registered section
+    # the config leaves out, is run at its default.
     differs = fingerprint_mismatch(
-        run_fingerprint.with_added_defaults(saved), run_fingerprint.fingerprint(config)
+        run_fingerprint.with_added_defaults(saved),
+        run_fingerprint.with_added_defaults(run_fingerprint.fingerprint(config)),
     )
     if differs:
         raise CheckpointError(

@@ -55,5 +55,12 @@ FAMILY = registry.register(
         rewards=_rewards,
         abstract=_abstract,
         image_features=_image_features,
+        # the package's default run: the embedded DDIM model on its digits, a few minutes on
+        # a laptop CPU
+        default_run={
+            "model.name": "tiny",
+            "prompts.source": "digits",
+            "rewards": "digit_alignment",
+        },
     )
 )

@@ -1,22 +1,22 @@
 """The checks that turn a bad config value into one clear sentence before anything heavy
-starts, and the reward string's syntax."""
+starts, and the reward string's syntax. The fields and their defaults are schema.py's."""
 
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import importlib.util
 import math
 import numbers
-from pathlib import Path
 
 import ml_collections
 
 from tree_grpo_jax import methods
+from tree_grpo_jax.config.schema import flatten, registered_sections, shared_config
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
 from tree_grpo_jax.core.sampling import FLOW_SDES
+from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -25,8 +25,6 @@ WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")
 # jax.random.PRNGKey keeps 32 bits without x64: 2**32 would be seed 0 again, 2**64 overflows.
 SEED_LIMIT = 2**32
-# The shipped base config: every field a run's config must hold, with its default.
-BASE_CONFIG = Path(__file__).parents[1] / "configs" / "base.py"
 # Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
 # (config_flags reads the text as a Python literal; a bare word is a one-entry tuple).
 TUPLE_FIELDS = {
@@ -37,7 +35,7 @@ TUPLE_FIELDS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value that cannot work; the message is one sentence for the user."""
 
 
@@ -89,7 +87,7 @@ def _check_moved(config, source: str = "the config") -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shape and types: a config holds every field of configs/base.py, each of its default's type.
+# Shape and types: a config holds every shared field of the schema, each of its default's type.
 
 
 def _is_number(v) -> bool:
@@ -112,81 +110,31 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _flat(node, prefix: str = "") -> dict:
-    """path -> value of every field and section below `node`, parents before children."""
-    out = {}
-    for key, value in node.items():
-        path = f"{prefix}{key}"
-        out[path] = value
-        if isinstance(value, ml_collections.ConfigDict):
-            out.update(_flat(value, f"{path}."))
-    return out
-
-
-def base_config() -> ml_collections.ConfigDict | None:
-    """A fresh configs/base.py `get_config()` (None when no base config ships beside the
-    package)."""
-    try:
-        if BASE_CONFIG.is_file():
-            spec = importlib.util.spec_from_file_location("tree_grpo_jax_base_config", BASE_CONFIG)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:  # an installed package: setup.py installs configs/ beside it
-            module = importlib.import_module("configs.base")
-        return module.get_config()
-    except (ImportError, OSError, AttributeError):
-        return None
-
-
 @functools.lru_cache(maxsize=1)
-def _base_fields() -> dict | None:
-    """configs/base.py's fields (read only; None when no base config ships beside the
-    package, and the shape and type checks are skipped)."""
-    base = base_config()
-    return None if base is None else _flat(base)
+def _shared_fields() -> dict:
+    """The fields every config must hold (read only): schema.py's shared ones."""
+    return flatten(shared_config())
 
 
-def saved_config(saved: dict) -> ml_collections.ConfigDict:
-    """A run's config.json laid over configs/base.py: fields added since the run was saved
-    take their defaults (JSON lists become the tuples they were)."""
-    config = base_config() or ml_collections.ConfigDict()
-    config.update(saved)
-    return config
-
-
-def _registered_fields() -> tuple[dict, tuple[str, ...]]:
-    """The sections registered families and rewards may add, which base.py need not hold
-    (path -> default), and those of them whose fields no record declares (any go)."""
-    fields, open_sections = {}, []
-
-    def add(path, options):
-        fields[path] = ml_collections.ConfigDict()
-        if options is None:
+def _known_fields() -> tuple[dict, dict, tuple[str, ...]]:
+    """The fields a config must hold, every field it may hold (path -> default), and the
+    sections whose fields no record declares (any go). The registered records' sections
+    may be left out: their records' defaults apply."""
+    shared, fields, open_sections = _shared_fields(), {}, []
+    for path, default in registered_sections().items():
+        fields[path] = ml_collections.ConfigDict() if default is None else default
+        if default is None:
             open_sections.append(path)
-        else:
-            fields.update(_flat(options, f"{path}."))
-
-    for family in model_registry.families():
-        add(f"model.{family.name}", family.options() if family.options else None)
-    for name in reward_registry.available_rewards():
-        add(f"reward_options.{name}", reward_registry.options_of(name, {}))
-        if reward_registry.needs_weights(name):
-            fields[f"reward_models.{name}"] = ""
-    return fields, tuple(open_sections)
-
-
-def _known_fields() -> tuple[dict, dict, tuple[str, ...]] | None:
-    base = _base_fields()
-    if base is None:
-        return None
-    registered, open_sections = _registered_fields()
-    return base, {**registered, **base}, open_sections
+        elif isinstance(default, ml_collections.ConfigDict):
+            fields.update(flatten(default, f"{path}."))
+    return shared, {**fields, **shared}, tuple(open_sections)
 
 
 def check_shape(config, source: str = "the config") -> None:
-    """Refuses, in one sentence, a config that is not a ConfigDict holding every section and
-    field of configs/base.py, or that sets a field nothing reads (a typo). `source` names
-    the config in the sentence (the command line: its file's get_config())."""
+    """Refuses, in one sentence, a config that is not a ConfigDict holding every shared
+    section and field of the schema (`base_config()`, which configs/base.py returns), or that
+    sets a field nothing reads (a typo). `source` names the config in the sentence (the
+    command line: its file's get_config())."""
     what = "None" if config is None else f"a {type(config).__name__}"
     _require(
         isinstance(config, ml_collections.ConfigDict),
@@ -194,12 +142,9 @@ def check_shape(config, source: str = "the config") -> None:
         "get_config().",
     )
     _check_moved(config, source)
-    known = _known_fields()
-    if known is None:
-        return
-    base, fields, open_sections = known
-    have = _flat(config)
-    for path, default in base.items():
+    shared, fields, open_sections = _known_fields()
+    have = flatten(config)
+    for path, default in shared.items():
         _require(
             path in have,
             f"{source} lacks {path}; start it from configs/base.py's get_config().",
@@ -237,7 +182,7 @@ def _element_sentence(path: str, kind, example: str, value) -> str | None:
 
 
 def _type_sentence(path: str, default, value) -> str | None:
-    """One sentence when `value` is not of the type of `default` (base.py's), else None."""
+    """One sentence when `value` is not of the type of `default` (the schema's), else None."""
     got = _describe(value)
     if isinstance(default, ml_collections.ConfigDict):
         if isinstance(value, ml_collections.ConfigDict):
@@ -268,14 +213,11 @@ def _type_sentence(path: str, default, value) -> str | None:
 
 
 def check_types(config) -> None:
-    """Every field of base.py (and of the registered sections) has its default's type: a
+    """Every field of the schema (the registered sections' too) has its default's type: a
     bool is True/False, an int a whole number, a float a finite number, a tuple a tuple (or
     list) of its elements' type."""
-    known = _known_fields()
-    if known is None:
-        return
-    _, fields, _ = known
-    have = _flat(config)
+    _, fields, _ = _known_fields()
+    have = flatten(config)
     for path, default in fields.items():
         if path in have:
             sentence = _type_sentence(path, default, have[path])
@@ -296,47 +238,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"name must be a folder name without '/' (runs/<name>/<time>), got {config.name!r}.",
     )
     _check_seed("seed", config.seed)
-    m, s, t, a, tr = config.model, config.sampling, config.tree, config.advantage, config.train
-    try:
-        family = model_registry.family_of(m.name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _require(
-        not family.needs_path or bool(m.path),
-        f"model.name {m.name!r} needs model.path: set --config.model.path to {family.path_hint}.",
-    )
-    for other in sorted(model_registry.families(), key=lambda f: f is not family):
-        if other.check_options is not None:  # every family's section, the run's first
-            sentence = other.check_options(model_registry.options_of(other, m))
-            _require(sentence is None, sentence)
-    dtypes = tuple(DTYPES)
-    for field in ("param_dtype", "compute_dtype"):
-        _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
+    _check_model(config.model)
+    _check_prompts(config.prompts)
+    _check_sampling(config.sampling)
 
-    _require(bool(config.prompts.source), "prompts.source must name a prompt set or file.")
-    _require(config.prompts.batch_size >= 1, "prompts.batch_size must be at least 1.")
-    _require(config.prompts.eval_count >= 1, "prompts.eval_count must be at least 1.")
-
-    _require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
-    _require(
-        0 < s.eta <= 1,
-        f"sampling.eta must be in (0, 1] (DDIM's stochasticity; 1 is DDPM-like), got {s.eta}.",
-    )
-    _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
-    flow_sde = s.get("flow_sde", "flow_grpo")
-    _require(
-        flow_sde in FLOW_SDES,
-        f"sampling.flow_sde must be one of {FLOW_SDES}, got {flow_sde!r}.",
-    )
-    _require(s.shift > 0, f"sampling.shift (the flow sigma shift) must be positive, got {s.shift}.")
-    _require(
-        s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
-    )
-    _require(
-        s.log_prob_reduce in ("mean", "sum"),
-        f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
-    )
-
+    t = config.tree
     _require(
         t.split_log_prob in rollout.SPLIT_LOG_PROBS,
         f"tree.split_log_prob must be one of {rollout.SPLIT_LOG_PROBS}, got {t.split_log_prob!r}.",
@@ -365,6 +271,63 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     )
     _check_tree_fields(t)  # what the method in use does not read, after its own tree's checks
 
+    _check_advantage(config.advantage, spec.num_steps)
+    _check_train(config.train)
+    rewards = _check_rewards(config, known_rewards)
+    _check_lora(config.lora)
+    _check_reward_options(config.reward_options)
+    _check_outputs(config)
+    return rewards
+
+
+def _check_model(m) -> None:
+    """The model section, and every registered family's own (the run's family's first)."""
+    try:
+        family = model_registry.family_of(m.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(
+        not family.needs_path or bool(m.path),
+        f"model.name {m.name!r} needs model.path: set --config.model.path to {family.path_hint}.",
+    )
+    for other in sorted(model_registry.families(), key=lambda f: f is not family):
+        if other.check_options is not None:  # every family's section, the run's first
+            sentence = other.check_options(model_registry.options_of(other, m))
+            _require(sentence is None, sentence)
+    dtypes = tuple(DTYPES)
+    for field in ("param_dtype", "compute_dtype"):
+        _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
+
+
+def _check_prompts(p) -> None:
+    _require(bool(p.source), "prompts.source must name a prompt set or file.")
+    _require(p.batch_size >= 1, "prompts.batch_size must be at least 1.")
+    _require(p.eval_count >= 1, "prompts.eval_count must be at least 1.")
+
+
+def _check_sampling(s) -> None:
+    _require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
+    _require(
+        0 < s.eta <= 1,
+        f"sampling.eta must be in (0, 1] (DDIM's stochasticity; 1 is DDPM-like), got {s.eta}.",
+    )
+    _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
+    flow_sde = s.get("flow_sde", "flow_grpo")
+    _require(
+        flow_sde in FLOW_SDES,
+        f"sampling.flow_sde must be one of {FLOW_SDES}, got {flow_sde!r}.",
+    )
+    _require(s.shift > 0, f"sampling.shift (the flow sigma shift) must be positive, got {s.shift}.")
+    _require(
+        s.guidance_scale >= 0, f"sampling.guidance_scale must be >= 0, got {s.guidance_scale}."
+    )
+    _require(
+        s.log_prob_reduce in ("mean", "sum"),
+        f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
+    )
+
+
+def _check_advantage(a, num_steps: int) -> None:
     _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
     _require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
     _require(
@@ -385,7 +348,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         a.depth_pruning_count_from in (0, 1),
         f"advantage.depth_pruning_count_from must be 0 or 1, got {a.depth_pruning_count_from}.",
     )
-    _check_depth_pruning(a, spec.num_steps)
+    _check_depth_pruning(a, num_steps)
     _require(
         a.fusion in adv.FUSIONS, f"advantage.fusion must be one of {adv.FUSIONS}, got {a.fusion!r}."
     )
@@ -403,6 +366,8 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         "advantage.tracker_buffer must be at least advantage.tracker_min_count (>= 1).",
     )
 
+
+def _check_train(tr) -> None:
     _require(tr.iterations >= 1, f"train.iterations must be at least 1, got {tr.iterations}.")
     _require(
         tr.learning_rate > 0 and math.isfinite(tr.learning_rate),
@@ -430,6 +395,10 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
     _require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
 
+
+def _check_rewards(config, known_rewards) -> dict[str, float]:
+    """The reward string and eval.extra_rewards name known rewards, each with its folder and
+    valid settings; returns the parsed weights."""
     rewards = parse_rewards(config.rewards)
     for name, weight in rewards.items():
         _require(
@@ -451,7 +420,10 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     for name in sorted(reward_registry.available_rewards(), key=lambda n: n not in used):
         sentence = reward_registry.check_options(name, config.reward_options)  # the used first
         _require(sentence is None, sentence)
-    lo = config.lora
+    return rewards
+
+
+def _check_lora(lo) -> None:
     _require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
     _require(
         lo.alpha >= 0 and math.isfinite(lo.alpha),
@@ -461,12 +433,19 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         all(isinstance(t, str) and t for t in lo.targets),
         f"lora.targets must be module names, got {tuple(lo.targets)!r}.",
     )
-    opts = config.reward_options
+
+
+def _check_reward_options(opts) -> None:
+    """The settings shared by the rewards that read a model."""
     _require(
         opts.dtype in DTYPES,
         f"reward_options.dtype must be one of {tuple(DTYPES)}, got {opts.dtype!r}.",
     )
     _require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
+
+
+def _check_outputs(config) -> None:
+    """Evaluation, checkpoints, the device mesh and logging."""
     _require(config.eval.every >= 0, "eval.every must be >= 0.")
     _check_eval(config.eval)
     _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
@@ -477,7 +456,6 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"log.wandb_project is {config.log.wandb_project!r} but wandb is not installed; "
         "pip install wandb, or leave log.wandb_project empty.",
     )
-    return rewards
 
 
 def _check_seed(field: str, seed) -> None:
