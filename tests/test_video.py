@@ -290,3 +290,32 @@ def test_a_video_sample_is_a_strip_and_an_animation(tmp_path):
         for t, level in enumerate(levels):
             animation.seek(t)
             assert np.all(np.asarray(animation.convert("L")) == level)
+
+
+def test_sample_writes_a_strip_and_an_animation_per_prompt_and_for_the_grid(tmp_path):
+    from tree_grpo_jax.cli import sample
+
+    videos = (random_videos(2, seed=3) * 255).round().astype(np.uint8)
+    images, grid, animations = sample._write(str(tmp_path), list(PROMPTS), videos)
+    assert [p.rsplit("/", 1)[1] for p in images] == [
+        "000_a_calm_sea.png",
+        "001_a_flickering_candle.png",
+    ]
+    assert animations == [p[: -len(".png")] + ".gif" for p in (*images, grid)]
+    for path, video in zip(images, videos):
+        strip = np.asarray(Image.open(path))
+        for t in range(FRAMES):
+            np.testing.assert_array_equal(
+                strip[:, t * (SIDE + 1) : t * (SIDE + 1) + SIDE], video[t, ..., 0]
+            )
+    with Image.open(animations[0]) as animation:
+        assert animation.n_frames == FRAMES
+        animation.seek(FRAMES - 1)
+        np.testing.assert_array_equal(np.asarray(animation.convert("L")), videos[0, -1, ..., 0])
+
+
+def test_tensorboard_shows_videos_as_strips(tmp_path):
+    writer = reporting.MetricsWriter(str(tmp_path), tensorboard=True)
+    writer.write_image(0, "eval/samples", random_videos(2), ["a\n1", "b\n2"], columns=2)
+    writer.close()
+    assert list((tmp_path / "tensorboard").iterdir())
