@@ -250,6 +250,7 @@ def build_sd15(options: Options) -> Built:
         denoise=make_denoise(unet),
         encode_prompts=encode_prompts,
         decode=lambda latents: latents,
+        media="latents",  # nothing decoded: the benchmark times the denoiser alone
         schedule_config=DDIMScheduleConfig(),  # SD1.5's
     )
     return Built(model, config, (SD15_TEXT_TOKENS, width), count_params(params))
@@ -292,6 +293,7 @@ def build_sd35m(options: Options) -> Built:
         denoise=load.make_denoise(module, width, pooled),
         encode_prompts=encode_prompts,
         decode=lambda latents: latents,
+        media="latents",  # nothing decoded: the benchmark times the denoiser alone
         schedule_config=load.FlowMatchScheduleConfig(shift=SD3_SHIFT),
     )
     return Built(model, config, (tokens + 1, max(width, pooled)), count_params(params))
@@ -322,6 +324,7 @@ def build_flux1_dev(options: Options) -> Built:
         denoise=load.make_denoise(module, FLUX_GUIDANCE),
         encode_prompts=encode_prompts,
         decode=lambda latents: latents,
+        media="latents",  # nothing decoded: the benchmark times the denoiser alone
         schedule_config=load.FluxScheduleConfig(
             image_seq_len=(side // transformer.LATENT_PATCH) ** 2, static_shift=FLUX_SHIFT
         ),

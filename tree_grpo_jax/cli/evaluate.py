@@ -16,9 +16,10 @@ of its trajectories to the base model are reported beside them.
 The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
 per model, each metric's mean and std, `diversity`), `evaluation.md` (the base-vs-trained
 table with the differences) and one picture grid per model (a column per prompt, a row per
-noise, the first ten prompts). Results are saved per chunk of prompts in `<out>/partial/`: a
-rerun with the same arguments continues where the last one stopped. Bad input is one
-`error:` sentence and exit status 2, with nothing written.
+noise, the first ten prompts; a video model's cells are strips of its frames, and the grid
+also moves in an animated GIF beside it). Results are saved per chunk of prompts in
+`<out>/partial/`: a rerun with the same arguments continues where the last one stopped. Bad
+input is one `error:` sentence and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -267,6 +268,8 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
             shown = grid.shape[1]
             reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
             row["grid"] = path
+            if reporting.is_video(grid[0]):
+                row["animation"] = reporting.animation_path(path)
     result = {
         "source": arguments["run"] or config.model.path or config.model.name,
         "prompts": len(prompts),

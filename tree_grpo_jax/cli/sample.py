@@ -15,9 +15,10 @@ one sample per prompt, without the eval KL, its grid is the run's own `eval_<ste
 Tiny and diffusers models alike, LoRA or full fine-tuning.
 
 It writes one PNG per prompt (`<index>_<prompt>.png`) and `grid.png` (ten prompts a row) to
-`--out` (default `<workdir>/samples/step_<N>/`) and prints the paths. Bad input (no such run,
-no checkpoint, no readable one, a prompt the model cannot read, an `--out` that cannot be
-written) is one `error:` sentence and exit status 2, with nothing written.
+`--out` (default `<workdir>/samples/step_<N>/`) and prints the paths; a video model's PNGs
+are strips of the frames, each with an animated GIF of the same name beside it. Bad input
+(no such run, no checkpoint, no readable one, a prompt the model cannot read, an `--out`
+that cannot be written) is one `error:` sentence and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ class Drawn:
 
     step: int  # the checkpoint
     out: str
-    images: list[str]  # one PNG per prompt, in prompt order
+    images: list[str]  # one PNG per prompt, in prompt order (a video's: its frames' strip)
     grid: str
+    # videos: the animated GIFs beside the PNGs, the prompts' in order, then the grid's
+    animations: list[str] = dataclasses.field(default_factory=list)
 
 
 def _prompts(args, config) -> list[str]:
@@ -179,8 +182,9 @@ def _file_name(index: int, prompt: str, width: int) -> str:
 
 
 def _draw(trainer, params, prompts: list[str], batch: int):
-    """uint8 pictures [N, H, W, C] of `prompts`, `batch` at a time (the last batch topped
-    up with repeats, so one compiled sampler serves all), each from its row of the noise."""
+    """uint8 pictures [N, H, W, C] (videos [N, T, H, W, C]) of `prompts`, `batch` at a time
+    (the last batch topped up with repeats, so one compiled sampler serves all), each from its
+    row of the noise."""
     import numpy as np
 
     from tree_grpo_jax.run import trainer as trainer_lib
@@ -201,32 +205,35 @@ def _draw(trainer, params, prompts: list[str], batch: int):
     return np.concatenate(parts)
 
 
-def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str]:
-    """One PNG per prompt and the grid; on a failure the files written so far are removed."""
+def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str, list[str]]:
+    """One PNG per prompt and the grid (for videos, each PNG a strip of the frames, with an
+    animated GIF beside it); on a failure the files written so far are removed."""
     import numpy as np
-    from PIL import Image
 
     from tree_grpo_jax.run import reporting
 
     existed = os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     width = max(3, len(str(len(prompts) - 1)))
-    written = []
+    written, animations = [], []
     try:
         for i, (prompt, picture) in enumerate(zip(prompts, pictures)):
             path = os.path.join(out, _file_name(i, prompt, width))
-            Image.fromarray(picture[..., 0] if picture.shape[-1] == 1 else picture).save(path)
-            written.append(path)
+            png, *animation = reporting.save_sample(path, picture)
+            written.append(png)
+            animations.extend(animation)
         grid = os.path.join(out, "grid.png")
         columns = min(GRID_COLUMNS, len(prompts))
         reporting.save_grid(grid, pictures.astype(np.float32) / 255.0, columns=columns)
+        if reporting.is_video(pictures):
+            animations.append(reporting.animation_path(grid))
     except BaseException:
-        for path in written:
+        for path in [*written, *animations]:
             os.remove(path)
         if not existed:
             common.remove_if_empty(out)
         raise
-    return written, grid
+    return written, grid, animations
 
 
 def sample(args) -> Drawn:
@@ -273,10 +280,10 @@ def sample(args) -> Drawn:
     out = args.out or os.path.join(workdir, "samples", f"step_{step}")
     if not sharding.is_primary():
         return Drawn(step, out, [], "")
-    images, grid = _write(out, prompts, pictures)
-    for path in [*images, grid]:
+    images, grid, animations = _write(out, prompts, pictures)
+    for path in [*images, grid, *animations]:
         print(path)
-    return Drawn(step, out, images, grid)
+    return Drawn(step, out, images, grid, animations)
 
 
 def main(argv=None) -> int:

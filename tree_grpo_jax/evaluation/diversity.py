@@ -84,6 +84,19 @@ def by_prompt(values, num_prompts: int, samples_per_prompt: int) -> np.ndarray:
     return np.swapaxes(v, 0, 1)
 
 
+def over_frames(embed: Embed) -> Embed:
+    """An image embedding as a video one: videos [B, T, H, W, C] -> their B*T frames'
+    features, each video's concatenated in frame order -> [B, T * D] (so two videos' distance
+    compares them frame by frame)."""
+
+    def embed_video(videos) -> np.ndarray:
+        b, t = np.shape(videos)[:2]
+        frames = np.asarray(videos).reshape(b * t, *np.shape(videos)[2:])
+        return np.asarray(embed(frames)).reshape(b, -1)
+
+    return embed_video
+
+
 def pixels(images) -> np.ndarray:
     return np.asarray(images, np.float32).reshape(np.shape(images)[0], -1)
 

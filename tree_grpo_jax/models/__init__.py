@@ -1,6 +1,7 @@
 """Model families behind one interface (`base.TextToImageModel`), found through their records.
 
 base           the interface, the schedule configs, the dtypes, `cast_floats`
+media          what `decode` gives: images [B, H, W, C] or videos [B, T, H, W, C]
 registry       `ModelFamily` records and `load_model`: every family registers one
 abstract       a model as shapes, for the memory plan
 export         trained denoiser params -> a diffusers pipeline folder (shared by the families)

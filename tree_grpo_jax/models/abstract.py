@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models.base import DenoiseFn, PyTree, SamplingOptions
 from tree_grpo_jax.weights import files
 from tree_grpo_jax.weights.files import ModelLoadError
@@ -33,10 +34,15 @@ class AbstractModel:
     denoise: DenoiseFn  # the same function a loaded model's `denoise` is
     cond_shape: tuple[int, int]  # [L, D]: one prompt's conditioning (float32)
     schedule_config: Any  # has `make_schedule(num_steps, sampling)`
-    # (decoder params, latents [B, *sample_shape]) -> images [B, H, W, C]; None: not planned
+    # (decoder params, latents [B, *sample_shape]) -> images [B, H, W, C] (videos
+    # [B, T, H, W, C]); None: not planned
     decode: Callable[[PyTree, Any], Any] | None = None
     decode_params: PyTree = None  # ShapeDtypeStructs of what `decode` reads
     remat_blocks: bool = False  # as `TextToImageModel.remat_blocks`
+    media: str = media_kinds.IMAGE  # as `TextToImageModel.media`
+
+    def __post_init__(self):
+        media_kinds.check_media(self.media, f"model {self.name!r}")
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions):
         return self.schedule_config.make_schedule(num_steps, sampling)

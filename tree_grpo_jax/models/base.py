@@ -1,9 +1,10 @@
-"""The one interface every text-to-image model sits behind.
+"""The one interface every text-to-image (or text-to-video) model sits behind.
 
 The tree engine and the trainer see only this: a denoiser function over trainable params,
 a prompt encoder, a decoder and `make_schedule`. Each model family (a sub-package of
 `models/`) returns a `TextToImageModel`, or a subclass of it with the family's own typed
-fields; which library the networks come from stays inside the family.
+fields; which library the networks come from stays inside the family. The model's `media`
+says what `decode` gives: images [B, H, W, C] or videos [B, T, H, W, C] (`models.media`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tree_grpo_jax.core.sampling import (
     make_ddim_schedule,
     make_flow_schedule,
 )
+from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.weights.files import ModelLoadError  # noqa: F401 - re-exported
 
 # The dtypes a config may name (model.param_dtype, model.compute_dtype, reward_options.dtype).
@@ -145,18 +147,26 @@ class TextToImageModel:
     """
 
     name: str
-    sample_shape: tuple[int, ...]  # one sample, channels first, e.g. (4, 64, 64)
+    # one sample, channels first: (4, 64, 64) for an image, (16, 21, 60, 104) [C, T, H, W]
+    # for a video's latents
+    sample_shape: tuple[int, ...]
     params: PyTree
     denoise: DenoiseFn
     encode_prompts: Callable[[Sequence[str]], jax.Array]  # -> [P, L, D] float32
-    decode: Callable[[jax.Array], jax.Array]  # [B, *sample_shape] -> [B, H, W, C] in [0, 1]
+    # [B, *sample_shape] -> in [0, 1]: images [B, H, W, C] or videos [B, T, H, W, C], as
+    # `media` says (the build checks it once, on shapes)
+    decode: Callable[[jax.Array], jax.Array]
     schedule_config: ScheduleConfig  # the model side of its sampling schedule
+    media: str = media_kinds.IMAGE  # "image", "video" or "latents" (see `models.media`)
     # Optional: told every prompt a run will encode, so the model may encode them ahead and
     # free its text encoders (SD3 releases its 4.7B T5); returns a line saying what it did.
     prepare_prompts: Callable[[Sequence[str]], str] | None = None
     # True: `denoise` recomputes each of its blocks in the backward pass (model.remat asked
     # the family for it), so the train step needs no checkpoint around the whole denoiser.
     remat_blocks: bool = False
+
+    def __post_init__(self):
+        media_kinds.check_media(self.media, f"model {self.name!r}")
 
     def make_schedule(self, num_steps: int, sampling: SamplingOptions) -> Schedule:
         """The schedule of `num_steps` steps; `sampling` is any object with `eta` (read by

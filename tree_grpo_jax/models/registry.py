@@ -69,13 +69,15 @@ class ModelFamily:
     recognizes: Callable[[Path], bool] | None = None  # a local folder has this family's layout
     export: FamilyExport | None = None  # None: nothing to export into
     prompt_sets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    # rewards of the family's own world, for the reward registry: () -> {name: (fn, on_host)}
+    # rewards of the family's own world, for the reward registry: () -> {name: (fn, on_host)},
+    # or (fn, on_host, media) for one that takes videos whole (see `rewards.registry`)
     rewards: Callable[[], Mapping[str, tuple[Callable, bool]]] | None = None
     # -> a `models.abstract.AbstractModel`: the model as shapes, from its JSON configs or a
     # built-in release (`model.path=builtin:<name>`); None: its runs cannot be planned
     abstract: Callable[[LoadRequest], Any] | None = None
-    # () -> images [B, H, W, C] in [0, 1] -> features [B, D]: what the family's diversity
-    # measure compares when no CLIP is configured; None: pixels
+    # () -> decoded samples (images [B, H, W, C], videos [B, T, H, W, C]) in [0, 1] ->
+    # features [B, D]: what the family's diversity measure compares when no CLIP is
+    # configured; None: pixels
     image_features: Callable[[], Callable] | None = None
     # the config fields of the package's default run, when it is this family's (dotted path ->
     # value: the tiny family's model, prompts and reward); one family at most says them

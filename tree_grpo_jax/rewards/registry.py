@@ -4,13 +4,16 @@
     scores = reward(images, prompts)          # images [B, H, W, C] float32 in [0, 1] -> [B]
 
 Each reward says whether it runs on the host (numpy, e.g. PIL's JPEG encoder) or is
-JAX-native (it can run on the accelerator, inside jit when its inputs allow). Rewards that
-read a model (HPS-v2.1, PickScore, ...) are registered with `register_model` and built from
-their folder by `load_reward(name, path)`; a reward with settings of its own registers their
-defaults (`options`), which a run's config holds in `reward_options.<name>` and which reach
-the builder as keyword arguments. Several rewards combine into one weighted sum with
-`combined_reward`. `load_rewards` builds what a run's config names; nothing outside a
-reward's own module needs to know its name.
+JAX-native (it can run on the accelerator, inside jit when its inputs allow), and the media
+it takes (`models.media`): "image" (every built-in reward) or "video". An image reward given
+videos [B, T, H, W, C] scores their B*T frames, each with its video's prompt, and gives
+each video the mean over its frames; a video reward gets the videos whole and takes no
+images. Rewards that read a model (HPS-v2.1, PickScore, ...) are registered with
+`register_model` and built from their folder by `load_reward(name, path)`; a reward with
+settings of its own registers their defaults (`options`), which a run's config holds in
+`reward_options.<name>` and which reach the builder as keyword arguments. Several rewards
+combine into one weighted sum with `combined_reward`. `load_rewards` builds what a run's
+config names; nothing outside a reward's own module needs to know its name.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import chex
 import jax.numpy as jnp
 import numpy as np
 
-# (images [B, H, W, C] in [0, 1], prompts: one per image) -> scores [B]
+from tree_grpo_jax.models import media as media_kinds
+
+# (images [B, H, W, C] in [0, 1] (videos [B, T, H, W, C] for a video reward), prompts: one
+# per image) -> scores [B]
 RewardFn = Callable[[object, Sequence[str]], object]
 
 
@@ -31,21 +36,78 @@ class RewardShapeError(ValueError):
     """A reward whose output is not one score per image; one sentence for the user."""
 
 
+class RewardMediaError(ValueError):
+    """A reward given media it does not take; one sentence for the user."""
+
+
+def _check_media(name: str, media: str) -> None:
+    if media not in media_kinds.RANKS:
+        raise ValueError(
+            f"reward {name!r} takes media {media!r}; a reward takes "
+            f"{' or '.join(media_kinds.RANKS)}."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Reward:
     name: str
     fn: RewardFn
     on_host: bool  # True: numpy on the host; False: JAX-native
+    media: str = media_kinds.IMAGE  # what `fn` takes: "image" or "video"
+    # an image reward scores a video frame by frame (the mean over its frames); False: the
+    # reward means a still image only and refuses videos
+    per_frame: bool = True
+
+    def __post_init__(self):
+        _check_media(self.name, self.media)
+
+    def takes(self, media: str) -> bool:
+        """Whether the reward can score a batch of `media` ("image" or "video")."""
+        if media == self.media:
+            return True
+        return self.media == media_kinds.IMAGE and media == media_kinds.VIDEO and self.per_frame
+
+    def refusal(self, media: str) -> str:
+        """The sentence saying why the reward cannot score `media`."""
+        if self.media == media_kinds.VIDEO:
+            takes = f"scores whole videos {media_kinds.LAYOUTS[media_kinds.VIDEO]}"
+        else:
+            takes = f"scores still images only {media_kinds.LAYOUTS[media_kinds.IMAGE]}"
+        return f"reward {self.name!r} {takes}, not {media}s; choose a reward for {media}s."
 
     def __call__(self, images, prompts: Sequence[str]):
-        chex.assert_rank(images, 4)
-        scores = self.fn(images, prompts)
+        media = media_kinds.of_rank(np.ndim(images))
+        if media is None:
+            raise RewardMediaError(
+                f"reward {self.name!r} was given an array of shape {tuple(np.shape(images))}; "
+                f"rewards score images {media_kinds.LAYOUTS[media_kinds.IMAGE]} or videos "
+                f"{media_kinds.LAYOUTS[media_kinds.VIDEO]}."
+            )
+        if not self.takes(media):
+            raise RewardMediaError(self.refusal(media))
+        count = images.shape[0]
+        if media == self.media:
+            return self._checked(self.fn(images, prompts), count, media)
+        # an image reward on videos: every frame with its video's prompt, then each video's
+        # mean over its frames
+        if len(prompts) != count:
+            raise ValueError(
+                f"reward {self.name!r} was given {len(prompts)} prompts for {count} videos; "
+                "it needs one per video."
+            )
+        frames = images.shape[1]
+        stills = images.reshape(count * frames, *images.shape[2:])
+        per_frame = [p for p in prompts for _ in range(frames)]
+        scores = self._checked(self.fn(stills, per_frame), count * frames, media_kinds.IMAGE)
+        xp = np if isinstance(scores, np.ndarray) else jnp
+        return xp.mean(scores.reshape(count, frames), axis=1)
+
+    def _checked(self, scores, count: int, media: str):
         shape = tuple(getattr(scores, "shape", ()))
-        if shape != (images.shape[0],):
+        if shape != (count,):
             raise RewardShapeError(
-                f"reward {self.name!r} returned scores of shape {shape} for "
-                f"{images.shape[0]} images; a reward gives one score per image, shape "
-                f"[{images.shape[0]}]."
+                f"reward {self.name!r} returned scores of shape {shape} for {count} {media}s; "
+                f"a reward gives one score per {media}, shape [{count}]."
             )
         return scores
 
@@ -61,6 +123,11 @@ class _Entry:
     options: Callable[[], Any] | None = None  # defaults of `reward_options.<name>`
     check_options: Callable[[Any], str | None] | None = None  # one sentence for a bad value
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)  # old -> new
+    media: str = media_kinds.IMAGE  # as `Reward.media`
+    per_frame: bool = True  # as `Reward.per_frame`
+
+    def reward(self, name: str, fn: RewardFn) -> Reward:
+        return Reward(name, fn, self.on_host, self.media, self.per_frame)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -76,9 +143,9 @@ def _add_family_rewards() -> None:
     from tree_grpo_jax.models import registry as model_registry
 
     for family in model_registry.families():
-        for name, (fn, on_host) in (family.rewards() if family.rewards else {}).items():
-            if name not in _REGISTRY:
-                register(name, fn, on_host)
+        for name, (fn, on_host, *media) in (family.rewards() if family.rewards else {}).items():
+            if name not in _REGISTRY:  # (fn, on_host) or (fn, on_host, media)
+                register(name, fn, on_host, media=media[0] if media else media_kinds.IMAGE)
 
 
 def _add(name: str, entry: _Entry, overwrite: bool) -> None:
@@ -87,15 +154,28 @@ def _add(name: str, entry: _Entry, overwrite: bool) -> None:
     _REGISTRY[name] = entry
 
 
-def register(name: str, fn: RewardFn, on_host: bool, *, overwrite: bool = False) -> Reward:
-    """Adds a reward that needs no weights; registering a taken name needs `overwrite=True`."""
+def register(
+    name: str,
+    fn: RewardFn,
+    on_host: bool,
+    *,
+    media: str = media_kinds.IMAGE,
+    per_frame: bool = True,
+    overwrite: bool = False,
+) -> Reward:
+    """Adds a reward that needs no weights; registering a taken name needs `overwrite=True`.
+
+    `media` is what `fn` takes ("image": [B, H, W, C], "video": [B, T, H, W, C]); an image
+    reward scores videos frame by frame unless `per_frame=False`."""
 
     def make(path=None):
         del path  # checked by load_reward
         return fn
 
-    _add(name, _Entry(make, bool(on_host), "", ""), overwrite)
-    return Reward(name, fn, bool(on_host))
+    entry = _Entry(make, bool(on_host), "", "", media=media, per_frame=bool(per_frame))
+    reward = entry.reward(name, fn)  # checks the media before the name is taken
+    _add(name, entry, overwrite)
+    return reward
 
 
 def register_model(
@@ -108,6 +188,8 @@ def register_model(
     options: Callable[[], Any] | None = None,
     check_options: Callable[[Any], str | None] | None = None,
     moved_fields: Mapping[str, str] | None = None,
+    media: str = media_kinds.IMAGE,
+    per_frame: bool = True,
     overwrite: bool = False,
 ) -> None:
     """Adds a reward computed by a model read from a folder: `make(path, **options)`.
@@ -116,8 +198,10 @@ def register_model(
     `default_path` (a local folder or hub id) is used when no path is given. `options`
     gives the defaults of the reward's own settings (a ConfigDict: `reward_options.<name>`
     in a run's config), `check_options` one sentence for a bad one, `moved_fields` the
-    config fields that moved into that section (old path -> new path).
+    config fields that moved into that section (old path -> new path); `media` and
+    `per_frame` are as `register`'s.
     """
+    _check_media(name, media)
     if not weights:
         raise ValueError(f"register_model({name!r}) needs `weights`: what folder it reads.")
     entry = _Entry(
@@ -128,6 +212,8 @@ def register_model(
         options,
         check_options,
         dict(moved_fields or {}),
+        media,
+        bool(per_frame),
     )
     _add(name, entry, overwrite)
 
@@ -187,7 +273,7 @@ def load_reward(name: str, path: str | None = None, **options) -> Reward:
         if path or options:
             given = "path" if path else f"options ({', '.join(sorted(options))})"
             raise ValueError(f"reward {name!r} reads no model folder and takes no {given}.")
-        return Reward(name, entry.make(), entry.on_host)
+        return entry.reward(name, entry.make())
     sentence = missing_weights(name, path)
     if sentence:
         raise ValueError(sentence)
@@ -204,7 +290,7 @@ def load_reward(name: str, path: str | None = None, **options) -> Reward:
             f"reward {name!r} could not build its model from {folder} ({config_error(e)}); "
             "check the folder's config.json."
         ) from e
-    return Reward(name, fn, entry.on_host)
+    return entry.reward(name, fn)
 
 
 def options_of(name: str, reward_options) -> Any:

@@ -20,6 +20,7 @@ from tree_grpo_jax.core.sampling import FlowSchedule
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.methods import nft
+from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -66,20 +67,36 @@ def check_sizes(config, spec, sample_shape) -> None:
         )
 
 
+def check_media(model: TextToImageModel, rewards) -> None:
+    """The model's `decode` gives the media it says (on shapes: nothing is decoded) and
+    every reward takes that media (an image reward takes videos frame by frame); else one
+    sentence. A model whose `decode` gives latents (a benchmark's stand-in) scores nothing."""
+    if model.media == media_kinds.LATENTS:
+        return
+    decoded = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
+    problem = media_kinds.shape_problem(model.media, decoded.shape)
+    if problem:
+        raise cfg.ConfigError(f"model {model.name!r} says it decodes {model.media}s but {problem}.")
+    for reward in rewards:
+        if not reward.takes(model.media):
+            raise cfg.ConfigError(reward.refusal(model.media))
+
+
 def check_prompts(model: TextToImageModel, rewards, prompts, where: str) -> None:
     """Every distinct prompt through the model's text encoder and through each reward that
-    reads no model, on blank images, before anything is written: a prompt the model or a
-    reward cannot read, or a reward that does not give one score per image, is one sentence
-    (rewards that read a model are built here and their shape is checked when they score)."""
+    reads no model, on blank images (or videos), before anything is written: a prompt the
+    model or a reward cannot read, or a reward that does not give one score per sample, is
+    one sentence (rewards that read a model are built here and their shape is checked when
+    they score). `check_media` has passed."""
     distinct = list(dict.fromkeys(prompts))
     if not distinct:
         return
     try:
         model.encode_prompts(distinct)
-        images = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
-        blank = np.zeros((len(distinct), *images.shape[1:]), np.float32)
-        if images.ndim != 4 or images.shape[-1] not in (1, 3):
-            return  # no images (a benchmark's model without a decoder): nothing to score
+        if model.media == media_kinds.LATENTS:
+            return  # no pixels: nothing to score
+        decoded = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
+        blank = np.zeros((len(distinct), *decoded.shape[1:]), np.float32)
         for reward in rewards:
             if not reward_registry.reads_model(reward.name):
                 reward(blank, distinct)
@@ -168,6 +185,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
         if jax.process_index() == 0 and config.log.progress:
             print(f"text encoders: {said}", flush=True)
+    check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
     trained = list(dict.fromkeys(prompts.prompts))
     check_prompts(model, reward.rewards.values(), trained, "prompts.source")
     # the eval's own prompts: through the training reward, and every prompt through the
@@ -239,16 +257,17 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
-        embed=diversity_embed(config, eval_prompts, reward_mesh),
+        embed=diversity_embed(config, eval_prompts, reward_mesh, model.media),
         kl_reference=kl_reference,
     )
     return trainer, state
 
 
-def diversity_embed(config, eval_prompts, mesh):
+def diversity_embed(config, eval_prompts, mesh, media: str = media_kinds.IMAGE):
     """The eval's diversity embedding, when some eval prompt has several samples (repeated
     in the eval list, or `eval.samples_per_prompt` > 1); else None, or one sentence when
-    the guard would watch a diversity there is none of."""
+    the guard would watch a diversity there is none of. Videos are embedded frame by
+    frame."""
     if config.eval.get("samples_per_prompt", 1) < 2 and not diversity.repeats(eval_prompts):
         guard = config.eval.get("guard")
         if guard is not None and guard.min_diversity_fraction > 0:
@@ -258,4 +277,5 @@ def diversity_embed(config, eval_prompts, mesh):
                 "all different)."
             )
         return None
-    return diversity.make_embed(config, mesh)[0]
+    embed = diversity.make_embed(config, mesh)[0]
+    return diversity.over_frames(embed) if media == media_kinds.VIDEO else embed

@@ -1,4 +1,8 @@
-"""What a user sees and keeps: metric files, a progress line, sample grids and curves."""
+"""What a user sees and keeps: metric files, a progress line, sample grids and curves.
+
+Samples are images [N, H, W, C] or videos [N, T, H, W, C] in [0, 1]. A video is pictured as
+a strip of its frames, left to right, in a PNG, and moving, in an animated GIF beside it.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ class MetricsWriter:
         workdir's own pictures are the plain grids)."""
         if self._tb is None and self._wandb is None:
             return
-        picture = captioned_grid(images, captions, columns)
+        picture = captioned_grid(as_stills(images), captions, columns)
         if self._tb is not None:
             self._tb.add_image(tag, np.asarray(picture), step, dataformats="HWC")
         if self._wandb is not None:
@@ -160,10 +164,73 @@ def captioned_grid(images, captions, columns: int, tile: int = 96) -> Image.Imag
     return sheet
 
 
-def save_grid(path: str, images: np.ndarray, columns: int | None = None) -> str:
-    height = np.shape(images)[1]
-    image_grid(images, columns, scale=max(1, 256 // max(height * 8, 1))).save(path)
+FRAME_MS = 125  # how long an animated GIF shows each frame (8 frames a second)
+
+
+def is_video(samples) -> bool:
+    """Whether `samples` are videos [N, T, H, W, C] (else images [N, H, W, C])."""
+    return np.ndim(samples) == 5
+
+
+def as_stills(samples) -> np.ndarray:
+    """Images unchanged; videos [N, T, H, W, C] -> strips [N, H, T * (W + 1) - 1, C]: each
+    video's frames left to right, one white column between two frames (floats in [0, 1],
+    or uint8)."""
+    samples = np.asarray(samples)
+    if not is_video(samples):
+        return samples
+    n, t, h, w, c = samples.shape
+    white = 255 if samples.dtype == np.uint8 else 1.0
+    strips = np.full((n, h, t * (w + 1) - 1, c), white, samples.dtype)
+    for i in range(t):
+        strips[:, :, i * (w + 1) : i * (w + 1) + w] = samples[:, i]
+    return strips
+
+
+def animation_path(path: str) -> str:
+    """The animated GIF written beside the PNG `path` of videos."""
+    return os.path.splitext(path)[0] + ".gif"
+
+
+def _save_animation(path: str, frames: list[Image.Image]) -> str:
+    frames[0].save(
+        path, save_all=True, append_images=frames[1:], duration=FRAME_MS, loop=0, optimize=False
+    )
     return path
+
+
+def _grid_scale(samples) -> int:
+    height = np.shape(samples)[2 if is_video(samples) else 1]
+    return max(1, 256 // max(height * 8, 1))
+
+
+def save_grid(path: str, images: np.ndarray, columns: int | None = None) -> str:
+    """The samples' grid as the PNG `path`; for videos, each cell is a video's strip of
+    frames and the grid also moves, frame by frame, in `animation_path(path)`."""
+    scale = _grid_scale(images)
+    image_grid(as_stills(images), columns, scale=scale).save(path)
+    if is_video(images):
+        frames = np.swapaxes(np.asarray(images), 0, 1)  # [T, N, H, W, C]
+        _save_animation(animation_path(path), [image_grid(f, columns, scale) for f in frames])
+    return path
+
+
+def save_sample(path: str, sample) -> list[str]:
+    """One sample in [0, 1] (or uint8): an image [H, W, C] as the PNG `path`; a video
+    [T, H, W, C] as its strip of frames there and the animated GIF `animation_path(path)`.
+    Returns the files written."""
+    sample = np.asarray(sample)
+    if sample.dtype != np.uint8:
+        sample = (np.clip(sample.astype(np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+
+    def picture(pixels):
+        return Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+
+    if sample.ndim == 3:
+        picture(sample).save(path)
+        return [path]
+    picture(as_stills(sample[None])[0]).save(path)
+    return [path, _save_animation(animation_path(path), [picture(f) for f in sample])]
 
 
 def save_curve(path: str, steps, values, ylabel: str, title: str) -> str:

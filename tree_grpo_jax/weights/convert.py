@@ -7,7 +7,8 @@ names and layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
   `down_blocks.0`; transformers' Flax CLIP keeps `layers/0` as two path segments;
-- leaves: conv `weight` [O, I, H, W] -> `kernel` [H, W, I, O], linear `weight` -> transposed
+- leaves: conv `weight` [O, I, H, W] -> `kernel` [H, W, I, O] (a video model's Conv3d
+  [O, I, T, H, W] -> [T, H, W, I, O]), linear `weight` -> transposed
   `kernel`, norm `weight` -> `scale` (or `weight` where the Flax module keeps that name),
   embedding `weight` -> `embedding`;
 - the Flax VAE attention keeps the old names (`query`, `key`, `value`, `proj_attn`) where
@@ -79,12 +80,17 @@ def _module_path(pt_key: str, merge_indices: bool) -> tuple[str, ...]:
     return tuple(merged)
 
 
+# conv kernels by rank: PyTorch [O, I, *window] -> Flax [*window, I, O], and back
+_CONV_TO_FLAX = {4: (2, 3, 1, 0), 5: (2, 3, 4, 1, 0)}  # OIHW -> HWIO, OITHW -> THWIO
+_CONV_TO_PYTORCH = {4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}
+
+
 def _to_kernel(value: np.ndarray, target_ndim: int) -> np.ndarray:
     if value.ndim == 4 and target_ndim == 2:
         # Old checkpoints store attention projections as 1x1 convs.
         value = value[:, :, 0, 0]
-    if value.ndim == 4:
-        return np.transpose(value, (2, 3, 1, 0))  # OIHW -> HWIO
+    if value.ndim in _CONV_TO_FLAX:
+        return np.transpose(value, _CONV_TO_FLAX[value.ndim])
     if value.ndim == 2:
         return value.T
     return value
@@ -173,7 +179,8 @@ def _pt_segment(segment: str, list_names) -> str:
 def flax_to_pytorch(params, *, list_names=DIFFUSERS_LIST_NAMES) -> dict[str, np.ndarray]:
     """The inverse of `pytorch_to_flax` for diffusers-named modules (the UNet).
 
-    Returns {PyTorch key: numpy array} with PyTorch layouts (OIHW convs, [out, in] linears).
+    Returns {PyTorch key: numpy array} with PyTorch layouts (OIHW and OITHW convs, [out, in]
+    linears).
     """
     state = {}
     for path, value in flatten_dict(dict(params)).items():
@@ -181,7 +188,8 @@ def flax_to_pytorch(params, *, list_names=DIFFUSERS_LIST_NAMES) -> dict[str, np.
         module = ".".join(_pt_segment(s, list_names) for s in path[:-1])
         leaf = path[-1]
         if leaf == "kernel":
-            value = np.transpose(value, (3, 2, 0, 1)) if value.ndim == 4 else value.T
+            to_pytorch = _CONV_TO_PYTORCH.get(value.ndim)
+            value = value.T if to_pytorch is None else np.transpose(value, to_pytorch)
         pt_leaf = "weight" if leaf in ("kernel", "scale", "embedding") else leaf
         state[f"{module}.{pt_leaf}" if module else pt_leaf] = np.ascontiguousarray(value)
     return state
