@@ -32,19 +32,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, text_encoders
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
     TextToImageModel,
-    cast_floats,
 )
 from tree_grpo_jax.models.flux import text, transformer
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.weights import files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
 POINT = text.POINT
-HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
 _SCHEDULER_FIXED = {
     "use_karras_sigmas": False,
@@ -129,34 +128,16 @@ def schedule_config(
     return FluxScheduleConfig(image_seq_len=image_seq_len, static_shift=static_shift, **values)
 
 
-def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
-    """The FLUX transformer a `transformer/config.json` describes, checked; `remat_blocks`
-    recomputes each block in the backward pass."""
-    if config.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, not a FluxTransformer2DModel; "
-            f"{POINT}."
-        )
-    try:
-        return transformer.transformer_module(config, dtype, remat_blocks=remat_blocks)
-    except ValueError as e:
-        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
-
-
-def abstract_params(module) -> dict:
-    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
-    return jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
-
-
-def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
-    """`(module, params, config)` of a `transformer/` folder."""
-    config = files.read_json(folder / "config.json", POINT)
-    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
-    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
-    params = convert.folder_to_flax(
-        folder, state, convert.shapes_of(abstract_params(module)), POINT
-    )
-    return module, cast_floats(params, dtype), config
+TRANSFORMER = components.Component(
+    folder="transformer",
+    pt_class="FluxTransformer2DModel",
+    build=transformer.transformer_module,
+    point=POINT,
+    list_names=transformer.MODULE_LISTS,
+)
+abstract_params = components.abstract_params
+transformer_from_config = TRANSFORMER.from_config
+load_transformer = TRANSFORMER.load
 
 
 def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0):

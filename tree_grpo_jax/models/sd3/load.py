@@ -23,21 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, text_encoders
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
     TextToImageModel,
-    cast_floats,
 )
 from tree_grpo_jax.models.sd3 import mmdit, text
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.weights import files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
 # 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).
 MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
-_HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+_HUB_PATTERNS = components.PIPELINE_PATTERNS
 _SCHEDULER_FIXED = {
     "use_dynamic_shifting": False,
     "use_karras_sigmas": False,
@@ -79,44 +78,17 @@ class StableDiffusion3Model(TextToImageModel):
     text_encoders: Any  # text.SD3TextEncoders
 
 
-def abstract_params(module, config: dict):
-    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
-    patch = config.get("patch_size", 2)
-    x = jnp.zeros((1, config.get("in_channels", 16), 2 * patch, 2 * patch))
-    context = jnp.zeros((1, 1, config.get("joint_attention_dim", 4096)))
-    pooled = jnp.zeros((1, config.get("pooled_projection_dim", 2048)))
-    t = jnp.zeros((1,))
-    init = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, context, pooled, t))
-    return init["params"]
-
-
-def transformer_shapes(module, config: dict) -> dict:
-    """The flat {path: shape} of the transformer's params (nothing is computed)."""
-    return convert.shapes_of(abstract_params(module, config))
-
-
-def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
-    """The MMDiT a `transformer/config.json` describes, checked; `remat_blocks`
-    recomputes each block in the backward pass."""
-    if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, not an "
-            f"SD3Transformer2DModel; {POINT}."
-        )
-    try:
-        return mmdit.transformer_module(config, dtype, remat_blocks=remat_blocks)
-    except ValueError as e:
-        raise ModelLoadError(f"{where}: {e}") from None
-
-
-def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
-    """`(module, params, config)` of a `transformer/` folder."""
-    config = files.read_json(folder / "config.json", POINT)
-    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
-    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
-    state = {k: v for k, v in state.items() if k not in mmdit.BUFFERS}
-    params = convert.folder_to_flax(folder, state, transformer_shapes(module, config), POINT)
-    return module, cast_floats(params, dtype), config
+TRANSFORMER = components.Component(
+    folder="transformer",
+    pt_class="SD3Transformer2DModel",
+    build=mmdit.transformer_module,
+    point=POINT,
+    article="an",
+    buffers=mmdit.BUFFERS,
+)
+abstract_params = components.abstract_params
+transformer_from_config = TRANSFORMER.from_config
+load_transformer = TRANSFORMER.load
 
 
 def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
