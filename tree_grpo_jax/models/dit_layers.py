@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ NORM_EPS = 1e-6
 TIMESTEP_CHANNELS = 256
 FF_MULT = 4
 MAX_PERIOD = 10000
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 # Module fields that are run-time choices, not diffusers `config.json` keys.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_implementation", "remat_blocks")
 
@@ -204,6 +206,57 @@ class CombinedTimestepTextProjEmbeddings(Layer):
         if self.guidance:
             temb = temb + self.guidance_embedder(timestep_features(guidance))
         return temb + self.text_embedder(pooled_projections)
+
+
+class Block(Layer):
+    """Base of the transformer blocks: width and heads, and their attention's options."""
+
+    dim: int = 1
+    heads: int = 1
+    head_dim: int = 1
+    attention_implementation: str | None = None
+
+    @property
+    def attention(self) -> dict:
+        """The keyword arguments of this block's `Attention` layers."""
+        return dict(
+            heads=self.heads,
+            head_dim=self.head_dim,
+            attention_implementation=self.attention_implementation,
+            **self.dtypes,
+        )
+
+
+class DiT(nn.Module):
+    """Base of a whole diffusion transformer: its run-time fields (not `config.json` keys)
+    and what the families' configs share (`num_attention_heads`, `attention_head_dim`,
+    `in_channels`, `joint_attention_dim`, `pooled_projection_dim`)."""
+
+    dtype: jnp.dtype = jnp.float32
+    attention_implementation: str | None = None
+    # Each block recomputes its forward in the backward pass, so a train step holds one
+    # block's activations and the blocks' inputs, not every block's activations.
+    remat_blocks: bool = False
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    def check_dtype(self) -> None:
+        if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
+            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+
+    def block_class(self, block):
+        """`block`, recomputed in the backward pass with `remat_blocks`."""
+        return nn.remat(block) if self.remat_blocks else block
+
+    def check_conditioning(self, hidden_states, encoder_hidden_states, pooled_projections):
+        """The text inputs' widths, and one batch for all three inputs."""
+        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
+        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
+        chex.assert_equal_shape_prefix(
+            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
+        )
 
 
 def config_fields(module_class) -> frozenset:

@@ -40,9 +40,10 @@ from tree_grpo_jax.models.dit_layers import (
     AdaLayerNormContinuous,
     AdaLayerNormZero,
     Attention,
+    Block,
     CombinedTimestepTextProjEmbeddings,
+    DiT,
     FeedForward,
-    Layer,
     RMSNorm,
     gated_feed_forward,
     module_from_config,
@@ -55,7 +56,6 @@ LATENT_PATCH = 2  # the pipeline's 2x2 packing of latents into tokens
 TIMESTEP_SCALE = 1000.0  # diffusers' forward multiplies sigma (and guidance) by this
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
 MODULE_LISTS = frozenset({"transformer_blocks", "single_transformer_blocks", "to_out", "net"})
-COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def pack_latents(latents: jax.Array) -> jax.Array:
@@ -190,28 +190,16 @@ class FluxAttention(Attention):
         return self.to_out_0(attended[:, text_tokens:]), self.to_add_out(attended[:, :text_tokens])
 
 
-class FluxTransformerBlock(Layer):
+class FluxTransformerBlock(Block):
     """A double-stream block: joint attention of the image and text streams, then a
     feed-forward per stream, each residual gated by AdaLN-zero. Returns (image, text)."""
 
-    dim: int = 1
-    heads: int = 1
-    head_dim: int = 1
-    attention_implementation: str | None = None
-
     def setup(self):
-        layer = self.dtypes
-        self.norm1 = AdaLayerNormZero(**layer)
-        self.norm1_context = AdaLayerNormZero(**layer)
-        self.attn = FluxAttention(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            joint=True,
-            attention_implementation=self.attention_implementation,
-            **layer,
-        )
-        self.ff = FeedForward(dim=self.dim, **layer)
-        self.ff_context = FeedForward(dim=self.dim, **layer)
+        self.norm1 = AdaLayerNormZero(**self.dtypes)
+        self.norm1_context = AdaLayerNormZero(**self.dtypes)
+        self.attn = FluxAttention(joint=True, **self.attention)
+        self.ff = FeedForward(dim=self.dim, **self.dtypes)
+        self.ff_context = FeedForward(dim=self.dim, **self.dtypes)
 
     def __call__(self, hidden_states, context, temb, rope):
         normed, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
@@ -225,26 +213,15 @@ class FluxTransformerBlock(Layer):
         return hidden_states, context
 
 
-class FluxSingleTransformerBlock(Layer):
+class FluxSingleTransformerBlock(Block):
     """A single-stream block over the joined [text, image] sequence: attention and a GELU-tanh
     MLP read the same AdaLN-modulated input; `proj_out` mixes both into one gated residual."""
 
-    dim: int = 1
-    heads: int = 1
-    head_dim: int = 1
-    attention_implementation: str | None = None
-
     def setup(self):
-        layer = self.dtypes
-        self.norm = AdaLayerNormZero(chunks=3, **layer)
+        self.norm = AdaLayerNormZero(chunks=3, **self.dtypes)
         self.proj_mlp = self.dense(self.dim * MLP_RATIO)
         self.proj_out = self.dense(self.dim)
-        self.attn = FluxAttention(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            attention_implementation=self.attention_implementation,
-            **layer,
-        )
+        self.attn = FluxAttention(**self.attention)
 
     def __call__(self, tokens, temb, rope):
         normed, gate = self.norm(tokens, temb)
@@ -253,7 +230,7 @@ class FluxSingleTransformerBlock(Layer):
         return tokens + gate[:, None] * mixed
 
 
-class FluxTransformer(nn.Module):
+class FluxTransformer(DiT):
     """FLUX.1's transformer: `(hidden_states [B, N_img, in_channels], encoder_hidden_states
     [B, N_txt, joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep
     [B] (sigma in [0, 1]), img_ids [N_img, 3], txt_ids [N_txt, 3], guidance [B] or None) ->
@@ -277,16 +254,7 @@ class FluxTransformer(nn.Module):
     pooled_projection_dim: int = 768
     guidance_embeds: bool = False
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
-    dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
-    # Each block recomputes its forward in the backward pass, so a train step holds one
-    # block's activations and the blocks' inputs, not every block's activations.
-    remat_blocks: bool = False
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def output_channels(self) -> int:
@@ -310,8 +278,7 @@ class FluxTransformer(nn.Module):
                 f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim "
                 f"{self.attention_head_dim}."
             )
-        if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
-            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+        self.check_dtype()
 
     def init_weights(self, rng: jax.Array):
         """Random params, from the smallest input (one image token, one text token)."""
@@ -346,9 +313,8 @@ class FluxTransformer(nn.Module):
             dim=dim, guidance=self.guidance_embeds, **layer
         )
         self.context_embedder = dense(dim)
-        double, single = FluxTransformerBlock, FluxSingleTransformerBlock
-        if self.remat_blocks:
-            double, single = nn.remat(double), nn.remat(single)
+        double = self.block_class(FluxTransformerBlock)
+        single = self.block_class(FluxSingleTransformerBlock)
         self.transformer_blocks = [double(**block) for _ in range(self.num_layers)]
         self.single_transformer_blocks = [single(**block) for _ in range(self.num_single_layers)]
         self.norm_out = AdaLayerNormContinuous(**layer)
@@ -369,11 +335,7 @@ class FluxTransformer(nn.Module):
             [3, 3, 2, 2, 2],
         )
         chex.assert_axis_dimension(hidden_states, 2, self.in_channels)
-        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
-        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
-        chex.assert_equal_shape_prefix(
-            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
-        )
+        self.check_conditioning(hidden_states, encoder_hidden_states, pooled_projections)
         chex.assert_shape(img_ids, (hidden_states.shape[1], ID_AXES))
         chex.assert_shape(txt_ids, (encoder_hidden_states.shape[1], ID_AXES))
         if self.guidance_embeds and guidance is None:

@@ -30,7 +30,9 @@ from tree_grpo_jax.models.dit_layers import (
     AdaLayerNormContinuous,
     AdaLayerNormZero,
     Attention,
+    Block,
     CombinedTimestepTextProjEmbeddings,
+    DiT,
     FeedForward,
     RMSNorm,
     gated_feed_forward,
@@ -141,28 +143,17 @@ class JointAttention(Attention):
         return image_out, context_out
 
 
-class JointTransformerBlock(nn.Module):
+class JointTransformerBlock(Block):
     """One MMDiT block: joint attention of the image and text streams, then a feed-forward
     per stream, each gated by AdaLN-zero. With `context_pre_only` (the last block) the text
     stream only feeds the attention and None is returned in its place."""
 
-    dim: int
-    heads: int
-    head_dim: int
     context_pre_only: bool = False
     qk_norm: bool = False
     dual_attention: bool = False
-    dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
 
     def setup(self):
-        attention = dict(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            qk_norm=self.qk_norm,
-            dtype=self.dtype,
-            attention_implementation=self.attention_implementation,
-        )
+        attention = dict(qk_norm=self.qk_norm, **self.attention)
         self.norm1 = AdaLayerNormZero(dual=self.dual_attention, dtype=self.dtype)
         if self.context_pre_only:
             self.norm1_context = AdaLayerNormContinuous(dtype=self.dtype)
@@ -240,7 +231,7 @@ class PatchEmbed(nn.Module):
         return (tokens + self.cropped_table(rows, columns)).astype(tokens.dtype)
 
 
-class SD3Transformer(nn.Module):
+class SD3Transformer(DiT):
     """SD3 / SD3.5's MMDiT: `(hidden_states [B, C, H, W], encoder_hidden_states [B, T,
     joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B] in
     0..1000) -> [B, out_channels, H, W]`, in the compute `dtype` (params stay float32).
@@ -262,15 +253,6 @@ class SD3Transformer(nn.Module):
     pos_embed_max_size: int | None = 96
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
-    dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
-    # Each block recomputes its forward in the backward pass, so a train step holds one
-    # block's activations and the blocks' inputs, not every block's activations.
-    remat_blocks: bool = False
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def output_channels(self) -> int:
@@ -289,8 +271,7 @@ class SD3Transformer(nn.Module):
                 f"caption_projection_dim {self.caption_projection_dim} differs from the model "
                 f"width num_attention_heads * attention_head_dim = {self.inner_dim}."
             )
-        if self.jnp_dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+        self.check_dtype()
 
     @property
     def jnp_dtype(self):
@@ -316,7 +297,7 @@ class SD3Transformer(nn.Module):
         )
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim=dim, dtype=self.dtype)
         self.context_embedder = nn.Dense(self.caption_projection_dim, dtype=self.dtype)
-        block = nn.remat(JointTransformerBlock) if self.remat_blocks else JointTransformerBlock
+        block = self.block_class(JointTransformerBlock)
         self.transformer_blocks = [
             block(
                 dim=dim,
@@ -336,12 +317,8 @@ class SD3Transformer(nn.Module):
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         chex.assert_rank([hidden_states, encoder_hidden_states, pooled_projections], [4, 3, 2])
         chex.assert_axis_dimension(hidden_states, 1, self.in_channels)
-        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
-        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
+        self.check_conditioning(hidden_states, encoder_hidden_states, pooled_projections)
         batch, _, height, width = hidden_states.shape
-        chex.assert_equal_shape_prefix(
-            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
-        )
         patch = self.patch_size
         if height % patch or width % patch:
             raise ValueError(f"Latents {height}x{width} are not a multiple of the patch {patch}.")
