@@ -71,6 +71,17 @@ class Component:
         """The pipeline folder of a local path or hub id."""
         return files.resolve_folder(model_path, "model path", self.point, self.hub_patterns)
 
+    def pipeline(self, model_path: str) -> tuple[Path, dict[str, Path]]:
+        """The pipeline folder of a local path or hub id, and its folders of this component,
+        `vae` and `scheduler`, each checked to hold its config."""
+        root = self.resolve(model_path)
+        configs = {self.folder: "config.json", "vae": "config.json"}
+        configs["scheduler"] = "scheduler_config.json"
+        return root, {
+            name: files.component_dir(root, name, (config,), self.point)
+            for name, config in configs.items()
+        }
+
     def denoiser(self, config: dict) -> export.Denoiser:
         """What `models.export` writes for params of this component's `config`."""
         try:

@@ -23,16 +23,15 @@ the deterministic sampler (4 steps, dynamic shifting) differs by at most 1.1e-6 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, components, text_encoders
+from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
@@ -223,12 +222,7 @@ def load_flux(
     static sigma shift in place of the folder's (dynamic for dev). `remat_blocks`
     recomputes each transformer block in the backward pass (what `model.remat` asks for).
     """
-    root = files.resolve_folder(path, "model path", POINT, HUB_PATTERNS)
-    folders = {
-        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
-        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
-        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
-    }
+    root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_latent_channels(transformer_config, vae_config, root)
@@ -251,30 +245,15 @@ def load_flux(
     guidance = float(guidance) if module.guidance_embeds else None
     decode_latents = autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype)
 
-    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
-        embeds, pooled = encoders.encode(list(prompts))
-        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
-
-    def prepare_prompts(prompts: Sequence[str]) -> str:
-        unique = list(dict.fromkeys(prompts))
-        if len(unique) > MAX_PREPARED_PROMPTS:
-            return (
-                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
-                "so T5 stays loaded and encodes prompts as they come"
-            )
-        encoders.precompute(unique)
-        encoders.drop_t5()
-        return f"{len(unique)} prompts encoded ahead; T5 released"
-
     return FluxModel(
         name=root.name,
         sample_shape=shape,
         params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
-        encode_prompts=encode_prompts,
+        encode_prompts=encoders.conditioning,
         decode=lambda latents: decode_latents(vae_params, latents),
         schedule_config=schedule,
-        prepare_prompts=prepare_prompts,
+        prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         path=root,
         transformer=module,
         transformer_config=transformer_config,

@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, components, text_encoders
+from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
@@ -152,12 +151,7 @@ def load_sd3(
     it must fit the transformer's position-embedding grid. `remat_blocks` recomputes each
     transformer block in the backward pass (what `model.remat` asks for).
     """
-    root = files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
-    folders = {
-        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
-        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
-        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
-    }
+    root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
@@ -173,22 +167,10 @@ def load_sd3(
     )
     pooled_dim = transformer_config.get("pooled_projection_dim", 2048)
 
-    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
-        embeds, pooled = encoders.encode(list(prompts))
-        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
-
     def prepare_prompts(prompts: Sequence[str]) -> str:
-        unique = list(dict.fromkeys(prompts))
         if encoders.t5 is None:
             return "T5 is not loaded; prompts are encoded as they come"
-        if len(unique) > MAX_PREPARED_PROMPTS:
-            return (
-                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
-                "so T5 stays loaded and encodes prompts as they come"
-            )
-        encoders.precompute(unique)
-        encoders.drop_t5()
-        return f"{len(unique)} prompts encoded ahead; T5 released"
+        return encoders.encode_ahead(prompts, MAX_PREPARED_PROMPTS)
 
     return StableDiffusion3Model(
         name=root.name,
@@ -197,7 +179,7 @@ def load_sd3(
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
-        encode_prompts=encode_prompts,
+        encode_prompts=encoders.conditioning,
         decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
