@@ -10,18 +10,42 @@ here once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import export
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
 from tree_grpo_jax.weights import convert, files
 
 # What a hub download of a diffusers pipeline needs: configs, tokenizers, safetensors.
 PIPELINE_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class TransformerModel(TextToImageModel):
+    """A loaded pipeline folder whose denoiser is a transformer."""
+
+    path: Path  # the local folder (a hub id resolved to its snapshot)
+    transformer: Any  # the Flax module `denoise` applies
+    transformer_config: dict
+    vae_config: dict
+    text_encoders: Any  # the family's `text_encoders.PromptCache`
+
+
+def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:
+    """A `scheduler_config.json` of diffusers' flow-matching Euler scheduler, with the values
+    `fixed` that the family's sigmas assume; one sentence naming the `family` otherwise."""
+    if config.get("_class_name", FLOW_SCHEDULER) != FLOW_SCHEDULER:
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, but {family} folders use "
+            f"{FLOW_SCHEDULER}."
+        )
+    files.check_fixed(config, fixed, where)
 
 
 def abstract_params(module) -> dict:

@@ -455,6 +455,11 @@ def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
     return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
 
 
+def unpack_conditioning(cond, width: int, pooled_width: int) -> tuple[jax.Array, jax.Array]:
+    """[P, T + 1, D] -> ([P, T, width], [P, pooled_width]): what `pack_conditioning` packed."""
+    return cond[:, :-1, :width], cond[:, -1, :pooled_width]
+
+
 class PromptCache:
     """What the text encoders of the T5 families share: a host `cache` of every prompt
     encoded so far, filled by their `_compute(prompts)` a `batch_size` at a time, and a

@@ -26,16 +26,14 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
-    TextToImageModel,
 )
 from tree_grpo_jax.models.flux import text, transformer
 from tree_grpo_jax.weights import files
@@ -94,29 +92,17 @@ class FluxScheduleConfig(FlowSigmasScheduleConfig):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class FluxModel(TextToImageModel):
-    """A loaded FLUX.1 folder."""
+class FluxModel(components.TransformerModel):
+    """A loaded FLUX.1 folder; its `text_encoders` are a `text.FluxTextEncoders`."""
 
-    path: Path
-    transformer: Any  # the Flax FluxTransformer `denoise` applies
-    transformer_config: dict
-    vae_config: dict
     guidance: float | None  # the distilled guidance scale `denoise` passes (None: schnell)
-    text_encoders: Any  # text.FluxTextEncoders
 
 
 def schedule_config(
     config: dict, where: Path, image_seq_len: int, static_shift: float = 0.0
 ) -> FluxScheduleConfig:
     """The schedule of a `scheduler/scheduler_config.json`, checked."""
-    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
-        "FlowMatchEulerDiscreteScheduler"
-    ):
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, but FLUX.1 folders use "
-            "FlowMatchEulerDiscreteScheduler."
-        )
-    files.check_fixed(config, _SCHEDULER_FIXED, where)
+    components.check_flow_scheduler(config, where, "FLUX.1", _SCHEDULER_FIXED)
     fields = {f.name for f in dataclasses.fields(FluxScheduleConfig)} - {
         "image_seq_len",
         "static_shift",
@@ -147,7 +133,7 @@ def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0)
     def denoise(params, x, t, cond):
         batch, _, height, width = x.shape
         sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
-        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        sequence, pooled = text_encoders.unpack_conditioning(cond, context_dim, pooled_dim)
         out = module.apply(
             {"params": params},
             transformer.pack_latents(x.astype(module.dtype)),

@@ -17,16 +17,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
-    TextToImageModel,
 )
 from tree_grpo_jax.models.sd3 import mmdit, text
 from tree_grpo_jax.weights import files
@@ -67,14 +65,8 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class StableDiffusion3Model(TextToImageModel):
-    """A loaded SD3-family folder."""
-
-    path: Path
-    transformer: Any  # the Flax module `denoise` applies
-    transformer_config: dict
-    vae_config: dict
-    text_encoders: Any  # text.SD3TextEncoders
+class StableDiffusion3Model(components.TransformerModel):
+    """A loaded SD3-family folder; its `text_encoders` are a `text.SD3TextEncoders`."""
 
 
 TRANSFORMER = components.Component(
@@ -91,14 +83,7 @@ load_transformer = TRANSFORMER.load
 
 
 def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
-    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
-        "FlowMatchEulerDiscreteScheduler"
-    ):
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, but SD3 folders use "
-            "FlowMatchEulerDiscreteScheduler."
-        )
-    files.check_fixed(config, _SCHEDULER_FIXED, where)
+    components.check_flow_scheduler(config, where, "SD3", _SCHEDULER_FIXED)
     return FlowMatchScheduleConfig(
         shift=float(config.get("shift", 1.0)),
         num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
@@ -108,7 +93,7 @@ def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
 def make_denoise(module, context_dim: int, pooled_dim: int):
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
-        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        sequence, pooled = text_encoders.unpack_conditioning(cond, context_dim, pooled_dim)
         return module.apply({"params": params}, x, sequence, pooled, t)
 
     return denoise
