@@ -1,7 +1,8 @@
-"""A family's trainable diffusers component (SD3's or FLUX's `transformer/`, say) read from
-and exported to a pipeline folder: the class-name check, the module built from its
-`config.json`, its PyTorch safetensors converted to Flax params (in numpy, no torch), and
-the `models.export.Denoiser` that writes it back.
+"""What the transformer families' pipelines share: a family's trainable diffusers component
+(SD3's or FLUX's `transformer/`) read from and exported to a pipeline folder (the class-name
+check, the module built from its `config.json`, its PyTorch safetensors converted to Flax
+params in numpy, the `models.export.Denoiser` that writes it back), the loaded model's
+record and the flow-matching scheduler's check.
 
 A family declares one `Component` with its own names; the reading, checking and writing is
 here once.
