@@ -12,13 +12,16 @@ trainer, the config checks, `lora` and `export` look families up here and never 
     from tree_grpo_jax.models import registry
     registry.register(registry.ModelFamily(name="toy", model_names=("toy",), load=load_toy))
 
-The built-in families are found on first look-up: every `models/<family>/family.py`.
+The built-in families are found on first look-up: every `models/<family>/family.py`. A
+family's record names its loaders as `"module:attribute"` targets (`deferred`, `path_loader`,
+`deferred_export`), imported on first use, so that finding the families imports no model code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -82,6 +85,70 @@ class ModelFamily:
     # the config fields of the package's default run, when it is this family's (dotted path ->
     # value: the tiny family's model, prompts and reward); one family at most says them
     default_run: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def deferred(target: str) -> Callable[[], Any]:
+    """`"package.module:attribute"` -> a function returning that attribute, importing its
+    module on the first call."""
+    module, _, attribute = target.partition(":")
+
+    def get():
+        return getattr(importlib.import_module(module), attribute)
+
+    get.__qualname__ = get.__name__ = attribute
+    return get
+
+
+def lazy(target: str) -> Callable:
+    """`"package.module:function"` -> that function, its module imported on the first call."""
+    get = deferred(target)
+
+    def call(*args, **kwargs):
+        return get()(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = get.__name__
+    return call
+
+
+def path_loader(
+    target: str, option_names: tuple[str, ...] = (), remat: bool = False
+) -> Callable[[LoadRequest], Any]:
+    """A `load` (or `abstract`) for a loader taking a folder: `target(request.path,
+    dtype=request.dtype, **{name: options.<name>})`, and `remat_blocks=request.remat` with
+    `remat`."""
+    loader = lazy(target)
+
+    def load(request: LoadRequest):
+        arguments = {name: getattr(request.options, name) for name in option_names}
+        if remat:
+            arguments["remat_blocks"] = request.remat
+        return loader(request.path, dtype=request.dtype, **arguments)
+
+    return load
+
+
+def deferred_export(component: str, module: str) -> FamilyExport:
+    """The `FamilyExport` of a module with `base_denoiser` and `base_params` functions."""
+    return FamilyExport(component, lazy(f"{module}:base_denoiser"), lazy(f"{module}:base_params"))
+
+
+def component_class_is(
+    component: str, classes: tuple, unreadable: bool = False
+) -> Callable[[Path], bool]:
+    """A `recognizes`: the folder has `component/` and its `config.json` names one of
+    `classes` (None: no `_class_name`); `unreadable` when the config cannot be read."""
+
+    def recognizes(folder: Path) -> bool:
+        where = Path(folder) / component
+        if not where.is_dir():
+            return False
+        try:
+            config = json.loads((where / "config.json").read_text())
+        except (OSError, ValueError):
+            return unreadable
+        return config.get("_class_name") in classes if isinstance(config, dict) else unreadable
+
+    return recognizes
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

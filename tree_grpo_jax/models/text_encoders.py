@@ -455,9 +455,20 @@ def pack_conditioning(prompt_embeds, pooled) -> jax.Array:
     return jnp.concatenate([prompt_embeds, pooled[:, None, :]], axis=1)
 
 
+def unpack_conditioning(cond, width: int, pooled_width: int) -> tuple[jax.Array, jax.Array]:
+    """[P, T + 1, D] -> ([P, T, width], [P, pooled_width]): what `pack_conditioning` packed."""
+    return cond[:, :-1, :width], cond[:, -1, :pooled_width]
+
+
 class PromptCache:
     """What the text encoders of the T5 families share: a host `cache` of every prompt
-    encoded so far, filled by their `_compute(prompts)`, and a releasable `t5`."""
+    encoded so far, filled by their `_compute(prompts)` a `batch_size` at a time, and a
+    releasable `t5`."""
+
+    @property
+    def needs_t5(self) -> bool:
+        """Whether encoding a prompt runs T5 (an encoder may be built without it)."""
+        return True
 
     def precompute(self, prompts: Sequence[str]) -> None:
         """Encodes and caches every prompt not cached yet."""
@@ -468,3 +479,42 @@ class PromptCache:
     def drop_t5(self) -> None:
         """Releases T5's parameters; only prompts cached so far can be encoded afterwards."""
         self.t5 = None
+
+    def _batches(self, prompts: list[str]):
+        """(prompts, the same padded with "" to `batch_size`) per batch of new prompts; one
+        sentence when T5 is needed but dropped."""
+        if prompts and self.needs_t5 and self.t5 is None:
+            more = f" (and {len(prompts) - 1} more)" if len(prompts) > 1 else ""
+            raise ValueError(
+                f"the prompt {prompts[0]!r}{more} is not cached and T5 was dropped, so it "
+                "cannot be encoded; precompute every prompt before calling drop_t5()."
+            )
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            yield chunk, chunk + [""] * (self.batch_size - len(chunk))
+
+    def _cached(self, prompts: Sequence[str]) -> list[str]:
+        """`prompts` as a list, every one of them encoded and cached."""
+        if isinstance(prompts, str):
+            raise TypeError("encode takes a list of prompts, not one string.")
+        prompts = list(prompts)
+        self.precompute(prompts)
+        return prompts
+
+    def conditioning(self, prompts: Sequence[str]) -> jax.Array:
+        """The prompts' `pack_conditioning` of their `encode` (a model's `encode_prompts`)."""
+        embeds, pooled = self.encode(list(prompts))
+        return pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
+
+    def encode_ahead(self, prompts: Sequence[str], limit: int) -> str:
+        """Encodes up to `limit` distinct prompts and releases T5 (a model's
+        `prepare_prompts`); says what it did."""
+        unique = list(dict.fromkeys(prompts))
+        if len(unique) > limit:
+            return (
+                f"{len(unique)} prompts are more than the {limit} encoded ahead, "
+                "so T5 stays loaded and encodes prompts as they come"
+            )
+        self.precompute(unique)
+        self.drop_t5()
+        return f"{len(unique)} prompts encoded ahead; T5 released"

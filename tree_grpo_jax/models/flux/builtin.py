@@ -14,6 +14,7 @@ size the conditioning: CLIP-L (`text_encoder`, a `CLIPTextModel`) and T5-XXL
 from __future__ import annotations
 
 from tree_grpo_jax.models.abstract import BuiltinRelease
+from tree_grpo_jax.models.builtin_configs import CLIP_TOKENIZER, T5_XXL, clip_l, vae_16_channels
 
 _TRANSFORMER = {
     "_class_name": "FluxTransformer2DModel",
@@ -28,24 +29,7 @@ _TRANSFORMER = {
     "patch_size": 1,
     "pooled_projection_dim": 768,
 }
-_VAE = {
-    "_class_name": "AutoencoderKL",
-    "act_fn": "silu",
-    "block_out_channels": [128, 256, 512, 512],
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "in_channels": 3,
-    "latent_channels": 16,
-    "layers_per_block": 2,
-    "mid_block_add_attention": True,
-    "norm_num_groups": 32,
-    "out_channels": 3,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "use_post_quant_conv": False,
-    "use_quant_conv": False,
-}
+_VAE = vae_16_channels(scaling_factor=0.3611, shift_factor=0.1159)
 _SCHEDULER = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "base_image_seq_len": 256,
@@ -56,35 +40,6 @@ _SCHEDULER = {
     "shift": 3.0,
     "use_dynamic_shifting": True,
 }
-_CLIP_L = {
-    "architectures": ["CLIPTextModel"],
-    "eos_token_id": 2,
-    "hidden_act": "quick_gelu",
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "max_position_embeddings": 77,
-    "model_type": "clip_text_model",
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "projection_dim": 768,
-    "vocab_size": 49408,
-}
-_T5_XXL = {  # T5 v1.1 XXL's encoder
-    "architectures": ["T5EncoderModel"],
-    "d_ff": 10240,
-    "d_kv": 64,
-    "d_model": 4096,
-    "dense_act_fn": "gelu_new",
-    "feed_forward_proj": "gated-gelu",
-    "is_gated_act": True,
-    "layer_norm_epsilon": 1e-06,
-    "model_type": "t5",
-    "num_heads": 64,
-    "num_layers": 24,
-    "relative_attention_max_distance": 128,
-    "relative_attention_num_buckets": 32,
-    "vocab_size": 32128,
-}
 
 
 def _release(hub_id: str, transformer: dict, scheduler: dict) -> BuiltinRelease:
@@ -94,9 +49,9 @@ def _release(hub_id: str, transformer: dict, scheduler: dict) -> BuiltinRelease:
             "transformer/config.json": transformer,
             "vae/config.json": _VAE,
             "scheduler/scheduler_config.json": scheduler,
-            "text_encoder/config.json": _CLIP_L,
-            "tokenizer/tokenizer_config.json": {"model_max_length": 77},
-            "text_encoder_2/config.json": _T5_XXL,
+            "text_encoder/config.json": clip_l("CLIPTextModel", eos_token_id=2),
+            "tokenizer/tokenizer_config.json": CLIP_TOKENIZER,
+            "text_encoder_2/config.json": T5_XXL,
             "tokenizer_2/tokenizer_config.json": {"model_max_length": 512},
         },
     )

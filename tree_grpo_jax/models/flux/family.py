@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import ml_collections
 
 from tree_grpo_jax.models import registry
@@ -38,60 +35,18 @@ def check_options(o) -> str | None:
     return None
 
 
-def _arguments(o) -> dict:
-    return dict(
-        guidance=o.guidance, t5_max_length=o.t5_max_length, resolution=o.resolution, shift=o.shift
-    )
-
-
-def _load(request: registry.LoadRequest):
-    from tree_grpo_jax.models.flux.load import load_flux
-
-    return load_flux(
-        request.path,
-        dtype=request.dtype,
-        remat_blocks=request.remat,
-        **_arguments(request.options),
-    )
-
-
-def _abstract(request: registry.LoadRequest):
-    from tree_grpo_jax.models.flux.abstract import abstract_flux
-
-    return abstract_flux(
-        request.path,
-        dtype=request.dtype,
-        remat_blocks=request.remat,
-        **_arguments(request.options),
-    )
-
-
-def _base_denoiser(path: str):
-    from tree_grpo_jax.models.flux.export import base_denoiser
-
-    return base_denoiser(path)
-
-
-def _base_params(path: str) -> dict:
-    from tree_grpo_jax.models.flux.export import base_params
-
-    return base_params(path)
-
-
-def recognizes(folder: Path) -> bool:
-    """A folder whose `transformer/config.json` names FluxTransformer2DModel."""
-    config = Path(folder) / "transformer" / "config.json"
-    try:
-        return json.loads(config.read_text()).get("_class_name") == TRANSFORMER_CLASS
-    except (OSError, ValueError, AttributeError):
-        return False
-
+# A folder whose `transformer/config.json` names FluxTransformer2DModel.
+recognizes = registry.component_class_is("transformer", (TRANSFORMER_CLASS,))
+# The fields of `model.flux` the loader and the planner take, as keyword arguments.
+LOADER_OPTIONS = ("guidance", "t5_max_length", "resolution", "shift")
 
 FAMILY = registry.register(
     registry.ModelFamily(
         name="flux",
         model_names=("flux",),
-        load=_load,
+        load=registry.path_loader(
+            "tree_grpo_jax.models.flux.load:load_flux", LOADER_OPTIONS, remat=True
+        ),
         needs_path=True,
         path_hint="a diffusers-layout FLUX.1-dev or -schnell folder (or a hub id)",
         options=options,
@@ -100,7 +55,9 @@ FAMILY = registry.register(
         # PEFT matches them: q/k/v of every block's attention, the joint blocks' image output.
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
-        export=registry.FamilyExport("transformer", _base_denoiser, _base_params),
-        abstract=_abstract,
+        export=registry.deferred_export("transformer", "tree_grpo_jax.models.flux.export"),
+        abstract=registry.path_loader(
+            "tree_grpo_jax.models.flux.abstract:abstract_flux", LOADER_OPTIONS, remat=True
+        ),
     )
 )

@@ -23,28 +23,24 @@ the deterministic sampler (4 steps, dynamic shifting) differs by at most 1.1e-6 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, text_encoders
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
-    TextToImageModel,
-    cast_floats,
 )
 from tree_grpo_jax.models.flux import text, transformer
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.weights import files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
 POINT = text.POINT
-HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
 _SCHEDULER_FIXED = {
     "use_karras_sigmas": False,
@@ -96,29 +92,17 @@ class FluxScheduleConfig(FlowSigmasScheduleConfig):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class FluxModel(TextToImageModel):
-    """A loaded FLUX.1 folder."""
+class FluxModel(components.TransformerModel):
+    """A loaded FLUX.1 folder; its `text_encoders` are a `text.FluxTextEncoders`."""
 
-    path: Path
-    transformer: Any  # the Flax FluxTransformer `denoise` applies
-    transformer_config: dict
-    vae_config: dict
     guidance: float | None  # the distilled guidance scale `denoise` passes (None: schnell)
-    text_encoders: Any  # text.FluxTextEncoders
 
 
 def schedule_config(
     config: dict, where: Path, image_seq_len: int, static_shift: float = 0.0
 ) -> FluxScheduleConfig:
     """The schedule of a `scheduler/scheduler_config.json`, checked."""
-    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
-        "FlowMatchEulerDiscreteScheduler"
-    ):
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, but FLUX.1 folders use "
-            "FlowMatchEulerDiscreteScheduler."
-        )
-    files.check_fixed(config, _SCHEDULER_FIXED, where)
+    components.check_flow_scheduler(config, where, "FLUX.1", _SCHEDULER_FIXED)
     fields = {f.name for f in dataclasses.fields(FluxScheduleConfig)} - {
         "image_seq_len",
         "static_shift",
@@ -129,34 +113,16 @@ def schedule_config(
     return FluxScheduleConfig(image_seq_len=image_seq_len, static_shift=static_shift, **values)
 
 
-def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
-    """The FLUX transformer a `transformer/config.json` describes, checked; `remat_blocks`
-    recomputes each block in the backward pass."""
-    if config.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, not a FluxTransformer2DModel; "
-            f"{POINT}."
-        )
-    try:
-        return transformer.transformer_module(config, dtype, remat_blocks=remat_blocks)
-    except ValueError as e:
-        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
-
-
-def abstract_params(module) -> dict:
-    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
-    return jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
-
-
-def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
-    """`(module, params, config)` of a `transformer/` folder."""
-    config = files.read_json(folder / "config.json", POINT)
-    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
-    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
-    params = convert.folder_to_flax(
-        folder, state, convert.shapes_of(abstract_params(module)), POINT
-    )
-    return module, cast_floats(params, dtype), config
+TRANSFORMER = components.Component(
+    folder="transformer",
+    pt_class="FluxTransformer2DModel",
+    build=transformer.transformer_module,
+    point=POINT,
+    list_names=transformer.MODULE_LISTS,
+)
+abstract_params = components.abstract_params
+transformer_from_config = TRANSFORMER.from_config
+load_transformer = TRANSFORMER.load
 
 
 def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0):
@@ -167,7 +133,7 @@ def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0)
     def denoise(params, x, t, cond):
         batch, _, height, width = x.shape
         sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
-        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        sequence, pooled = text_encoders.unpack_conditioning(cond, context_dim, pooled_dim)
         out = module.apply(
             {"params": params},
             transformer.pack_latents(x.astype(module.dtype)),
@@ -242,12 +208,7 @@ def load_flux(
     static sigma shift in place of the folder's (dynamic for dev). `remat_blocks`
     recomputes each transformer block in the backward pass (what `model.remat` asks for).
     """
-    root = files.resolve_folder(path, "model path", POINT, HUB_PATTERNS)
-    folders = {
-        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
-        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
-        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
-    }
+    root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_latent_channels(transformer_config, vae_config, root)
@@ -270,30 +231,15 @@ def load_flux(
     guidance = float(guidance) if module.guidance_embeds else None
     decode_latents = autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype)
 
-    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
-        embeds, pooled = encoders.encode(list(prompts))
-        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
-
-    def prepare_prompts(prompts: Sequence[str]) -> str:
-        unique = list(dict.fromkeys(prompts))
-        if len(unique) > MAX_PREPARED_PROMPTS:
-            return (
-                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
-                "so T5 stays loaded and encodes prompts as they come"
-            )
-        encoders.precompute(unique)
-        encoders.drop_t5()
-        return f"{len(unique)} prompts encoded ahead; T5 released"
-
     return FluxModel(
         name=root.name,
         sample_shape=shape,
         params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
-        encode_prompts=encode_prompts,
+        encode_prompts=encoders.conditioning,
         decode=lambda latents: decode_latents(vae_params, latents),
         schedule_config=schedule,
-        prepare_prompts=prepare_prompts,
+        prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         path=root,
         transformer=module,
         transformer_config=transformer_config,

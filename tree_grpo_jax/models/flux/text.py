@@ -62,15 +62,7 @@ class FluxTextEncoders(text_encoders.PromptCache):
     cache: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     def _compute(self, prompts: list[str]) -> None:
-        if prompts and self.t5 is None:
-            more = f" (and {len(prompts) - 1} more)" if len(prompts) > 1 else ""
-            raise ValueError(
-                f"the prompt {prompts[0]!r}{more} is not cached and T5 was dropped, so it "
-                "cannot be encoded; precompute every prompt before calling drop_t5()."
-            )
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            padded = chunk + [""] * (self.batch_size - len(chunk))
+        for chunk, padded in self._batches(prompts):
             _, pooled = self.clip(padded)
             pooled = np.asarray(pooled)
             sequence = np.asarray(self.t5(padded))
@@ -80,10 +72,7 @@ class FluxTextEncoders(text_encoders.PromptCache):
     def encode(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """prompts -> (prompt_embeds [P, t5_max_length, width], pooled [P, pooled_dim]),
         float32 numpy, as `FluxPipeline.encode_prompt` computes them."""
-        if isinstance(prompts, str):
-            raise TypeError("encode takes a list of prompts, not one string.")
-        prompts = list(prompts)
-        self.precompute(prompts)
+        prompts = self._cached(prompts)
         embeds = np.stack([self.cache[p][0] for p in prompts]).astype(np.float32)
         pooled = np.stack([self.cache[p][1] for p in prompts]).astype(np.float32)
         return embeds, pooled

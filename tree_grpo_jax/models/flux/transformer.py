@@ -28,9 +28,7 @@ JAX's default matmul precision; bfloat16 compute is within 1% of float32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import chex
 import flax.linen as nn
@@ -38,18 +36,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NORM_EPS = 1e-6
+from tree_grpo_jax.models.dit_layers import (
+    AdaLayerNormContinuous,
+    AdaLayerNormZero,
+    Attention,
+    Block,
+    CombinedTimestepTextProjEmbeddings,
+    DiT,
+    FeedForward,
+    RMSNorm,
+    gated_feed_forward,
+    module_from_config,
+)
+
 ROPE_THETA = 10000.0
 MLP_RATIO = 4
-FF_MULT = 4
 ID_AXES = 3  # (offset, row, column): FLUX.1's position ids
 LATENT_PATCH = 2  # the pipeline's 2x2 packing of latents into tokens
 TIMESTEP_SCALE = 1000.0  # diffusers' forward multiplies sigma (and guidance) by this
-TIMESTEP_CHANNELS = 256
-_MAX_PERIOD = 10000
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
 MODULE_LISTS = frozenset({"transformer_blocks", "single_transformer_blocks", "to_out", "net"})
-COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def pack_latents(latents: jax.Array) -> jax.Array:
@@ -143,98 +149,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.reshape(x.shape).astype(x.dtype)
 
 
-def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
-    """[channels / 2] float32 frequencies of diffusers' `Timesteps` (no frequency shift):
-    PyTorch's float32 exponents, exponentiated in float64 and rounded, which lands on
-    PyTorch's float32 `exp` more often than XLA's float32 `exp` does."""
-    half = channels // 2
-    exponents = np.float32(-math.log(_MAX_PERIOD)) * np.arange(half, dtype=np.float32)
-    exponents = exponents / np.float32(half)
-    return np.exp(exponents.astype(np.float64)).astype(np.float32)
-
-
-def timestep_features(values: jax.Array, channels: int = TIMESTEP_CHANNELS) -> jax.Array:
-    """[B] -> [B, channels] float32 sinusoidal features: cos then sin (`flip_sin_to_cos`)."""
-    angles = values.astype(jnp.float32)[:, None] * jnp.asarray(timestep_frequencies(channels))
-    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
-
-
-def _layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
-    """LayerNorm without affine parameters; statistics in float32 (two-pass variance)."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-def _modulate(normed: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-    return normed * (1 + scale[:, None]) + shift[:, None]
-
-
-class _Layer(nn.Module):
-    """Base of the layers below: the compute and parameter dtypes, and a Dense using them."""
-
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @property
-    def dense(self):
-        return functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
-
-
-class RMSNorm(_Layer):
-    """RMSNorm over the last axis with a learned scale (PyTorch's `RMSNorm` weight)."""
-
-    eps: float = NORM_EPS
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
-
-
-class AdaLayerNormZero(_Layer):
-    """LayerNorm modulated by the conditioning: `chunks` of it (shift, scale, then the rest
-    in diffusers' order: 6 for a double-stream block's (gate, shift_mlp, scale_mlp,
-    gate_mlp), 3 for a single-stream block's gate). Returns (modulated x, *rest)."""
-
-    chunks: int = 6
-
-    @nn.compact
-    def __call__(self, x, emb):
-        emb = self.dense(self.chunks * x.shape[-1], name="linear")(nn.silu(emb))
-        shift, scale, *rest = jnp.split(emb, self.chunks, axis=-1)
-        return (_modulate(_layer_norm(x), shift, scale), *rest)
-
-
-class AdaLayerNormContinuous(_Layer):
-    """The output norm: LayerNorm modulated by the conditioning, no gate; diffusers' chunk
-    order is (scale, shift)."""
-
-    @nn.compact
-    def __call__(self, x, emb):
-        emb = self.dense(2 * x.shape[-1], name="linear")(nn.silu(emb))
-        scale, shift = jnp.split(emb, 2, axis=-1)
-        return _modulate(_layer_norm(x), shift, scale)
-
-
-class FluxAttention(_Layer):
+class FluxAttention(Attention):
     """Multi-head attention with RMS qk-norm and RoPE. `joint` (double-stream blocks): the
     text tokens have their own projections (`add_*_proj`, `norm_added_*`), go first in the
     one softmax, and both streams have an output projection; returns (image out, text out).
     Otherwise (single-stream blocks) the input is the joined sequence and the attended
     values are returned unprojected."""
 
-    heads: int = 1
-    head_dim: int = 1
     joint: bool = False
-    attention_implementation: str | None = None
 
     def setup(self):
-        dim = self.heads * self.head_dim
-        norm = functools.partial(RMSNorm, dtype=self.dtype, param_dtype=self.param_dtype)
+        dim = self.width
+        norm = functools.partial(RMSNorm, **self.dtypes)
         self.to_q, self.to_k, self.to_v = self.dense(dim), self.dense(dim), self.dense(dim)
         self.norm_q, self.norm_k = norm(), norm()
         if self.joint:
@@ -244,9 +170,6 @@ class FluxAttention(_Layer):
             self.add_v_proj = self.dense(dim)
             self.norm_added_q, self.norm_added_k = norm(), norm()
             self.to_add_out = self.dense(dim)
-
-    def _heads(self, x):
-        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
     def __call__(self, hidden_states, rope, context=None):
         query = self.norm_q(self._heads(self.to_q(hidden_states)))
@@ -260,64 +183,23 @@ class FluxAttention(_Layer):
                 [self.norm_added_k(self._heads(self.add_k_proj(context))), key], axis=1
             )
             value = jnp.concatenate([self._heads(self.add_v_proj(context)), value], axis=1)
-        query, key = apply_rope(query, *rope), apply_rope(key, *rope)
-        attended = jax.nn.dot_product_attention(
-            query, key, value, implementation=self.attention_implementation
-        )
-        attended = attended.reshape(*attended.shape[:2], self.heads * self.head_dim)
+        attended = self._attend(apply_rope(query, *rope), apply_rope(key, *rope), value)
         if not self.joint:
             return attended
         text_tokens = context.shape[1]
         return self.to_out_0(attended[:, text_tokens:]), self.to_add_out(attended[:, :text_tokens])
 
 
-class GELUProjection(_Layer):
-    """A dense layer then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`)."""
-
-    features: int = 1
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.gelu(self.dense(self.features, name="proj")(x), approximate=True)
-
-
-class FeedForward(_Layer):
-    """`net_0` (dense to 4x, GELU-tanh) then `net_2` back, as diffusers' Sequential indices."""
-
-    dim: int = 1
-
-    def setup(self):
-        self.net_0 = GELUProjection(
-            features=self.dim * FF_MULT, dtype=self.dtype, param_dtype=self.param_dtype
-        )
-        self.net_2 = self.dense(self.dim)
-
-    def __call__(self, x):
-        return self.net_2(self.net_0(x))
-
-
-class FluxTransformerBlock(_Layer):
+class FluxTransformerBlock(Block):
     """A double-stream block: joint attention of the image and text streams, then a
     feed-forward per stream, each residual gated by AdaLN-zero. Returns (image, text)."""
 
-    dim: int = 1
-    heads: int = 1
-    head_dim: int = 1
-    attention_implementation: str | None = None
-
     def setup(self):
-        layer = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.norm1 = AdaLayerNormZero(**layer)
-        self.norm1_context = AdaLayerNormZero(**layer)
-        self.attn = FluxAttention(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            joint=True,
-            attention_implementation=self.attention_implementation,
-            **layer,
-        )
-        self.ff = FeedForward(dim=self.dim, **layer)
-        self.ff_context = FeedForward(dim=self.dim, **layer)
+        self.norm1 = AdaLayerNormZero(**self.dtypes)
+        self.norm1_context = AdaLayerNormZero(**self.dtypes)
+        self.attn = FluxAttention(joint=True, **self.attention)
+        self.ff = FeedForward(dim=self.dim, **self.dtypes)
+        self.ff_context = FeedForward(dim=self.dim, **self.dtypes)
 
     def __call__(self, hidden_states, context, temb, rope):
         normed, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
@@ -325,35 +207,21 @@ class FluxTransformerBlock(_Layer):
         attn_out, context_attn_out = self.attn(normed, rope, c_normed)
 
         hidden_states = hidden_states + gate[:, None] * attn_out
-        ff_in = _modulate(_layer_norm(hidden_states), shift_mlp, scale_mlp)
-        hidden_states = hidden_states + gate_mlp[:, None] * self.ff(ff_in)
-
+        hidden_states = gated_feed_forward(hidden_states, self.ff, shift_mlp, scale_mlp, gate_mlp)
         context = context + c_gate[:, None] * context_attn_out
-        context_ff_in = _modulate(_layer_norm(context), c_shift_mlp, c_scale_mlp)
-        context = context + c_gate_mlp[:, None] * self.ff_context(context_ff_in)
+        context = gated_feed_forward(context, self.ff_context, c_shift_mlp, c_scale_mlp, c_gate_mlp)
         return hidden_states, context
 
 
-class FluxSingleTransformerBlock(_Layer):
+class FluxSingleTransformerBlock(Block):
     """A single-stream block over the joined [text, image] sequence: attention and a GELU-tanh
     MLP read the same AdaLN-modulated input; `proj_out` mixes both into one gated residual."""
 
-    dim: int = 1
-    heads: int = 1
-    head_dim: int = 1
-    attention_implementation: str | None = None
-
     def setup(self):
-        layer = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.norm = AdaLayerNormZero(chunks=3, **layer)
+        self.norm = AdaLayerNormZero(chunks=3, **self.dtypes)
         self.proj_mlp = self.dense(self.dim * MLP_RATIO)
         self.proj_out = self.dense(self.dim)
-        self.attn = FluxAttention(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            attention_implementation=self.attention_implementation,
-            **layer,
-        )
+        self.attn = FluxAttention(**self.attention)
 
     def __call__(self, tokens, temb, rope):
         normed, gate = self.norm(tokens, temb)
@@ -362,42 +230,7 @@ class FluxSingleTransformerBlock(_Layer):
         return tokens + gate[:, None] * mixed
 
 
-class TimestepEmbedding(_Layer):
-    """dense, SiLU, dense (diffusers' `TimestepEmbedding`, and `PixArtAlphaTextProjection`
-    with `act_fn="silu"`: the same two layers)."""
-
-    dim: int = 1
-
-    def setup(self):
-        self.linear_1 = self.dense(self.dim)
-        self.linear_2 = self.dense(self.dim)
-
-    def __call__(self, x):
-        return self.linear_2(nn.silu(self.linear_1(x)))
-
-
-class CombinedTimestepTextProjEmbeddings(_Layer):
-    """The conditioning vector: embedded timestep (+ embedded guidance with `guidance`) plus
-    the projected pooled text embedding. Timestep and guidance arrive already x1000."""
-
-    dim: int = 1
-    guidance: bool = False
-
-    def setup(self):
-        layer = dict(dim=self.dim, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.timestep_embedder = TimestepEmbedding(**layer)
-        if self.guidance:
-            self.guidance_embedder = TimestepEmbedding(**layer)
-        self.text_embedder = TimestepEmbedding(**layer)
-
-    def __call__(self, timestep, pooled_projections, guidance=None):
-        temb = self.timestep_embedder(timestep_features(timestep))
-        if self.guidance:
-            temb = temb + self.guidance_embedder(timestep_features(guidance))
-        return temb + self.text_embedder(pooled_projections)
-
-
-class FluxTransformer(nn.Module):
+class FluxTransformer(DiT):
     """FLUX.1's transformer: `(hidden_states [B, N_img, in_channels], encoder_hidden_states
     [B, N_txt, joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep
     [B] (sigma in [0, 1]), img_ids [N_img, 3], txt_ids [N_txt, 3], guidance [B] or None) ->
@@ -421,16 +254,7 @@ class FluxTransformer(nn.Module):
     pooled_projection_dim: int = 768
     guidance_embeds: bool = False
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
-    dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
-    # Each block recomputes its forward in the backward pass, so a train step holds one
-    # block's activations and the blocks' inputs, not every block's activations.
-    remat_blocks: bool = False
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def output_channels(self) -> int:
@@ -454,8 +278,7 @@ class FluxTransformer(nn.Module):
                 f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim "
                 f"{self.attention_head_dim}."
             )
-        if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
-            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+        self.check_dtype()
 
     def init_weights(self, rng: jax.Array):
         """Random params, from the smallest input (one image token, one text token)."""
@@ -490,9 +313,8 @@ class FluxTransformer(nn.Module):
             dim=dim, guidance=self.guidance_embeds, **layer
         )
         self.context_embedder = dense(dim)
-        double, single = FluxTransformerBlock, FluxSingleTransformerBlock
-        if self.remat_blocks:
-            double, single = nn.remat(double), nn.remat(single)
+        double = self.block_class(FluxTransformerBlock)
+        single = self.block_class(FluxSingleTransformerBlock)
         self.transformer_blocks = [double(**block) for _ in range(self.num_layers)]
         self.single_transformer_blocks = [single(**block) for _ in range(self.num_single_layers)]
         self.norm_out = AdaLayerNormContinuous(**layer)
@@ -513,11 +335,7 @@ class FluxTransformer(nn.Module):
             [3, 3, 2, 2, 2],
         )
         chex.assert_axis_dimension(hidden_states, 2, self.in_channels)
-        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
-        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
-        chex.assert_equal_shape_prefix(
-            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
-        )
+        self.check_conditioning(hidden_states, encoder_hidden_states, pooled_projections)
         chex.assert_shape(img_ids, (hidden_states.shape[1], ID_AXES))
         chex.assert_shape(txt_ids, (encoder_hidden_states.shape[1], ID_AXES))
         if self.guidance_embeds and guidance is None:
@@ -549,25 +367,10 @@ def _scaled(values, batch: int) -> jax.Array:
     return jnp.broadcast_to(values, (batch,)) * TIMESTEP_SCALE
 
 
-_CONFIG_FIELDS = frozenset(
-    f.name
-    for f in dataclasses.fields(FluxTransformer)
-    if f.name
-    not in ("parent", "name", "dtype", "param_dtype", "attention_implementation", "remat_blocks")
-)
-
-
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> FluxTransformer:
     """The FLUX transformer of a diffusers `transformer/config.json` dict; keys starting with
     `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
     `attention_implementation`, `remat_blocks`). Raises a one-sentence ValueError for keys
     or values this module does not implement."""
-    fields = {k: v for k, v in config.items() if not k.startswith("_")}
-    unknown = sorted(set(fields) - _CONFIG_FIELDS)
-    if unknown:
-        raise ValueError(f"Transformer config keys {unknown} are not supported.")
-    if "axes_dims_rope" in fields:
-        fields["axes_dims_rope"] = tuple(fields["axes_dims_rope"])
-    module = FluxTransformer(**fields, dtype=dtype, **options)
-    module.check()
-    return module
+    axes = {"axes_dims_rope": tuple}
+    return module_from_config(FluxTransformer, config, dtype, options, axes)

@@ -10,6 +10,7 @@ versions or dtypes).
 from __future__ import annotations
 
 from tree_grpo_jax.models.abstract import BuiltinRelease
+from tree_grpo_jax.models.builtin_configs import CLIP_TOKENIZER, clip_l
 
 SD15 = BuiltinRelease(
     hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5",
@@ -57,20 +58,8 @@ SD15 = BuiltinRelease(
             "sample_size": 512,
             "up_block_types": ["UpDecoderBlock2D"] * 4,
         },
-        "text_encoder/config.json": {
-            "architectures": ["CLIPTextModel"],
-            "hidden_act": "quick_gelu",
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "layer_norm_eps": 1e-05,
-            "max_position_embeddings": 77,
-            "model_type": "clip_text_model",
-            "num_attention_heads": 12,
-            "num_hidden_layers": 12,
-            "projection_dim": 768,
-            "vocab_size": 49408,
-        },
-        "tokenizer/tokenizer_config.json": {"model_max_length": 77},
+        "text_encoder/config.json": clip_l("CLIPTextModel", layer_norm_eps=1e-05),
+        "tokenizer/tokenizer_config.json": CLIP_TOKENIZER,
         "scheduler/scheduler_config.json": {
             "_class_name": "PNDMScheduler",
             "beta_end": 0.012,

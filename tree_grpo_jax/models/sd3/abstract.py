@@ -92,9 +92,7 @@ def abstract_sd3(
         name=Path(configs.where).name,
         source=configs.source,
         sample_shape=load.sample_shape(config, sample_size),
-        params=jax.eval_shape(
-            lambda p: cast_floats(p, dtype), load.abstract_params(transformer, config)
-        ),
+        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(
             transformer,
             config.get("joint_attention_dim", 4096),

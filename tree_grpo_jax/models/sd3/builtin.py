@@ -11,6 +11,7 @@ CLIP-G (`text_encoder_2`) and T5-XXL (`text_encoder_3`), with their architecture
 from __future__ import annotations
 
 from tree_grpo_jax.models.abstract import BuiltinRelease
+from tree_grpo_jax.models.builtin_configs import CLIP_TOKENIZER, T5_XXL, clip_l, vae_16_channels
 
 SD35_MEDIUM = BuiltinRelease(
     hub_id="stabilityai/stable-diffusion-3.5-medium",
@@ -31,42 +32,14 @@ SD35_MEDIUM = BuiltinRelease(
             "qk_norm": "rms_norm",
             "sample_size": 128,
         },
-        "vae/config.json": {
-            "_class_name": "AutoencoderKL",
-            "act_fn": "silu",
-            "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "in_channels": 3,
-            "latent_channels": 16,
-            "layers_per_block": 2,
-            "mid_block_add_attention": True,
-            "norm_num_groups": 32,
-            "out_channels": 3,
-            "sample_size": 1024,
-            "scaling_factor": 1.5305,
-            "shift_factor": 0.0609,
-            "up_block_types": ["UpDecoderBlock2D"] * 4,
-            "use_post_quant_conv": False,
-            "use_quant_conv": False,
-        },
+        "vae/config.json": vae_16_channels(scaling_factor=1.5305, shift_factor=0.0609),
         "scheduler/scheduler_config.json": {
             "_class_name": "FlowMatchEulerDiscreteScheduler",
             "num_train_timesteps": 1000,
             "shift": 3.0,
         },
-        "text_encoder/config.json": {  # CLIP-L
-            "architectures": ["CLIPTextModelWithProjection"],
-            "hidden_act": "quick_gelu",
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "max_position_embeddings": 77,
-            "model_type": "clip_text_model",
-            "num_attention_heads": 12,
-            "num_hidden_layers": 12,
-            "projection_dim": 768,
-            "vocab_size": 49408,
-        },
-        "tokenizer/tokenizer_config.json": {"model_max_length": 77},
+        "text_encoder/config.json": clip_l("CLIPTextModelWithProjection"),
+        "tokenizer/tokenizer_config.json": CLIP_TOKENIZER,
         "text_encoder_2/config.json": {  # CLIP-G
             "architectures": ["CLIPTextModelWithProjection"],
             "hidden_act": "gelu",
@@ -79,22 +52,7 @@ SD35_MEDIUM = BuiltinRelease(
             "projection_dim": 1280,
             "vocab_size": 49408,
         },
-        "text_encoder_3/config.json": {  # T5-XXL's encoder
-            "architectures": ["T5EncoderModel"],
-            "d_ff": 10240,
-            "d_kv": 64,
-            "d_model": 4096,
-            "dense_act_fn": "gelu_new",
-            "feed_forward_proj": "gated-gelu",
-            "is_gated_act": True,
-            "layer_norm_epsilon": 1e-06,
-            "model_type": "t5",
-            "num_heads": 64,
-            "num_layers": 24,
-            "relative_attention_max_distance": 128,
-            "relative_attention_num_buckets": 32,
-            "vocab_size": 32128,
-        },
+        "text_encoder_3/config.json": T5_XXL,
     },
 )
 

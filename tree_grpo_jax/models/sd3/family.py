@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import ml_collections
 
 from tree_grpo_jax.models import registry
@@ -29,67 +26,21 @@ def check_options(o) -> str | None:
     return None
 
 
-def recognizes(folder: Path) -> bool:
-    """A folder with `transformer/` whose config names no class but SD3's (other transformer
-    families share the layout)."""
-    transformer = Path(folder) / "transformer"
-    if not transformer.is_dir():
-        return False
-    try:
-        config = json.loads((transformer / "config.json").read_text())
-    except (OSError, ValueError):
-        return True  # no readable config: the export's own checks say what is wrong
-    return not isinstance(config, dict) or config.get("_class_name") in (
-        None,
-        "SD3Transformer2DModel",
-    )
-
-
-def _load(request: registry.LoadRequest):
-    from tree_grpo_jax.models.sd3.load import load_sd3
-
-    o = request.options
-    return load_sd3(
-        request.path,
-        dtype=request.dtype,
-        use_t5=o.use_t5,
-        t5_max_length=o.t5_max_length,
-        sample_size=o.sample_size or None,
-        remat_blocks=request.remat,
-    )
-
-
-def _abstract(request: registry.LoadRequest):
-    from tree_grpo_jax.models.sd3.abstract import abstract_sd3
-
-    o = request.options
-    return abstract_sd3(
-        request.path,
-        dtype=request.dtype,
-        use_t5=o.use_t5,
-        t5_max_length=o.t5_max_length,
-        sample_size=o.sample_size or None,
-        remat_blocks=request.remat,
-    )
-
-
-def _base_denoiser(path: str):
-    from tree_grpo_jax.models.sd3.export import base_denoiser
-
-    return base_denoiser(path)
-
-
-def _base_params(path: str) -> dict:
-    from tree_grpo_jax.models.sd3.export import base_params
-
-    return base_params(path)
-
+# A `transformer/` whose config names no class but SD3's (other transformer families share the
+# layout); an unreadable config is left to the export's own checks to describe.
+recognizes = registry.component_class_is(
+    "transformer", (None, "SD3Transformer2DModel"), unreadable=True
+)
+# The fields of `model.sd3` the loader and the planner take, as keyword arguments.
+LOADER_OPTIONS = ("use_t5", "t5_max_length", "sample_size")
 
 FAMILY = registry.register(
     registry.ModelFamily(
         name="sd3",
         model_names=("sd3",),
-        load=_load,
+        load=registry.path_loader(
+            "tree_grpo_jax.models.sd3.load:load_sd3", LOADER_OPTIONS, remat=True
+        ),
         needs_path=True,
         path_hint="a diffusers-layout Stable Diffusion 3 / 3.5 folder (or a hub id)",
         options=options,
@@ -112,7 +63,9 @@ FAMILY = registry.register(
             "attn/to_add_out",
         ),
         recognizes=recognizes,
-        export=registry.FamilyExport("transformer", _base_denoiser, _base_params),
-        abstract=_abstract,
+        export=registry.deferred_export("transformer", "tree_grpo_jax.models.sd3.export"),
+        abstract=registry.path_loader(
+            "tree_grpo_jax.models.sd3.abstract:abstract_sd3", LOADER_OPTIONS, remat=True
+        ),
     )
 )

@@ -17,27 +17,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, text_encoders
+from tree_grpo_jax.models import autoencoder, components, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
-    TextToImageModel,
-    cast_floats,
 )
 from tree_grpo_jax.models.sd3 import mmdit, text
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.weights import files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
 # 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).
 MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
-_HUB_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+_HUB_PATTERNS = components.PIPELINE_PATTERNS
 _SCHEDULER_FIXED = {
     "use_dynamic_shifting": False,
     "use_karras_sigmas": False,
@@ -69,65 +65,25 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class StableDiffusion3Model(TextToImageModel):
-    """A loaded SD3-family folder."""
-
-    path: Path
-    transformer: Any  # the Flax module `denoise` applies
-    transformer_config: dict
-    vae_config: dict
-    text_encoders: Any  # text.SD3TextEncoders
+class StableDiffusion3Model(components.TransformerModel):
+    """A loaded SD3-family folder; its `text_encoders` are a `text.SD3TextEncoders`."""
 
 
-def abstract_params(module, config: dict):
-    """The transformer's params as ShapeDtypeStructs (nothing is computed)."""
-    patch = config.get("patch_size", 2)
-    x = jnp.zeros((1, config.get("in_channels", 16), 2 * patch, 2 * patch))
-    context = jnp.zeros((1, 1, config.get("joint_attention_dim", 4096)))
-    pooled = jnp.zeros((1, config.get("pooled_projection_dim", 2048)))
-    t = jnp.zeros((1,))
-    init = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, context, pooled, t))
-    return init["params"]
-
-
-def transformer_shapes(module, config: dict) -> dict:
-    """The flat {path: shape} of the transformer's params (nothing is computed)."""
-    return convert.shapes_of(abstract_params(module, config))
-
-
-def transformer_from_config(config: dict, where: Path, dtype, remat_blocks: bool = False):
-    """The MMDiT a `transformer/config.json` describes, checked; `remat_blocks`
-    recomputes each block in the backward pass."""
-    if config.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, not an "
-            f"SD3Transformer2DModel; {POINT}."
-        )
-    try:
-        return mmdit.transformer_module(config, dtype, remat_blocks=remat_blocks)
-    except ValueError as e:
-        raise ModelLoadError(f"{where}: {e}") from None
-
-
-def load_transformer(folder: Path, dtype, remat_blocks: bool = False):
-    """`(module, params, config)` of a `transformer/` folder."""
-    config = files.read_json(folder / "config.json", POINT)
-    module = transformer_from_config(config, folder / "config.json", dtype, remat_blocks)
-    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
-    state = {k: v for k, v in state.items() if k not in mmdit.BUFFERS}
-    params = convert.folder_to_flax(folder, state, transformer_shapes(module, config), POINT)
-    return module, cast_floats(params, dtype), config
+TRANSFORMER = components.Component(
+    folder="transformer",
+    pt_class="SD3Transformer2DModel",
+    build=mmdit.transformer_module,
+    point=POINT,
+    article="an",
+    buffers=mmdit.BUFFERS,
+)
+abstract_params = components.abstract_params
+transformer_from_config = TRANSFORMER.from_config
+load_transformer = TRANSFORMER.load
 
 
 def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
-    if config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
-        "FlowMatchEulerDiscreteScheduler"
-    ):
-        raise ModelLoadError(
-            f"{where} describes a {config.get('_class_name')}, but SD3 folders use "
-            "FlowMatchEulerDiscreteScheduler."
-        )
-    files.check_fixed(config, _SCHEDULER_FIXED, where)
+    components.check_flow_scheduler(config, where, "SD3", _SCHEDULER_FIXED)
     return FlowMatchScheduleConfig(
         shift=float(config.get("shift", 1.0)),
         num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
@@ -137,7 +93,7 @@ def schedule_config(config: dict, where: Path) -> FlowMatchScheduleConfig:
 def make_denoise(module, context_dim: int, pooled_dim: int):
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
-        sequence, pooled = cond[:, :-1, :context_dim], cond[:, -1, :pooled_dim]
+        sequence, pooled = text_encoders.unpack_conditioning(cond, context_dim, pooled_dim)
         return module.apply({"params": params}, x, sequence, pooled, t)
 
     return denoise
@@ -180,12 +136,7 @@ def load_sd3(
     it must fit the transformer's position-embedding grid. `remat_blocks` recomputes each
     transformer block in the backward pass (what `model.remat` asks for).
     """
-    root = files.resolve_folder(path, "model path", POINT, _HUB_PATTERNS)
-    folders = {
-        "transformer": files.component_dir(root, "transformer", ("config.json",), POINT),
-        "vae": files.component_dir(root, "vae", ("config.json",), POINT),
-        "scheduler": files.component_dir(root, "scheduler", ("scheduler_config.json",), POINT),
-    }
+    root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
@@ -201,22 +152,10 @@ def load_sd3(
     )
     pooled_dim = transformer_config.get("pooled_projection_dim", 2048)
 
-    def encode_prompts(prompts: Sequence[str]) -> jax.Array:
-        embeds, pooled = encoders.encode(list(prompts))
-        return text_encoders.pack_conditioning(jnp.asarray(embeds), jnp.asarray(pooled))
-
     def prepare_prompts(prompts: Sequence[str]) -> str:
-        unique = list(dict.fromkeys(prompts))
         if encoders.t5 is None:
             return "T5 is not loaded; prompts are encoded as they come"
-        if len(unique) > MAX_PREPARED_PROMPTS:
-            return (
-                f"{len(unique)} prompts are more than the {MAX_PREPARED_PROMPTS} encoded ahead, "
-                "so T5 stays loaded and encodes prompts as they come"
-            )
-        encoders.precompute(unique)
-        encoders.drop_t5()
-        return f"{len(unique)} prompts encoded ahead; T5 released"
+        return encoders.encode_ahead(prompts, MAX_PREPARED_PROMPTS)
 
     return StableDiffusion3Model(
         name=root.name,
@@ -225,7 +164,7 @@ def load_sd3(
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
-        encode_prompts=encode_prompts,
+        encode_prompts=encoders.conditioning,
         decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,

@@ -19,22 +19,29 @@ default matmul precision; bfloat16 compute is within 1% of float32.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models.dit_layers import (
+    MAX_PERIOD,
+    AdaLayerNormContinuous,
+    AdaLayerNormZero,
+    Attention,
+    Block,
+    CombinedTimestepTextProjEmbeddings,
+    DiT,
+    FeedForward,
+    RMSNorm,
+    gated_feed_forward,
+    module_from_config,
+)
+
 # PyTorch state-dict keys that are fixed buffers, not parameters: drop them when loading.
 BUFFERS = ("pos_embed.pos_embed",)
 QK_NORMS = (None, "rms_norm")
-NORM_EPS = 1e-6
-TIMESTEP_CHANNELS = 256
-FF_MULT = 4
-_MAX_PERIOD = 10000
 
 
 def sincos_position_axes(
@@ -77,128 +84,37 @@ def _join_axes(xnp, row_half, column_half):
 
 
 def _sincos_1d(dim: int, positions: np.ndarray) -> np.ndarray:
-    omega = 1.0 / _MAX_PERIOD ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+    omega = 1.0 / MAX_PERIOD ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
     angles = np.outer(positions.astype(np.float64), omega)
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
 
 
-def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
-    """The float32 frequencies of diffusers' `Timesteps` (no frequency shift): PyTorch's
-    float32 exponents, exponentiated in float64 and rounded, which agrees with PyTorch's
-    float32 `exp` closer than float32 `exp` here does (2 of 128 values one ulp off)."""
-    half = channels // 2
-    exponents = np.float32(-math.log(_MAX_PERIOD)) * np.arange(half, dtype=np.float32)
-    exponents = exponents / np.float32(half)
-    return np.exp(exponents.astype(np.float64)).astype(np.float32)
-
-
-def timestep_features(timestep: jax.Array, channels: int = TIMESTEP_CHANNELS) -> jax.Array:
-    """[B] -> [B, channels] float32: cos then sin (`flip_sin_to_cos=True`)."""
-    angles = timestep.astype(jnp.float32)[:, None] * jnp.asarray(timestep_frequencies(channels))
-    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
-
-
-def _layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
-    """LayerNorm without affine parameters; statistics in float32 (two-pass variance)."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-def _modulate(normed: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-    return normed * (1 + scale[:, None]) + shift[:, None]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last axis with a learned scale (diffusers' `RMSNorm` weight)."""
-
-    eps: float = NORM_EPS
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale).astype(self.dtype)
-
-
-class AdaLayerNormZero(nn.Module):
-    """LayerNorm modulated by the conditioning: 6 chunks (shift, scale, gate for the
-    attention and for the MLP), or 9 with `dual` (SD3.5's `SD35AdaLayerNormZeroX`: a second
-    shift, scale, gate for the image-only attention).
-
-    Returns the modulated input, the remaining chunks as diffusers orders them and, with
-    `dual`, the input modulated for the second attention."""
-
-    dual: bool = False
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, emb):
-        chunks = 9 if self.dual else 6
-        emb = nn.Dense(chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb))
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp, *second = jnp.split(
-            emb, chunks, axis=-1
-        )
-        normed = _layer_norm(x)
-        out = (_modulate(normed, shift, scale), gate, shift_mlp, scale_mlp, gate_mlp)
-        if not self.dual:
-            return out
-        shift2, scale2, gate2 = second
-        return (*out, _modulate(normed, shift2, scale2), gate2)
-
-
-class AdaLayerNormContinuous(nn.Module):
-    """LayerNorm modulated by the conditioning, with no gates; diffusers' chunk order is
-    (scale, shift), the reverse of the AdaLN-zero layers'."""
-
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, emb):
-        emb = nn.Dense(2 * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb))
-        scale, shift = jnp.split(emb, 2, axis=-1)
-        return _modulate(_layer_norm(x), shift, scale)
-
-
-class JointAttention(nn.Module):
+class JointAttention(Attention):
     """Multi-head attention over the image tokens, joined by the text tokens when
     `with_context` (their own projections `add_*_proj`, concatenated after the image tokens,
     one softmax over both). Returns (image output, text output); the text output is None
     without context, and the raw attended text tokens without `context_output`
     (`to_add_out`, absent in the last block, whose text stream is not used again)."""
 
-    heads: int
-    head_dim: int
     qk_norm: bool = False
     with_context: bool = False
     context_output: bool = False
-    dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
 
     def setup(self):
-        dim = self.heads * self.head_dim
-        self.to_q = nn.Dense(dim, dtype=self.dtype)
-        self.to_k = nn.Dense(dim, dtype=self.dtype)
-        self.to_v = nn.Dense(dim, dtype=self.dtype)
-        self.to_out_0 = nn.Dense(dim, dtype=self.dtype)
+        dim = self.width
+        self.to_q, self.to_k, self.to_v = self.dense(dim), self.dense(dim), self.dense(dim)
+        self.to_out_0 = self.dense(dim)
         if self.qk_norm:
-            self.norm_q = RMSNorm(dtype=self.dtype)
-            self.norm_k = RMSNorm(dtype=self.dtype)
+            self.norm_q, self.norm_k = RMSNorm(**self.dtypes), RMSNorm(**self.dtypes)
         if self.with_context:
-            self.add_q_proj = nn.Dense(dim, dtype=self.dtype)
-            self.add_k_proj = nn.Dense(dim, dtype=self.dtype)
-            self.add_v_proj = nn.Dense(dim, dtype=self.dtype)
+            self.add_q_proj = self.dense(dim)
+            self.add_k_proj = self.dense(dim)
+            self.add_v_proj = self.dense(dim)
             if self.qk_norm:
-                self.norm_added_q = RMSNorm(dtype=self.dtype)
-                self.norm_added_k = RMSNorm(dtype=self.dtype)
+                self.norm_added_q = RMSNorm(**self.dtypes)
+                self.norm_added_k = RMSNorm(**self.dtypes)
             if self.context_output:
-                self.to_add_out = nn.Dense(dim, dtype=self.dtype)
-
-    def _heads(self, x):
-        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+                self.to_add_out = self.dense(dim)
 
     def __call__(self, hidden_states, context=None):
         query = self._heads(self.to_q(hidden_states))
@@ -216,10 +132,7 @@ class JointAttention(nn.Module):
             query = jnp.concatenate([query, context_query], axis=1)
             key = jnp.concatenate([key, context_key], axis=1)
             value = jnp.concatenate([value, context_value], axis=1)
-        attended = jax.nn.dot_product_attention(
-            query, key, value, implementation=self.attention_implementation
-        )
-        attended = attended.reshape(*attended.shape[:2], self.heads * self.head_dim)
+        attended = self._attend(query, key, value)
         image_tokens = hidden_states.shape[1]
         image_out = self.to_out_0(attended[:, :image_tokens])
         if not self.with_context:
@@ -230,53 +143,17 @@ class JointAttention(nn.Module):
         return image_out, context_out
 
 
-class GELUProjection(nn.Module):
-    """A dense layer then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`)."""
-
-    features: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.gelu(nn.Dense(self.features, dtype=self.dtype, name="proj")(x), approximate=True)
-
-
-class FeedForward(nn.Module):
-    """`net_0` (dense to 4x, GELU-tanh) then `net_2` back, as diffusers' Sequential indices."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        self.net_0 = GELUProjection(self.dim * FF_MULT, dtype=self.dtype)
-        self.net_2 = nn.Dense(self.dim, dtype=self.dtype)
-
-    def __call__(self, x):
-        return self.net_2(self.net_0(x))
-
-
-class JointTransformerBlock(nn.Module):
+class JointTransformerBlock(Block):
     """One MMDiT block: joint attention of the image and text streams, then a feed-forward
     per stream, each gated by AdaLN-zero. With `context_pre_only` (the last block) the text
     stream only feeds the attention and None is returned in its place."""
 
-    dim: int
-    heads: int
-    head_dim: int
     context_pre_only: bool = False
     qk_norm: bool = False
     dual_attention: bool = False
-    dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
 
     def setup(self):
-        attention = dict(
-            heads=self.heads,
-            head_dim=self.head_dim,
-            qk_norm=self.qk_norm,
-            dtype=self.dtype,
-            attention_implementation=self.attention_implementation,
-        )
+        attention = dict(qk_norm=self.qk_norm, **self.attention)
         self.norm1 = AdaLayerNormZero(dual=self.dual_attention, dtype=self.dtype)
         if self.context_pre_only:
             self.norm1_context = AdaLayerNormContinuous(dtype=self.dtype)
@@ -287,9 +164,9 @@ class JointTransformerBlock(nn.Module):
         )
         if self.dual_attention:
             self.attn2 = JointAttention(**attention)
-        self.ff = FeedForward(self.dim, dtype=self.dtype)
+        self.ff = FeedForward(dim=self.dim, dtype=self.dtype)
         if not self.context_pre_only:
-            self.ff_context = FeedForward(self.dim, dtype=self.dtype)
+            self.ff_context = FeedForward(dim=self.dim, dtype=self.dtype)
 
     def __call__(self, hidden_states, context, temb):
         if self.dual_attention:
@@ -310,14 +187,12 @@ class JointTransformerBlock(nn.Module):
         if self.dual_attention:
             attn2_out, _ = self.attn2(normed2)
             hidden_states = hidden_states + gate2[:, None] * attn2_out
-        ff_in = _modulate(_layer_norm(hidden_states), shift_mlp, scale_mlp)
-        hidden_states = hidden_states + gate_mlp[:, None] * self.ff(ff_in)
+        hidden_states = gated_feed_forward(hidden_states, self.ff, shift_mlp, scale_mlp, gate_mlp)
 
         if self.context_pre_only:
             return hidden_states, None
         context = context + c_gate[:, None] * context_attn_out
-        context_ff_in = _modulate(_layer_norm(context), c_shift_mlp, c_scale_mlp)
-        context = context + c_gate_mlp[:, None] * self.ff_context(context_ff_in)
+        context = gated_feed_forward(context, self.ff_context, c_shift_mlp, c_scale_mlp, c_gate_mlp)
         return hidden_states, context
 
 
@@ -356,38 +231,7 @@ class PatchEmbed(nn.Module):
         return (tokens + self.cropped_table(rows, columns)).astype(tokens.dtype)
 
 
-class TimestepEmbedding(nn.Module):
-    """dense, SiLU, dense (diffusers' `TimestepEmbedding`, and `PixArtAlphaTextProjection`
-    with `act_fn="silu"`: the same two layers)."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        self.linear_1 = nn.Dense(self.dim, dtype=self.dtype)
-        self.linear_2 = nn.Dense(self.dim, dtype=self.dtype)
-
-    def __call__(self, x):
-        return self.linear_2(nn.silu(self.linear_1(x)))
-
-
-class CombinedTimestepTextProjEmbeddings(nn.Module):
-    """The conditioning vector: embedded timestep plus projected pooled text embedding."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        self.timestep_embedder = TimestepEmbedding(self.dim, dtype=self.dtype)
-        self.text_embedder = TimestepEmbedding(self.dim, dtype=self.dtype)
-
-    def __call__(self, timestep, pooled_projections):
-        return self.timestep_embedder(timestep_features(timestep)) + self.text_embedder(
-            pooled_projections
-        )
-
-
-class SD3Transformer(nn.Module):
+class SD3Transformer(DiT):
     """SD3 / SD3.5's MMDiT: `(hidden_states [B, C, H, W], encoder_hidden_states [B, T,
     joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B] in
     0..1000) -> [B, out_channels, H, W]`, in the compute `dtype` (params stay float32).
@@ -409,15 +253,6 @@ class SD3Transformer(nn.Module):
     pos_embed_max_size: int | None = 96
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
-    dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
-    # Each block recomputes its forward in the backward pass, so a train step holds one
-    # block's activations and the blocks' inputs, not every block's activations.
-    remat_blocks: bool = False
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def output_channels(self) -> int:
@@ -436,8 +271,7 @@ class SD3Transformer(nn.Module):
                 f"caption_projection_dim {self.caption_projection_dim} differs from the model "
                 f"width num_attention_heads * attention_head_dim = {self.inner_dim}."
             )
-        if self.jnp_dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+        self.check_dtype()
 
     @property
     def jnp_dtype(self):
@@ -461,9 +295,9 @@ class SD3Transformer(nn.Module):
             base_size=self.sample_size // self.patch_size,
             dtype=self.dtype,
         )
-        self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim, dtype=self.dtype)
+        self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim=dim, dtype=self.dtype)
         self.context_embedder = nn.Dense(self.caption_projection_dim, dtype=self.dtype)
-        block = nn.remat(JointTransformerBlock) if self.remat_blocks else JointTransformerBlock
+        block = self.block_class(JointTransformerBlock)
         self.transformer_blocks = [
             block(
                 dim=dim,
@@ -483,12 +317,8 @@ class SD3Transformer(nn.Module):
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         chex.assert_rank([hidden_states, encoder_hidden_states, pooled_projections], [4, 3, 2])
         chex.assert_axis_dimension(hidden_states, 1, self.in_channels)
-        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
-        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
+        self.check_conditioning(hidden_states, encoder_hidden_states, pooled_projections)
         batch, _, height, width = hidden_states.shape
-        chex.assert_equal_shape_prefix(
-            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
-        )
         patch = self.patch_size
         if height % patch or width % patch:
             raise ValueError(f"Latents {height}x{width} are not a multiple of the patch {patch}.")
@@ -506,24 +336,10 @@ class SD3Transformer(nn.Module):
         return jnp.einsum("nhwpqc->nchpwq", tokens).reshape(batch, channels, height, width)
 
 
-_CONFIG_FIELDS = frozenset(
-    f.name
-    for f in dataclasses.fields(SD3Transformer)
-    if f.name not in ("parent", "name", "dtype", "attention_implementation", "remat_blocks")
-)
-
-
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> SD3Transformer:
     """The MMDiT of a diffusers `transformer/config.json` dict; keys starting with `_` are
     metadata and ignored, `options` set the non-config fields (`attention_implementation`,
     `remat_blocks`).
     Raises a one-sentence ValueError for keys or values this module does not implement."""
-    fields = {k: v for k, v in config.items() if not k.startswith("_")}
-    unknown = sorted(set(fields) - _CONFIG_FIELDS)
-    if unknown:
-        raise ValueError(f"Transformer config keys {unknown} are not supported.")
-    if "dual_attention_layers" in fields:
-        fields["dual_attention_layers"] = tuple(fields["dual_attention_layers"] or ())
-    module = SD3Transformer(**fields, dtype=dtype, **options)
-    module.check()
-    return module
+    layers = {"dual_attention_layers": lambda layers: tuple(layers or ())}
+    return module_from_config(SD3Transformer, config, dtype, options, layers)

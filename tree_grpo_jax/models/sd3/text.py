@@ -96,16 +96,12 @@ class SD3TextEncoders(text_encoders.PromptCache):
     def sequence_length(self) -> int:
         return self.clip_l.max_length + self.t5_max_length
 
+    @property
+    def needs_t5(self) -> bool:
+        return self.use_t5
+
     def _compute(self, prompts: list[str]) -> None:
-        if prompts and self.use_t5 and self.t5 is None:
-            more = f" (and {len(prompts) - 1} more)" if len(prompts) > 1 else ""
-            raise ValueError(
-                f"the prompt {prompts[0]!r}{more} is not cached and T5 was dropped, so it "
-                "cannot be encoded; precompute every prompt before calling drop_t5()."
-            )
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            padded = chunk + [""] * (self.batch_size - len(chunk))
+        for chunk, padded in self._batches(prompts):
             hidden_l, pooled_l = self.clip_l(padded)
             hidden_g, pooled_g = self.clip_g(padded)
             clip = np.concatenate([np.asarray(hidden_l), np.asarray(hidden_g)], axis=-1)
@@ -117,10 +113,7 @@ class SD3TextEncoders(text_encoders.PromptCache):
     def encode(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """prompts -> (prompt_embeds [B, 77 + t5_max_length, width], pooled [B, pooled_dim]),
         float32 numpy, as `StableDiffusion3Pipeline.encode_prompt` computes them."""
-        if isinstance(prompts, str):
-            raise TypeError("encode takes a list of prompts, not one string.")
-        prompts = list(prompts)
-        self.precompute(prompts)
+        prompts = self._cached(prompts)
         embeds = np.zeros((len(prompts), self.sequence_length, self.width), np.float32)
         pooled = np.zeros((len(prompts), self.pooled_dim), np.float32)
         clip_length = self.clip_l.max_length

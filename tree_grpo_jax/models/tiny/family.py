@@ -8,23 +8,6 @@ from tree_grpo_jax.models import registry
 from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
 
 
-def _rewards() -> dict:
-    from tree_grpo_jax.models.tiny import rewards
-
-    on_host = False  # JAX-native: they run next to the rollout
-    return {
-        "digit_alignment": (rewards.digit_alignment, on_host),
-        "digit_probability": (rewards.digit_probability, on_host),
-        "digit_accuracy": (rewards.digit_accuracy, on_host),
-    }
-
-
-def _image_features():
-    from tree_grpo_jax.models.tiny.classifier import digit_features
-
-    return digit_features
-
-
 def _kind(request: registry.LoadRequest) -> str:
     return "flow" if request.name.endswith("flow") else "ddim"
 
@@ -52,9 +35,9 @@ FAMILY = registry.register(
         # its UNet is SD's in miniature: the same attention projections
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         prompt_sets={"digits": DIGIT_PROMPTS},
-        rewards=_rewards,
+        rewards=registry.deferred("tree_grpo_jax.models.tiny.rewards:REWARDS"),
         abstract=_abstract,
-        image_features=_image_features,
+        image_features=registry.deferred("tree_grpo_jax.models.tiny.classifier:digit_features"),
         # the package's default run: the embedded DDIM model on its digits, a few minutes on
         # a laptop CPU
         default_run={

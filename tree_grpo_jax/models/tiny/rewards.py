@@ -40,3 +40,12 @@ def digit_accuracy(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
     """1.0 where the classifier's top class is the prompted digit, else 0.0, `[B]`."""
     predicted = jnp.argmax(digit_log_probs(images), axis=-1)
     return (predicted == prompt_labels(prompts, images.shape[0])).astype(jnp.float32)
+
+
+# The family's rewards for the reward registry: name -> (reward, on_host); JAX-native, so
+# none runs on the host.
+REWARDS = {
+    "digit_alignment": (digit_alignment, False),
+    "digit_probability": (digit_probability, False),
+    "digit_accuracy": (digit_accuracy, False),
+}

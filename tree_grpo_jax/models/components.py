@@ -1,0 +1,138 @@
+"""What the transformer families' pipelines share: a family's trainable diffusers component
+(SD3's or FLUX's `transformer/`) read from and exported to a pipeline folder (the class-name
+check, the module built from its `config.json`, its PyTorch safetensors converted to Flax
+params in numpy, the `models.export.Denoiser` that writes it back), the loaded model's
+record and the flow-matching scheduler's check.
+
+A family declares one `Component` with its own names; the reading, checking and writing is
+here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models import export
+from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
+from tree_grpo_jax.weights import convert, files
+
+# What a hub download of a diffusers pipeline needs: configs, tokenizers, safetensors.
+PIPELINE_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
+FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class TransformerModel(TextToImageModel):
+    """A loaded pipeline folder whose denoiser is a transformer."""
+
+    path: Path  # the local folder (a hub id resolved to its snapshot)
+    transformer: Any  # the Flax module `denoise` applies
+    transformer_config: dict
+    vae_config: dict
+    text_encoders: Any  # the family's `text_encoders.PromptCache`
+
+
+def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:
+    """A `scheduler_config.json` of diffusers' flow-matching Euler scheduler, with the values
+    `fixed` that the family's sigmas assume; one sentence naming the `family` otherwise."""
+    if config.get("_class_name", FLOW_SCHEDULER) != FLOW_SCHEDULER:
+        raise ModelLoadError(
+            f"{where} describes a {config.get('_class_name')}, but {family} folders use "
+            f"{FLOW_SCHEDULER}."
+        )
+    files.check_fixed(config, fixed, where)
+
+
+def abstract_params(module) -> dict:
+    """A module's params as ShapeDtypeStructs (nothing is computed); the module says its
+    smallest input in `init_weights(rng)`."""
+    return jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """A pipeline folder's trainable component, as a family builds and exports it."""
+
+    folder: str  # the pipeline's sub-folder, e.g. "transformer"
+    pt_class: str  # diffusers' PyTorch class, the config's `_class_name`
+    # (config, dtype, **options) -> the checked Flax module; ValueError for what it lacks
+    build: Callable
+    point: str  # what the user should do, ending every error sentence
+    article: str = "a"  # "a" or "an", before `pt_class` in a sentence
+    hub_patterns: Sequence[str] = tuple(PIPELINE_PATTERNS)
+    buffers: tuple[str, ...] = ()  # state-dict keys that are fixed buffers, not params
+    list_names: frozenset = convert.DIFFUSERS_LIST_NAMES  # Flax `name_N` <-> PyTorch `name.N`
+
+    def from_config(self, config: dict, where: Path, dtype, remat_blocks: bool = False):
+        """The module `config` describes, checked; `remat_blocks` recomputes each block in
+        the backward pass."""
+        if config.get("_class_name", self.pt_class) != self.pt_class:
+            raise ModelLoadError(
+                f"{where} describes a {config.get('_class_name')}, not {self.article} "
+                f"{self.pt_class}; {self.point}."
+            )
+        try:
+            return self.build(config, dtype, remat_blocks=remat_blocks)
+        except ValueError as e:
+            raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {self.point}.") from None
+
+    def load(self, folder: Path, dtype, remat_blocks: bool = False):
+        """`(module, params, config)` of the component's folder, params cast to `dtype`."""
+        config = files.read_json(folder / "config.json", self.point)
+        module = self.from_config(config, folder / "config.json", dtype, remat_blocks)
+        state = files.read_weights(folder, "diffusion_pytorch_model", self.point)
+        state = {k: v for k, v in state.items() if k not in self.buffers}
+        shapes = convert.shapes_of(abstract_params(module))
+        params = convert.folder_to_flax(folder, state, shapes, self.point)
+        return module, cast_floats(params, dtype), config
+
+    def resolve(self, model_path: str) -> Path:
+        """The pipeline folder of a local path or hub id."""
+        return files.resolve_folder(model_path, "model path", self.point, self.hub_patterns)
+
+    def pipeline(self, model_path: str) -> tuple[Path, dict[str, Path]]:
+        """The pipeline folder of a local path or hub id, and its folders of this component,
+        `vae` and `scheduler`, each checked to hold its config."""
+        root = self.resolve(model_path)
+        configs = {self.folder: "config.json", "vae": "config.json"}
+        configs["scheduler"] = "scheduler_config.json"
+        return root, {
+            name: files.component_dir(root, name, (config,), self.point)
+            for name, config in configs.items()
+        }
+
+    def denoiser(self, config: dict) -> export.Denoiser:
+        """What `models.export` writes for params of this component's `config`."""
+        try:
+            module = self.build(config, jnp.float32)
+        except ValueError as e:
+            raise ModelLoadError(f"the {self.folder} config cannot be exported: {e}") from None
+        return export.Denoiser(
+            component=self.folder,
+            pt_class=self.pt_class,
+            config=config,
+            reference=convert.shapes_of(abstract_params(module)),
+            list_names=self.list_names,
+        )
+
+    def base_denoiser(self, base_model_path: str) -> tuple[Path, export.Denoiser]:
+        """The base folder and its component, checked (one sentence if unusable)."""
+        base = self.resolve(base_model_path)
+        config_file = base / self.folder / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(
+                f"model folder {base} has no {self.folder}/config.json to export against."
+            )
+        return base, self.denoiser(files.read_json(config_file, self.point))
+
+    def base_params(self, base_model_path: str) -> dict:
+        """The base folder's component weights in float32 (a LoRA export with --merge adds
+        to them)."""
+        folder = self.resolve(base_model_path) / self.folder
+        return self.load(folder, jnp.float32)[1]

@@ -1,0 +1,288 @@
+"""The layers diffusion transformers (DiTs) share, in Flax, computing what diffusers' PyTorch
+layers of the same names compute: LayerNorm without affine parameters, AdaLN(-zero)
+modulation, RMSNorm, the GELU-tanh feed-forward, the sinusoidal timestep features and their
+embedding, and the parts every attention layer has (the head split, the fused product).
+
+Attribute names are diffusers' with list indices merged (`ff/net_0/proj`), so a family's
+model built from these keeps the param tree its weight conversion expects. Norms and the
+timestep features are computed in float32 and rounded to the compute `dtype`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NORM_EPS = 1e-6
+TIMESTEP_CHANNELS = 256
+FF_MULT = 4
+MAX_PERIOD = 10000
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
+# Module fields that are run-time choices, not diffusers `config.json` keys.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_implementation", "remat_blocks")
+
+
+def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
+    """[channels / 2] float32 frequencies of diffusers' `Timesteps` (no frequency shift):
+    PyTorch's float32 exponents, exponentiated in float64 and rounded, which lands on
+    PyTorch's float32 `exp` more often than XLA's float32 `exp` does."""
+    half = channels // 2
+    exponents = np.float32(-math.log(MAX_PERIOD)) * np.arange(half, dtype=np.float32)
+    exponents = exponents / np.float32(half)
+    return np.exp(exponents.astype(np.float64)).astype(np.float32)
+
+
+def timestep_features(values: jax.Array, channels: int = TIMESTEP_CHANNELS) -> jax.Array:
+    """[B] -> [B, channels] float32 sinusoidal features: cos then sin (`flip_sin_to_cos`)."""
+    angles = values.astype(jnp.float32)[:, None] * jnp.asarray(timestep_frequencies(channels))
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+def layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
+    """LayerNorm without affine parameters; statistics in float32 (two-pass variance)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def modulate(normed: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    return normed * (1 + scale[:, None]) + shift[:, None]
+
+
+def gated_feed_forward(x, feed_forward: Callable, shift, scale, gate) -> jax.Array:
+    """The MLP half of an AdaLN-zero block: x plus the gated feed-forward of its modulated
+    norm."""
+    return x + gate[:, None] * feed_forward(modulate(layer_norm(x), shift, scale))
+
+
+class Layer(nn.Module):
+    """Base of the layers below: the compute and parameter dtypes, and a Dense using them."""
+
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def dense(self):
+        return functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    @property
+    def dtypes(self) -> dict:
+        """This layer's dtypes, as keyword arguments for its sub-layers."""
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+class RMSNorm(Layer):
+    """RMSNorm over the last axis with a learned scale (diffusers' `RMSNorm` weight)."""
+
+    eps: float = NORM_EPS
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class AdaLayerNormZero(Layer):
+    """LayerNorm modulated by the conditioning: `chunks` of it, (shift, scale) then the rest
+    in diffusers' order (6 for a joint block's gate, shift_mlp, scale_mlp, gate_mlp; 3 for a
+    gate alone). Returns (modulated x, *rest).
+
+    `dual` (SD3.5's `SD35AdaLayerNormZeroX`) takes 9 chunks: the last three (shift, scale,
+    gate) modulate a second copy of the norm, returned in their place."""
+
+    chunks: int = 6
+    dual: bool = False
+
+    @nn.compact
+    def __call__(self, x, emb):
+        chunks = 9 if self.dual else self.chunks
+        emb = self.dense(chunks * x.shape[-1], name="linear")(nn.silu(emb))
+        shift, scale, *rest = jnp.split(emb, chunks, axis=-1)
+        normed = layer_norm(x)
+        if not self.dual:
+            return (modulate(normed, shift, scale), *rest)
+        *rest, shift2, scale2, gate2 = rest
+        return (modulate(normed, shift, scale), *rest, modulate(normed, shift2, scale2), gate2)
+
+
+class AdaLayerNormContinuous(Layer):
+    """LayerNorm modulated by the conditioning, with no gates; diffusers' chunk order is
+    (scale, shift), the reverse of the AdaLN-zero layers'."""
+
+    @nn.compact
+    def __call__(self, x, emb):
+        emb = self.dense(2 * x.shape[-1], name="linear")(nn.silu(emb))
+        scale, shift = jnp.split(emb, 2, axis=-1)
+        return modulate(layer_norm(x), shift, scale)
+
+
+class Attention(Layer):
+    """Base of the attention layers: the head split and the fused product, whose
+    `attention_implementation` goes to `jax.nn.dot_product_attention` (None: XLA)."""
+
+    heads: int = 1
+    head_dim: int = 1
+    attention_implementation: str | None = None
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+
+    def _attend(self, query, key, value):
+        """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]."""
+        attended = jax.nn.dot_product_attention(
+            query, key, value, implementation=self.attention_implementation
+        )
+        return attended.reshape(*attended.shape[:2], self.width)
+
+
+class GELUProjection(Layer):
+    """A dense layer then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`)."""
+
+    features: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(self.dense(self.features, name="proj")(x), approximate=True)
+
+
+class FeedForward(Layer):
+    """`net_0` (dense to 4x, GELU-tanh) then `net_2` back, as diffusers' Sequential indices."""
+
+    dim: int = 1
+
+    def setup(self):
+        self.net_0 = GELUProjection(features=self.dim * FF_MULT, **self.dtypes)
+        self.net_2 = self.dense(self.dim)
+
+    def __call__(self, x):
+        return self.net_2(self.net_0(x))
+
+
+class TimestepEmbedding(Layer):
+    """dense, SiLU, dense (diffusers' `TimestepEmbedding`, and `PixArtAlphaTextProjection`
+    with `act_fn="silu"`: the same two layers)."""
+
+    dim: int = 1
+
+    def setup(self):
+        self.linear_1 = self.dense(self.dim)
+        self.linear_2 = self.dense(self.dim)
+
+    def __call__(self, x):
+        return self.linear_2(nn.silu(self.linear_1(x)))
+
+
+class CombinedTimestepTextProjEmbeddings(Layer):
+    """The conditioning vector: embedded timestep (+ embedded guidance with `guidance`) plus
+    the projected pooled text embedding; timestep and guidance as the model's forward scales
+    them."""
+
+    dim: int = 1
+    guidance: bool = False
+
+    def setup(self):
+        self.timestep_embedder = TimestepEmbedding(dim=self.dim, **self.dtypes)
+        if self.guidance:
+            self.guidance_embedder = TimestepEmbedding(dim=self.dim, **self.dtypes)
+        self.text_embedder = TimestepEmbedding(dim=self.dim, **self.dtypes)
+
+    def __call__(self, timestep, pooled_projections, guidance=None):
+        temb = self.timestep_embedder(timestep_features(timestep))
+        if self.guidance:
+            temb = temb + self.guidance_embedder(timestep_features(guidance))
+        return temb + self.text_embedder(pooled_projections)
+
+
+class Block(Layer):
+    """Base of the transformer blocks: width and heads, and their attention's options."""
+
+    dim: int = 1
+    heads: int = 1
+    head_dim: int = 1
+    attention_implementation: str | None = None
+
+    @property
+    def attention(self) -> dict:
+        """The keyword arguments of this block's `Attention` layers."""
+        return dict(
+            heads=self.heads,
+            head_dim=self.head_dim,
+            attention_implementation=self.attention_implementation,
+            **self.dtypes,
+        )
+
+
+class DiT(nn.Module):
+    """Base of a whole diffusion transformer: its run-time fields (not `config.json` keys)
+    and what the families' configs share (`num_attention_heads`, `attention_head_dim`,
+    `in_channels`, `joint_attention_dim`, `pooled_projection_dim`)."""
+
+    dtype: jnp.dtype = jnp.float32
+    attention_implementation: str | None = None
+    # Each block recomputes its forward in the backward pass, so a train step holds one
+    # block's activations and the blocks' inputs, not every block's activations.
+    remat_blocks: bool = False
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    def check_dtype(self) -> None:
+        if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
+            raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
+
+    def block_class(self, block):
+        """`block`, recomputed in the backward pass with `remat_blocks`."""
+        return nn.remat(block) if self.remat_blocks else block
+
+    def check_conditioning(self, hidden_states, encoder_hidden_states, pooled_projections):
+        """The text inputs' widths, and one batch for all three inputs."""
+        chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
+        chex.assert_axis_dimension(pooled_projections, 1, self.pooled_projection_dim)
+        chex.assert_equal_shape_prefix(
+            [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
+        )
+
+
+def config_fields(module_class) -> frozenset:
+    """The fields of a model class that are `config.json` keys."""
+    skip = ("parent", "name", *RUNTIME_FIELDS)
+    return frozenset(f.name for f in dataclasses.fields(module_class) if f.name not in skip)
+
+
+def module_from_config(
+    module_class,
+    config: dict,
+    dtype,
+    options: Mapping,
+    converters: Mapping[str, Callable] | None = None,
+):
+    """`module_class` built from a diffusers `config.json` dict (keys starting with `_` are
+    metadata and ignored; `converters` turn JSON lists into the fields' tuples) and the
+    run-time `options`, then checked. Raises a one-sentence ValueError for keys or values
+    the module does not implement."""
+    fields = {k: v for k, v in config.items() if not k.startswith("_")}
+    unknown = sorted(set(fields) - config_fields(module_class))
+    if unknown:
+        raise ValueError(f"Transformer config keys {unknown} are not supported.")
+    for key, convert in (converters or {}).items():
+        if key in fields:
+            fields[key] = convert(fields[key])
+    module = module_class(**fields, dtype=dtype, **options)
+    module.check()
+    return module
