@@ -53,8 +53,9 @@ setup(
             "peft>=0.13",
             "nbclient>=0.10",  # runs notebooks/quickstart.ipynb headless
             "ipykernel>=6",
-            # tests/test_imagereward.py compares with the image-reward package (1.5), which is
-            # not listed: it pins timm==0.6.13, which open-clip-torch 3 refuses (timm>=1.0.17).
+            # tests/parity/test_imagereward.py compares with the image-reward package (1.5),
+            # which is not listed: it pins timm==0.6.13, which open-clip-torch 3 refuses
+            # (timm>=1.0.17).
             # Its model code runs with timm 1.x; install it beside the extra with
             # `pip install --no-deps image-reward==1.5 fairscale==0.4.13`, as the README's test
             # line and CI do.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sd_fixtures import _MERGES, _perturb, _vocab
+from sd_fixtures import MERGES, make_vocab, perturb
 
 VISION = dict(
     hidden_size=32,
@@ -36,9 +36,9 @@ def make_clip_folder(path, *, projection_dim=16, hidden_act="gelu", seed=0, logi
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab = _vocab()
+    vocab = make_vocab()
     (path / "vocab.json").write_text(json.dumps(vocab))
-    (path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(_MERGES) + "\n")
+    (path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
     tokenizer = CLIPTokenizer(
         str(path / "vocab.json"),
         str(path / "merges.txt"),
@@ -64,7 +64,7 @@ def make_clip_folder(path, *, projection_dim=16, hidden_act="gelu", seed=0, logi
     )
     torch.manual_seed(seed)
     model = CLIPModel(config)
-    _perturb(model, torch.Generator().manual_seed(seed))
+    perturb(model, torch.Generator().manual_seed(seed))
     model.eval().save_pretrained(path, safe_serialization=True)
     return path, model
 

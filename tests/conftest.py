@@ -1,7 +1,11 @@
 """Session-wide test settings: XLA's optimization level, one persistent compilation cache,
-the tiny random SD folder (written with PyTorch) and its loaded model shared by the SD
-loading and export tests, and, under CI, a failure for every test skipped for a missing
-package (ci_imports.py)."""
+the tiny random SD1.5, SD3 and FLUX folders (written with PyTorch once per session and never
+written into: a test that breaks one breaks a copy), the loaded SD1.5 model, and, under CI, a
+failure for every test skipped for a missing package (ci_imports.py).
+
+The tests are in three folders: unit/ (one module's maths or checks against an independent
+reference), parity/ (our Flax models, converters and exports against the PyTorch releases
+built tiny and random), integration/ (runs, commands, processes and files end to end)."""
 
 import os
 
@@ -22,6 +26,22 @@ def sd_folder(tmp_path_factory):
     from sd_fixtures import make_tiny_sd_folder
 
     return make_tiny_sd_folder(tmp_path_factory.mktemp("tiny_sd"))
+
+
+@pytest.fixture(scope="session")
+def sd3_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from sd3_fixtures import make_tiny_sd3_folder
+
+    return make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3"))
+
+
+@pytest.fixture(scope="session")
+def flux_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from flux_fixtures import make_tiny_flux_folder
+
+    return make_tiny_flux_folder(tmp_path_factory.mktemp("tiny_flux"))
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from sd3_fixtures import _MERGES, _WORDS, _clip_vocab
-from sd_fixtures import _perturb
+from sd3_fixtures import MERGES, WORDS, clip_vocab
+from sd_fixtures import perturb
 
 T5_WIDTH = 32  # the tiny T5's d_model, standing in for FLUX's joint_attention_dim 4096
 CLIP_WIDTH = 24  # the tiny CLIP-L's hidden size, standing in for pooled_projection_dim 768
@@ -75,11 +75,11 @@ def _save_clip(root: Path, generator) -> None:
     <|endoftext|>, legacy eos_token_id 2 (pooled at the highest id)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    vocab = _clip_vocab()
+    vocab = clip_vocab()
     source = root / "tokenizer_src"
     source.mkdir()
     (source / "vocab.json").write_text(json.dumps(vocab))
-    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(_MERGES) + "\n")
+    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
     CLIPTokenizer(
         str(source / "vocab.json"),
         str(source / "merges.txt"),
@@ -101,7 +101,7 @@ def _save_clip(root: Path, generator) -> None:
             hidden_act="quick_gelu",
         )
     )
-    _perturb(model, generator)
+    perturb(model, generator)
     model.eval().save_pretrained(root / "text_encoder", safe_serialization=True)
 
 
@@ -110,7 +110,7 @@ def _save_t5(root: Path, generator) -> None:
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    pieces += [("▁" + w, -2.0) for w in _WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += [("▁" + w, -2.0) for w in WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
     unigram = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
     unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     unigram.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
@@ -138,7 +138,7 @@ def _save_t5(root: Path, generator) -> None:
             feed_forward_proj="gated-gelu",
         )
     )
-    _perturb(model, generator)
+    perturb(model, generator)
     with torch.no_grad():  # outputs of a few tenths keep float32 rounding below 1e-5
         model.encoder.final_layer_norm.weight.mul_(0.2)
     model.eval().save_pretrained(root / "text_encoder_2", safe_serialization=True)
@@ -155,13 +155,13 @@ def make_tiny_flux_folder(path, seed: int = 0) -> Path:
     _save_clip(path, generator)
     _save_t5(path, generator)
     model = FluxTransformer2DModel(**TRANSFORMER_CONFIG)
-    _perturb(model, generator)
+    perturb(model, generator)
     # bfloat16 and sharded, as the release: the index and its shards.
     model.to(torch.bfloat16).eval().save_pretrained(
         path / "transformer", safe_serialization=True, max_shard_size="100KB"
     )
     vae = AutoencoderKL(**VAE_CONFIG)
-    _perturb(vae, generator)
+    perturb(vae, generator)
     vae.eval().save_pretrained(path / "vae", safe_serialization=True)
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(path / "scheduler")
     (path / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))

@@ -4,7 +4,7 @@ import ml_collections
 
 from tree_grpo_jax import methods
 
-# the methods whose credit is per edge (DiffusionNFT's is per leaf: tests/test_nft.py)
+# the methods whose credit is per edge (DiffusionNFT's is per leaf: tests/unit/test_nft.py)
 METHOD_NAMES = tuple(n for n, m in methods.METHODS.items() if not m.forward_process)
 
 

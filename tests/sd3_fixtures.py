@@ -13,20 +13,19 @@ import shutil
 from pathlib import Path
 
 import torch
-from sd_fixtures import _perturb
+from sd_fixtures import MERGES, perturb
 
 T5_WIDTH = 128  # the tiny T5's d_model, standing in for SD3's joint_attention_dim 4096
 
 
-_WORDS = ("a", "photo", "of", "cat", "dog")
-_MERGES = ("c a", "ca t</w>", "d o", "do g</w>", "p h", "ph o", "pho t", "phot o</w>", "o f</w>")
+WORDS = ("a", "photo", "of", "cat", "dog")
 
 
-def _clip_vocab() -> dict[str, int]:
+def clip_vocab() -> dict[str, int]:
     """Like CLIP's: "!" first, the special tokens last (so `<|endoftext|>` has the top id)."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tokens = ["!", "!</w>", *letters, *(c + "</w>" for c in letters)]
-    tokens += [m.replace(" ", "") for m in _MERGES] + [w + "</w>" for w in _WORDS]
+    tokens += [m.replace(" ", "") for m in MERGES] + [w + "</w>" for w in WORDS]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
 
@@ -37,7 +36,7 @@ def _save_clip(root: Path, vocab, encoder: str, tokenizer: str, pad: str, genera
     source = root / f"{tokenizer}_src"
     source.mkdir()
     (source / "vocab.json").write_text(json.dumps(vocab))
-    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(_MERGES) + "\n")
+    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
     CLIPTokenizer(
         str(source / "vocab.json"), str(source / "merges.txt"), pad_token=pad, model_max_length=77
     ).save_pretrained(root / tokenizer)
@@ -53,7 +52,7 @@ def _save_clip(root: Path, vocab, encoder: str, tokenizer: str, pad: str, genera
             **config,
         )
     )
-    _perturb(model, generator)
+    perturb(model, generator)
     model.eval().save_pretrained(root / encoder, safe_serialization=True)
 
 
@@ -62,7 +61,7 @@ def _save_t5(root: Path, generator):
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    pieces += [("▁" + w, -2.0) for w in _WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += [("▁" + w, -2.0) for w in WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
     unigram = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
     unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     unigram.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
@@ -89,7 +88,7 @@ def _save_t5(root: Path, generator):
         feed_forward_proj="gated-gelu",
     )
     model = T5EncoderModel(config)
-    _perturb(model, generator)
+    perturb(model, generator)
     with torch.no_grad():
         # T5's outputs at a few tenths rather than a few units: XLA's and PyTorch's float32
         # rounding differ by ~3e-6 relative over this model, which must stay below 1e-5.
@@ -105,7 +104,7 @@ def make_tiny_sd3_text(root: Path, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    vocab = _clip_vocab()
+    vocab = clip_vocab()
     # CLIP-L as SD3 ships it (legacy eos_token_id 2: pooled at the highest id, quick_gelu,
     # padded with <|endoftext|>); CLIP-G padded with "!" and pooled at its real eos id.
     _save_clip(
@@ -199,7 +198,7 @@ def make_tiny_sd3_folder(path, seed: int = 0) -> Path:
         ("transformer", SD3Transformer2DModel(**TRANSFORMER_CONFIG)),
         ("vae", AutoencoderKL(**VAE_CONFIG)),
     ):
-        _perturb(model, generator)
+        perturb(model, generator)
         model.eval().save_pretrained(path / name, safe_serialization=True)
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(path / "scheduler")
     (path / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))

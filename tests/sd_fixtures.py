@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 # Letters and a few whole words, enough for prompts like "a photo of a cat".
-_WORDS = ("a", "photo", "of", "cat", "dog", "digit")
-_MERGES = ("c a", "ca t</w>", "d o", "do g</w>", "p h", "ph o", "pho t", "phot o</w>", "o f</w>")
+WORDS = ("a", "photo", "of", "cat", "dog", "digit")
+MERGES = ("c a", "ca t</w>", "d o", "do g</w>", "p h", "ph o", "pho t", "phot o</w>", "o f</w>")
 
 UNET_CONFIG = dict(
     sample_size=8,
@@ -69,16 +69,16 @@ MODEL_INDEX = {
 }
 
 
-def _vocab() -> dict[str, int]:
+def make_vocab() -> dict[str, int]:
     tokens = ["<|startoftext|>", "<|endoftext|>"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tokens += letters + [c + "</w>" for c in letters]
-    tokens += [m.replace(" ", "") for m in _MERGES]
-    tokens += [w + "</w>" for w in _WORDS if w + "</w>" not in tokens]
+    tokens += [m.replace(" ", "") for m in MERGES]
+    tokens += [w + "</w>" for w in WORDS if w + "</w>" not in tokens]
     return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
 
 
-def _perturb(module, generator) -> None:
+def perturb(module, generator) -> None:
     """Adds noise to every weight so that ones/zeros (norm scales, biases) are not special."""
     import torch
 
@@ -100,9 +100,9 @@ def make_tiny_sd_folder(path, seed: int = 0) -> Path:
 
     tok_dir = path / "tokenizer_src"
     tok_dir.mkdir(exist_ok=True)
-    vocab = _vocab()
+    vocab = make_vocab()
     (tok_dir / "vocab.json").write_text(json.dumps(vocab))
-    (tok_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(_MERGES) + "\n")
+    (tok_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
     tokenizer = CLIPTokenizer(
         str(tok_dir / "vocab.json"),
         str(tok_dir / "merges.txt"),
@@ -126,7 +126,7 @@ def make_tiny_sd_folder(path, seed: int = 0) -> Path:
         "text_encoder": CLIPTextModel(text_config),
     }
     for name, model in models.items():
-        _perturb(model, generator)
+        perturb(model, generator)
         model.eval().save_pretrained(path / name, safe_serialization=True)
     DDIMScheduler(**SCHEDULER_CONFIG).save_pretrained(path / "scheduler")
     (path / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))

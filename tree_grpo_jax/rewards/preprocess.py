@@ -25,7 +25,7 @@ Layouts (``LAYOUTS``), each from quantized images to ``[B, S, S, 3]``:
 Where the longest side already equals S, hpsv2 neither resizes nor pads (a non-square result);
 both pad layouts pad, as open_clip does.
 
-Measured in tests/test_reward_preprocess.py: the resize equals ``PIL.Image.resize(BICUBIC)``
+Measured in tests/parity/test_reward_preprocess.py: the resize equals ``PIL.Image.resize(BICUBIC)``
 (max abs difference 0 levels); the 8-bit layouts equal torchvision, transformers 4.57 and
 open_clip 3.3 before normalization and match them to 5e-7 after; ``resize_pad_hpsv2`` matches
 torchvision's tensor path to 3e-6.

@@ -14,7 +14,7 @@ tokens, builds the position ids, passes the distilled guidance scale (FLUX.1-dev
 has no guidance embedding) and unpacks the velocity.
 
 Measured against diffusers' PyTorch FluxPipeline on a tiny random FLUX.1-dev style folder
-(tests/test_flux_model.py, float32 on CPU, its transformer stored in bfloat16 and sharded):
+(tests/parity/test_flux_model.py, float32 on CPU, its transformer stored in bfloat16 and sharded):
 the deterministic sampler (4 steps, dynamic shifting) differs by at most 1.1e-6 from
 `FluxPipeline(latents=..., output_type="latent")` on latents up to 5.3; the VAE decode by
 9.5e-7; the schedule's sigmas by less than 1e-6, dynamic and static.

@@ -15,9 +15,9 @@ are zeros and are made by the denoiser.
 Embeddings are computed once per distinct prompt and kept on the host, so a training run can
 `precompute` its prompts and `drop_t5` to free the 4.7B T5 parameters.
 
-Measured against `FluxPipeline.encode_prompt` on a tiny random folder (tests/test_flux_model.py,
-float32 on CPU): max abs difference 2.5e-7 in prompt_embeds (outputs up to 0.55) and 1.0e-6 in
-pooled (up to 2.7).
+Measured against `FluxPipeline.encode_prompt` on a tiny random folder
+(tests/parity/test_flux_model.py, float32 on CPU): max abs difference 2.5e-7 in
+prompt_embeds (outputs up to 0.55) and 1.0e-6 in pooled (up to 2.7).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`; nor
 the timestep features are computed in float32 and rounded to `dtype`. The RoPE angles are
 float32 here where diffusers takes them in float64: their cosines and sines differ by at most
 2.2e-6 over a 1024-pixel image's ids (positions up to 63). Against the PyTorch model in
-float32 on CPU (tests/test_flux_transformer.py: tiny random FLUX.1-dev and -schnell style
+float32 on CPU (tests/parity/test_flux_transformer.py: tiny random FLUX.1-dev and -schnell style
 models, outputs of scale ~2.4) the largest difference is 2.2e-6 (9.2e-7 of the scale), at
 JAX's default matmul precision; bfloat16 compute is within 1% of float32.
 """

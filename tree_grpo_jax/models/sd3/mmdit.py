@@ -12,7 +12,7 @@ maps a diffusers `transformer/` safetensors file onto these params with no table
 `convert.flax_to_pytorch` gives the file's keys back. The one tensor of that file that is
 not a parameter, the sincos position table (`BUFFERS`), is recomputed here from the config.
 
-Against the PyTorch model in float32 on CPU (tests/test_sd3_transformer.py: random tiny
+Against the PyTorch model in float32 on CPU (tests/parity/test_sd3_transformer.py: random tiny
 SD3 and SD3.5-style models, outputs of scale ~2) the largest difference is 7.2e-7, at JAX's
 default matmul precision; bfloat16 compute is within 1% of float32.
 """

@@ -19,7 +19,7 @@ Embeddings are computed once per distinct prompt and kept on the host, so a trai
 `precompute` its prompts and `drop_t5` to free the 4.7B T5 parameters.
 
 Measured against diffusers' `StableDiffusion3Pipeline.encode_prompt` on a tiny random folder
-(tests/test_sd3_text.py, float32 on CPU): max abs difference 2.3e-6 in prompt_embeds (T5's
+(tests/parity/test_sd3_text.py, float32 on CPU): max abs difference 2.3e-6 in prompt_embeds (T5's
 part, outputs up to 0.75; the CLIP part 6.3e-7) and 1.2e-6 in pooled; without T5, 6.3e-7 and
 1.2e-6. T5's part is float32 rounding, about 3e-6 of its magnitude: on the same model,
 transformers' Flax T5 (its bucket function repaired) gives `T5Encoder`'s outputs bit for bit.

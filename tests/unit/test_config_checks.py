@@ -20,7 +20,7 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as rewards
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 KNOWN = rewards.available_rewards()
 NAN, INF = math.nan, math.inf
 

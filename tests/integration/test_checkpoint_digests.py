@@ -3,8 +3,8 @@ on disk (in files that still read cleanly) set the checkpoint aside like any dam
 digest is the same whatever the mesh the arrays lie on, and checkpoints saved without
 digests restore as before.
 
-Run as a script (`python tests/test_checkpoint_digests.py OUT`) on several simulated devices,
-it saves a sharded state and restores it on one device and on another mesh."""
+Run as a script (`python tests/integration/test_checkpoint_digests.py OUT`) on several
+simulated devices, it saves a sharded state and restores it on one device and on another mesh."""
 
 import json
 import logging
@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 from tree_grpo_jax.run import checkpoint
 from tree_grpo_jax.run.checkpoint import DIGESTS_KEY, Checkpointer, state_digests
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MASK = 2**32 - 1
 
 

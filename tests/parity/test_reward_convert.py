@@ -24,7 +24,7 @@ from safetensors.torch import load_file as load_torch_file  # noqa: E402
 
 from tree_grpo_jax.rewards import convert  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EMBED_DIM = 16
 VISION = {"layers": 2, "width": 32, "head_width": 8, "patch_size": 8, "image_size": 32}
 TEXT = {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 2}

@@ -25,7 +25,7 @@ from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.run.checkpoint import Checkpointer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GLOBAL_PROMPTS = 4
 COMMON = (
     "--config=configs/tiny.py",

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from PIL import Image
-from test_train import small_config
+from small_configs import small_config
 
 from tree_grpo_jax.cli import sample
 from tree_grpo_jax.run import loop as train

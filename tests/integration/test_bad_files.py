@@ -17,7 +17,7 @@ from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.tiny.classifier import load_classifier
 from tree_grpo_jax.models.tiny.weights import load_weights, weights_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GARBAGE = b"\xc1 this is not a weights file \x00\xff" * 8
 
 

@@ -15,13 +15,12 @@ from tree_grpo_jax.models.sd15 import load_sd
 from tree_grpo_jax.run.checkpoint import Checkpointer
 
 torch = pytest.importorskip("torch")
-from sd_fixtures import make_tiny_sd_folder  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_sd15_config_trains_one_iteration_and_exports(tmp_path):
-    folder = make_tiny_sd_folder(tmp_path / "tiny_sd")
+def test_sd15_config_trains_one_iteration_and_exports(sd_folder, tmp_path):
+    folder = sd_folder
     workdir = tmp_path / "run"
     overrides = [
         f"--config.model.path={folder}",

@@ -19,17 +19,16 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
-from sd3_fixtures import make_tiny_sd3_folder  # noqa: E402
 
 from tree_grpo_jax.models.sd3.load import FlowMatchScheduleConfig, load_sd3  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["a photo of a cat", "a dog"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3"))
+def folder(sd3_folder):
+    return sd3_folder
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
-from flux_fixtures import RESOLUTION, SCHEDULER_CONFIG, make_tiny_flux_folder  # noqa: E402
+from flux_fixtures import RESOLUTION, SCHEDULER_CONFIG  # noqa: E402
 
 from tree_grpo_jax.models.flux import transformer  # noqa: E402
 from tree_grpo_jax.models.flux.load import FluxScheduleConfig, load_flux  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = " ".join(["a photo of a cat"] * 40)  # past CLIP's 77 tokens and T5's 64
 PROMPTS = ["a photo of a cat", "", LONG]
 T5_TOKENS = 64
@@ -32,8 +32,8 @@ LATENT = RESOLUTION // 2  # the tiny VAE's two levels: 2 pixels per latent
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny_flux_folder(tmp_path_factory.mktemp("tiny_flux"))
+def folder(flux_folder):
+    return flux_folder
 
 
 @pytest.fixture(scope="module")

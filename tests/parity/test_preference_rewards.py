@@ -293,7 +293,7 @@ def test_truncated_weights(tmp_path, clip_folder):
 
 def test_training_on_a_weighted_mix_reports_every_eval_reward(tmp_path, clip_folder):
     """`rewards=pickscore:1,clip_score:0.5` trains on their weighted sum; eval lists more."""
-    from test_train import small_config
+    from small_configs import small_config
 
     from tree_grpo_jax.run import loop as train
 
@@ -327,7 +327,9 @@ def test_fsdp_sharded_reward_scores_as_on_one_device(clip_folder):
     import sys
 
     folder, _ = clip_folder
-    script = os.path.join(os.path.dirname(__file__), "scripts", "sharded_reward.py")
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "scripts", "sharded_reward.py"
+    )
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",

@@ -2,8 +2,8 @@
 
 These need torch (to write and read the pickled release) but not the `image-reward` package:
 the release is random tensors under the package's key names and shapes
-(`imagereward_fixtures.release_shapes`, which tests/test_imagereward.py checks against the
-package's own state dict). Scores are compared with the package in tests/test_imagereward.py.
+(`imagereward_fixtures.release_shapes`, which tests/parity/test_imagereward.py checks against the
+package's own state dict). Scores are compared with the package in tests/parity/test_imagereward.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import precompile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

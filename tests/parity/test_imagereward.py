@@ -8,7 +8,7 @@ torch state dict -> safetensors folder -> Flax parameters.
 The package pins timm 0.6.13, which open_clip 3 (the test extra's) refuses, so it is not in
 the test extra: install it beside it with `pip install --no-deps image-reward==1.5
 fairscale==0.4.13` (the README's test line and CI do). Without it these tests skip;
-tests/test_imagereward_convert.py covers the converter and the loader without it.
+tests/parity/test_imagereward_convert.py covers the converter and the loader without it.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_the_converter_keeps_the_packages_tensors(release):
     checkpoint, _, model, out = release
     source = {k: v.numpy() for k, v in model.state_dict().items()}
     vocab = len(fixtures.SPECIALS + fixtures.WORDS + fixtures.PIECES) + 2
-    # the layout tests/test_imagereward_convert.py builds without the package
+    # the layout tests/parity/test_imagereward_convert.py builds without the package
     assert fixtures.release_shapes(vocab) == {k: v.shape for k, v in source.items()}
     written = load_file(out / "model.safetensors")
     unused = [k for k in source if "_proj." in k or k.endswith("position_ids")]

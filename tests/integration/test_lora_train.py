@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
-from test_train import small_config
+from small_configs import small_config
 
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.run import loop as train

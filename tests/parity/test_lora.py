@@ -96,14 +96,6 @@ def sd_unet(sd_folder):
 
 
 @pytest.fixture(scope="module")
-def sd3_folder(tmp_path_factory):
-    pytest.importorskip("torch")
-    from sd3_fixtures import make_tiny_sd3_folder
-
-    return make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3_lora"))
-
-
-@pytest.fixture(scope="module")
 def sd3_transformer(sd3_folder):
     from tree_grpo_jax.models.sd3.load import load_transformer
 

@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_train import small_config
+from small_configs import small_config
 
 from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run import reporting
@@ -20,7 +20,7 @@ from tree_grpo_jax.run import trainer as trainer_module
 from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.run.workdir import WorkdirBusy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fault_config():

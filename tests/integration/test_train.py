@@ -8,36 +8,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from small_configs import small_config
 
-from configs import base
 from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run.checkpoint import Checkpointer
 from tree_grpo_jax.run.train_step import old_params
-
-
-def small_config(method: str):
-    c = base.get_config()
-    c.name = f"test_{method}"
-    c.model.name = "random_tiny"
-    c.prompts.batch_size = 2
-    c.prompts.eval_count = 4
-    c.sampling.num_steps = 4
-    c.sampling.guidance_scale = 2.0
-    c.tree.method = method
-    c.tree.group_size = 4
-    c.tree.window = 2
-    c.tree.k = 2
-    c.tree.split_steps = (0, 2)
-    c.train.iterations = 2
-    c.train.learning_rate = 1e-3
-    c.train.clip_range = 0.2
-    c.train.rows_per_minibatch = 8
-    c.rewards = "jpeg_compressibility"
-    c.eval.every = 1
-    c.checkpoint.every = 1
-    c.log.progress = False
-    c.log.tensorboard = False
-    return c
 
 
 @pytest.mark.parametrize("method", ["grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix"])

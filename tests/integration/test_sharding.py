@@ -10,7 +10,7 @@ import pytest
 
 from tree_grpo_jax import sharding
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sharded_step.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "sharded_step.py")
 
 
 def test_fsdp_rule_shards_largest_divisible_dimension():

@@ -8,7 +8,7 @@ import pytest
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
 
-CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "configs").glob("*.py"))
+CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.py"))
 CONFIGS = [name for name in CONFIGS if name not in ("__init__", "base")]
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "data_parallel.py")
 # devices -> the meshes (kind:data:fsdp) trained on them
 RUNS = {1: ["full:1:1", "lora:1:1"], 4: ["full:4:1"], 8: ["full:2:4", "lora:2:4"]}

@@ -6,7 +6,7 @@ configs/. Each rule is also run on an injected violation."""
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "tree_grpo_jax"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "tree_grpo_jax"
 
 
 def _module_name(path: pathlib.Path) -> str:

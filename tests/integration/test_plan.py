@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAMS = {"rollout", "train_step", "evaluate", "decode"}
 # Small runs: a 4-step tree with a 2-step window, a few prompts and rows.
 SMALL = [
@@ -162,11 +162,10 @@ def test_sd_plan_reads_only_the_folders_json(sd_folder, tmp_path):
     assert plan["model"] == str(folder)
 
 
-def test_sd3_plan_reads_only_the_folders_json(tmp_path_factory, tmp_path):
-    pytest.importorskip("torch")
-    from sd3_fixtures import T5_WIDTH, make_tiny_sd3_folder
+def test_sd3_plan_reads_only_the_folders_json(sd3_folder, tmp_path):
+    from sd3_fixtures import T5_WIDTH
 
-    original = make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3_plan"))
+    original = sd3_folder
     folder = json_only(original, tmp_path)
     plan = plan_json(
         "--config=configs/sd35m.py",
