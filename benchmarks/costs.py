@@ -1,12 +1,12 @@
 """The cost of each preset, from its tree spec alone, and the same counts measured at run time.
 
 Derived counts (per prompt): rollout denoiser rows = one per node per step; trained edges
-and training rows (one row = one parent, whose single forward scores all its trained
-children) per stochastic step, minus the edges pruning drops. They are computed here from the
-spec and the pruning settings by counting nodes, independently of `pruning.py` and
-`transitions.py`, and compared with what a training iteration really ran: denoiser rows
-counted by a callback inside the jitted rollout and train step, and the gathered rows' own
-`num_rows` / `num_edges`.
+and training rows as the method's objective counts them from the spec and the settings (PPO:
+one row = one parent, whose single forward scores all its trained children, per stochastic
+step, minus the edges pruning drops, by counting nodes, independently of `pruning.py` and
+`transitions.py`; DiffusionNFT: each leaf at its share of the sigmas). They are compared with
+what a training iteration really ran: denoiser rows counted by a callback inside the jitted
+rollout and train step, and the gathered rows' own `num_rows` / `num_edges`.
 """
 
 from __future__ import annotations
@@ -15,76 +15,12 @@ import math
 
 from benchmarks.common import LABELS, fmt_stats, markdown_table
 from tree_grpo_jax import methods
-from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
-from tree_grpo_jax.methods import nft
-
-
-def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) -> float:
-    """Share of the branches after the last split that width pruning keeps."""
-    if mode == "none":
-        return 1.0
-    k = spec.steps[split].k
-    if mode == "top_per_branch":
-        return max(1, int(k * ratio)) / k
-    per_tree = spec.nodes_out[split] // spec.num_trees
-    return min(per_tree, max(2, int(per_tree * ratio))) / per_tree
 
 
 def derived_counts(config, iteration: int = 0) -> dict:
-    """Per-prompt counts of one iteration of `config`, from the spec and pruning settings."""
-    spec = methods.spec_at(config, iteration)
-    a = config.advantage
-    guidance = config.sampling.guidance_scale != 1.0
-    if methods.get(config.tree.method).forward_process:
-        return _forward_process_counts(config, spec)
-    prunes = methods.get(config.tree.method).pruning
-    # depth d = the nodes step d - 1 makes
-    pruned_steps = {d - 1 for d in a.depth_pruning} if prunes else set()
-    splits = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
-    width = a.width_pruning if prunes else "none"
-    edges = rows = 0
-    for i in spec.trainable_steps:
-        if i in pruned_steps:
-            continue
-        step_edges, step_rows = spec.nodes_out[i], spec.nodes_in[i]
-        if splits and i > splits[-1]:  # a chain step after the last split: rows = edges
-            keep = _width_keep_fraction(spec, splits[-1], width, a.width_pruning_ratio)
-            step_edges = step_rows = round(step_edges * keep)
-        edges += step_edges
-        rows += step_rows
-    return {
-        "spec": spec.describe(),
-        "leaves": spec.leaves,
-        "guidance": guidance,
-        "rollout_rows": spec.rollout_denoiser_calls(guidance),
-        "trained_edges": edges,
-        "train_rows": rows,
-        "train_forward_rows": rows * (2 if guidance else 1),
-        # Unpruned and un-amortized, for reference: the spec's own counts.
-        "spec_trainable_edges": spec.trainable_edges,
-        "spec_train_rows": spec.training_forward_rows(True, False),
-    }
-
-
-def _forward_process_counts(config, spec) -> dict:
-    """DiffusionNFT: every leaf at its share of the sampling steps, one row each; a row runs
-    the trained and the old policy (and the reference with a KL term)."""
-    per_sample = nft.steps_per_sample(
-        config.sampling.num_steps, config.diffusion_nft.timestep_fraction
-    )
-    rows = spec.leaves * per_sample
-    forwards = 3 if config.train.kl_beta > 0 else 2
-    return {
-        "spec": spec.describe(),
-        "leaves": spec.leaves,
-        "guidance": False,
-        "rollout_rows": spec.rollout_denoiser_calls(False),
-        "trained_edges": rows,
-        "train_rows": rows,
-        "train_forward_rows": rows * forwards,
-        "spec_trainable_edges": 0,
-        "spec_train_rows": 0,
-    }
+    """Per-prompt counts of one iteration of `config`, from the spec and the settings: the
+    method's objective counts its own rows (`Objective.training_counts`)."""
+    return methods.get(config.tree.method).training_counts(config, iteration)
 
 
 def padded_forward_rows(train_rows: int, rows_per_minibatch: int, guidance: bool) -> int:

@@ -3,9 +3,10 @@
 import ml_collections
 
 from tree_grpo_jax import methods
+from tree_grpo_jax.methods.ppo import PPOObjective
 
-# the methods whose credit is per edge (DiffusionNFT's is per leaf: tests/unit/test_nft.py)
-METHOD_NAMES = tuple(n for n, m in methods.METHODS.items() if not m.forward_process)
+# the methods whose credit is per edge, the PPO ones (DiffusionNFT's is per leaf: test_nft.py)
+METHOD_NAMES = tuple(n for n, m in methods.METHODS.items() if isinstance(m.objective, PPOObjective))
 
 
 def advantages_of(

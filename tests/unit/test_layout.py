@@ -1,7 +1,8 @@
 """The package's import graph, read from its source: no cycles, every arrow pointing down the
 layers, no module outside a family's sub-package naming it, few modules at the top, one way
-to cut an error to its first line, and no library module reading the experiment files of
-configs/. Each rule is also run on an injected violation."""
+to cut an error to its first line, no library module reading the experiment files of
+configs/, and no branch on a method's objective outside the methods package. Each rule is
+also run on an injected violation."""
 
 import ast
 import pathlib
@@ -257,3 +258,85 @@ def test_no_library_module_reads_configs():
     # the package's own config modules and relative imports are not the folder
     own = "from tree_grpo_jax.config import schema\nfrom . import configs\nx = 'my_configs'\n"
     assert not configs_imports({"tree_grpo_jax.run.x": own})
+
+
+# The objectives' names, written here rather than read from the table: a rename must be seen.
+OBJECTIVE_NAMES = {"ppo", "nft"}
+OBJECTIVE_CLASSES = {"Objective", "PPOObjective", "NFTObjective"}
+
+
+def _strings(node) -> set[str]:
+    """The string constants `node` is or holds (a tuple, list or set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _names(node) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def objective_branches(sources: dict[str, str]) -> list[str]:
+    """Places outside `tree_grpo_jax.methods` that ask which objective a method has instead of
+    calling it: `.forward_process`, a comparison with `.objective` or with an objective's
+    name, an isinstance test against an objective's class."""
+    found = []
+    for module, text in sources.items():
+        if module == "tree_grpo_jax.methods" or module.startswith("tree_grpo_jax.methods."):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            where = f"{module}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr == "forward_process":
+                found.append(f"{where} reads .forward_process")
+            elif isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(n, ast.Attribute) and n.attr == "objective" for n in sides):
+                    found.append(f"{where} compares a method's objective")
+                elif set().union(*map(_strings, sides)) & OBJECTIVE_NAMES:
+                    found.append(f"{where} compares with an objective's name")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+                and _names(node.args[1]) & OBJECTIVE_CLASSES
+            ):
+                found.append(f"{where} tests an objective's class")
+    return found
+
+
+BENCHMARK_SOURCES = {
+    f"benchmarks.{p.stem}": p.read_text() for p in (ROOT.parent / "benchmarks").glob("*.py")
+}
+
+
+def test_no_objective_branch_outside_the_methods_package():
+    assert not objective_branches({**SOURCES, **BENCHMARK_SOURCES})
+    # the methods package itself may: it is where an objective is chosen
+    assert "tree_grpo_jax.methods.table" in SOURCES
+
+
+def test_an_objective_branch_is_caught():
+    injected = {
+        "tree_grpo_jax.run.x": "if trainer.method.objective == 'nft':\n    pass\n",
+        "tree_grpo_jax.run.y": "old = methods.get(name).forward_process\n",
+        "tree_grpo_jax.run.z": "if kind in ('ppo', 'other'):\n    pass\n",
+        "benchmarks.w": "if isinstance(m.objective, nft.NFTObjective):\n    pass\n",
+        "tree_grpo_jax.run.v": "if name == 'nft':\n    pass\n",
+    }
+    found = objective_branches({**SOURCES, **injected})
+    assert found == [
+        "tree_grpo_jax.run.x:1 compares a method's objective",
+        "tree_grpo_jax.run.y:1 reads .forward_process",
+        "tree_grpo_jax.run.z:1 compares with an objective's name",
+        "benchmarks.w:1 tests an objective's class",
+        "tree_grpo_jax.run.v:1 compares with an objective's name",
+    ]
+    # the same text inside the methods package is its own business
+    assert not objective_branches({"tree_grpo_jax.methods.table": injected["tree_grpo_jax.run.x"]})
+    # a string that merely holds the name is no comparison
+    assert not objective_branches({"tree_grpo_jax.run.u": "label = 'nft on the tree'\n"})

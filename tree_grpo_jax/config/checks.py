@@ -254,16 +254,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         raise ConfigError(str(e)) from e
     except tree_spec.SpecError as e:
         raise ConfigError(f"tree: {e}") from e
-    _check_nft(config.diffusion_nft)  # whichever method is in use
-    if methods.get(t.method).forward_process:
-        _require(
-            config.sampling.guidance_scale == 1.0,
-            f"{t.method} samples and trains the conditional velocity without guidance "
-            "(DiffusionNFT's CFG-free setting); set sampling.guidance_scale=1, not "
-            f"{config.sampling.guidance_scale}.",
-        )
-    else:
-        _require(spec.trainable_edges > 0, f"the {t.method} tree has no trainable step.")
+    for objective in methods.objectives():  # every objective's own section, whichever is used
+        sentence = objective.check_section(config)
+        _require(sentence is None, sentence)
+    sentence = methods.get(t.method).objective.check_run(config, spec)
+    _require(sentence is None, sentence)
     _require(
         spec.leaves >= 2,
         f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
@@ -480,28 +475,6 @@ def _check_tree_fields(t) -> None:
     _require(
         t.split_noise_scale > 0,
         f"tree.split_noise_scale must be positive, got {t.split_noise_scale}.",
-    )
-
-
-def _check_nft(n) -> None:
-    """DiffusionNFT's own section."""
-    _require(n.beta > 0, f"diffusion_nft.beta must be positive, got {n.beta}.")
-    _require(
-        n.old_policy_flat >= 0,
-        f"diffusion_nft.old_policy_flat must be >= 0 iterations, got {n.old_policy_flat}.",
-    )
-    _require(
-        n.old_policy_rate >= 0,
-        f"diffusion_nft.old_policy_rate must be >= 0, got {n.old_policy_rate}.",
-    )
-    _require(
-        0 <= n.old_policy_max < 1,
-        f"diffusion_nft.old_policy_max must be in [0, 1) (1 would never move the old policy), "
-        f"got {n.old_policy_max}.",
-    )
-    _require(
-        0 < n.timestep_fraction <= 1,
-        f"diffusion_nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}.",
     )
 
 

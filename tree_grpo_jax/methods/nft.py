@@ -18,6 +18,7 @@ every iteration as old <- d * old + (1 - d) * new, with d rising over the iterat
 
 Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per iteration;
 `transitions.minibatches` and the train step carry them as they carry PPO's transitions.
+`NFT` is the objective the method table's DiffusionNFT entries hold (objective.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.methods.objective import Objective, RowSource
 
 # The adaptive weights' floor: the released code's, so a perfect prediction divides by it.
 WEIGHT_FLOOR = 1e-5
@@ -224,3 +226,107 @@ def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
         old,
         new,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective as the method table holds it.
+
+
+class NFTObjective(Objective):
+    name = "nft"
+    keeps_old_policy = True
+    draws_rows = True  # the sigmas and noises of its rows
+
+    def check_section(self, config):
+        """The `diffusion_nft` section: the first of its fields that is wrong."""
+        n = config.diffusion_nft
+        if not n.beta > 0:
+            return f"diffusion_nft.beta must be positive, got {n.beta}."
+        if not n.old_policy_flat >= 0:
+            return (
+                f"diffusion_nft.old_policy_flat must be >= 0 iterations, got {n.old_policy_flat}."
+            )
+        if not n.old_policy_rate >= 0:
+            return f"diffusion_nft.old_policy_rate must be >= 0, got {n.old_policy_rate}."
+        if not 0 <= n.old_policy_max < 1:
+            return (
+                "diffusion_nft.old_policy_max must be in [0, 1) (1 would never move the old "
+                f"policy), got {n.old_policy_max}."
+            )
+        if not 0 < n.timestep_fraction <= 1:
+            return f"diffusion_nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}."
+        return None
+
+    def check_run(self, config, spec):
+        if config.sampling.guidance_scale == 1.0:
+            return None
+        return (
+            f"{config.tree.method} samples and trains the conditional velocity without guidance "
+            "(DiffusionNFT's CFG-free setting); set sampling.guidance_scale=1, not "
+            f"{config.sampling.guidance_scale}."
+        )
+
+    def check_model(self, config, model):
+        schedule = model.make_schedule(config.sampling.num_steps, config.sampling)
+        if isinstance(schedule, sampling.FlowSchedule):
+            return None
+        return (
+            f"tree.method={config.tree.method} trains a velocity on forward-noised samples: it "
+            f"needs a rectified-flow model (tiny_flow, sd3, flux), not model.name="
+            f"{config.model.name}."
+        )
+
+    def rows(self, method, config, source: RowSource, key=None) -> NFTRows:
+        """Every leaf at `timestep_fraction` of the sampling steps, weighted by its
+        optimality (normalised over the global batch, as every process)."""
+        c = config
+        (leaf_advantages,) = method.clipped_advantages(
+            c, source.spec, source.tree, jnp.asarray(source.rewards)
+        )
+        r = optimality(np.asarray(leaf_advantages)[source.rows], c.advantage.clip)
+        num_steps = c.sampling.num_steps
+        per_sample = steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
+        key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
+        rows = gather_rows(source.tree.leaves, r, key, num_steps, per_sample)
+        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+
+    def loss(self, config, denoise_fn):
+        c = config
+        settings = dict(beta=c.diffusion_nft.beta, clip=c.advantage.clip)
+        return nft_loss, dict(denoise_fn=denoise_fn, kl_beta=c.train.kl_beta, **settings)
+
+    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
+        return zero_rows(rows, sample_shape, dtype, make)
+
+    def after_update(self, config, old, params, iteration):
+        """old <- d * old + (1 - d) * new, d after iteration `iteration` is done."""
+        n = config.diffusion_nft
+        decay = old_policy_decay(
+            iteration + 1, n.old_policy_flat, n.old_policy_rate, n.old_policy_max
+        )
+        return mix_old_policy(old, params, jnp.float32(decay)), {"old_policy_decay": decay}
+
+    def _per_sample(self, config) -> int:
+        return steps_per_sample(config.sampling.num_steps, config.diffusion_nft.timestep_fraction)
+
+    def row_samples(self, config, spec):
+        """Each leaf and its noise, again, per sigma it is trained at."""
+        return 2 * self._per_sample(config) * spec.leaves
+
+    def training_counts(self, config, spec, prunes):
+        """Every leaf at its share of the sampling steps, one row each; a row runs the
+        trained and the old policy (and the reference with a KL term)."""
+        rows = spec.leaves * self._per_sample(config)
+        forwards = 3 if config.train.kl_beta > 0 else 2
+        return {
+            "guidance": False,
+            "rollout_rows": spec.rollout_denoiser_calls(False),
+            "trained_edges": rows,
+            "train_rows": rows,
+            "train_forward_rows": rows * forwards,
+            "spec_trainable_edges": 0,
+            "spec_train_rows": 0,
+        }
+
+
+NFT = NFTObjective()

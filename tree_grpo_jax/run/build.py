@@ -16,10 +16,8 @@ import numpy as np
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
-from tree_grpo_jax.core.sampling import FlowSchedule
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
-from tree_grpo_jax.methods import nft
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
@@ -36,17 +34,13 @@ from tree_grpo_jax.run.train_step import (
 from tree_grpo_jax.run.trainer import Trainer, make_tracker, prompt_iterator
 
 
-def check_sizes(config, spec, sample_shape) -> None:
+def check_sizes(config, spec, sample_shape, objective: methods.Objective) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
-    alone cannot fit in memory (float32 states of every trained step, and the leaves)."""
+    alone cannot fit in memory (float32 states of every trained step, and the leaves, and
+    what the objective's rows store beside them)."""
     sample_bytes = 4 * int(np.prod(sample_shape))
     prompts = config.prompts.batch_size
-    states = spec.recorded_states
-    if methods.get(config.tree.method).forward_process:  # rows: each leaf and its noise, again
-        per_sample = nft.steps_per_sample(
-            config.sampling.num_steps, config.diffusion_nft.timestep_fraction
-        )
-        states += 2 * per_sample * spec.leaves
+    states = spec.recorded_states + objective.row_samples(config, spec)
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
     eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
     eval_bytes = 2 * eval_rows * sample_bytes
@@ -171,15 +165,11 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
-    if method.forward_process and not isinstance(
-        model.make_schedule(config.sampling.num_steps, config.sampling), FlowSchedule
-    ):
-        raise cfg.ConfigError(
-            f"tree.method={config.tree.method} trains a velocity on forward-noised samples: it "
-            f"needs a rectified-flow model (tiny_flow, sd3, flux), not model.name="
-            f"{config.model.name}."
-        )
-    check_sizes(config, methods.build_spec(config), model.sample_shape)
+    objective = method.objective
+    sentence = objective.check_model(config, model)
+    if sentence is not None:
+        raise cfg.ConfigError(sentence)
+    check_sizes(config, method.run_spec(config), model.sample_shape, objective)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if model.prepare_prompts is not None:
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
@@ -211,13 +201,13 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     tx = make_optimizer(config.train)
 
     def fresh(p):
-        return initial_state(tx, p, method.forward_process)
+        return initial_state(tx, p, objective.keeps_old_policy)
 
     state_shardings = sharding.param_shardings(mesh, jax.eval_shape(fresh, params))
     init_state = jax.jit(fresh, out_shardings=state_shardings)
     state = init_state(params)
 
-    loss_fn, loss_kwargs = methods.objective(config, training_denoise(model, config.model.remat))
+    loss_fn, loss_kwargs = objective.loss(config, training_denoise(model, config.model.remat))
     use_kl = config.train.kl_beta > 0
     # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
     # KL term whose reference is kept anyway

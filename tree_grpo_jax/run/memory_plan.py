@@ -109,6 +109,7 @@ class _Run:
     config: Any
     model: Any  # models.abstract.AbstractModel
     mesh: Any
+    method: methods.Method
     spec: Any
     tx: Any
     state: TrainState  # abstract
@@ -194,14 +195,16 @@ def build_run(config, model, mesh) -> _Run:
             lambda b: cast_floats(lora.init_lora(key, b, paths, rank), param_dtype), base
         )
         weights = base  # `lora.merge` keeps every leaf's shape and dtype
-    old_policy = methods.get(config.tree.method).forward_process
+    method = methods.get(config.tree.method)
+    old_policy = method.objective.keeps_old_policy
     state = jax.eval_shape(lambda p: initial_state(tx, p, old_policy), params)
     kl = config.train.kl_beta > 0
     return _Run(
         config=config,
         model=model,
         mesh=mesh,
-        spec=methods.build_spec(config),
+        method=method,
+        spec=method.run_spec(config),
         tx=tx,
         state=state,
         state_shardings=sharding.param_shardings(mesh, state),
@@ -298,7 +301,7 @@ def rollout_program(run: _Run):
 def transition_rows(run: _Run, tree):
     """One minibatch of the method's rows as `transitions.minibatches` cuts it."""
     k = max((b.step.k for b in run.spec.segment_blocks), default=1)
-    return methods.zero_minibatch(
+    return run.method.objective.zero_rows(
         run.config,
         run.config.train.rows_per_minibatch,
         run.model.sample_shape,
@@ -313,7 +316,7 @@ def _step_setup(run: _Run, tree):
     step's abstract arguments after the state: (batch, cond, schedule, uncond, ref)."""
     c = run.config
     uncond, _ = _guidance(run)
-    loss_fn, loss_kwargs = methods.objective(c, training_denoise(run.model, c.model.remat))
+    loss_fn, loss_kwargs = run.method.objective.loss(c, training_denoise(run.model, c.model.remat))
     kl = c.train.kl_beta > 0
     layout = {"loss_fn": loss_fn}
     if run.base is not None:

@@ -33,7 +33,6 @@ from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
-from tree_grpo_jax.methods import nft
 from tree_grpo_jax.models.base import TextToImageModel
 from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
@@ -142,10 +141,10 @@ class Trainer:
     # -- pieces of an iteration ------------------------------------------------------------
     def spec(self):
         """The run's tree spec, the same at every iteration (windowed methods: a family)."""
-        return methods.build_spec(self.config)
+        return self.method.run_spec(self.config)
 
     def window_start(self, iteration: int) -> int:
-        return methods.window_start(self.config, iteration)
+        return self.method.window_start_at(self.config, iteration)
 
     def schedule(self, num_steps: int | None = None):
         s = self.config.sampling
@@ -202,44 +201,25 @@ class Trainer:
     def trainable_rows(
         self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
     ):
-        """This process's trainable edges of a rollout as rows, with their advantages
-        (rewards [P, L] of the global batch); updates the stat tracker when the method uses
-        one. A row's `prompt` indexes the global batch (`sampled.cond`). A forward-process
-        method's rows are its leaves noised again (`nft.NFTRows`), drawn with `key`."""
-        c = self.config
+        """This process's training rows of a rollout (rewards [P, L] of the global batch), as
+        the method's objective makes them: PPO's trainable edges with their advantages
+        (updating the stat tracker when the method uses one), DiffusionNFT's leaves noised
+        again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`)."""
         rewards = np.asarray(rewards, np.float32)
-        if self.method.forward_process:
-            return self._nft_rows(sampled, rewards, key)
         tracker = self.tracker
         if tracker is not None:
             tracker = _TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
-        advantages = methods.compute_advantages(
-            c,
-            sampled.spec,
-            sampled.tree,
-            jnp.asarray(rewards[sampled.rows]),
-            prompt_ids=sampled.prompts[sampled.rows],
+        source = methods.RowSource(
+            spec=sampled.spec,
+            window_start=sampled.window_start,
+            tree=sampled.tree,
+            rows=sampled.rows,
+            prompts=sampled.prompts,
+            rewards=rewards,
+            iteration=iteration,
             tracker=tracker,
         )
-        masks = methods.edge_masks(
-            c, sampled.spec, sampled.tree, advantages, iteration, sampled.window_start
-        )
-        rows = transitions.gather_transitions(sampled.tree, advantages, masks)
-        return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
-
-    def _nft_rows(self, sampled: Rollout, rewards: np.ndarray, key) -> nft.NFTRows:
-        """DiffusionNFT's rows: every leaf at `timestep_fraction` of the sampling steps,
-        weighted by its optimality (normalised over the global batch, as every process)."""
-        c = self.config
-        (leaf_advantages,) = methods.compute_advantages(
-            c, sampled.spec, sampled.tree, jnp.asarray(rewards)
-        )
-        r = nft.optimality(np.asarray(leaf_advantages)[sampled.rows], c.advantage.clip)
-        num_steps = c.sampling.num_steps
-        per_sample = nft.steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
-        rows = nft.gather_rows(sampled.tree.leaves, r, key, num_steps, per_sample)
-        return rows.replace(prompt=rows.prompt + np.int32(sampled.rows.start))
+        return self.method.objective.rows(self.method, self.config, source, key)
 
     def sampling_params(self, state: TrainState):
         """The trained weights the rollout samples with: the old policy where the method
@@ -247,23 +227,15 @@ class Trainer:
         old = old_params(state)
         return state.params if old is None else old
 
-    def _advance_old_policy(self, state: TrainState, iteration: int) -> tuple[TrainState, float]:
-        """After iteration `iteration`: old <- d * old + (1 - d) * new."""
-        n = self.config.diffusion_nft
-        decay = nft.old_policy_decay(
-            iteration + 1, n.old_policy_flat, n.old_policy_rate, n.old_policy_max
-        )
-        old = nft.mix_old_policy(old_params(state), state.params, jnp.float32(decay))
-        return state.replace(old_params=old), decay
-
     def update(
         self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
     ) -> tuple[TrainState, dict]:
         """Advantages, pruning and every minibatch step of one iteration's rollout (and,
         for a method that keeps one, the old policy's move towards the new weights)."""
         c = self.config
+        objective = self.method.objective
         rows_key = None
-        if self.method.forward_process:
+        if objective.draws_rows:
             rows_key, key = jax.random.split(key)
         rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         lr = learning_rate(c.train, iteration)
@@ -313,8 +285,10 @@ class Trainer:
             if "ratio_min" in step_metrics[0]:
                 metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
-        if old_params(state) is not None:
-            state, metrics["old_policy_decay"] = self._advance_old_policy(state, iteration)
+        if old_params(state) is not None:  # the old policy's move towards the new weights
+            old, moved = objective.after_update(c, old_params(state), state.params, iteration)
+            state = state.replace(old_params=old)
+            metrics.update(moved)
         return state, metrics
 
     def _minibatches(self, rows, key, per_process: int, count: int):
@@ -469,7 +443,7 @@ class Trainer:
         (shapes), laid out as `update` lays it out."""
         rows = self.config.train.rows_per_minibatch // jax.process_count()
         k = max((seg.k for seg in tree.segments), default=1)
-        batch = methods.zero_minibatch(
+        batch = self.method.objective.zero_rows(
             self.config, rows, tree.leaves.shape[2:], k, tree.leaves.dtype
         )
         return sharding.shard_batch(self.mesh, batch)

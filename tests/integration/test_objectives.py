@@ -1,0 +1,114 @@
+"""Objectives are strategies the method table holds: a toy objective defined here, outside the
+package, with one table entry, is checked by config.validate through its own hooks and is
+what the trainer trains through (its rows, its loss, its old policy and its after-update)."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from tree_grpo_jax import config as cfg
+from tree_grpo_jax import methods
+from tree_grpo_jax.core.loss import ppo_loss
+from tree_grpo_jax.methods.ppo import PPOObjective
+from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run.train_step import OldPolicyState
+
+CALLS = []
+
+
+def _frozen_loss(params, batch, *, old_params, **kwargs):
+    """PPO's loss times zero: no gradient, so weights without weight decay cannot move. The
+    old policy reaches it (a required argument) because the objective keeps one."""
+    loss, metrics = ppo_loss(params, batch, **kwargs)
+    return 0.0 * loss, metrics
+
+
+class FrozenObjective(PPOObjective):
+    """PPO's rows with a loss that trains nothing, and an old policy of its own."""
+
+    name = "frozen"
+    keeps_old_policy = True
+
+    def check_section(self, config):
+        if config.train.weight_decay != 0:
+            return "the frozen objective needs train.weight_decay=0."
+        return None
+
+    def check_run(self, config, spec):
+        return "the frozen tree has no root." if spec.leaves > 99 else None
+
+    def rows(self, method, config, source, key=None):
+        CALLS.append(("rows", source.iteration, source.rewards.shape))
+        return super().rows(method, config, source, key)
+
+    def loss(self, config, denoise_fn):
+        _, settings = super().loss(config, denoise_fn)
+        return _frozen_loss, settings
+
+    def after_update(self, config, old, params, iteration):
+        CALLS.append(("after_update", iteration))
+        return params, {"toy_after_update": iteration}
+
+
+@pytest.fixture
+def frozen_method(monkeypatch):
+    entry = methods.Method(
+        "frozen_grpo",
+        spec=methods.get("grpo").spec,
+        advantages=methods.get("grpo").advantages,
+        objective=FrozenObjective(),
+    )
+    monkeypatch.setitem(methods.METHODS, entry.name, entry)
+    CALLS.clear()
+    return entry
+
+
+def small_config():
+    c = base.get_config()
+    c.model.name = "random_tiny"
+    c.prompts.batch_size = 2
+    c.prompts.eval_count = 2
+    c.sampling.num_steps = 4
+    c.tree.method = "frozen_grpo"
+    c.tree.group_size = 4
+    c.train.iterations = 1
+    c.train.rows_per_minibatch = 8
+    c.train.weight_decay = 0.0
+    c.rewards = "jpeg_compressibility"
+    c.eval.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    return c
+
+
+def test_each_objective_checks_its_own_fields(frozen_method):
+    c = small_config()
+    cfg.validate(c)
+    c.train.weight_decay = 1e-4
+    with pytest.raises(cfg.ConfigError, match="^the frozen objective needs train.weight_decay=0.$"):
+        cfg.validate(c)
+    # its section is checked whichever method runs
+    c.tree.method = "grpo"
+    with pytest.raises(cfg.ConfigError, match="frozen objective"):
+        cfg.validate(c)
+    c.train.weight_decay = 0.0
+    c.tree.method, c.tree.group_size = "frozen_grpo", 100
+    with pytest.raises(cfg.ConfigError, match="^the frozen tree has no root.$"):
+        cfg.validate(c)
+    assert frozen_method.objective in methods.objectives()
+
+
+def test_the_trainer_trains_through_the_method_s_objective(frozen_method, tmp_path):
+    trainer, state = train.setup(small_config(), str(tmp_path))
+    assert trainer.method is frozen_method
+    assert isinstance(state, OldPolicyState)  # keeps_old_policy
+    before = jax.device_get(state.params)
+    state, metrics = trainer.iteration(state, 0)
+    assert CALLS == [("rows", 0, (2, 4)), ("after_update", 0)]
+    assert metrics["toy_after_update"] == 0
+    assert metrics["train_rows"] > 0
+    # a zero loss under Adam without weight decay leaves every weight as it was; PPO's own
+    # loss (tests/test_train.py) moves them
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.device_get(state.params))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.device_get(state.old_params))

@@ -1,0 +1,121 @@
+"""What a training objective is to the rest of the package: one object per objective, held
+by each method-table entry that trains through it (`Method.objective`).
+
+An objective says which rows an iteration trains on (from the rollout, its rewards and a
+key), the loss over a minibatch of them with its static settings, zero rows of its kind (the
+precompiled and planned programs' arguments), whether the state keeps an old copy of the
+policy and what becomes of it after an update, what its rows store (the size check), its own
+config checks, and the per-prompt training counts the benchmarks derive. The trainer, the
+build, the memory plan and the benchmarks call these and never ask which objective they hold:
+a new objective is one module subclassing `Objective` and one table entry.
+
+The objectives: `ppo.PPO` (PPO-clip on the rollout's own steps, core/loss.py) and
+`nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the leaves).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import ml_collections
+import numpy as np
+
+from tree_grpo_jax.core import tree_spec
+from tree_grpo_jax.core.rollout import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSource:
+    """One iteration's rollout as an objective needs it to make its training rows."""
+
+    spec: tree_spec.TreeSpec  # the spec rolled out (a windowed method's family)
+    window_start: int  # the family's window position in this rollout
+    tree: Tree  # this process's rows of the rollout
+    rows: slice  # which rows of the global batch `tree` holds
+    prompts: Sequence[str]  # the global batch's prompts
+    rewards: np.ndarray  # [P, L] float32, the global batch's
+    iteration: int = 0
+    # this process's view of DDPO's stat tracker (`update(prompt_ids, rewards)` of its own
+    # rows, updated with the global batch), or None
+    tracker: Any = None
+
+
+class Objective(abc.ABC):
+    """A training objective; subclasses are stateless and one instance serves every run."""
+
+    name: ClassVar[str]  # how the docs and messages call it
+    # the state keeps an old copy of the policy (`train_step.OldPolicyState`) that samples
+    # the rollouts and that the loss receives as `old_params`
+    keeps_old_policy: ClassVar[bool] = False
+    # its rows are drawn at random: the update gives them a key of their own
+    draws_rows: ClassVar[bool] = False
+
+    # -- config checks: one sentence for the user, or None -------------------------------------
+    def check_section(self, config: ml_collections.ConfigDict) -> str | None:
+        """The objective's own config section, checked whichever method a run uses."""
+        return None
+
+    def check_run(self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec) -> str | None:
+        """The run's settings when its method trains through this objective (`spec`: its tree
+        at iteration 0)."""
+        return None
+
+    def check_model(self, config: ml_collections.ConfigDict, model) -> str | None:
+        """The run's model (`models.base.TextToImageModel`), once it is built."""
+        return None
+
+    # -- training --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def rows(
+        self,
+        method: Any,
+        config: ml_collections.ConfigDict,
+        source: RowSource,
+        key: jax.Array | None = None,
+    ):
+        """This process's training rows of one rollout; a row's `prompt` indexes the global
+        batch. `method` is the table's `Method` (its credit and edge masks); `key` is given
+        when `draws_rows`."""
+
+    @abc.abstractmethod
+    def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, dict]:
+        """The loss function `(params, batch, *, schedule, cond, uncond, ref_params, ...)` and
+        its static settings, for the train step."""
+
+    @abc.abstractmethod
+    def zero_rows(
+        self,
+        config: ml_collections.ConfigDict,
+        rows: int,
+        sample_shape,
+        max_k: int,
+        dtype,
+        make=np.zeros,
+    ):
+        """`rows` rows of zeros of this objective's kind (`make=jax.ShapeDtypeStruct`: their
+        shapes alone); `max_k` is the tree's widest branch."""
+
+    def after_update(
+        self, config: ml_collections.ConfigDict, old, params, iteration: int
+    ) -> tuple[Any, dict]:
+        """The old policy after iteration `iteration`'s update of `params`, and the metrics
+        that tell its move (only called when `keeps_old_policy`)."""
+        return old, {}
+
+    # -- sizes and counts ------------------------------------------------------------------------
+    def row_samples(self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec) -> int:
+        """Samples per prompt its rows store beside the rollout's recorded states."""
+        return 0
+
+    @abc.abstractmethod
+    def training_counts(
+        self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec, prunes: bool
+    ) -> dict:
+        """Per prompt, counted from `spec` and the settings alone: whether the rollout and the
+        train step run with guidance, the rollout's denoiser rows, the trained edges, the
+        training rows and their denoiser forwards, and the spec's own unpruned counts
+        (`spec_trainable_edges`, `spec_train_rows`). `prunes`: the method prunes edges."""

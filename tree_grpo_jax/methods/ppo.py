@@ -1,0 +1,101 @@
+"""The PPO objective: PPO-clip on the rollout's own stochastic steps (core/loss.py).
+
+Its rows are the tree's trainable edges gathered by parent (`core.transitions`), each with
+its advantage from the method's credit assignment and, where the method prunes, only the
+edges its masks keep. The state keeps no old policy: the rollout's own log-probabilities
+are the ratio's denominator.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.core import transitions
+from tree_grpo_jax.core.loss import ppo_loss
+from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
+from tree_grpo_jax.methods.objective import Objective, RowSource
+
+
+def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) -> float:
+    """Share of the branches after the last split that width pruning keeps."""
+    if mode == "none":
+        return 1.0
+    k = spec.steps[split].k
+    if mode == "top_per_branch":
+        return max(1, int(k * ratio)) / k
+    per_tree = spec.nodes_out[split] // spec.num_trees
+    return min(per_tree, max(2, int(per_tree * ratio))) / per_tree
+
+
+class PPOObjective(Objective):
+    name = "ppo"
+
+    def check_run(self, config, spec):
+        if spec.trainable_edges > 0:
+            return None
+        return f"the {config.tree.method} tree has no trainable step."
+
+    def rows(self, method, config, source: RowSource, key=None) -> transitions.Transitions:
+        """The trainable edges of this process's trees with their clipped advantages (the
+        stat tracker updated when the method uses one), less the edges the masks drop."""
+        advantages = method.clipped_advantages(
+            config,
+            source.spec,
+            source.tree,
+            jnp.asarray(source.rewards[source.rows]),
+            prompt_ids=source.prompts[source.rows],
+            tracker=source.tracker,
+        )
+        masks = method.edge_masks_at(
+            config, source.spec, source.tree, advantages, source.iteration, source.window_start
+        )
+        rows = transitions.gather_transitions(source.tree, advantages, masks)
+        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+
+    def loss(self, config, denoise_fn):
+        c = config
+        settings = dict(reduce=c.sampling.log_prob_reduce, clip_range=c.train.clip_range)
+        return ppo_loss, dict(
+            denoise_fn=denoise_fn,
+            guidance_scale=c.sampling.guidance_scale,
+            kl_beta=c.train.kl_beta,
+            **settings,
+        )
+
+    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
+        return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make)
+
+    def training_counts(self, config, spec: TreeSpec, prunes: bool) -> dict:
+        """Trained edges and rows (one row = one parent, whose single forward scores all its
+        trained children) per stochastic step, less the edges pruning drops: counted from the
+        nodes of `spec`, independently of `pruning.py` and `transitions.py`."""
+        a = config.advantage
+        guidance = config.sampling.guidance_scale != 1.0
+        # depth d = the nodes step d - 1 makes
+        pruned_steps = {d - 1 for d in a.depth_pruning} if prunes else set()
+        splits = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
+        width = a.width_pruning if prunes else "none"
+        edges = rows = 0
+        for i in spec.trainable_steps:
+            if i in pruned_steps:
+                continue
+            step_edges, step_rows = spec.nodes_out[i], spec.nodes_in[i]
+            if splits and i > splits[-1]:  # a chain step after the last split: rows = edges
+                keep = _width_keep_fraction(spec, splits[-1], width, a.width_pruning_ratio)
+                step_edges = step_rows = round(step_edges * keep)
+            edges += step_edges
+            rows += step_rows
+        return {
+            "guidance": guidance,
+            "rollout_rows": spec.rollout_denoiser_calls(guidance),
+            "trained_edges": edges,
+            "train_rows": rows,
+            "train_forward_rows": rows * (2 if guidance else 1),
+            # Unpruned and un-amortized, for reference: the spec's own counts.
+            "spec_trainable_edges": spec.trainable_edges,
+            "spec_train_rows": spec.training_forward_rows(True, False),
+        }
+
+
+PPO = PPOObjective()

@@ -1,0 +1,283 @@
+"""The method table: every training method as one entry.
+
+A method is a tree (its spec builder), a credit assignment (its advantage function), which of
+its trainable edges train (its edge-mask hook: BranchGRPO's pruning), its objective and a few
+flags the trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat
+tracker. The objective is an `objective.Objective`: `ppo.PPO` (PPO-clip on the rollout's own
+steps) or `nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the
+leaves; its advantages are one array per leaf, [P, L], and it samples from an old copy of the
+policy). This is the one place that maps a method name to behaviour: the config checks look
+a method up here, and the run holds the `Method` it got and calls it.
+
+Entries read their options from the config's `tree` and `advantage` sections; the library
+functions they call take plain values and static specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from tree_grpo_jax.core import advantages as adv
+from tree_grpo_jax.core import pruning, tree_spec
+from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.methods import nft
+from tree_grpo_jax.methods.objective import Objective
+from tree_grpo_jax.methods.ppo import PPO
+
+# (tree section, number of steps) -> the run's tree. A windowed method's tree is a family
+# whose window position is the rollout's argument: one compiled rollout serves them all.
+SpecBuilder = Callable[[ml_collections.ConfigDict, int], tree_spec.TreeSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class Credit:
+    """What an advantage function may use besides the tree and the rewards."""
+
+    options: ml_collections.ConfigDict  # the config's `advantage` section
+    prompt_ids: Sequence[Hashable] = ()  # one per prompt row (the stat tracker's keys)
+    tracker: adv.PerPromptStatTracker | None = None
+
+
+# (spec, tree, rewards [P, L], credit) -> one advantage array per segment, unclipped.
+AdvantageFn = Callable[[tree_spec.TreeSpec, Tree, jax.Array, Credit], adv.Advantages]
+# (advantage section, spec, tree, advantages, *, iteration, total_iterations, window_start)
+# -> one boolean mask per segment (True: trained), or None to train every trainable edge.
+EdgeMaskFn = Callable[..., pruning.Masks | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    spec: SpecBuilder
+    advantages: AdvantageFn
+    windowed: bool = False  # has a window of trained steps that may slide
+    stat_tracker: bool = False  # may normalise with DDPO's per-prompt stat tracker
+    edge_masks: EdgeMaskFn | None = None  # which trainable edges train; None: all of them
+    objective: Objective = PPO  # what it trains on and how (ppo.py, nft.py)
+
+    @property
+    def pruning(self) -> bool:
+        """True when the method may leave trainable edges out of the loss."""
+        return self.edge_masks is not None
+
+    def window_start_at(self, config: ml_collections.ConfigDict, iteration: int) -> int:
+        """Where the window starts at `iteration` (it slides one step every
+        `tree.window_slide_every` iterations, wrapping so it always ends by the last step)."""
+        t = config.tree
+        if not t.window_slide_every or not self.windowed:
+            return t.window_start
+        return t.window_start + tree_spec.sliding_window_start(
+            iteration, config.sampling.num_steps - t.window_start, t.window, t.window_slide_every
+        )
+
+    def run_spec(self, config: ml_collections.ConfigDict) -> tree_spec.TreeSpec:
+        """The run's tree: the same for every iteration (a windowed method's is a family; its
+        position at an iteration is `window_start_at`). Raises tree_spec.SpecError for a tree
+        that cannot be built."""
+        return self.spec(config.tree, config.sampling.num_steps)
+
+    def spec_at(self, config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
+        """The plain tree of `iteration` (the family at its window position): for counting."""
+        return self.run_spec(config).at(self.window_start_at(config, iteration))
+
+    def clipped_advantages(
+        self,
+        config: ml_collections.ConfigDict,
+        spec: tree_spec.TreeSpec,
+        tree: Tree,
+        rewards: jax.Array,
+        *,
+        prompt_ids: Sequence[Hashable] = (),
+        tracker: adv.PerPromptStatTracker | None = None,
+    ) -> adv.Advantages:
+        """The method's advantages, clipped once to +-advantage.clip: one array per segment
+        (per-edge credit), or one [P, L] array of the leaves (DiffusionNFT's)."""
+        credit = Credit(config.advantage, prompt_ids, tracker)
+        raw = self.advantages(spec, tree, rewards, credit)
+        clip = config.advantage.clip
+        return tuple(jnp.clip(a, -clip, clip) for a in raw)
+
+    def edge_masks_at(
+        self,
+        config: ml_collections.ConfigDict,
+        spec: tree_spec.TreeSpec,
+        tree: Tree,
+        advantages: adv.Advantages,
+        iteration: int,
+        window_start: int,
+    ) -> pruning.Masks | None:
+        """The masks of the edges that train at `iteration` (None: all of them)."""
+        if self.edge_masks is None:
+            return None
+        return self.edge_masks(
+            config.advantage,
+            spec,
+            tree,
+            advantages,
+            iteration=iteration,
+            total_iterations=config.train.iterations,
+            window_start=window_start,
+        )
+
+    def training_counts(self, config: ml_collections.ConfigDict, iteration: int = 0) -> dict:
+        """Per-prompt counts of one iteration, from the tree and the settings alone
+        (`Objective.training_counts`, after the tree's description and leaves)."""
+        spec = self.spec_at(config, iteration)
+        counts = self.objective.training_counts(config, spec, self.pruning)
+        return {"spec": spec.describe(), "leaves": spec.leaves, **counts}
+
+
+def _grpo_credit(spec, tree, rewards, credit: Credit):
+    return adv.grpo_advantages(
+        spec,
+        tree,
+        rewards,
+        tracker=credit.tracker,
+        prompt_ids=list(credit.prompt_ids) if credit.tracker else None,
+        ddof=credit.options.std_ddof,
+    )
+
+
+def _treegrpo_credit(spec, tree, rewards, credit: Credit):
+    o = credit.options
+    return adv.treegrpo_advantages(
+        spec,
+        tree,
+        rewards,
+        ddof=o.std_ddof,
+        edge_normalization=o.get("edge_normalization", "none"),
+    )
+
+
+def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
+    o = credit.options
+    return adv.branchgrpo_advantages(
+        spec,
+        tree,
+        rewards,
+        fusion=o.fusion,
+        alpha=o.fusion_alpha,
+        normalization=o.get("branch_normalization", "depthwise"),
+    )
+
+
+def _nft_credit(spec, tree, rewards, credit: Credit):
+    return (jnp.asarray(nft.advantages(np.asarray(rewards)), jnp.float32),)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "grpo",
+            spec=lambda t, n: tree_spec.grpo(
+                n, t.group_size, shared_init_noise=t.shared_init_noise
+            ),
+            advantages=_grpo_credit,
+            stat_tracker=True,
+        ),
+        Method(
+            "mixgrpo",
+            spec=lambda t, n: tree_spec.mixgrpo(n, t.group_size, t.window, tree_spec.FAMILY),
+            advantages=_grpo_credit,
+            windowed=True,
+            stat_tracker=True,
+        ),
+        Method(
+            "treegrpo",
+            spec=lambda t, n: tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees),
+            advantages=_treegrpo_credit,
+            windowed=True,
+        ),
+        Method(
+            "branchgrpo",
+            spec=lambda t, n: tree_spec.branchgrpo(
+                n, t.split_steps, t.k, t.split_noise_scale, t.num_trees
+            ),
+            advantages=_branchgrpo_credit,
+            edge_masks=pruning.branchgrpo_masks,
+        ),
+        Method(
+            "branchgrpo_mix",
+            spec=lambda t, n: tree_spec.branchgrpo_mix(
+                n, t.split_steps, t.k, t.split_noise_scale, t.window, tree_spec.FAMILY, t.num_trees
+            ),
+            advantages=_branchgrpo_credit,
+            windowed=True,
+            edge_masks=pruning.branchgrpo_masks,
+        ),
+        # DiffusionNFT on G deterministic (ODE) samples per prompt, the released sampler's
+        Method(
+            "diffusion_nft",
+            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "nft"),
+            advantages=_nft_credit,
+            objective=nft.NFT,
+        ),
+        # DiffusionNFT on the leaves of TreeGRPO's tree: shared prefixes make samples cheaper
+        Method(
+            "diffusion_nft_tree",
+            spec=lambda t, n: tree_spec.named(
+                tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), "nft_tree"
+            ),
+            advantages=_nft_credit,
+            windowed=True,
+            objective=nft.NFT,
+        ),
+    )
+}
+
+
+class UnknownMethodError(ValueError):
+    """A method name that is not in the table; the message is one sentence for the user."""
+
+
+def get(name: str) -> Method:
+    if name not in METHODS:
+        raise UnknownMethodError(
+            f"unknown tree.method {name!r}; choose one of {', '.join(METHODS)}."
+        )
+    return METHODS[name]
+
+
+def objectives() -> tuple[Objective, ...]:
+    """Every objective of the table, once each, in table order."""
+    return tuple(dict.fromkeys(m.objective for m in METHODS.values()))
+
+
+# Look-ups by config, for the callers that hold no method (config checks, benchmarks, tests).
+
+
+def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
+    """Where the window of the configured method starts at `iteration`."""
+    return get(config.tree.method).window_start_at(config, iteration)
+
+
+def build_spec(config: ml_collections.ConfigDict) -> tree_spec.TreeSpec:
+    """The configured method's tree (`Method.run_spec`)."""
+    return get(config.tree.method).run_spec(config)
+
+
+def spec_at(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
+    """The plain tree of `iteration` (the family at its window position): for counting."""
+    return get(config.tree.method).spec_at(config, iteration)
+
+
+def compute_advantages(
+    config: ml_collections.ConfigDict,
+    spec: tree_spec.TreeSpec,
+    tree: Tree,
+    rewards: jax.Array,
+    *,
+    prompt_ids: Sequence[Hashable] = (),
+    tracker: adv.PerPromptStatTracker | None = None,
+) -> adv.Advantages:
+    """The configured method's advantages, clipped once (`Method.clipped_advantages`)."""
+    return get(config.tree.method).clipped_advantages(
+        config, spec, tree, rewards, prompt_ids=prompt_ids, tracker=tracker
+    )
