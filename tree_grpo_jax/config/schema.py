@@ -6,13 +6,15 @@ The shared fields are written here; the sections that belong to a registered rec
 from the record, which holds their defaults: `model.<family>` from each model family
 (models/<family>/family.py), `reward_options.<name>` from each reward with settings of its
 own and `reward_models.<name>` (its folder, "" = none configured) from each reward that reads
-a model (tree_grpo_jax/rewards).
+a model (tree_grpo_jax/rewards), and an objective's options from the objective
+(`diffusion_nft` from tree_grpo_jax/methods/nft.py).
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from tree_grpo_jax import methods
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
 
@@ -35,10 +37,14 @@ def flatten(node, prefix: str = "", leaves_only: bool = False) -> dict:
 
 def registered_sections() -> dict[str, object]:
     """The registered records' sections and fields: path -> default (a ConfigDict for a
-    section; None for a section whose record declares no fields, which may hold any)."""
+    section; None for a section whose record declares no fields, which may hold any). A
+    path without a dot is a section of its own (an objective's options)."""
     sections = {}
     for family in model_registry.families():
         sections[f"model.{family.name}"] = family.options() if family.options else None
+    for objective in methods.objectives():
+        if objective.section is not None:
+            sections[objective.section] = objective.options()
     for name in reward_registry.available_rewards():
         options = reward_registry.options_of(name, ml_collections.ConfigDict())
         if options is not None:
@@ -160,24 +166,6 @@ def shared_config() -> ml_collections.ConfigDict:
     c.train.clip_range = 1e-4  # PPO clip epsilon
     c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
 
-    # DiffusionNFT (tree.method "diffusion_nft" / "diffusion_nft_tree", tree_grpo_jax/nft.py):
-    # the velocity is trained on the leaves noised again at sampling sigmas, between the
-    # implicit policies beta * v + (1 - beta) * v_old and (1 + beta) * v_old - beta * v, each
-    # leaf weighted by its optimality r = clip(A / (2 * advantage.clip) + 1/2, 0, 1). Defaults:
-    # the released SD3.5-M configs (NVlabs/DiffusionNFT config/nft.py); train.kl_beta is its
-    # KL to the initial model (theirs: 1e-4) and advantage.clip its adv_clip_max (5).
-    c.diffusion_nft = ml_collections.ConfigDict()
-    c.diffusion_nft.beta = 1.0  # the implicit policies' step (theirs: 1.0; 0.1 for OCR)
-    # The old policy samples and anchors the loss: after each iteration
-    # old <- d * old + (1 - d) * new, d = min(max(0, iterations done - flat) * rate, max)
-    # (their decay_type 1: 0, 0.001, 0.5; decay_type 2, for OCR: 75, 0.0075, 0.999).
-    c.diffusion_nft.old_policy_flat = 0
-    c.diffusion_nft.old_policy_rate = 0.001
-    c.diffusion_nft.old_policy_max = 0.5
-    # sigmas each leaf is trained at: int(sampling.num_steps * fraction) of the sampling steps,
-    # drawn per leaf without repeats, each with its own noise (theirs: 0.99)
-    c.diffusion_nft.timestep_fraction = 0.99
-
     # LoRA (rank 0: full fine-tuning): W + (alpha / rank) * A @ B on the `targets` kernels
     # (module names; () = the family's defaults in tree_grpo_jax.lora), the base frozen in
     # the compute dtype; only the factors are optimized and checkpointed.
@@ -256,9 +244,13 @@ def base_config() -> ml_collections.ConfigDict:
     records' sections (those that declare their fields)."""
     c = shared_config()
     for path, default in registered_sections().items():
-        if default is not None:
-            section, _, name = path.partition(".")
+        if default is None:
+            continue
+        section, _, name = path.partition(".")
+        if name:
             c[section][name] = default
+        else:
+            c[section] = default
     return c
 
 

@@ -28,6 +28,7 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import struct
 
@@ -236,6 +237,28 @@ class NFTObjective(Objective):
     name = "nft"
     keeps_old_policy = True
     draws_rows = True  # the sigmas and noises of its rows
+    section = "diffusion_nft"
+
+    def options(self):
+        """DiffusionNFT's settings (tree.method "diffusion_nft" / "diffusion_nft_tree"): the
+        velocity is trained on the leaves noised again at sampling sigmas, between the
+        implicit policies beta * v + (1 - beta) * v_old and (1 + beta) * v_old - beta * v,
+        each leaf weighted by its optimality r = clip(A / (2 * advantage.clip) + 1/2, 0, 1).
+        Defaults: the released SD3.5-M configs (NVlabs/DiffusionNFT config/nft.py);
+        train.kl_beta is its KL to the initial model (theirs: 1e-4) and advantage.clip its
+        adv_clip_max (5)."""
+        n = ml_collections.ConfigDict()
+        n.beta = 1.0  # the implicit policies' step (theirs: 1.0; 0.1 for OCR)
+        # The old policy samples and anchors the loss: after each iteration
+        # old <- d * old + (1 - d) * new, d = min(max(0, iterations done - flat) * rate, max)
+        # (their decay_type 1: 0, 0.001, 0.5; decay_type 2, for OCR: 75, 0.0075, 0.999).
+        n.old_policy_flat = 0
+        n.old_policy_rate = 0.001
+        n.old_policy_max = 0.5
+        # sigmas each leaf is trained at: int(sampling.num_steps * fraction) of the sampling
+        # steps, drawn per leaf without repeats, each with its own noise (theirs: 0.99)
+        n.timestep_fraction = 0.99
+        return n
 
     def check_section(self, config):
         """The `diffusion_nft` section: the first of its fields that is wrong."""

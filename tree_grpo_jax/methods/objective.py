@@ -54,6 +54,14 @@ class Objective(abc.ABC):
     # its rows are drawn at random: the update gives them a key of their own
     draws_rows: ClassVar[bool] = False
 
+    # -- its own config section (`config.<section>`), or none ------------------------------------
+    section: ClassVar[str | None] = None
+
+    def options(self) -> ml_collections.ConfigDict | None:
+        """The section's fields at their defaults; the schema composes them into every run's
+        config (`tree_grpo_jax.config.base_config`)."""
+        return None
+
     # -- config checks: one sentence for the user, or None -------------------------------------
     def check_section(self, config: ml_collections.ConfigDict) -> str | None:
         """The objective's own config section, checked whichever method a run uses."""
