@@ -55,6 +55,7 @@ import numpy as np
 
 from benchmarks import random_models
 from benchmarks.common import PRESETS, default_out, markdown_table
+from tree_grpo_jax.run import memory
 
 METHODS = ("treegrpo", "grpo")  # the tree first: a run cut short keeps it
 # Trained by default: a train step costs about the same per row whichever tree its rows come
@@ -160,16 +161,11 @@ def device_memory() -> dict | None:
 def program_memory(compiled) -> dict | None:
     """What XLA planned for one device: arguments, outputs, temporaries, and their peak (their
     sum less the outputs written into donated arguments)."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - a backend without memory analysis
+    stats = memory.read(compiled)
+    if stats is None:
         return None
-    if m is None:
-        return None
-    fields = ("argument", "output", "alias", "temp")
-    out = {f"{f}_bytes": int(getattr(m, f"{f}_size_in_bytes")) for f in fields}
-    out["peak_bytes"] = sum(out[f"{f}_bytes"] for f in ("argument", "output", "temp"))
-    out["peak_bytes"] -= out["alias_bytes"]
+    out = {f"{f}_bytes": getattr(stats, f) for f in ("argument", "output", "alias", "temp")}
+    out["peak_bytes"] = stats.peak
     return out
 
 

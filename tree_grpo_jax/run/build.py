@@ -34,6 +34,27 @@ from tree_grpo_jax.run.train_step import (
 from tree_grpo_jax.run.trainer import Trainer, make_tracker, prompt_iterator
 
 
+def check_batches(config, mesh) -> None:
+    """The batches the trainer splits over every device must split evenly; one sentence."""
+    shards = sharding.num_batch_shards(mesh)
+    if config.train.rows_per_minibatch % shards:
+        raise cfg.ConfigError(
+            f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
+            f"of the {shards} devices the batch is split over."
+        )
+    # The rollout splits each process's prompts over that process's share of the devices.
+    per_process = shards // jax.process_count()
+    batch = config.prompts.batch_size
+    if batch % per_process:
+        lower, upper = batch // per_process * per_process, (batch // per_process + 1) * per_process
+        works = f"{lower} or {upper}" if lower else f"{upper}"
+        raise cfg.ConfigError(
+            f"prompts.batch_size ({batch}{', per process' if sharding.multi_process() else ''}) "
+            f"must be a multiple of the {per_process} devices the rollout is split over "
+            f"(mesh data x fsdp); {works} would work."
+        )
+
+
 def check_sizes(config, spec, sample_shape, objective: methods.Objective) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
     alone cannot fit in memory (float32 states of every trained step, and the leaves, and
@@ -109,14 +130,58 @@ def setup(
     return build(config, workdir, reward_weights, model)
 
 
+# ---------------------------------------------------------------------------------------------
+# What a run trains and how its step is laid out: one assembly for the real run (arrays) and
+# the memory plan (`jax.eval_shape` of the same functions).
+
+
+def lora_paths(config, base) -> list:
+    """The kernels of `base` that LoRA adapts: `lora.targets`, or the family's defaults."""
+    targets = tuple(config.lora.targets) or model_registry.family_of(config.model.name).lora_targets
+    try:
+        return lora.target_paths(base, targets)
+    except ValueError as e:
+        raise cfg.ConfigError(str(e)) from None
+
+
+def frozen_base(config, model_params):
+    """LoRA's frozen base: the model's weights in the compute dtype."""
+    return cast_floats(model_params, DTYPES[config.model.compute_dtype])
+
+
+def trained_params(config, model_params, base=None, paths=None):
+    """The parameters the run trains, at step 0, in `model.param_dtype`: the model's own
+    (full fine-tuning), or LoRA factors on `base` at `paths` (only they are optimized and
+    checkpointed)."""
+    if base is None:
+        return cast_floats(model_params, DTYPES[config.model.param_dtype])
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    factors = lora.init_lora(key, base, paths, int(config.lora.rank))
+    return cast_floats(factors, DTYPES[config.model.param_dtype])
+
+
+def step_layout(config, objective, model, base_shardings=None) -> tuple[dict, dict]:
+    """(the loss's static settings, the train step's layout: its loss function and, under
+    LoRA, the merge and where the frozen base and the KL reference lie)."""
+    loss_fn, loss_kwargs = objective.loss(config, training_denoise(model, config.model.remat))
+    layout = {"loss_fn": loss_fn}
+    if base_shardings is not None:
+        rank = int(config.lora.rank)
+        layout.update(
+            merge=functools.partial(lora.merge, alpha=float(config.lora.alpha or rank), rank=rank),
+            frozen_shardings=base_shardings,
+            ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
+        )
+    return loss_kwargs, layout
+
+
 def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
     """LoRA on the model's weights when `lora.rank > 0`: the base in the compute dtype."""
     spec = config.lora
     if spec.rank == 0:
         return None
-    base = cast_floats(model.params, DTYPES[config.model.compute_dtype])
-    targets = tuple(spec.targets) or model_registry.family_of(config.model.name).lora_targets
-    paths = lora.target_paths(base, targets)
+    base = frozen_base(config, model.params)
+    paths = lora_paths(config, base)
     # The checksum is taken on the host before the base is laid out on the mesh, so a resume
     # on another mesh (allowed) finds the same value.
     fingerprint = lora.weights_fingerprint(base)
@@ -133,23 +198,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     """`setup` on a config already checked (`reward_weights`: what `config.validate` parsed)."""
     sharding.maybe_initialize_distributed()
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
-    shards = sharding.num_batch_shards(mesh)
-    if config.train.rows_per_minibatch % shards:
-        raise cfg.ConfigError(
-            f"train.rows_per_minibatch ({config.train.rows_per_minibatch}) must be a multiple "
-            f"of the {shards} devices the batch is split over."
-        )
-    # The rollout splits each process's prompts over that process's share of the devices.
-    per_process = shards // jax.process_count()
-    batch = config.prompts.batch_size
-    if batch % per_process:
-        lower, upper = batch // per_process * per_process, (batch // per_process + 1) * per_process
-        works = f"{lower} or {upper}" if lower else f"{upper}"
-        raise cfg.ConfigError(
-            f"prompts.batch_size ({batch}{', per process' if sharding.multi_process() else ''}) "
-            f"must be a multiple of the {per_process} devices the rollout is split over "
-            f"(mesh data x fsdp); {works} would work."
-        )
+    check_batches(config, mesh)
     method = methods.get(config.tree.method)
     # Rewards score the images where they were decoded: each process has its own copy.
     reward_mesh = sharding.local_mesh(mesh)
@@ -193,11 +242,9 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
 
     adapter = _make_adapter(config, model, mesh)
     if adapter is None:
-        params = cast_floats(model.params, DTYPES[config.model.param_dtype])
-    else:  # only the factors are trained, optimized and checkpointed
-        key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
-        params = lora.init_lora(key, adapter.base, adapter.paths, adapter.rank)
-        params = cast_floats(params, DTYPES[config.model.param_dtype])
+        params = trained_params(config, model.params)
+    else:
+        params = trained_params(config, model.params, adapter.base, adapter.paths)
     tx = make_optimizer(config.train)
 
     def fresh(p):
@@ -207,12 +254,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     init_state = jax.jit(fresh, out_shardings=state_shardings)
     state = init_state(params)
 
-    loss_fn, loss_kwargs = objective.loss(config, training_denoise(model, config.model.remat))
+    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
+    loss_kwargs, layout = step_layout(config, objective, model, base_shardings)
     use_kl = config.train.kl_beta > 0
     # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
     # KL term whose reference is kept anyway
     eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
-    layout = {"loss_fn": loss_fn}
     if adapter is None:
         keep = use_kl or eval_kl
         initial = jax.tree_util.tree_map(jnp.copy, state.params) if keep else None
@@ -221,12 +268,6 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     else:  # the KL reference is the base itself: no second copy
         ref_params = adapter.base if use_kl else None
         kl_reference = adapter.base if eval_kl else None
-        base_shardings = sharding.param_shardings(mesh, adapter.base)
-        layout.update(
-            merge=functools.partial(lora.merge, alpha=adapter.alpha, rank=adapter.rank),
-            frozen_shardings=base_shardings,
-            ref_shardings=base_shardings if use_kl else None,
-        )
     train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout)
     accumulating = make_accumulating_step(tx, loss_kwargs, mesh, state_shardings, **layout)
     trainer = Trainer(

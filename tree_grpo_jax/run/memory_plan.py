@@ -40,11 +40,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax import methods, sharding
 from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES, cast_floats, training_denoise
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.run import build, memory
 from tree_grpo_jax.run.train_step import (
     TrainState,
     initial_state,
@@ -167,32 +167,20 @@ def padded(size: int, mesh) -> int:
 # The run's state, as `build.build` makes it.
 
 
-def _lora_paths(config, base):
-    targets = tuple(config.lora.targets) or model_registry.family_of(config.model.name).lora_targets
-    try:
-        return lora.target_paths(base, targets)
-    except ValueError as e:
-        raise cfg.ConfigError(str(e)) from None
-
-
 def build_run(config, model, mesh) -> _Run:
     """The trainable state and the denoiser's weights as shapes, laid out as `build.build`
     lays them out: full fine-tuning in `model.param_dtype`, or LoRA factors on a frozen base
     in `model.compute_dtype`."""
-    param_dtype = DTYPES[config.model.param_dtype]
-    compute_dtype = DTYPES[config.model.compute_dtype]
     tx = make_optimizer(config.train)
-    rank = int(config.lora.rank)
-    if rank == 0:
+    if int(config.lora.rank) == 0:
         base = None
-        params = jax.eval_shape(functools.partial(cast_floats, dtype=param_dtype), model.params)
+        params = jax.eval_shape(functools.partial(build.trained_params, config), model.params)
         weights = params
     else:  # only the factors are trained; the rollout runs on the merged weights
-        base = jax.eval_shape(functools.partial(cast_floats, dtype=compute_dtype), model.params)
-        paths = _lora_paths(config, base)
-        key = jax.random.PRNGKey(config.seed)
+        base = jax.eval_shape(functools.partial(build.frozen_base, config), model.params)
+        paths = build.lora_paths(config, base)
         params = jax.eval_shape(
-            lambda b: cast_floats(lora.init_lora(key, b, paths, rank), param_dtype), base
+            lambda b: build.trained_params(config, model.params, b, paths), base
         )
         weights = base  # `lora.merge` keeps every leaf's shape and dtype
     method = methods.get(config.tree.method)
@@ -316,17 +304,8 @@ def _step_setup(run: _Run, tree):
     step's abstract arguments after the state: (batch, cond, schedule, uncond, ref)."""
     c = run.config
     uncond, _ = _guidance(run)
-    loss_fn, loss_kwargs = run.method.objective.loss(c, training_denoise(run.model, c.model.remat))
+    loss_kwargs, layout = build.step_layout(c, run.method.objective, run.model, run.base_shardings)
     kl = c.train.kl_beta > 0
-    layout = {"loss_fn": loss_fn}
-    if run.base is not None:
-        layout.update(
-            merge=functools.partial(
-                lora.merge, alpha=float(c.lora.alpha or c.lora.rank), rank=int(c.lora.rank)
-            ),
-            frozen_shardings=run.base_shardings,
-            ref_shardings=run.base_shardings if kl else None,
-        )
     args = (
         transition_rows(run, tree),
         _cond(c.prompts.batch_size, run),
@@ -420,7 +399,7 @@ def compile_memory(name: str, what: str, fn, args, held: int, progress) -> Progr
     start = time.perf_counter()
     compiled = fn.lower(*args).compile()
     seconds = time.perf_counter() - start
-    stats = compiled.memory_analysis()
+    stats = memory.read(compiled)
     if stats is None:
         raise cfg.ConfigError(
             f"the {jax.devices()[0].platform} backend gives no memory analysis of compiled "
@@ -431,11 +410,11 @@ def compile_memory(name: str, what: str, fn, args, held: int, progress) -> Progr
     return ProgramMemory(
         name=name,
         what=what,
-        argument=int(stats.argument_size_in_bytes),
-        output=int(stats.output_size_in_bytes),
-        temp=int(stats.temp_size_in_bytes),
-        alias=int(stats.alias_size_in_bytes),
-        generated_code=int(stats.generated_code_size_in_bytes),
+        argument=stats.argument,
+        output=stats.output,
+        temp=stats.temp,
+        alias=stats.alias,
+        generated_code=stats.generated_code,
         held=held,
         compile_s=seconds,
         library_fusions=library,
@@ -514,24 +493,6 @@ def _training(config, run: _Run) -> str:
     return f"{what}, params {m.param_dtype}, compute {m.compute_dtype}, {remat}"
 
 
-def check_batches(config, mesh) -> None:
-    """The batches the trainer splits over every device must split evenly; one sentence."""
-    shards = sharding.num_batch_shards(mesh)
-    rows, prompts = config.train.rows_per_minibatch, config.prompts.batch_size
-    if rows % shards:
-        raise cfg.ConfigError(
-            f"train.rows_per_minibatch ({rows}) must be a multiple of the {shards} devices the "
-            "batch is split over."
-        )
-    if prompts % shards:
-        lower, upper = prompts // shards * shards, (prompts // shards + 1) * shards
-        works = f"{lower} or {upper}" if lower else f"{upper}"
-        raise cfg.ConfigError(
-            f"prompts.batch_size ({prompts}) must be a multiple of the {shards} devices the "
-            f"rollout is split over (mesh data x fsdp); {works} would work."
-        )
-
-
 def _chosen(only: Sequence[str] | None) -> set[str]:
     """The programs to compile ("train_step" includes its accumulating form)."""
     chosen = set(PROGRAMS if only is None else only)
@@ -562,7 +523,7 @@ def plan_memory(
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
     except ValueError as e:
         raise cfg.ConfigError(str(e)) from None
-    check_batches(config, mesh)
+    build.check_batches(config, mesh)
     model = model_registry.abstract_model(config.model, seed=config.seed)
     run = build_run(config, model, mesh)
     what, fn, args = rollout_program(run)

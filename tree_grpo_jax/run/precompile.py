@@ -21,6 +21,7 @@ import jax
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
+from tree_grpo_jax.run import memory
 from tree_grpo_jax.run.train_step import old_params
 
 
@@ -80,18 +81,10 @@ def compile_programs(
     progress(f"compiled in {time.perf_counter() - start:.0f} s")
     fits = {}
     for name, (compiled, seconds) in done.items():
-        stats = compiled.memory_analysis()
+        stats = memory.read(compiled)
         if stats is None:  # a backend without the analysis: nothing to hold against
             continue
-        peak = (
-            stats.argument_size_in_bytes
-            + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes
-            - stats.alias_size_in_bytes
-        )
-        fits[name] = ProgramFit(
-            name, int(peak), int(stats.argument_size_in_bytes), held[name], seconds
-        )
+        fits[name] = ProgramFit(name, stats.peak, stats.argument, held[name], seconds)
     return fits
 
 
