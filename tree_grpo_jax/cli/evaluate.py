@@ -33,7 +33,7 @@ import time
 from absl import app, flags, logging
 
 from tree_grpo_jax.cli import common
-from tree_grpo_jax.cli import main as cli
+from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.run import fingerprint as run_fingerprint

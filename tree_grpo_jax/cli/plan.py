@@ -29,7 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tree_grpo_jax.cli import common
-from tree_grpo_jax.cli import main as cli
+from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
 
 DEVICES = flags.DEFINE_integer(
