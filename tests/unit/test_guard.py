@@ -119,7 +119,8 @@ def test_eval_kl_is_the_exact_gaussian_kl_of_the_ddim_steps():
         _toy_denoise, theta, ref, jnp.asarray(cond), jnp.asarray(noise), schedule, None, 1.0
     )
 
-    # DESIGN.md section 3, with the training schedule's alpha-bars
+    # DDIM with eta written out (x0 from eps, the eta std, the mean of x_t'), with the
+    # training schedule's alpha-bars
     a_all, a_prev_all = (
         np.asarray(schedule.alpha_bar, np.float64),
         np.asarray(schedule.alpha_bar_prev, np.float64),
