@@ -64,6 +64,17 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What `load_sd3` and `abstract.abstract_sd3` take as keywords, with their defaults."""
+
+    use_t5: bool = True  # False leaves the 4.7B T5 unread; its tokens are zeros, as diffusers'
+    t5_max_length: int = 256  # T5 tokens per prompt
+    sample_size: int | None = None  # the latent side (default: the folder's); fits the grid
+    decode_batch_size: int = 4  # latents through the VAE decoder at once
+    remat_blocks: bool = False  # recompute each transformer block in the backward pass
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StableDiffusion3Model(components.TransformerModel):
     """A loaded SD3-family folder; its `text_encoders` are a `text.SD3TextEncoders`."""
@@ -118,36 +129,26 @@ def sample_shape(transformer_config: dict, sample_size: int | None = None) -> tu
     return (transformer_config.get("in_channels", 16), size, size)
 
 
-def load_sd3(
-    path: str,
-    dtype=jnp.float32,
-    *,
-    use_t5: bool = True,
-    t5_max_length: int = 256,
-    sample_size: int | None = None,
-    decode_batch_size: int = 4,
-    remat_blocks: bool = False,
-) -> StableDiffusion3Model:
+def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
 
-    `dtype` is the dtype of all params and of the computation. `use_t5=False` leaves the
-    4.7B T5 encoder unread; its part of the conditioning is zeros, as the pipeline does.
-    `sample_size` is the latent side to sample at (default: the folder's `sample_size`);
-    it must fit the transformer's position-embedding grid. `remat_blocks` recomputes each
-    transformer block in the backward pass (what `model.remat` asks for).
+    `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
+    (`sample_size` must fit the transformer's position-embedding grid; `remat_blocks` is
+    what `model.remat` asks for).
     """
+    options = LoadOptions(**options)
     root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, remat_blocks
+        folders["transformer"], dtype, options.remat_blocks
     )
     vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
     encoders = text.load_text_encoders(
         root,
         dtype,
-        use_t5=use_t5,
-        t5_max_length=t5_max_length,
+        use_t5=options.use_t5,
+        t5_max_length=options.t5_max_length,
         joint_attention_dim=transformer_config.get("joint_attention_dim", 4096),
     )
     pooled_dim = transformer_config.get("pooled_projection_dim", 2048)
@@ -159,13 +160,13 @@ def load_sd3(
 
     return StableDiffusion3Model(
         name=root.name,
-        sample_shape=sample_shape(transformer_config, sample_size),
+        sample_shape=sample_shape(transformer_config, options.sample_size),
         params=params,
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
         encode_prompts=encoders.conditioning,
-        decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
+        decode=_make_decode(vae, vae_params, vae_config, options.decode_batch_size, dtype),
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
         path=root,
@@ -173,5 +174,5 @@ def load_sd3(
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoders,
-        remat_blocks=remat_blocks,
+        remat_blocks=options.remat_blocks,
     )
