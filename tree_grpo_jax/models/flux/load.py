@@ -220,7 +220,9 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     module, params, transformer_config = load_transformer(
         folders["transformer"], dtype, options.remat_blocks
     )
-    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
+    decode, vae_config = autoencoder.load_decode(
+        folders["vae"], dtype, POINT, options.decode_batch_size
+    )
     encoders = text.load_text_encoders(
         root,
         dtype,
@@ -229,7 +231,6 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
         pooled_projection_dim=module.pooled_projection_dim,
     )
     guidance = float(options.guidance) if module.guidance_embeds else None
-    decode_latents = autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype)
 
     return FluxModel(
         name=root.name,
@@ -237,7 +238,7 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
         params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
         encode_prompts=encoders.conditioning,
-        decode=lambda latents: decode_latents(vae_params, latents),
+        decode=decode,
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         path=root,

@@ -110,11 +110,6 @@ def make_denoise(module, context_dim: int, pooled_dim: int):
     return denoise
 
 
-def _make_decode(module, params, config: dict, batch_size: int, dtype):
-    decode_latents = autoencoder.decode_fn(module, config, batch_size, dtype)
-    return lambda latents: decode_latents(params, latents)
-
-
 def sample_shape(transformer_config: dict, sample_size: int | None = None) -> tuple[int, ...]:
     """One latent, channels first: `sample_size` on a side (default: the config's), which
     must fit the transformer's position-embedding grid."""
@@ -143,7 +138,9 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     transformer, params, transformer_config = load_transformer(
         folders["transformer"], dtype, options.remat_blocks
     )
-    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
+    decode, vae_config = autoencoder.load_decode(
+        folders["vae"], dtype, POINT, options.decode_batch_size
+    )
     encoders = text.load_text_encoders(
         root,
         dtype,
@@ -166,7 +163,7 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
         encode_prompts=encoders.conditioning,
-        decode=_make_decode(vae, vae_params, vae_config, options.decode_batch_size, dtype),
+        decode=decode,
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
         path=root,
