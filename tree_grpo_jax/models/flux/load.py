@@ -42,15 +42,7 @@ MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
-_SCHEDULER_FIXED = {
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "invert_sigmas": False,
-    "shift_terminal": None,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-}
+_SCHEDULER_FIXED = {**components.FLOW_SCHEDULER_FIXED, "time_shift_type": "exponential"}
 
 
 @dataclasses.dataclass(frozen=True)

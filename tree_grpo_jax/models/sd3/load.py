@@ -34,15 +34,7 @@ from tree_grpo_jax.weights import files
 MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
 _HUB_PATTERNS = components.PIPELINE_PATTERNS
-_SCHEDULER_FIXED = {
-    "use_dynamic_shifting": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "invert_sigmas": False,
-    "shift_terminal": None,
-    "stochastic_sampling": False,
-}
+_SCHEDULER_FIXED = {"use_dynamic_shifting": False, **components.FLOW_SCHEDULER_FIXED}
 
 
 @dataclasses.dataclass(frozen=True)
