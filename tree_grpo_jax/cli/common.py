@@ -42,6 +42,18 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help).\n")
 
 
+def command_parser(command: str, description: str, epilog: str) -> OneLineErrors:
+    """The parser of `python -m tree_grpo_jax.<command>`: its help text laid out as written,
+    and no abbreviated flags."""
+    return OneLineErrors(
+        prog=f"python -m tree_grpo_jax.{command}",
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+
+
 class BadInput(UserError):
     """One sentence for the user; exit status 2."""
 

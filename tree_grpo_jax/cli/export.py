@@ -362,13 +362,7 @@ def model_card(source: _Source, out: Path, args, base: Path | None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.OneLineErrors(
-        prog="python -m tree_grpo_jax.export",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = common.command_parser("export", DESCRIPTION, EPILOG)
     parser.add_argument(
         "--workdir", help="a training run: its newest readable checkpoint is exported"
     )

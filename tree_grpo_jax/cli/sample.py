@@ -56,13 +56,7 @@ STAND_IN_REWARD = "jpeg_compressibility"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.OneLineErrors(
-        prog="python -m tree_grpo_jax.sample",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = common.command_parser("sample", DESCRIPTION, EPILOG)
     parser.add_argument("--workdir", required=True, help="a training run's folder")
     parser.add_argument(
         "--step", type=int, help="the checkpoint to draw from (default: the newest readable)"

@@ -132,29 +132,11 @@ def active_pruned_depths(
     return tuple(d - shift for d in depths)
 
 
-def depth_pruning_mask(
-    spec: TreeSpec,
-    tree: Tree,
-    pruned_depths: Iterable[int],
-    *,
-    iteration: int = 0,
-    slide_every: int | None = None,
-    stop_depth: int | None = None,
-    count_from: int = 0,
-    window_start: int | None = None,
-) -> Masks:
-    """False on every edge whose child is at a pruned depth (see `active_pruned_depths`)."""
-    active = set(
-        active_pruned_depths(
-            spec,
-            pruned_depths,
-            iteration=iteration,
-            slide_every=slide_every,
-            stop_depth=stop_depth,
-            count_from=count_from,
-            window_start=window_start,
-        )
-    )
+def depth_pruning_mask(spec: TreeSpec, tree: Tree, pruned_depths: Iterable[int], **slide) -> Masks:
+    """False on every edge whose child is at a pruned depth: the depths
+    `active_pruned_depths(spec, pruned_depths, **slide)` gives (`slide`: its iteration,
+    slide_every, stop_depth, count_from and window_start)."""
+    active = set(active_pruned_depths(spec, pruned_depths, **slide))
     masks = []
     for seg, trainable in zip(tree.segments, full_masks(tree)):
         kept = np.array([edge_depth(int(i)) not in active for i in seg.step_indices])

@@ -26,8 +26,21 @@ from flax import struct
 from tree_grpo_jax.core.rollout import Tree
 
 
+class MaskedRows:
+    """What the trainer counts in a batch of rows: its `mask` is [R] (one per row) or [R, K]
+    (one per edge), True where it trains."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def num_edges(self) -> int:
+        return int(np.sum(self.mask))
+
+
 @struct.dataclass
-class Transitions:
+class Transitions(MaskedRows):
     x: np.ndarray  # [R, *S] parent states
     step: np.ndarray  # [R] int32, step index into the schedule
     prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
@@ -36,14 +49,6 @@ class Transitions:
     old_log_probs: np.ndarray  # [R, K] under the rollout's parameters
     advantages: np.ndarray  # [R, K]
     mask: np.ndarray  # [R, K] bool, True = a real edge that is trained
-
-    @property
-    def num_rows(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def num_edges(self) -> int:
-        return int(np.sum(self.mask))
 
 
 def _rows(array: np.ndarray) -> np.ndarray:

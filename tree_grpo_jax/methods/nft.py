@@ -34,6 +34,7 @@ from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
 # The adaptive weights' floor: the released code's, so a perfect prediction divides by it.
@@ -43,21 +44,13 @@ STD_EPS = 1e-4
 
 
 @struct.dataclass
-class NFTRows:
+class NFTRows(MaskedRows):
     x0: np.ndarray  # [R, *S] a final sample (the rollout's leaf)
     noise: np.ndarray  # [R, *S] the forward process's noise for this row
     step: np.ndarray  # [R] int32: the sampling step whose sigma noises the sample
     prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
     optimality: np.ndarray  # [R] float32 in [0, 1]: r of the row's sample
     mask: np.ndarray  # [R] bool, True = a real row
-
-    @property
-    def num_rows(self) -> int:
-        return self.x0.shape[0]
-
-    @property
-    def num_edges(self) -> int:
-        return int(np.sum(self.mask))
 
 
 def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> NFTRows:

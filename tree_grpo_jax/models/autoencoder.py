@@ -76,3 +76,11 @@ def decode_fn(module, config: dict, batch_size: int, dtype):
         return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
 
     return decode_latents
+
+
+def load_decode(folder: Path, dtype, hint: str, batch_size: int):
+    """`(decode, config)` of a `vae/` folder: `decode(latents)` is `decode_fn`'s with the
+    decoder's params (`load_decoder`'s) closed over, as a loaded model's `decode`."""
+    module, params, config = load_decoder(folder, dtype, hint)
+    decode_latents = decode_fn(module, config, batch_size, dtype)
+    return (lambda latents: decode_latents(params, latents)), config

@@ -1,9 +1,11 @@
 """JSON configs that several built-in releases share, as data, with their architecture
 fields only: OpenAI's CLIP ViT-L/14 text tower (CLIP-L), T5 v1.1 XXL's encoder and the
-16-channel `AutoencoderKL` of the flow-matching releases (which differ in their latent
-scaling alone)."""
+`AutoencoderKL` (SD1.5's with 4 latent channels; the flow-matching releases' with 16, which
+differ in their latent scaling alone)."""
 
 from __future__ import annotations
+
+import copy
 
 _CLIP_L = {
     "hidden_act": "quick_gelu",
@@ -42,23 +44,36 @@ def clip_l(architecture: str, **fields) -> dict:
     return {"architectures": [architecture], **_CLIP_L, **fields}
 
 
+_AUTOENCODER_KL = {
+    "_class_name": "AutoencoderKL",
+    "act_fn": "silu",
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "in_channels": 3,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "out_channels": 3,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+
+
+def autoencoder_kl(latent_channels: int, sample_size: int, **fields) -> dict:
+    """The `AutoencoderKL` every built-in release ships (four blocks of 128 to 512 channels)
+    with its latent channels, sample size and any fields of its own; keys sorted, as the
+    releases write them."""
+    config = copy.deepcopy(_AUTOENCODER_KL)  # each release its own lists
+    config |= {"latent_channels": latent_channels, "sample_size": sample_size, **fields}
+    return dict(sorted(config.items()))
+
+
 def vae_16_channels(scaling_factor: float, shift_factor: float) -> dict:
     """The 16-latent-channel VAE (no quant convs) with a release's latent scaling."""
-    return {
-        "_class_name": "AutoencoderKL",
-        "act_fn": "silu",
-        "block_out_channels": [128, 256, 512, 512],
-        "down_block_types": ["DownEncoderBlock2D"] * 4,
-        "in_channels": 3,
-        "latent_channels": 16,
-        "layers_per_block": 2,
-        "mid_block_add_attention": True,
-        "norm_num_groups": 32,
-        "out_channels": 3,
-        "sample_size": 1024,
-        "scaling_factor": scaling_factor,
-        "shift_factor": shift_factor,
-        "up_block_types": ["UpDecoderBlock2D"] * 4,
-        "use_post_quant_conv": False,
-        "use_quant_conv": False,
-    }
+    return autoencoder_kl(
+        16,
+        1024,
+        mid_block_add_attention=True,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_post_quant_conv=False,
+        use_quant_conv=False,
+    )

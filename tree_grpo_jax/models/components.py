@@ -25,6 +25,15 @@ from tree_grpo_jax.weights import convert, files
 # What a hub download of a diffusers pipeline needs: configs, tokenizers, safetensors.
 PIPELINE_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+# Its options that neither family's sigmas implement, with the one value they assume.
+FLOW_SCHEDULER_FIXED = {
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "invert_sigmas": False,
+    "shift_terminal": None,
+    "stochastic_sampling": False,
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

@@ -185,6 +185,15 @@ def _tokenizer(folder: Path, hint: str):
         raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {hint}.") from None
 
 
+def check_scorer_options(dtype: str, chunk_size) -> None:
+    """A scorer's compute dtype (a name in `DTYPES`) and images per forward (at least 1);
+    one-sentence ValueError otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"reward dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    if int(chunk_size) < 1:
+        raise ValueError(f"reward chunk_size must be at least 1, got {chunk_size}.")
+
+
 def place(params, mesh):
     """Replicated over the mesh, or sharded along `fsdp` when the mesh has that axis > 1."""
     if mesh is None:
@@ -212,10 +221,7 @@ def make_scorer(
 
     from tree_grpo_jax.rewards import preprocess
 
-    if dtype not in DTYPES:
-        raise ValueError(f"reward dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    if int(chunk_size) < 1:
-        raise ValueError(f"reward chunk_size must be at least 1, got {chunk_size}.")
+    check_scorer_options(dtype, chunk_size)
     return CLIPScorer(
         path=path,
         config=config,

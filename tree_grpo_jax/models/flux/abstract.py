@@ -48,32 +48,24 @@ def check_text_widths(configs, transformer) -> None:
             )
 
 
-def abstract_flux(
-    path: str,
-    dtype=jnp.float32,
-    *,
-    guidance: float = 3.5,
-    t5_max_length: int = 0,
-    resolution: int = 0,
-    shift: float = 0.0,
-    decode_batch_size: int = 4,
-    remat_blocks: bool = False,
-) -> AbstractModel:
-    """What `load.load_flux(path, dtype, ...)` would load, as shapes; reads JSON files only."""
+def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
+    """What `load.load_flux(path, dtype, **options)` would load, as shapes; reads JSON files
+    only."""
+    options = load.LoadOptions(**options)
     configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (CLIP, T5), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, remat_blocks
+        config, configs.path(TRANSFORMER), dtype, options.remat_blocks
     )
     check_text_widths(configs, transformer)
-    length = t5_max_length or load.default_t5_max_length(config)
+    length = options.t5_max_length or load.default_t5_max_length(config)
     if not 1 <= length <= 512:
         raise ModelLoadError(f"t5_max_length must be in [1, 512], got {length}.")
-    shape = load.sample_shape(config, vae_config, resolution)
+    shape = load.sample_shape(config, vae_config, options.resolution)
     schedule = load.schedule_config(
-        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), shift
+        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), options.shift
     )
     vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
     width = max(transformer.joint_attention_dim, transformer.pooled_projection_dim)
@@ -83,11 +75,11 @@ def abstract_flux(
         sample_shape=shape,
         params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(
-            transformer, float(guidance) if transformer.guidance_embeds else None
+            transformer, float(options.guidance) if transformer.guidance_embeds else None
         ),
         cond_shape=(length + 1, width),
         schedule_config=schedule,
-        decode=autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype),
+        decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=remat_blocks,
+        remat_blocks=options.remat_blocks,
     )

@@ -42,15 +42,7 @@ MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
-_SCHEDULER_FIXED = {
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "invert_sigmas": False,
-    "shift_terminal": None,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-}
+_SCHEDULER_FIXED = {**components.FLOW_SCHEDULER_FIXED, "time_shift_type": "exponential"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +81,18 @@ class FluxScheduleConfig(FlowSigmasScheduleConfig):
         else:
             shifted = math.exp(self.mu) / (math.exp(self.mu) + (1.0 / base - 1.0))
         return np.append(shifted, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What `load_flux` and `abstract.abstract_flux` take as keywords, with their defaults."""
+
+    guidance: float = 3.5  # the distilled guidance scale the transformer embeds (dev only)
+    t5_max_length: int = 0  # the pipeline's max_sequence_length (0: 512 dev, 256 schnell)
+    resolution: int = 0  # the square image side in pixels (0: 1024)
+    shift: float = 0.0  # > 0: a static sigma shift in place of the folder's (dynamic for dev)
+    decode_batch_size: int = 4  # latents through the VAE decoder at once
+    remat_blocks: bool = False  # recompute each transformer block in the backward pass
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -188,48 +192,37 @@ def default_t5_max_length(transformer_config: dict) -> int:
     return 512 if transformer_config.get("guidance_embeds", False) else 256
 
 
-def load_flux(
-    path: str,
-    dtype=jnp.float32,
-    *,
-    guidance: float = 3.5,
-    t5_max_length: int = 0,
-    resolution: int = 0,
-    shift: float = 0.0,
-    decode_batch_size: int = 4,
-    remat_blocks: bool = False,
-) -> FluxModel:
+def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     """Loads a FLUX.1 pipeline folder (or hub id) as a TextToImageModel.
 
-    `dtype` is the dtype of all params and of the computation. `guidance` is the distilled
-    guidance scale the transformer embeds (FLUX.1-dev; ignored by schnell, which has none).
-    `t5_max_length` is the pipeline's `max_sequence_length` (0: 512 for dev, 256 for
-    schnell). `resolution` is the square image side in pixels (0: 1024). `shift > 0` is a
-    static sigma shift in place of the folder's (dynamic for dev). `remat_blocks`
-    recomputes each transformer block in the backward pass (what `model.remat` asks for).
+    `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
+    (`guidance` is ignored by schnell, which has no guidance embedding; `remat_blocks` is
+    what `model.remat` asks for).
     """
+    options = LoadOptions(**options)
     root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_latent_channels(transformer_config, vae_config, root)
-    shape = sample_shape(transformer_config, vae_config, resolution)
+    shape = sample_shape(transformer_config, vae_config, options.resolution)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(
-        files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), shift
+        files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), options.shift
     )
     module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, remat_blocks
+        folders["transformer"], dtype, options.remat_blocks
     )
-    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
+    decode, vae_config = autoencoder.load_decode(
+        folders["vae"], dtype, POINT, options.decode_batch_size
+    )
     encoders = text.load_text_encoders(
         root,
         dtype,
-        t5_max_length=t5_max_length or default_t5_max_length(transformer_config),
+        t5_max_length=options.t5_max_length or default_t5_max_length(transformer_config),
         joint_attention_dim=module.joint_attention_dim,
         pooled_projection_dim=module.pooled_projection_dim,
     )
-    guidance = float(guidance) if module.guidance_embeds else None
-    decode_latents = autoencoder.decode_fn(vae, vae_config, decode_batch_size, dtype)
+    guidance = float(options.guidance) if module.guidance_embeds else None
 
     return FluxModel(
         name=root.name,
@@ -237,7 +230,7 @@ def load_flux(
         params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
         encode_prompts=encoders.conditioning,
-        decode=lambda latents: decode_latents(vae_params, latents),
+        decode=decode,
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         path=root,
@@ -246,5 +239,5 @@ def load_flux(
         vae_config=vae_config,
         guidance=guidance,
         text_encoders=encoders,
-        remat_blocks=remat_blocks,
+        remat_blocks=options.remat_blocks,
     )

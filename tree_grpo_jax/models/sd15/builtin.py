@@ -10,7 +10,7 @@ versions or dtypes).
 from __future__ import annotations
 
 from tree_grpo_jax.models.abstract import BuiltinRelease
-from tree_grpo_jax.models.builtin_configs import CLIP_TOKENIZER, clip_l
+from tree_grpo_jax.models.builtin_configs import CLIP_TOKENIZER, autoencoder_kl, clip_l
 
 SD15 = BuiltinRelease(
     hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5",
@@ -45,19 +45,7 @@ SD15 = BuiltinRelease(
                 "CrossAttnUpBlock2D",
             ],
         },
-        "vae/config.json": {
-            "_class_name": "AutoencoderKL",
-            "act_fn": "silu",
-            "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "in_channels": 3,
-            "latent_channels": 4,
-            "layers_per_block": 2,
-            "norm_num_groups": 32,
-            "out_channels": 3,
-            "sample_size": 512,
-            "up_block_types": ["UpDecoderBlock2D"] * 4,
-        },
+        "vae/config.json": autoencoder_kl(4, 512),
         "text_encoder/config.json": clip_l("CLIPTextModel", layer_norm_eps=1e-05),
         "tokenizer/tokenizer_config.json": CLIP_TOKENIZER,
         "scheduler/scheduler_config.json": {

@@ -66,41 +66,34 @@ def check_text_widths(configs, width: int, use_t5: bool) -> None:
         )
 
 
-def abstract_sd3(
-    path: str,
-    dtype=jnp.float32,
-    *,
-    use_t5: bool = True,
-    t5_max_length: int = 256,
-    sample_size: int | None = None,
-    decode_batch_size: int = 4,
-    remat_blocks: bool = False,
-) -> AbstractModel:
-    """What `load.load_sd3(path, dtype, ...)` would load, as shapes; reads JSON files only."""
+def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
+    """What `load.load_sd3(path, dtype, **options)` would load, as shapes; reads JSON files
+    only."""
+    options = load.LoadOptions(**options)
     needed = (TRANSFORMER, VAE, SCHEDULER, CLIP_L)
     configs = read_configs(path, needed, (TOKENIZER, CLIP_G, T5), RELEASES, HINT)
     found = configs.files
     config = found[TRANSFORMER]
-    check_text_widths(configs, config.get("joint_attention_dim", 4096), use_t5)
+    check_text_widths(configs, config.get("joint_attention_dim", 4096), options.use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, remat_blocks
+        config, configs.path(TRANSFORMER), dtype, options.remat_blocks
     )
     vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
     return AbstractModel(
         name=Path(configs.where).name,
         source=configs.source,
-        sample_shape=load.sample_shape(config, sample_size),
+        sample_shape=load.sample_shape(config, options.sample_size),
         params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(
             transformer,
             config.get("joint_attention_dim", 4096),
             config.get("pooled_projection_dim", 2048),
         ),
-        cond_shape=conditioning_shape(config, clip_tokens, t5_max_length),
+        cond_shape=conditioning_shape(config, clip_tokens, options.t5_max_length),
         schedule_config=schedule,
-        decode=autoencoder.decode_fn(vae, found[VAE], decode_batch_size, dtype),
+        decode=autoencoder.decode_fn(vae, found[VAE], options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=remat_blocks,
+        remat_blocks=options.remat_blocks,
     )

@@ -34,15 +34,7 @@ from tree_grpo_jax.weights import files
 MAX_PREPARED_PROMPTS = 1024
 POINT = "point --config.model.path at a local diffusers-layout Stable Diffusion 3 folder"
 _HUB_PATTERNS = components.PIPELINE_PATTERNS
-_SCHEDULER_FIXED = {
-    "use_dynamic_shifting": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "invert_sigmas": False,
-    "shift_terminal": None,
-    "stochastic_sampling": False,
-}
+_SCHEDULER_FIXED = {"use_dynamic_shifting": False, **components.FLOW_SCHEDULER_FIXED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +54,17 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
         # down to that value and shifts them once more (diffusers does exactly this).
         sigma_min = shifted(1.0 / self.num_train_timesteps)
         return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What `load_sd3` and `abstract.abstract_sd3` take as keywords, with their defaults."""
+
+    use_t5: bool = True  # False leaves the 4.7B T5 unread; its tokens are zeros, as diffusers'
+    t5_max_length: int = 256  # T5 tokens per prompt
+    sample_size: int | None = None  # the latent side (default: the folder's); fits the grid
+    decode_batch_size: int = 4  # latents through the VAE decoder at once
+    remat_blocks: bool = False  # recompute each transformer block in the backward pass
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -99,11 +102,6 @@ def make_denoise(module, context_dim: int, pooled_dim: int):
     return denoise
 
 
-def _make_decode(module, params, config: dict, batch_size: int, dtype):
-    decode_latents = autoencoder.decode_fn(module, config, batch_size, dtype)
-    return lambda latents: decode_latents(params, latents)
-
-
 def sample_shape(transformer_config: dict, sample_size: int | None = None) -> tuple[int, ...]:
     """One latent, channels first: `sample_size` on a side (default: the config's), which
     must fit the transformer's position-embedding grid."""
@@ -118,36 +116,28 @@ def sample_shape(transformer_config: dict, sample_size: int | None = None) -> tu
     return (transformer_config.get("in_channels", 16), size, size)
 
 
-def load_sd3(
-    path: str,
-    dtype=jnp.float32,
-    *,
-    use_t5: bool = True,
-    t5_max_length: int = 256,
-    sample_size: int | None = None,
-    decode_batch_size: int = 4,
-    remat_blocks: bool = False,
-) -> StableDiffusion3Model:
+def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
 
-    `dtype` is the dtype of all params and of the computation. `use_t5=False` leaves the
-    4.7B T5 encoder unread; its part of the conditioning is zeros, as the pipeline does.
-    `sample_size` is the latent side to sample at (default: the folder's `sample_size`);
-    it must fit the transformer's position-embedding grid. `remat_blocks` recomputes each
-    transformer block in the backward pass (what `model.remat` asks for).
+    `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
+    (`sample_size` must fit the transformer's position-embedding grid; `remat_blocks` is
+    what `model.remat` asks for).
     """
+    options = LoadOptions(**options)
     root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, remat_blocks
+        folders["transformer"], dtype, options.remat_blocks
     )
-    vae, vae_params, vae_config = autoencoder.load_decoder(folders["vae"], dtype, POINT)
+    decode, vae_config = autoencoder.load_decode(
+        folders["vae"], dtype, POINT, options.decode_batch_size
+    )
     encoders = text.load_text_encoders(
         root,
         dtype,
-        use_t5=use_t5,
-        t5_max_length=t5_max_length,
+        use_t5=options.use_t5,
+        t5_max_length=options.t5_max_length,
         joint_attention_dim=transformer_config.get("joint_attention_dim", 4096),
     )
     pooled_dim = transformer_config.get("pooled_projection_dim", 2048)
@@ -159,13 +149,13 @@ def load_sd3(
 
     return StableDiffusion3Model(
         name=root.name,
-        sample_shape=sample_shape(transformer_config, sample_size),
+        sample_shape=sample_shape(transformer_config, options.sample_size),
         params=params,
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
         encode_prompts=encoders.conditioning,
-        decode=_make_decode(vae, vae_params, vae_config, decode_batch_size, dtype),
+        decode=decode,
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
         path=root,
@@ -173,5 +163,5 @@ def load_sd3(
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoders,
-        remat_blocks=remat_blocks,
+        remat_blocks=options.remat_blocks,
     )

@@ -16,6 +16,7 @@ from tree_grpo_jax.rewards.convert.errors import (
     ConversionError,
     _fit_message,
     _import_transformers,
+    _misshaped,
     _reason,
 )
 from tree_grpo_jax.rewards.convert.reading import _looks_like_open_clip, to_numpy_state_dict
@@ -107,11 +108,7 @@ def convert_aesthetic(
     unexpected = [k for k in unexpected if not _POSITION_IDS.match(k)]
     vision = {k: v for k, v in clip.items() if _is_vision_key(k) and not _POSITION_IDS.match(k)}
     missing = [k for k in expected if k not in vision]
-    misshaped = [
-        (k, tuple(v.shape), expected[k])
-        for k, v in vision.items()
-        if k in expected and tuple(v.shape) != expected[k]
-    ]
+    misshaped = _misshaped(vision, expected)
     if missing or unexpected or misshaped:
         raise ConversionError(
             "the CLIP weights do not fit the CLIP folder's config.json "

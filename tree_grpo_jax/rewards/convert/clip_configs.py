@@ -16,6 +16,7 @@ from tree_grpo_jax.rewards.convert.errors import (
     _import_torch,
     _import_transformers,
     _reason,
+    _unreadable,
 )
 
 # open_clip's model_configs/ViT-H-14.json, the architecture of HPS-v2.1.
@@ -133,12 +134,8 @@ def read_open_clip_config(path) -> dict:
     path = Path(path).expanduser()
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConversionError(f"open_clip config {path} does not exist.") from None
     except OSError as e:
-        raise ConversionError(
-            f"could not read open_clip config {path}: {e.strerror or e}."
-        ) from None
+        raise _unreadable("open_clip config", path, e) from None
     except ValueError as e:
         raise ConversionError(f"open_clip config {path} is not JSON ({_reason(e)}).") from None
     if not isinstance(config, dict):
@@ -165,6 +162,18 @@ def _positive_int(value, where: str) -> int:
             f"the open_clip config's {where} must be a positive integer, not {value!r}."
         )
     return value
+
+
+def _width_and_divisor(section: dict, where: str, divisor: str) -> tuple[int, int]:
+    """A tower's `width` and its `divisor` field (the heads, or one head's width), positive
+    integers that divide: the attention splits the width evenly."""
+    width = _positive_int(section["width"], f"{where}.width")
+    by = _positive_int(section[divisor], f"{where}.{divisor}")
+    if width % by:
+        raise ConversionError(
+            f"the open_clip config's {where}.width {width} is not a multiple of its {divisor} {by}."
+        )
+    return width, by
 
 
 def _square(value, where: str) -> int:
@@ -219,20 +228,8 @@ def hf_clip_config(open_clip_config: dict | None = None, logit_scale: float | No
         )
     act = "quick_gelu" if quick_gelu else "gelu"
 
-    v_width = _positive_int(vision["width"], "vision_cfg.width")
-    head_width = _positive_int(vision["head_width"], "vision_cfg.head_width")
-    if v_width % head_width:
-        raise ConversionError(
-            f"the open_clip config's vision_cfg.width {v_width} is not a multiple of its "
-            f"head_width {head_width}."
-        )
-    t_width = _positive_int(text["width"], "text_cfg.width")
-    t_heads = _positive_int(text["heads"], "text_cfg.heads")
-    if t_width % t_heads:
-        raise ConversionError(
-            f"the open_clip config's text_cfg.width {t_width} is not a multiple of its "
-            f"heads {t_heads}."
-        )
+    v_width, head_width = _width_and_divisor(vision, "vision_cfg", "head_width")
+    t_width, t_heads = _width_and_divisor(text, "text_cfg", "heads")
     vocab_size = _positive_int(text["vocab_size"], "text_cfg.vocab_size")
     if vocab_size < 3:
         raise ConversionError("the open_clip config's text_cfg.vocab_size is too small for CLIP.")

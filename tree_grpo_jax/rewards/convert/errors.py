@@ -26,6 +26,22 @@ def _named(names, limit: int = _MAX_NAMED) -> str:
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
 
 
+def _unreadable(what: str, path, error: OSError) -> ConversionError:
+    """The sentence for a file `what` at `path` that the OS would not read."""
+    if isinstance(error, FileNotFoundError):
+        return ConversionError(f"{what} {path} does not exist.")
+    return ConversionError(f"could not read {what} {path}: {error.strerror or error}.")
+
+
+def _misshaped(tensors, expected) -> list[tuple[str, tuple, tuple]]:
+    """(name, shape, expected shape) of each tensor in `expected` whose shape is another."""
+    return [
+        (k, tuple(v.shape), tuple(expected[k]))
+        for k, v in tensors.items()
+        if k in expected and tuple(v.shape) != tuple(expected[k])
+    ]
+
+
 def _fit_message(missing, unexpected, misshaped) -> str:
     parts = []
     if missing:

@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from tree_grpo_jax.rewards.convert.dtypes import _cast, _check_dtype
-from tree_grpo_jax.rewards.convert.errors import ConversionError, _fit_message, _reason
+from tree_grpo_jax.rewards.convert.errors import (
+    ConversionError,
+    _fit_message,
+    _misshaped,
+    _reason,
+)
 from tree_grpo_jax.rewards.convert.reading import (
     _looks_like_aesthetic,
     _looks_like_open_clip,
@@ -172,11 +177,7 @@ def convert_imagereward(
     kept = {k: v for k, v in state.items() if not _UNUSED.fullmatch(k)}
     missing = [k for k in expected if k not in kept]
     unexpected = sorted(k for k in kept if k not in expected)
-    misshaped = [
-        (k, tuple(v.shape), expected[k])
-        for k, v in kept.items()
-        if k in expected and tuple(v.shape) != expected[k]
-    ]
+    misshaped = _misshaped(kept, expected)
     if missing or unexpected or misshaped:
         raise ConversionError(
             f"{what} does not fit ImageReward's layout "

@@ -13,7 +13,12 @@ import numpy as np
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.rewards.convert.clip_configs import hf_clip_config, reference_shapes
 from tree_grpo_jax.rewards.convert.dtypes import _cast, _check_dtype, _dtype_name, _set_dtype
-from tree_grpo_jax.rewards.convert.errors import ConversionError, _fit_message, _named
+from tree_grpo_jax.rewards.convert.errors import (
+    ConversionError,
+    _fit_message,
+    _misshaped,
+    _named,
+)
 from tree_grpo_jax.rewards.convert.reading import (
     _looks_like_aesthetic,
     _looks_like_open_clip,
@@ -83,11 +88,7 @@ def _open_clip_shape(how: str, hf_shapes: list[tuple[int, ...]]) -> tuple[int, .
 def _check_fit(state_dict: Mapping, expected: Mapping, what: str, config_name: str) -> None:
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
-    misshaped = [
-        (k, tuple(v.shape), tuple(expected[k]))
-        for k, v in state_dict.items()
-        if k in expected and tuple(v.shape) != tuple(expected[k])
-    ]
+    misshaped = _misshaped(state_dict, expected)
     if missing or unexpected or misshaped:
         raise ConversionError(
             f"{what} does not fit {config_name} ({_fit_message(missing, unexpected, misshaped)})."

@@ -16,7 +16,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tree_grpo_jax.rewards.convert.errors import ConversionError, _import_torch, _reason
+from tree_grpo_jax.rewards.convert.errors import (
+    ConversionError,
+    _import_torch,
+    _reason,
+    _unreadable,
+)
 
 
 def _tensor_to_numpy(torch, value) -> np.ndarray:
@@ -162,12 +167,8 @@ def read_clip_folder(path) -> tuple[dict, dict[str, np.ndarray], list[str]]:
                     names.append(key)
                     if key.startswith("vision_model.") or key == "visual_projection.weight":
                         vision[key] = f.get_tensor(key)
-        except FileNotFoundError:
-            raise ConversionError(f"CLIP weights file {shard} does not exist.") from None
         except OSError as e:
-            raise ConversionError(
-                f"could not read CLIP weights file {shard}: {e.strerror or e}."
-            ) from None
+            raise _unreadable("CLIP weights file", shard, e) from None
         except (SafetensorError, ValueError, TypeError) as e:
             raise ConversionError(
                 f"CLIP weights file {shard} is damaged or truncated ({_reason(e)})."

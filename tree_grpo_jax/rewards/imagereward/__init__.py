@@ -136,10 +136,7 @@ def make_scorer(
     """A scorer from a config, Flax params and a tokenizer (`load` reads all three)."""
     from tree_grpo_jax.rewards import clip
 
-    if dtype not in DTYPES:
-        raise ValueError(f"reward dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    if int(chunk_size) < 1:
-        raise ValueError(f"reward chunk_size must be at least 1, got {chunk_size}.")
+    clip.check_scorer_options(dtype, chunk_size)
     return ImageRewardScorer(
         path=path,
         config=config,
