@@ -55,10 +55,11 @@ def sd15_shapes():
 
 def sd35m_shapes():
     from benchmarks.random_models import SD35_MEDIUM
+    from tree_grpo_jax.models.components import abstract_params
     from tree_grpo_jax.models.sd3 import mmdit
-    from tree_grpo_jax.models.sd3.load import transformer_shapes
+    from tree_grpo_jax.weights.convert import shapes_of
 
-    return transformer_shapes(mmdit.transformer_module(SD35_MEDIUM), SD35_MEDIUM)
+    return shapes_of(abstract_params(mmdit.transformer_module(SD35_MEDIUM)))
 
 
 def counts(family: str, flat_shapes: dict) -> dict:
