@@ -10,8 +10,8 @@ checkpoint (the latest, or `--step`; opened read-only). Every prompt gets K fixe
 (the run's `eval.seed`) and the deterministic sampler, as the training evaluation samples
 them, its batch split over the devices. Every metric (a registered reward's name; default:
 the run's rewards and `eval.extra_rewards`) is scored on every sample; the diversity of a
-prompt's K samples (tree_grpo_jax/diversity.py) and, for a trained checkpoint, the exact KL
-of its trajectories to the base model are reported beside them.
+prompt's K samples (tree_grpo_jax/evaluation/diversity.py) and, for a trained checkpoint, the
+exact KL of its trajectories to the base model are reported beside them.
 
 The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
 per model, each metric's mean and std, `diversity`), `evaluation.md` (the base-vs-trained

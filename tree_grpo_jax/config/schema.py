@@ -191,8 +191,9 @@ def shared_config() -> ml_collections.ConfigDict:
     c.eval.seed = 1234
     c.eval.num_steps = 0  # 0: the training steps
     c.eval.extra_rewards = ()  # reported beside the training reward, e.g. ("digit_accuracy",)
-    # fixed noises per eval prompt; `diversity` (tree_grpo_jax/diversity.py) compares the
-    # samples of a prompt: its repeats in the eval list (tiny: 10 of each digit) and these
+    # fixed noises per eval prompt; `diversity` (tree_grpo_jax/evaluation/diversity.py)
+    # compares the samples of a prompt: its repeats in the eval list (tiny: 10 of each digit)
+    # and these
     c.eval.samples_per_prompt = 1
     # the exact KL of the eval trajectories to the initial model (LoRA: the base), logged also
     # with the guard on or train.kl_beta > 0; full fine-tuning keeps a copy of the initial
