@@ -45,6 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--lora", default="0,32", help="lora.rank values (0: full fine-tuning)")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument(
+        "--rows-per-device",
+        type=int,
+        default=1,
+        help="train rows per device on more than one device (rows_per_minibatch = devices x this)",
+    )
+    p.add_argument(
         "--out",
         default=default_out("memory_plan"),
         help="results folder (default runs/benchmarks/memory_plan; benchmarks/results updates "
@@ -55,7 +61,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def command(config: str, fsdp: int, rank: int, devices: int) -> list[str]:
+def command(config: str, fsdp: int, rank: int, devices: int, rows_per_device: int = 1) -> list[str]:
     args = [
         f"--config=configs/{config}.py",
         f"--config.model.path={RELEASES[config]}",
@@ -63,8 +69,8 @@ def command(config: str, fsdp: int, rank: int, devices: int) -> list[str]:
         f"--config.prompts.batch_size={devices}",
         f"--config.mesh.fsdp={fsdp}",
     ]
-    if devices > 1:  # one row per device, as one prompt per device
-        args.append(f"--config.train.rows_per_minibatch={devices}")
+    if devices > 1:  # rows_per_device rows per device, one prompt per device
+        args.append(f"--config.train.rows_per_minibatch={devices * rows_per_device}")
     if rank:
         args.append(f"--config.lora.rank={rank}")
     return [sys.executable, "-m", "tree_grpo_jax.plan", *args, "--json"]
@@ -86,10 +92,10 @@ def table(rows: list[dict]) -> str:
     10^9 bytes)."""
     names = ("rollout", "train_step", "evaluate", "decode")
     lines = [
-        "| config | training | mesh (data x fsdp) | "
+        "| config | training | mesh (data x fsdp) | rows per device | "
         + " | ".join(names)
         + " | largest total (program) | 80 GB | 141 GB | compile s |",
-        "|---" * (len(names) + 7) + "|",
+        "|---" * (len(names) + 8) + "|",
     ]
     for row in rows:
         plan = row["plan"]
@@ -101,8 +107,10 @@ def table(rows: list[dict]) -> str:
         fits = [_fits(largest["total_bytes"], gb) for gb in (80, 141)]
         compile_s = sum(p["compile_seconds"] for p in programs.values())
         training = "full" if row["lora"] == 0 else f"LoRA r{row['lora']}"
+        # one device trains its config's own rows per minibatch
+        rows = row.get("rows_per_device", 1) if plan["devices"] > 1 else "config's"
         lines.append(
-            f"| {row['config']} | {training} | {mesh['data']} x {mesh['fsdp']} | "
+            f"| {row['config']} | {training} | {mesh['data']} x {mesh['fsdp']} | {rows} | "
             + " | ".join(peaks)
             + f" | {_gib(largest['total_bytes'])} ({which}) | {fits[0]} | {fits[1]} | "
             f"{compile_s:.0f} |"
@@ -111,7 +119,13 @@ def table(rows: list[dict]) -> str:
 
 
 def _key(row: dict) -> tuple:
-    return (row["config"], row["lora"], row["fsdp"], row["plan"]["devices"])
+    return (
+        row["config"],
+        row["lora"],
+        row["fsdp"],
+        row["plan"]["devices"],
+        row.get("rows_per_device", 1),
+    )
 
 
 def _write(out: str, rows: list[dict]) -> None:
@@ -145,9 +159,10 @@ def main(argv=None) -> list[dict]:
     for config in args.configs.split(","):
         for rank in (int(r) for r in args.lora.split(",")):
             for fsdp in (int(k) for k in args.fsdp.split(",")):
-                if (config, rank, fsdp, args.devices) in done_before:
+                key = (config, rank, fsdp, args.devices, args.rows_per_device)
+                if key in done_before:
                     continue
-                cmd = command(config, fsdp, rank, args.devices)
+                cmd = command(config, fsdp, rank, args.devices, args.rows_per_device)
                 print(" ".join(cmd[1:]), flush=True)
                 start = time.perf_counter()
                 done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -159,6 +174,7 @@ def main(argv=None) -> list[dict]:
                         "config": config,
                         "lora": rank,
                         "fsdp": fsdp,
+                        "rows_per_device": args.rows_per_device,
                         "command": " ".join(["python", *cmd[1:-1]]),
                         "seconds": round(time.perf_counter() - start),
                         "plan": json.loads(done.stdout),
