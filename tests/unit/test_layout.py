@@ -104,7 +104,7 @@ ALLOWED = {
     "interrupts": set(),
     "core": {"errors"},
     "sharding": set(),
-    "weights": {"errors"},
+    "weights": {"errors", "interrupts"},
     "models": {"errors", "core", "weights"},
     "lora": {"errors", "weights"},
     "rewards": BASE | {"weights", "models"},

@@ -28,6 +28,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
@@ -268,6 +269,8 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    common.starting("plan")
+    interrupts.set_stop_line(lambda name: f"{name} stopped the plan; nothing was written.")
     app.run(main, flags_parser=cli.parse_flags)
 
 
