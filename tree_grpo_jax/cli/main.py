@@ -119,7 +119,7 @@ def main(argv) -> None:
         if not existed:
             remove_if_empty(workdir)
         fail(f"{e.signal_name} stopped the run at once; {kept()}", EXIT_SIGNAL.get(e.signal_name))
-    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory, train.SaveError) as e:
         step = latest_checkpoint(checkpoints)
         after = f" To resume from the checkpoint after iteration {step}: {command}" if step else ""
         fail(f"{e}{after}", EXIT_FAILED)

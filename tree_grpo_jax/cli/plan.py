@@ -269,6 +269,10 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    # XLA's C++ log (read when JAX starts) warns of a "Very slow compile? If you want to file a
+    # bug" past two minutes, which reads as a failure: the plan's own lines say what compiles
+    # and for how long; errors still come back as exceptions.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     common.starting("plan")
     interrupts.set_stop_line(lambda name: f"{name} stopped the plan; nothing was written.")
     app.run(main, flags_parser=cli.parse_flags)

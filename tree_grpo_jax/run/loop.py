@@ -36,6 +36,7 @@ from tree_grpo_jax.run.build import build, setup
 from tree_grpo_jax.run.checkpoint import (
     Checkpointer,
     CheckpointError,
+    SaveError,
     check_writable,
     fingerprint_mismatch,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "Interrupted",
     "OutOfMemory",
     "RewardError",
+    "SaveError",
     "Stopped",
     "Trainer",
     "setup",
