@@ -242,3 +242,25 @@ def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path
     train.train(c, str(tmp_path))  # the owner is dead now: its lock is taken over
     assert not (tmp_path / "run.lock").exists()
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 1
+
+
+def test_a_signal_after_the_last_iteration_says_the_run_is_complete(
+    tmp_path, monkeypatch, straight, sigint_handled
+):
+    """SIGINT during the final evaluation: nothing is left to stop, but the run does not end
+    as if nothing happened: Interrupted, marked finished, with everything saved."""
+    c = fault_config()
+    real = train.save_eval
+
+    def save_eval(trainer, iteration, params, history, writer):
+        if iteration == c.train.iterations:
+            signal_self()
+        return real(trainer, iteration, params, history, writer)
+
+    monkeypatch.setattr(train, "save_eval", save_eval)
+    with pytest.raises(train.Interrupted, match="received as the run finished; all 4") as e:
+        train.train(c, str(tmp_path))
+    assert e.value.finished
+    assert (tmp_path / "summary.json").exists()
+    monkeypatch.undo()
+    assert_same_run(straight, tmp_path)

@@ -105,3 +105,44 @@ def test_signals_stop_the_run_at_any_moment_and_the_printed_command_resumes(tmp_
     line = _error_line(lines)
     assert "SIGTERM stopped the run at once; its checkpoint after iteration" in line, line
     assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(workdir / "checkpoints"))
+
+    # 4. evaluate on that run: stopped between chunks, it keeps the finished ones, names the
+    # command that continues, and leaves no half-written chunk.
+    out = tmp_path / "evaluation"
+    evaluate = [
+        sys.executable,
+        "-m",
+        "tree_grpo_jax.evaluate",
+        f"--workdir={workdir}",
+        f"--out={out}",
+        "--prompts_per_chunk=1",
+        "--samples_per_prompt=1",
+    ]
+    proc = _start(evaluate)
+    lines, seconds = _signal_at(proc, "base: prompts 1-1", signal.SIGTERM)
+    assert proc.returncode == 143, lines[-30:]
+    assert seconds < STOP_WITHIN_S
+    line = _error_line(lines)
+    assert "SIGTERM stopped the evaluation;" in line and "continues from them: " in line, line
+    assert shlex.split(line.split("continues from them: ")[1])[3:] == evaluate[3:]
+    kept = os.listdir(out / "partial")
+    assert "base-00000.npz" in kept and not any(".tmp." in n for n in kept), kept
+
+
+def test_other_commands_stop_with_one_line_and_exit_130(tmp_path):
+    """plan while it loads, sample while it imports, the converter blocked reading a pipe
+    that nobody writes (a read in C, where Python's own handler would never run)."""
+    fifo = tmp_path / "release.pt"
+    os.mkfifo(fifo)
+    commands = {
+        "plan": ["tree_grpo_jax.plan", "--config=configs/tiny.py"],
+        "sample": ["tree_grpo_jax.sample", f"--workdir={tmp_path}", "--prompts=a digit"],
+        "convert": ["tree_grpo_jax.rewards.convert", "hpsv2", f"--checkpoint={fifo}"]
+        + [f"--out={tmp_path / 'out'}"],
+    }
+    for name, args in commands.items():
+        proc = _start([sys.executable, "-m", *args])
+        lines, _ = _signal_at(proc, "tree_grpo_jax.", signal.SIGINT)
+        assert proc.returncode == 130, (name, lines[-10:])
+        assert "stopped" in _error_line(lines), (name, lines)
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,8 @@ if __name__ == "__main__":
             f"{name} stopped the conversion; nothing was written (the output folder is as it was)."
         )
     )
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        print("tree_grpo_jax.rewards.convert: starting...", flush=True)
     from tree_grpo_jax.rewards.convert.commands import main
 
     sys.exit(main())
