@@ -32,6 +32,8 @@ def starting(command: str, torch_free: bool = True) -> None:
     commands never use it, and diffusers' Flax modules would import it (seconds) when it is
     installed."""
     args = sys.argv[1:]
+    if interrupts.installed():  # already said (an entry point that starts before importing)
+        return
     interrupts.install()
     interrupts.set_stop_line(
         lambda name: (
