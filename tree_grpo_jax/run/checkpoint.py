@@ -294,6 +294,13 @@ class _NoPreviousSaveWait(logging.Filter):
         )
 
 
+class _NoSaveErrors(logging.Filter):
+    """While a save runs: its failure, which orbax logs from every thread it ran on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 # orbax logs through absl, whose records all come from this logger.
 logging.getLogger("absl").addFilter(_NoPreviousSaveWait())
 
@@ -424,19 +431,21 @@ class Checkpointer:
         # orbax logs a failing save once per background thread, each with its traceback:
         # the one sentence below says it instead.
         absl_logger = logging.getLogger("absl")
-        level = absl_logger.level
-        absl_logger.setLevel(logging.CRITICAL)
+        quiet = _NoSaveErrors()
+        absl_logger.addFilter(quiet)
         try:
             self._manager.save(step, args=args)
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - any failure: the earlier checkpoints stand
+            # its abandoned writes report again, as asyncio collects them, up to the exit
+            logging.getLogger("asyncio").addFilter(_NoSaveErrors())
             raise SaveError(
                 f"could not save checkpoint {step} in {self.directory} ({_save_failure(e)}); "
                 "the checkpoints before it are kept, and its unfinished folder is removed at "
                 "the next start."
             ) from None
         finally:
-            absl_logger.setLevel(level)
+            absl_logger.removeFilter(quiet)
         steps = self.all_steps()
         for old in steps[: max(len(steps) - self.keep, 0)]:
             if old not in self.protected:
