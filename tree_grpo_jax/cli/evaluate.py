@@ -284,7 +284,8 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         if primary:
             path = os.path.join(out, f"grid_{label.replace(' ', '_')}.png")
             shown = grid.shape[1]
-            reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
+            with interrupts.critical():
+                reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
             row["grid"] = path
             if reporting.is_video(grid[0]):
                 row["animation"] = reporting.animation_path(path)

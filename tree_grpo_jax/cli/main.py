@@ -83,7 +83,7 @@ def main(argv) -> None:
     command = run_command("main", workdir)
     checkpoints = train.checkpoint_dir(config, workdir)
 
-    def kept(name: str | None = None) -> str:
+    def kept() -> str:
         """Where the run stands now, and the command that goes on from there."""
         step = latest_checkpoint(checkpoints)
         if "://" in checkpoints:
@@ -118,10 +118,15 @@ def main(argv) -> None:
     except train.Stopped as e:
         if not existed:
             remove_if_empty(workdir)
-        fail(f"{e.signal_name} stopped the run at once; {kept()}", EXIT_SIGNAL.get(e.signal_name))
+        fail(
+            f"{e.signal_name} stopped the run at once; {kept()}",
+            EXIT_SIGNAL.get(e.signal_name, 130),
+        )
     except (train.RewardError, train.DivergenceError, train.OutOfMemory, train.SaveError) as e:
         step = latest_checkpoint(checkpoints)
-        after = f" To resume from the checkpoint after iteration {step}: {command}" if step else ""
+        after = ""
+        if step is not None:
+            after = f" To resume from the checkpoint after iteration {step}: {command}"
         fail(f"{e}{after}", EXIT_FAILED)
 
     from tree_grpo_jax import sharding
