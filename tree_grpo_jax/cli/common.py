@@ -26,8 +26,8 @@ _QUIET_FLAGS = ("--help", "-h", "--helpshort", "--helpfull", "--helpxml", "--pri
 
 
 def starting(command: str, torch_free: bool = True) -> None:
-    """What every command does first, before its slow imports: a line saying it started
-    (not for help or --print_config), Ctrl-C and SIGTERM taken over (`interrupts`: one line,
+    """What every command does first, before its slow imports: a line on stderr saying it
+    started (not for help or --print_config), Ctrl-C and SIGTERM taken over (`interrupts`: one line,
     exit 130 / 143, at any moment), and, `torch_free`, torch kept out of the process: the
     commands never use it, and diffusers' Flax modules would import it (seconds) when it is
     installed."""
@@ -44,8 +44,11 @@ def starting(command: str, torch_free: bool = True) -> None:
     if torch_free and "torch" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, as when not installed
     if not any(a.split("=")[0] in _QUIET_FLAGS for a in args):
+        # on stderr, with the progress: stdout may be read by a program (`plan --json`)
         print(
-            f"tree_grpo_jax.{command}: starting (loading JAX and the models' code)...", flush=True
+            f"tree_grpo_jax.{command}: starting (loading JAX and the models' code)...",
+            file=sys.stderr,
+            flush=True,
         )
 
 

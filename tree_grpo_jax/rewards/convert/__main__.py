@@ -12,7 +12,7 @@ if __name__ == "__main__":
         )
     )
     if not {"-h", "--help"} & set(sys.argv[1:]):
-        print("tree_grpo_jax.rewards.convert: starting...", flush=True)
+        print("tree_grpo_jax.rewards.convert: starting...", file=sys.stderr, flush=True)
     from tree_grpo_jax.rewards.convert.commands import main
 
     sys.exit(main())
