@@ -5,7 +5,12 @@
 The command lives in `tree_grpo_jax.cli.export`; this module is its `python -m` entry point.
 """
 
-from tree_grpo_jax.cli.export import run
+if __name__ == "__main__":  # the first line, and Ctrl-C, before the slow imports below
+    from tree_grpo_jax.cli.common import starting
+
+    starting("export")
+
+from tree_grpo_jax.cli.export import run  # noqa: E402
 
 if __name__ == "__main__":
     run()

@@ -195,3 +195,13 @@ def test_configs_load_from_any_working_directory(tmp_path):
         )  # fmt: skip
         assert result.returncode == 2, result.stderr[-2000:]
         assert message in _one_error_line(result)
+
+
+def test_a_keyboard_interrupt_inside_get_config_is_one_line_exit_130(tmp_path):
+    config = tmp_path / "interrupted.py"
+    config.write_text("def get_config():\n    raise KeyboardInterrupt\n")
+    result = run_in_process(f"--config={config}", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 130, result.stderr[-2000:]
+    line = _one_error_line(result)
+    assert "interrupted (KeyboardInterrupt) while loading" in line, line
+    assert not (tmp_path / "run").exists()

@@ -244,35 +244,23 @@ def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 1
 
 
-def test_sigterm_from_outside_saves_and_exits_143(tmp_path):
-    """The command line as a cluster stops it: SIGTERM after the first iteration."""
-    args = [
-        sys.executable,
-        "-m",
-        "tree_grpo_jax.main",
-        "--config=configs/tiny.py",
-        f"--workdir={tmp_path}",
-        "--config.model.name=random_tiny",
-        "--config.sampling.num_steps=4",
-        "--config.tree.window=2",
-        "--config.prompts.eval_count=4",
-        "--config.train.iterations=200",
-        "--config.checkpoint.every=0",
-        "--config.eval.every=0",
-        "--config.log.tensorboard=False",
-    ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    for line in proc.stdout:
-        if line.startswith("[   2/"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143, err[-2000:]
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "SIGTERM received" in errors[0], err[-2000:]
-    assert "Traceback" not in err
-    saved = Checkpointer(str(tmp_path / "checkpoints"), read_only=True).latest_step
-    assert saved is not None and saved >= 2
+def test_a_signal_after_the_last_iteration_says_the_run_is_complete(
+    tmp_path, monkeypatch, straight, sigint_handled
+):
+    """SIGINT during the final evaluation: nothing is left to stop, but the run does not end
+    as if nothing happened: Interrupted, marked finished, with everything saved."""
+    c = fault_config()
+    real = train.save_eval
+
+    def save_eval(trainer, iteration, params, history, writer):
+        if iteration == c.train.iterations:
+            signal_self()
+        return real(trainer, iteration, params, history, writer)
+
+    monkeypatch.setattr(train, "save_eval", save_eval)
+    with pytest.raises(train.Interrupted, match="received as the run finished; all 4") as e:
+        train.train(c, str(tmp_path))
+    assert e.value.finished
+    assert (tmp_path / "summary.json").exists()
+    monkeypatch.undo()
+    assert_same_run(straight, tmp_path)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.errors import UserError
 
 EXIT_BAD_INPUT = 2
@@ -20,9 +22,72 @@ EXIT_FAILED = 1
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
+_QUIET_FLAGS = ("--help", "-h", "--helpshort", "--helpfull", "--helpxml", "--print_config")
+
+
+def starting(command: str, torch_free: bool = True) -> None:
+    """What every command does first, before its slow imports: a line on stderr saying it
+    started (not for help or --print_config), Ctrl-C and SIGTERM taken over (`interrupts`: one line,
+    exit 130 / 143, at any moment), and, `torch_free`, torch kept out of the process: the
+    commands never use it, and diffusers' Flax modules would import it (seconds) when it is
+    installed."""
+    args = sys.argv[1:]
+    if interrupts.installed():  # already said (an entry point that starts before importing)
+        return
+    interrupts.install()
+    interrupts.set_stop_line(
+        lambda name: (
+            f"{name} stopped python -m tree_grpo_jax.{command} while it was starting; "
+            "nothing was written."
+        )
+    )
+    if torch_free and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, as when not installed
+    if not any(a.split("=")[0] in _QUIET_FLAGS for a in args):
+        # on stderr, with the progress: stdout may be read by a program (`plan --json`)
+        print(
+            f"tree_grpo_jax.{command}: starting (loading JAX and the models' code)...",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def run_command(command: str, workdir: str, argv=None, **fields) -> str:
+    """The command line that runs `workdir` again: `python -m tree_grpo_jax.<command>` with
+    this process's arguments (`argv`, default sys.argv[1:]), `--workdir=<workdir>` after the
+    config, and `--config.<field>=<value>` for each of `fields` (`train__iterations=60`),
+    replacing the same override if given; quoted for a POSIX shell."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--workdir":
+            skip = True
+        elif not arg.startswith("--workdir="):
+            kept.append(arg)
+    for field, value in fields.items():
+        flag = "--config." + field.replace("__", ".")
+        kept = [a for a in kept if not (a == flag or a.startswith(flag + "="))]
+        kept.append(f"{flag}={value}")
+    at = next((i + 1 for i, a in enumerate(kept) if a.startswith("--config=")), 0)
+    if at == 0 and "--config" in kept:  # `--config FILE`
+        at = kept.index("--config") + 2
+    kept.insert(at, f"--workdir={workdir}")
+    return " ".join(["python", "-m", f"tree_grpo_jax.{command}", *map(shlex.quote, kept)])
+
+
+def latest_checkpoint(directory: str) -> int | None:
+    """The newest step folder in a local checkpoint folder (None: none, or not local)."""
+    if "://" in directory or not os.path.isdir(directory):
+        return None
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    return max(steps, default=None)
 
 
 def remove_if_empty(workdir: str) -> None:

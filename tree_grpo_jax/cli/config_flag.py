@@ -15,7 +15,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from tree_grpo_jax.cli.common import EXIT_BAD_INPUT, fail
+from tree_grpo_jax.cli.common import EXIT_BAD_INPUT, EXIT_SIGNAL, fail
 from tree_grpo_jax.errors import first_line
 
 CONFIG = config_flags.DEFINE_config_file(
@@ -231,6 +231,12 @@ def parse_flags(argv: list[str]) -> list[str]:
         config = CONFIG.value
         if path is not None and not isinstance(config, ml_collections.ConfigDict):
             getattr(config, "keys", None)  # a file that failed to load: its stand-in raises here
+    except KeyboardInterrupt:  # Ctrl-C, or the file itself raising it, while it loads
+        fail(
+            f"the config file {path!r} was interrupted (KeyboardInterrupt) while loading; "
+            "nothing was written.",
+            EXIT_SIGNAL["SIGINT"],
+        )
     except SystemExit as e:
         if not _raised_in(e, path):  # --help
             raise

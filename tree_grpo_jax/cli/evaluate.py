@@ -27,11 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 
 from absl import app, flags, logging
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
@@ -80,6 +82,10 @@ class _Chunks:
         os.makedirs(self.folder, exist_ok=True)
         digest = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()
         marker = os.path.join(self.folder, "arguments.json")
+        with interrupts.critical():
+            self._start(out, marker, digest, arguments)
+
+    def _start(self, out: str, marker: str, digest: str, arguments: dict) -> None:
         if os.path.exists(marker):
             with open(marker) as f:
                 same = json.load(f).get("digest") == digest
@@ -106,8 +112,12 @@ class _Chunks:
         import numpy as np
 
         tmp = self.path(label, index) + ".tmp.npz"
-        np.savez(tmp, **values)
-        os.replace(tmp, self.path(label, index))
+        with interrupts.critical():  # a signal waits for the chunk to be whole
+            np.savez(tmp, **values)
+            os.replace(tmp, self.path(label, index))
+
+    def done(self) -> int:
+        return sum(n.endswith(".npz") and ".tmp." not in n for n in os.listdir(self.folder))
 
 
 def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> dict:
@@ -256,6 +266,14 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
     }
     primary = sharding.is_primary()
     chunks = _Chunks(out, arguments) if primary else None
+    if chunks is not None:
+        again = " ".join(["python -m tree_grpo_jax.evaluate", *map(shlex.quote, sys.argv[1:])])
+        interrupts.set_stop_line(
+            lambda name: (
+                f"{name} stopped the evaluation; {chunks.done()} chunk(s) of results "
+                f"are kept in {chunks.folder}, and the same command continues from them: {again}"
+            )
+        )
     rows = []
     for label, params in models:
         with_kl = label != "base"
@@ -266,7 +284,8 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         if primary:
             path = os.path.join(out, f"grid_{label.replace(' ', '_')}.png")
             shown = grid.shape[1]
-            reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
+            with interrupts.critical():
+                reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
             row["grid"] = path
             if reporting.is_video(grid[0]):
                 row["animation"] = reporting.animation_path(path)
@@ -278,6 +297,12 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         "rows": rows,
     }
     if primary:
+        _write_results(out, result, rows, names, prompts, k, arguments, config)
+    return result
+
+
+def _write_results(out, result, rows, names, prompts, k, arguments, config) -> None:
+    with interrupts.critical():
         with open(os.path.join(out, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2)
         columns = [*names, *(["diversity"] if k > 1 else []), *(["kl"] if len(rows) > 1 else [])]
@@ -288,7 +313,6 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         )
         with open(os.path.join(out, "evaluation.md"), "w") as f:
             f.write(head + _table(rows, columns))
-    return result
 
 
 def main(argv) -> None:
@@ -310,7 +334,8 @@ def main(argv) -> None:
             raise BadInput("give --out=<folder> for the results of a model folder.")
         existed = os.path.exists(out)
         try:
-            result = evaluate(config, workdir, out)
+            with interrupts.on_stop(lambda: existed or common.remove_if_empty(out)):
+                result = evaluate(config, workdir, out)
         except BaseException:
             if not existed:
                 common.remove_if_empty(out)
@@ -328,6 +353,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    common.starting("evaluate")
     app.run(main, flags_parser=cli.parse_flags)
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from flax import serialization
 
-from tree_grpo_jax import lora
+from tree_grpo_jax import interrupts, lora
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.errors import first_line, reason
 from tree_grpo_jax.models import export as pipeline_export
@@ -469,6 +469,12 @@ def main(argv=None) -> int:
 
 
 def run() -> None:
+    common.starting("export")
+    interrupts.set_stop_line(
+        lambda name: (
+            f"{name} stopped the export; nothing was written (the output folder is as it was)."
+        )
+    )
     sys.exit(main())
 
 

@@ -10,8 +10,10 @@ A restart with the same `--workdir` resumes exactly from its last checkpoint. Ex
 2 bad input (one `error:` sentence on stderr, nothing written); 1 training failed
 (non-finite rewards, divergence, the device out of memory; the last good checkpoint is
 kept);
-130 / 143 after Ctrl-C / SIGTERM (the current iteration finishes and is checkpointed first;
-a second signal stops at once, and the run resumes from its last checkpoint).
+130 / 143 after Ctrl-C / SIGTERM (inside the training loop the current iteration finishes
+and is checkpointed first; while starting or compiling, or on a second signal, the run stops
+at once). Every line that tells how to go on prints the command, with `--workdir=` the run's
+folder.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import sys
 
 from absl import app, logging
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli.common import (  # noqa: F401 - the commands' shared names, re-exported
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_SIGNAL,
     fail,
+    latest_checkpoint,
     remove_if_empty,
+    run_command,
+    starting,
 )
 from tree_grpo_jax.cli.config_flag import (  # noqa: F401 - re-exported
     CONFIG,
@@ -74,6 +80,19 @@ def main(argv) -> None:
         fail(first_line(e), EXIT_BAD_INPUT)
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     existed = os.path.exists(workdir)
+    command = run_command("main", workdir)
+    checkpoints = train.checkpoint_dir(config, workdir)
+
+    def kept() -> str:
+        """Where the run stands now, and the command that goes on from there."""
+        step = latest_checkpoint(checkpoints)
+        if "://" in checkpoints:
+            return f"resume it from its last checkpoint in {checkpoints} with: {command}"
+        if step is None:
+            return f"nothing was trained yet; start it again with: {command}"
+        return f"its checkpoint after iteration {step} is kept; resume it with: {command}"
+
+    interrupts.set_stop_line(lambda name: f"{name} stopped the run at once; {kept()}")
     cache = config.get("compile_cache")
     if cache is not None and cache.enabled:
         from tree_grpo_jax.run import compile_cache
@@ -87,18 +106,28 @@ def main(argv) -> None:
     except train.BAD_INPUT as e:  # what the run created is gone already
         fail(first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
-        fail(str(e), EXIT_SIGNAL.get(e.signal_name, 130))
+        line = (
+            str(e)
+            if e.finished
+            else (
+                f"{e.signal_name} received; stopped after iteration {e.iteration}, saved in "
+                f"{checkpoints}; resume it exactly with: {command}"
+            )
+        )
+        fail(line, EXIT_SIGNAL.get(e.signal_name, 130))
     except train.Stopped as e:
         if not existed:
             remove_if_empty(workdir)
         fail(
-            f"{e.signal_name} stopped the run at once (while starting, or a second signal); the "
-            f"same command resumes exactly from the last checkpoint in {workdir}/checkpoints, "
-            "if any.",
+            f"{e.signal_name} stopped the run at once; {kept()}",
             EXIT_SIGNAL.get(e.signal_name, 130),
         )
-    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
-        fail(str(e), EXIT_FAILED)
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory, train.SaveError) as e:
+        step = latest_checkpoint(checkpoints)
+        after = ""
+        if step is not None:
+            after = f" To resume from the checkpoint after iteration {step}: {command}"
+        fail(f"{e}{after}", EXIT_FAILED)
 
     from tree_grpo_jax import sharding
 
@@ -109,8 +138,9 @@ def main(argv) -> None:
     if summary.get("already_finished"):
         print(
             f"already finished: {workdir} holds all {summary['iterations']} iterations "
-            f"(eval reward {summary['last_eval_reward']:.4g}); raise --config.train.iterations "
-            "to train further.",
+            f"(eval reward {summary['last_eval_reward']:.4g}); to train further, raise "
+            "--config.train.iterations: "
+            f"{run_command('main', workdir, train__iterations=2 * summary['iterations'])}",
             flush=True,
         )
         return
@@ -123,12 +153,15 @@ def main(argv) -> None:
         f"  samples before: {summary['first_grid']}\n"
         f"  samples after:  {summary['last_grid']}\n"
         f"  reward curve:   {summary['reward_curve']}\n"
-        f"  metrics:        {os.path.join(workdir, 'metrics.jsonl')}",
+        f"  metrics:        {os.path.join(workdir, 'metrics.jsonl')}\n"
+        f"  train further:  "
+        f"{run_command('main', workdir, train__iterations=2 * summary['iterations'])}",
         flush=True,
     )
 
 
 def run() -> None:
+    starting("main")
     app.run(main, flags_parser=parse_flags)
 
 

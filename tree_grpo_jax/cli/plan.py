@@ -28,6 +28,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
@@ -268,6 +269,12 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    # XLA's C++ log (read when JAX starts) warns of a "Very slow compile? If you want to file a
+    # bug" past two minutes, which reads as a failure: the plan's own lines say what compiles
+    # and for how long; errors still come back as exceptions.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    common.starting("plan")
+    interrupts.set_stop_line(lambda name: f"{name} stopped the plan; nothing was written.")
     app.run(main, flags_parser=cli.parse_flags)
 
 

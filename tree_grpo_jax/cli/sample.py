@@ -30,6 +30,7 @@ import re
 import sys
 import time
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.errors import first_line
 
@@ -202,6 +203,11 @@ def _draw(trainer, params, prompts: list[str], batch: int):
 def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str, list[str]]:
     """One PNG per prompt and the grid (for videos, each PNG a strip of the frames, with an
     animated GIF beside it); on a failure the files written so far are removed."""
+    with interrupts.critical():  # a signal waits for the pictures to be written
+        return _write_all(out, prompts, pictures)
+
+
+def _write_all(out: str, prompts: list[str], pictures):
     import numpy as np
 
     from tree_grpo_jax.run import reporting
@@ -300,6 +306,8 @@ def main(argv=None) -> int:
 
 
 def run() -> None:
+    common.starting("sample")
+    interrupts.set_stop_line(lambda name: f"{name} stopped the sampling; nothing was written.")
     sys.exit(main())
 
 

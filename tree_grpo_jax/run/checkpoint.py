@@ -42,6 +42,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used; the message is one sentence for the user."""
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a storage that refused); the ones
+    before it are kept. The message is one sentence for the user."""
+
+
 class _Damaged(Exception):
     """A checkpoint step whose own files are missing or unreadable."""
 
@@ -84,6 +89,15 @@ def _is_storage_problem(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, ValueError) and any(code in text for code in _STORAGE_CODES)
+
+
+def _save_failure(error: BaseException) -> str:
+    """What stopped a save, in a few words: a full disk named as such."""
+    for e in _causes(error):
+        text = str(e)
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+            return "no space left on the device"
+    return reason(error)
 
 
 def _key_name(key) -> str:
@@ -271,7 +285,20 @@ class _NoPreviousSaveWait(logging.Filter):
     no save here ever waits for a previous one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Waiting for previous save to complete")
+        return not str(record.msg).startswith(
+            (
+                "Waiting for previous save to complete",
+                # options it adjusts for a folder opened read-only on purpose
+                "CheckpointManagerOptions.read_only=True",
+            )
+        )
+
+
+class _NoSaveErrors(logging.Filter):
+    """While a save runs: its failure, which orbax logs from every thread it ran on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
 
 
 # orbax logs through absl, whose records all come from this logger.
@@ -401,8 +428,24 @@ class Checkpointer:
             return
         meta = {**meta, DIGESTS_KEY: state_digests(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._manager.save(step, args=args)
-        self._manager.wait_until_finished()
+        # orbax logs a failing save once per background thread, each with its traceback:
+        # the one sentence below says it instead.
+        absl_logger = logging.getLogger("absl")
+        quiet = _NoSaveErrors()
+        absl_logger.addFilter(quiet)
+        try:
+            self._manager.save(step, args=args)
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - any failure: the earlier checkpoints stand
+            # its abandoned writes report again, as asyncio collects them, up to the exit
+            logging.getLogger("asyncio").addFilter(_NoSaveErrors())
+            raise SaveError(
+                f"could not save checkpoint {step} in {self.directory} ({_save_failure(e)}); "
+                "the checkpoints before it are kept, and its unfinished folder is removed at "
+                "the next start."
+            ) from None
+        finally:
+            absl_logger.removeFilter(quiet)
         steps = self.all_steps()
         for old in steps[: max(len(steps) - self.keep, 0)]:
             if old not in self.protected:

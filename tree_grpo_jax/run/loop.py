@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import sharding
+from tree_grpo_jax import interrupts, sharding
 from tree_grpo_jax.evaluation import guard
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -36,6 +36,7 @@ from tree_grpo_jax.run.build import build, setup
 from tree_grpo_jax.run.checkpoint import (
     Checkpointer,
     CheckpointError,
+    SaveError,
     check_writable,
     fingerprint_mismatch,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "Interrupted",
     "OutOfMemory",
     "RewardError",
+    "SaveError",
     "Stopped",
     "Trainer",
     "setup",
@@ -66,14 +68,26 @@ BAD_INPUT = (
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; the iteration then running finished and was saved."""
+    """SIGINT or SIGTERM arrived; the iteration then running finished and was saved
+    (`finished`: it was the last one, and the run is complete)."""
 
-    def __init__(self, signal_name: str, iteration: int, workdir: str):
+    def __init__(self, signal_name: str, iteration: int, workdir: str, finished: bool = False):
         self.signal_name = signal_name
-        super().__init__(
-            f"{signal_name} received; stopped after iteration {iteration}, saved in "
-            f"{workdir}/checkpoints; the same command resumes it exactly."
-        )
+        self.iteration = iteration
+        self.workdir = workdir
+        self.finished = finished
+        if finished:
+            text = (
+                f"{signal_name} received as the run finished; all {iteration} iterations are "
+                f"done and saved in {workdir}/checkpoints, its summary in {workdir}/summary.json."
+            )
+        else:
+            text = (
+                f"{signal_name} received; stopped after iteration {iteration}, saved in "
+                f"{workdir}/checkpoints; the same command with --workdir={workdir} resumes it "
+                "exactly."
+            )
+        super().__init__(text)
 
 
 class OutOfMemory(RuntimeError):
@@ -113,24 +127,33 @@ class _Signals:
 
     NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
+    FIRST = (
+        "\n{name}: finishing the current iteration, then saving (send it again to stop at once)."
+    )
+
     def __init__(self, defer: bool = True):
         self.defer = defer
-        self.received: str | None = None
+        self._received: str | None = None
         self._previous = {}
+        self._region = None
+
+    @property
+    def received(self) -> str | None:
+        return interrupts.requested() if self._region is not None else self._received
 
     def _handle(self, signum, frame):
         name = self.NAMES[signum]
-        if not self.defer or self.received:
+        if not self.defer or self._received:
             raise Stopped(name)
-        self.received = name
-        print(
-            f"\n{name}: finishing the current iteration, then saving "
-            "(send it again to stop at once).",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._received = name
+        print(self.FIRST.format(name=name), file=sys.stderr, flush=True)
 
     def __enter__(self) -> _Signals:
+        if interrupts.installed():  # the command line's watcher: it stops at any moment
+            if self.defer:
+                self._region = interrupts.deferred(self.FIRST)
+                self._region.__enter__()
+            return self
         if threading.current_thread() is threading.main_thread():
             for signum in self.NAMES:
                 if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -138,6 +161,8 @@ class _Signals:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._region is not None:
+            self._region.__exit__(*exc)
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -221,11 +246,12 @@ def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -
     metrics, images, rewards, prompts = trainer.evaluate_samples(params)
     path = os.path.join(trainer.workdir, f"eval_{iteration:05d}.png")
     columns = min(10, len(images))
-    if sharding.is_primary():
-        reporting.save_grid(path, images, columns=columns)
-    writer.write(iteration, metrics, prefix="eval/")
     captions = [f"{p}\n{r:.4g}" for p, r in zip(prompts, rewards)]
-    writer.write_image(iteration, "eval/samples", images, captions, columns)
+    with interrupts.critical():  # a signal waits for the grid and the rows to be whole
+        if sharding.is_primary():
+            reporting.save_grid(path, images, columns=columns)
+        writer.write(iteration, metrics, prefix="eval/")
+        writer.write_image(iteration, "eval/samples", images, captions, columns)
     history["eval"].append({"iteration": iteration, **metrics})
     if trainer.config.log.progress and sharding.is_primary():
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
@@ -249,9 +275,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     primary = sharding.is_primary()
     created = _missing_folders(workdir)
     lock = WorkdirLock(workdir) if primary else None
+
+    def stopped() -> None:  # a signal ends the process: the lock, and a new empty run, go
+        if lock is not None:
+            lock.release()
+        if primary and created:
+            _remove_new_run(workdir, created, checkpoint_dir(config, workdir))
+
     try:
-        _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
-        return _train_in(config, workdir, reward_weights, lock, session_start)
+        with interrupts.on_stop(stopped):
+            _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
+            return _train_in(config, workdir, reward_weights, lock, session_start)
     except BAD_INPUT:
         if primary and created:  # a new run that could not start leaves nothing behind
             _remove_new_run(workdir, created, checkpoint_dir(config, workdir))
@@ -292,7 +326,7 @@ def _train_in(config, workdir: str, reward_weights, lock, session_start: float) 
                 precompile.precompile(trainer, state, _say(config))
             # Written only once the resume checks have passed: it describes the checkpoints.
             if primary:
-                with open(os.path.join(workdir, "config.json"), "w") as f:
+                with interrupts.critical(), open(os.path.join(workdir, "config.json"), "w") as f:
                     f.write(config.to_json_best_effort(indent=2))
             try:
                 summary = _loop(trainer, state, start, history, ckpt)
@@ -424,7 +458,8 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                     raise
                 done = iteration + 1
                 host = _host_state(trainer)
-                writer.write(done, metrics, prefix="train/")
+                with interrupts.critical():
+                    writer.write(done, metrics, prefix="train/")
                 shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
                 progress.update(
                     iteration,
@@ -449,9 +484,12 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
             save(total)
             if stopped:
                 return _guard_stop(trainer, spec, history, stopped)
+            summary = summarize(trainer, spec, history, workdir)
+            if signals.received:  # it came too late to stop anything: say what is kept
+                raise Interrupted(signals.received, total, workdir, finished=True)
     finally:
         writer.close()
-    return summarize(trainer, spec, history, workdir)
+    return summary
 
 
 def _training_line(trainer: Trainer, state) -> str:
@@ -496,7 +534,8 @@ def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
     rewards = [e["reward_mean"] for e in evals]
     curve = os.path.join(workdir, "eval_reward.png")
     if sharding.is_primary():
-        reporting.save_curve(curve, steps, rewards, "eval reward", trainer.config.name)
+        with interrupts.critical():
+            reporting.save_curve(curve, steps, rewards, "eval reward", trainer.config.name)
     summary = {
         "iterations": trainer.config.train.iterations,
         "first_eval_reward": rewards[0],
@@ -511,6 +550,6 @@ def summarize(trainer: Trainer, spec, history: dict, workdir: str) -> dict:
         "evals": evals,
     }
     if sharding.is_primary():
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
+        with interrupts.critical(), open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary

@@ -73,11 +73,14 @@ def compile_programs(
         return compiled, time.perf_counter() - start
 
     start = time.perf_counter()
-    names = [f"the {name}" for name in lowered]
-    listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
-    progress(f"compiling {listed} (the first run of a config is slow)...")
+    progress(f"compiling {_listed(lowered)} side by side (the first run of a config is slow)...")
+    done = {}
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        done = dict(zip(lowered, pool.map(compile_one, lowered)))
+        futures = {pool.submit(compile_one, name): name for name in lowered}
+        for future in concurrent.futures.as_completed(futures):
+            done[futures[future]] = future.result()
+            progress(f"  compiled the {futures[future]} in {done[futures[future]][1]:.1f} s")
+    done = {name: done[name] for name in lowered}
     progress(f"compiled in {time.perf_counter() - start:.0f} s")
     fits = {}
     for name, (compiled, seconds) in done.items():
@@ -86,6 +89,11 @@ def compile_programs(
             continue
         fits[name] = ProgramFit(name, stats.peak, stats.argument, held[name], seconds)
     return fits
+
+
+def _listed(programs) -> str:
+    names = [f"the {name}" for name in programs]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _gib(n: int) -> str:
@@ -162,8 +170,16 @@ def _held(trainer, state) -> dict[str, int]:
 def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Compiles the run's rollout and evaluation ahead and refuses, in one sentence, a run
     whose programs cannot fit in the device's memory; returns their fits."""
+    start = time.perf_counter()
+    progress("tracing the run's programs...")
     lowered = trainer.lowered_programs(state)
+    progress(f"traced {_listed(lowered)} in {time.perf_counter() - start:.1f} s")
     fits = compile_programs(lowered, _held(trainer, state), progress)
+    if "train step" not in lowered:  # updates spanning minibatches: compiled at first use
+        progress(
+            "the train step (train.updates_per_iteration spreads an update over minibatches) "
+            "compiles during the first iteration."
+        )
     limit, where = memory_limit()
     per_device = sharding.num_batch_shards(trainer.mesh) // jax.process_count()
     check_fits(trainer.config, fits, per_device, limit, where)

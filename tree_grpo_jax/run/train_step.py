@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -14,6 +15,10 @@ from flax import struct
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.core.loss import ppo_loss
+
+# The steps donate their state; on CPU, or where an output cannot take a donated buffer's
+# place, XLA keeps the copy and JAX warns at every compile (harmless, thousands of characters).
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 @struct.dataclass

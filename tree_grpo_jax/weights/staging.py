@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from tree_grpo_jax import interrupts
+
 
 def _overlaps(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
@@ -42,11 +44,18 @@ def write_staged(out: Path, fill) -> Path:
     if staging.exists():  # left by an earlier, killed export of this process id
         shutil.rmtree(staging)
     staging.mkdir()
+
+    def stopped() -> None:  # a signal ends the process: the half-built folder goes
+        for _ in range(3):  # the main thread may still be adding files
+            shutil.rmtree(staging, ignore_errors=True)
+
     try:
-        fill(staging)
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        with interrupts.on_stop(stopped):
+            fill(staging)
+        with interrupts.critical():  # the swap itself is never cut in half
+            if out.is_dir():
+                shutil.rmtree(out)
+            os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

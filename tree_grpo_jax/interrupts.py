@@ -1,0 +1,190 @@
+"""Ctrl-C and SIGTERM for the command lines: one line, exit 130 / 143, at any moment.
+
+Python runs a signal handler only between bytecodes of the main thread, so a long XLA
+compile, a model load or a blocking read ignores it. `install()` therefore also sets
+`signal.set_wakeup_fd`: the C-level handler writes the signal's number to a pipe that a
+watcher thread reads at once, whatever the main thread is doing. The watcher then:
+
+- by default (starting up, compiling, loading, sampling: nothing to lose), ends the process
+  at once with the command's one line (`set_stop_line`), after the cleanups registered with
+  `on_stop` (a lock released, an empty new folder removed);
+- inside `deferred()` (the training loop), lets the first signal only ask the loop to stop at
+  its next safe point (`requested()`), and stops at once on a second one;
+- inside `critical()` (a file being written), waits for the region's end, where the main
+  thread stops with the line: nothing is left half-written.
+
+Without `install()` (the library used from Python) nothing changes: the caller's handlers
+stay in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
+_NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.installed = False
+        self.received: list[str] = []  # every signal so far, in order
+        self.deferring = 0  # depth of deferred() regions
+        self.critical = 0  # depth of critical() regions
+        self.pending: str | None = None  # a stop waiting for the end of a critical region
+        self.first_line: str | None = None  # what deferred()'s first signal prints
+        self.stop_line = lambda name: f"{name} stopped the command."
+        self.cleanups: list = []
+
+
+_state = _State()
+
+
+def installed() -> bool:
+    return _state.installed
+
+
+def install() -> bool:
+    """Takes over SIGINT and SIGTERM for this process (main thread only; a signal the parent
+    ignores stays ignored). Returns whether it did."""
+    if _state.installed or threading.current_thread() is not threading.main_thread():
+        return _state.installed
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    taken = []
+    for signum in _NAMES:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _python_handler)
+            taken.append(signum)
+    if not taken:
+        os.close(read)
+        os.close(write)
+        return False
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read,), name="interrupts", daemon=True).start()
+    _state.installed = True
+    return True
+
+
+def _python_handler(signum, frame) -> None:
+    """The watcher does the work; this only keeps Python's default (KeyboardInterrupt, or
+    death by SIGTERM) away. A stop waiting on a critical region is taken here too."""
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        for signum in data:
+            name = _NAMES.get(signum)
+            if name is not None:
+                _on_signal(name)
+
+
+def _on_signal(name: str) -> None:
+    with _state.lock:
+        _state.received.append(name)
+        if _state.deferring and len(_state.received) == 1:
+            if _state.first_line:
+                _write_line(_state.first_line.format(name=name))
+            return
+        if _state.critical:
+            _state.pending = _state.pending or name
+            return
+    stop_now(name)
+
+
+def requested() -> str | None:
+    """The first signal received inside (or before) the current `deferred()` region."""
+    return _state.received[0] if _state.received else None
+
+
+def set_stop_line(line) -> None:
+    """`line(signal_name) -> str`: the one line a stop prints (without `error: `); it is
+    called at the moment of the stop, so it can say what is kept then."""
+    _state.stop_line = line
+
+
+@contextlib.contextmanager
+def on_stop(cleanup):
+    """Runs `cleanup()` if a signal stops the process inside this block."""
+    _state.cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _state.cleanups.remove(cleanup)
+
+
+@contextlib.contextmanager
+def deferred(first_line: str | None = None):
+    """A first signal only asks to stop (`requested()`), printing `first_line` (with
+    `{name}`); a second one stops at once (after any critical region)."""
+    with _state.lock:
+        _state.deferring += 1
+        previous, _state.first_line = _state.first_line, first_line
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.deferring -= 1
+            _state.first_line = previous
+
+
+@contextlib.contextmanager
+def critical():
+    """A region a signal must not cut short (a file being written): a stop waits for its
+    end, where the main thread takes it."""
+    with _state.lock:
+        _state.critical += 1
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.critical -= 1
+            pending = _state.pending if _state.critical == 0 else None
+            if pending:
+                _state.pending = None
+        if pending:
+            stop_now(pending)
+
+
+def _write_line(text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode(errors="replace"))
+
+
+def _flush_streams() -> None:
+    """Flushes what the main thread printed, unless that blocks (a stalled pipe)."""
+
+    def flush():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+    flusher = threading.Thread(target=flush, daemon=True)
+    flusher.start()
+    flusher.join(1.0)
+
+
+def stop_now(name: str) -> None:
+    """Ends the process at once: the cleanups, the command's one line, exit 130 / 143."""
+    _flush_streams()
+    for cleanup in reversed(list(_state.cleanups)):
+        with contextlib.suppress(Exception):
+            cleanup()
+    try:
+        line = _state.stop_line(name)
+    except Exception:  # noqa: BLE001 - the line must still come
+        line = f"{name} stopped the command."
+    _write_line(f"error: {line}")
+    os._exit(EXIT_STATUS.get(name, 130))
