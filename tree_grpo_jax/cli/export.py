@@ -458,7 +458,11 @@ def main(argv=None) -> int:
             card=card,
         )
     except (ValueError, CheckpointError) as e:
-        print(f"error: {first_line(e)}", file=sys.stderr)
+        # The loaders' sentences name the training flag; here the base folder is --model_path.
+        print(
+            f"error: {first_line(e).replace('--config.model.path', '--model_path')}",
+            file=sys.stderr,
+        )
         return 2
     except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
         where = f" {e.filename}" if e.filename else ""

@@ -141,6 +141,12 @@ def has_pickles(folder: Path) -> bool:
     return any(list(Path(folder).glob(p)) for p in ("*.bin", "*.pt", "*.pth", "*.ckpt"))
 
 
+def looks_local(path: str) -> bool:
+    """A path that no hub id ('name' or 'owner/name') can be: absolute, relative to home or
+    to `.`, or with more than one `/` (or a backslash)."""
+    return path.startswith(("/", "~", ".")) or path.count("/") > 1 or "\\" in path
+
+
 def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> Path:
     """A local folder as is; anything else is tried as a hub id (one sentence on failure).
 
@@ -151,6 +157,8 @@ def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> 
         return local
     if local.exists():
         raise ModelLoadError(f"{what} {path} is a file, not a folder; {hint}.")
+    if looks_local(str(path)):
+        raise ModelLoadError(f"{what} {path} does not exist (no such folder); {hint}.")
     try:
         from huggingface_hub import snapshot_download
 
