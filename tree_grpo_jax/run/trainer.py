@@ -33,7 +33,7 @@ from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
-from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -148,7 +148,8 @@ class Trainer:
 
     def schedule(self, num_steps: int | None = None):
         s = self.config.sampling
-        return self.model.make_schedule(num_steps or s.num_steps, s)
+        field = "eval.num_steps" if num_steps else "sampling.num_steps"
+        return schedule_for(self.model, num_steps or s.num_steps, s, field)
 
     def rollout(
         self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
