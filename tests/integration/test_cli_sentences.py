@@ -56,3 +56,17 @@ def test_missing_local_model_path_says_the_folder_does_not_exist(tmp_path):
     assert f"model path {missing} does not exist (no such folder)" in line, line
     assert "Repo id" not in line and "--config.model.path" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_json_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`plan --json | head -c 10`: the reader is gone before the plan is printed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tree_grpo_jax.plan", "--config=configs/tiny.py", "--json",
+         "--programs=decode"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    process.stdout.close()  # as `head` does once it has its bytes
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 0, stderr[-2000:]
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr[-2000:]
