@@ -70,3 +70,24 @@ def test_plan_json_into_a_closed_pipe_exits_quietly(tmp_path):
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == 0, stderr[-2000:]
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr[-2000:]
+
+
+def test_a_20mb_prompt_is_not_echoed_whole(tmp_path):
+    prompts = tmp_path / "huge.txt"
+    prompts.write_text("a photo of " + "x" * 20_000_000 + "\n")
+    workdir = tmp_path / "run"
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", f"--config.prompts.source={prompts}",
+                 f"--workdir={workdir}")
+    )  # fmt: skip
+    assert len(line) < 400, len(line)
+    assert "'a photo of xxx" in line and "(20,000,011 characters)" in line, line
+    assert not workdir.exists()
+
+
+def test_any_error_line_is_cut_at_its_limit():
+    from tree_grpo_jax.errors import LINE_LIMIT, first_line
+
+    line = first_line(ValueError("y" * 50_000 + "\nsecond line"))
+    assert line.startswith("y" * LINE_LIMIT + "... ") and len(line) < LINE_LIMIT + 60
+    assert line.endswith("(a line of 50,000 characters, cut)")

@@ -31,7 +31,7 @@ import sys
 import time
 
 from tree_grpo_jax.cli import common
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import echo, first_line
 
 DESCRIPTION = """\
 Draw pictures from a training run's checkpoint with the run's deterministic eval sampler:
@@ -110,7 +110,7 @@ def _prompts(args, config) -> list[str]:
         return [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if args.prompts not in prompt_sets() and not os.path.isfile(os.path.expanduser(args.prompts)):
         raise BadInput(
-            f"--prompts {args.prompts!r} is neither a built-in prompt set "
+            f"--prompts {echo(args.prompts)} is neither a built-in prompt set "
             f"({', '.join(sorted(prompt_sets()))}) nor a text file; give one prompt of your "
             'own with --prompt="...".'
         )
