@@ -291,8 +291,10 @@ def _train_in(config, workdir: str, reward_weights, lock, session_start: float) 
             if start < config.train.iterations:  # refused here if it cannot fit
                 precompile.precompile(trainer, state, _say(config))
             # Written only once the resume checks have passed: it describes the checkpoints.
-            if primary:
-                with open(os.path.join(workdir, "config.json"), "w") as f:
+            # A finished run asked for fewer iterations than it holds keeps its own.
+            written = os.path.join(workdir, "config.json")
+            if primary and (start < config.train.iterations or not os.path.exists(written)):
+                with open(written, "w") as f:
                     f.write(config.to_json_best_effort(indent=2))
             try:
                 summary = _loop(trainer, state, start, history, ckpt)
@@ -354,7 +356,9 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     total = c.train.iterations
     spec = trainer.spec().at(trainer.window_start(0))
     if start >= total and any(e["iteration"] == start for e in history["eval"]):
-        return {**summarize(trainer, spec, history, workdir), "already_finished": True}
+        # `iterations`: what the run holds, which may be more than train.iterations asks
+        summary = summarize(trainer, spec, history, workdir)
+        return {**summary, "iterations": start, "already_finished": True}
     stopped = _stopped_before(c, history, start, ckpt.directory)
     if stopped:
         return _guard_stop(trainer, spec, history, stopped)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -96,6 +97,16 @@ class _TrackerRows:
         prompts[self.rows] = list(prompt_ids)
         all_rewards[self.rows] = np.asarray(rewards, np.float64)
         return self.tracker.update(prompts, all_rewards)[self.rows]
+
+
+@functools.cache  # once per run (per count), not once per iteration
+def _note_fewer_updates(asked: int, total: int) -> None:
+    print(
+        f"note: train.updates_per_iteration={asked} is more than the {total} minibatch(es) "
+        f"an iteration trains on; each minibatch is one update ({total} per iteration).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -246,7 +257,10 @@ class Trainer:
         per_process = c.train.rows_per_minibatch // jax.process_count()
         count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
         total = count * c.train.inner_epochs
-        updates = min(c.train.get("updates_per_iteration", 0), total)
+        asked = c.train.get("updates_per_iteration", 0)
+        if asked > total:
+            _note_fewer_updates(asked, total)
+        updates = min(asked, total)
         context = (sampled.cond, schedule, self.uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
