@@ -91,3 +91,13 @@ def test_any_error_line_is_cut_at_its_limit():
     line = first_line(ValueError("y" * 50_000 + "\nsecond line"))
     assert line.startswith("y" * LINE_LIMIT + "... ") and len(line) < LINE_LIMIT + 60
     assert line.endswith("(a line of 50,000 characters, cut)")
+
+
+def test_a_symlink_loop_workdir_is_named_as_such(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for workdir in (loop, loop / "sub"):
+        line = one_error_line(run_main("--config=configs/tiny.py", f"--workdir={workdir}"))
+        assert f"{loop} is a symbolic link that leads nowhere (a loop" in line, line
+        assert "File exists" not in line
+    assert [p.name for p in tmp_path.iterdir()] == ["loop"]
