@@ -101,3 +101,101 @@ def test_a_symlink_loop_workdir_is_named_as_such(tmp_path):
         assert f"{loop} is a symbolic link that leads nowhere (a loop" in line, line
         assert "File exists" not in line
     assert [p.name for p in tmp_path.iterdir()] == ["loop"]
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+@pytest.fixture(scope="module")
+def sd15_base(tmp_path_factory):
+    """A tiny SD1.5 folder (written without torch) and its UNet params as a msgpack file."""
+    import importlib.util
+
+    import jax.numpy as jnp
+    from flax import serialization
+
+    from tree_grpo_jax.models.sd15.load import load_unet
+
+    spec = importlib.util.spec_from_file_location("tiny_folders", ROOT / "launch/tiny_folders.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    root = tmp_path_factory.mktemp("sd15_base")
+    base = tiny.write_folder("sd15", root / "sd15")
+    params = root / "unet.msgpack"
+    params.write_bytes(serialization.to_bytes(load_unet(base / "unet", jnp.float32)[1]))
+    return base, params
+
+
+def _export(capsys, *args) -> tuple[int, str]:
+    from tree_grpo_jax.cli import export
+
+    code = export.main(list(args))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err.strip()
+
+
+def test_export_config_values_of_the_wrong_type_are_one_sentence(sd15_base, tmp_path, capsys):
+    import json
+    import shutil
+
+    base, params = sd15_base
+    bad = tmp_path / "bad"
+    shutil.copytree(base, bad)
+    config = json.loads((bad / "unet/config.json").read_text())
+    config["layers_per_block"] = "two"
+    (bad / "unet/config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    code, err = _export(capsys, f"--params={params}", f"--model_path={bad}", f"--out={out}")
+    assert code == 2 and err == (
+        f"error: {bad}/unet/config.json sets layers_per_block='two', but it must be a whole "
+        "number (or a list of them)."
+    )
+    assert not out.exists()
+
+
+def test_export_names_its_own_model_path_flag(sd15_base, tmp_path, capsys):
+    _, params = sd15_base
+    missing = tmp_path / "no_base"
+    code, err = _export(capsys, f"--params={params}", f"--model_path={missing}",
+                        f"--out={tmp_path / 'out'}")  # fmt: skip
+    assert code == 2 and err.startswith(f"error: model folder {missing} does not exist")
+    assert "--model_path" in err and "--config.model.path" not in err and "Repo id" not in err
+
+
+def test_export_out_that_cannot_be_made_is_said_before_the_model_is_read(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    # no params and no base at all: the destination is checked first
+    code, err = _export(
+        capsys,
+        f"--params={tmp_path / 'none.msgpack'}",
+        f"--model_path={tmp_path / 'none'}",
+        f"--out={blocker / 'out'}",
+    )
+    assert code == 2
+    assert (
+        err == f"error: --out {blocker / 'out'} cannot be made: {blocker} is a file, not a folder."
+    )
+
+
+def test_export_full_disk_is_not_blamed_on_the_source(sd15_base, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from tree_grpo_jax.cli import export
+
+    base, params = sd15_base
+    source = base / "vae" / "diffusion_pytorch_model.safetensors"
+
+    def full(*args, **kwargs):  # shutil.copy's ENOSPC names the file it read
+        raise OSError(errno.ENOSPC, "No space left on device", str(source))
+
+    monkeypatch.setattr(export.pipeline_export, "export_pipeline", full)
+    out = tmp_path / "out"
+    code, err = _export(capsys, f"--params={params}", f"--model_path={base}", f"--out={out}")
+    assert code == 2 and str(source) not in err
+    assert err == (
+        f"error: no space left for the export in {tmp_path} (disk full or over quota); "
+        "nothing was kept there."
+    )
