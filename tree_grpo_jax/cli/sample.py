@@ -150,6 +150,13 @@ def _sampling_config(config, args):
     if args.num_steps is not None:
         c.eval.num_steps = args.num_steps
     if args.model_path:
+        from tree_grpo_jax.models import registry as model_registry
+
+        if not model_registry.family_of(c.model.name).needs_path:
+            raise BadInput(
+                f"--model_path changes nothing here: the run's model.name {c.model.name!r} is "
+                "a built-in model with no base folder; leave --model_path out."
+            )
         c.model.path = args.model_path
     return c
 
