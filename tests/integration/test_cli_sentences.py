@@ -199,3 +199,14 @@ def test_export_full_disk_is_not_blamed_on_the_source(sd15_base, tmp_path, capsy
         f"error: no space left for the export in {tmp_path} (disk full or over quota); "
         "nothing was kept there."
     )
+
+
+def test_an_eval_set_too_large_for_the_host_is_refused_before_it_is_drawn(tmp_path):
+    workdir = tmp_path / "run"
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", "--config.prompts.eval_count=1000000000",
+                 f"--workdir={workdir}")
+    )  # fmt: skip
+    assert line.startswith("error: prompts.eval_count=1000000000 (1,000,000,000 samples) needs")
+    assert line.endswith("lower prompts.eval_count or eval.samples_per_prompt."), line
+    assert not workdir.exists()
