@@ -1,33 +1,501 @@
-"""Writes tiny random Stable Diffusion 1.5 and 3.5 folders in the real diffusers layout, for a
-smoke run of the SD configs without downloading any weights.
+"""Writes tiny random Stable Diffusion 1.5, SD3.5 and FLUX.1 folders in the real diffusers
+layout, for a smoke run of those configs without downloading any weights.
 
-    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/sd15, /tmp/tiny_sd/sd35
+    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux}
 
-The folders are the ones the tests build (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`):
-diffusers' and transformers' PyTorch classes with random weights, saved with
-`save_pretrained` as the releases hold them (UNet, VAE, CLIP text encoder and tokenizer, DDIM
-scheduler; SD3.5's MMDiT with dual-attention layers, its 16-channel VAE, CLIP-L, CLIP-G, a
-sharded T5 and the flow-matching scheduler), only a few thousand times smaller. Writing them
-needs torch, diffusers and transformers: the test extra (`pip install -e ".[test]"`). Training
-on them needs none of torch. The samples are noise: the folders check that a config runs, not
-what it learns.
+Only the package's own dependencies are needed (`pip install -e .`): no torch. Each weight
+file is the project's Flax module for that component (our UNet, SD3 MMDiT and FLUX
+transformer; diffusers' Flax VAE; transformers' Flax CLIP towers; our T5 encoder), given
+seeded random values and written under diffusers' and transformers' PyTorch names and
+layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser) in
+safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
+architectures are the test fixtures' (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`,
+`tests/flux_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
+MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
+scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
+shifted scheduler; a few thousand times smaller than the releases. diffusers'
+`DiffusionPipeline.from_pretrained` reads them too (tests/parity/test_tiny_folders.py). The
+samples are noise: the folders check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import pathlib
 import shutil
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KINDS = ("sd15", "sd35")
+KINDS = ("sd15", "sd35", "flux")
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
+
+WORDS = ("a", "photo", "of", "cat", "dog")
+MERGES = ("c a", "ca t</w>", "d o", "do g</w>", "p h", "ph o", "pho t", "phot o</w>", "o f</w>")
+
+
+def clip_vocab() -> dict[str, int]:
+    """Like CLIP's: "!" first, the special tokens last (`<|endoftext|>` has the top id)."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["!", "!</w>", *letters, *(c + "</w>" for c in letters)]
+    tokens += [m.replace(" ", "") for m in MERGES] + [w + "</w>" for w in WORDS]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+
+
+def sd15_vocab() -> dict[str, int]:
+    """SD1.5's: the special tokens first, then letters, merges and whole words."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<|startoftext|>", "<|endoftext|>", *letters, *(c + "</w>" for c in letters)]
+    tokens += [m.replace(" ", "") for m in MERGES]
+    tokens += [w + "</w>" for w in (*WORDS, "digit")]
+    return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+
+
+def t5_pieces() -> list[tuple[str, float]]:
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    pieces += [("▁" + w, -2.0) for w in WORDS]
+    return pieces + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def write_clip_tokenizer(folder: pathlib.Path, vocab: dict, pad: str, max_length: int) -> None:
+    from transformers import CLIPTokenizer
+
+    source = folder.parent / f"{folder.name}_src"
+    source.mkdir()
+    (source / "vocab.json").write_text(json.dumps(vocab))
+    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
+    CLIPTokenizer(
+        str(source / "vocab.json"),
+        str(source / "merges.txt"),
+        pad_token=pad,
+        model_max_length=max_length,
+    ).save_pretrained(folder)
+    shutil.rmtree(source)
+
+
+def write_t5_tokenizer(folder: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    unigram = Tokenizer(models.Unigram(t5_pieces(), unk_id=2, byte_fallback=False))
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    unigram.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    unigram.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    T5TokenizerFast(
+        tokenizer_object=unigram,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_ids=0,
+        model_max_length=512,
+    ).save_pretrained(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: a Flax parameter tree's shapes, random values, PyTorch names, safetensors.
+
+
+def random_params(shapes: dict, rng) -> dict:
+    """Seeded values for a flat {path: shape} Flax tree: kernels scaled by 1/sqrt(fan-in) so
+    activations stay of order one; norm scales near 1; biases and embeddings small."""
+    import numpy as np
+
+    flat = {}
+    for path in sorted(shapes):
+        shape, leaf = tuple(shapes[path]), path[-1]
+        noise = rng.standard_normal(shape).astype(np.float32)
+        if leaf == "kernel":
+            fan_in = int(np.prod(shape[:-1])) or 1
+            flat[path] = noise / np.float32(np.sqrt(fan_in))
+        elif leaf in ("scale", "weight") and len(shape) == 1:
+            flat[path] = 1 + 0.05 * noise
+        elif leaf == "embedding":
+            flat[path] = 0.1 * noise
+        else:
+            flat[path] = 0.05 * noise
+    return flat
+
+
+# The Flax VAE keeps the old attention names; diffusers' PyTorch files use the new ones.
+_VAE_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
+
+
+def pytorch_state(flat: dict, list_names, renames=None) -> dict:
+    """{PyTorch key: array} of a flat Flax tree, as `export` writes a denoiser."""
+    from flax.traverse_util import unflatten_dict
+
+    from tree_grpo_jax.weights import convert
+
+    state = convert.flax_to_pytorch(unflatten_dict(flat), list_names=list_names)
+    if not renames:
+        return state
+    renamed = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        parts[:-1] = [renames.get(p, p) for p in parts[:-1]]
+        renamed[".".join(parts)] = value
+    return renamed
+
+
+def save_weights(folder: pathlib.Path, stem: str, state: dict) -> None:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+
+
+def write_json(path: pathlib.Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def diffusers_config(pt_class: str, config: dict) -> dict:
+    """A diffusers config.json: the class, the version, and the fields (lists, not tuples)."""
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+    version = importlib.metadata.version("diffusers")
+    return {"_class_name": pt_class, "_diffusers_version": version, **fields}
+
+
+def write_denoiser(root: pathlib.Path, component, config: dict, rng, buffers=None) -> None:
+    """`root/<component.folder>/`: config.json and the denoiser's random weights."""
+    full = diffusers_config(component.pt_class, config)
+    denoiser = component.denoiser(full)
+    state = pytorch_state(random_params(denoiser.reference, rng), denoiser.list_names)
+    state.update(buffers or {})
+    write_json(root / component.folder / "config.json", full)
+    save_weights(root / component.folder, "diffusion_pytorch_model", state)
+
+
+def write_unet(root: pathlib.Path, config: dict, rng) -> None:
+    from tree_grpo_jax.models.sd15.export import unet_denoiser
+    from tree_grpo_jax.weights import convert
+
+    full = diffusers_config("UNet2DConditionModel", config)
+    denoiser = unet_denoiser(full)
+    state = pytorch_state(random_params(denoiser.reference, rng), convert.DIFFUSERS_LIST_NAMES)
+    write_json(root / "unet" / "config.json", full)
+    save_weights(root / "unet", "diffusion_pytorch_model", state)
+
+
+def write_vae(root: pathlib.Path, config: dict, rng) -> None:
+    """The whole AutoencoderKL (encoder included, as the releases hold it)."""
+    import jax
+
+    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+    from tree_grpo_jax.models.sd15.load import _flax_kwargs
+    from tree_grpo_jax.weights import convert
+
+    quiet_flax_deprecation_notices()
+    from diffusers import FlaxAutoencoderKL
+
+    module = FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config))
+    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    # diffusers' Flax VAE always has the quant convs; a config without them has none.
+    for conv in ("quant_conv", "post_quant_conv"):
+        if not config.get(f"use_{conv}", True):
+            shapes = {k: v for k, v in shapes.items() if k[0] != conv}
+    state = pytorch_state(
+        random_params(shapes, rng), convert.DIFFUSERS_LIST_NAMES, renames=_VAE_ATTENTION
+    )
+    write_json(root / "vae" / "config.json", diffusers_config("AutoencoderKL", config))
+    save_weights(root / "vae", "diffusion_pytorch_model", state)
+
+
+def write_clip(root, encoder, tokenizer, vocab, pad, projection, rng, **config) -> None:
+    """A transformers CLIPTextModel (or ...WithProjection) folder and its tokenizer."""
+    import jax
+    import jax.numpy as jnp
+    from transformers import CLIPTextConfig
+    from transformers.models.clip.modeling_flax_clip import (
+        FlaxCLIPTextModelWithProjectionModule,
+        FlaxCLIPTextModule,
+    )
+
+    from tree_grpo_jax.weights import convert
+
+    write_clip_tokenizer(root / tokenizer, vocab, pad, config["max_position_embeddings"])
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        bos_token_id=vocab["<|startoftext|>"],
+        pad_token_id=vocab[pad],
+        **config,
+    )
+    pt_class = "CLIPTextModelWithProjection" if projection else "CLIPTextModel"
+    text_config.architectures = [pt_class]
+    module_class = FlaxCLIPTextModelWithProjectionModule if projection else FlaxCLIPTextModule
+    module = module_class(config=text_config)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids), ids)["params"]
+    )
+    state = pytorch_state(random_params(convert.shapes_of(shapes), rng), ())
+    text_config.save_pretrained(root / encoder)
+    save_weights(root / encoder, "model", state)
+
+
+def write_t5(root, encoder, tokenizer, rng, **config) -> None:
+    """A transformers T5EncoderModel folder (one `shared.weight`, as save_pretrained ties
+    `encoder.embed_tokens.weight` to it) and its fast tokenizer."""
+    import jax
+    import jax.numpy as jnp
+    from transformers import T5Config
+
+    from tree_grpo_jax.models.text_encoders import T5Encoder, t5_config
+    from tree_grpo_jax.weights import convert
+
+    write_t5_tokenizer(root / tokenizer)
+    t5 = T5Config(vocab_size=len(t5_pieces()) + 6, feed_forward_proj="gated-gelu", **config)
+    t5.architectures = ["T5EncoderModel"]
+    t5.save_pretrained(root / encoder)
+    module = T5Encoder(t5_config(root / encoder, "a tiny folder"), jnp.float32)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids)["params"])
+    flat = random_params(convert.shapes_of(shapes), rng)
+    # Outputs of a few tenths, as the test fixtures' T5 (float32 rounding stays small).
+    flat[("encoder", "final_layer_norm", "weight")] *= 0.2
+    save_weights(root / encoder, "model", pytorch_state(flat, ()))
+
+
+def write_scheduler(root: pathlib.Path, pt_class: str, config: dict) -> None:
+    write_json(root / "scheduler" / "scheduler_config.json", diffusers_config(pt_class, config))
+
+
+def write_model_index(root: pathlib.Path, index: dict) -> None:
+    version = importlib.metadata.version("diffusers")
+    write_json(root / "model_index.json", {**index, "_diffusers_version": version})
+
+
+# ---------------------------------------------------------------------------------------------
+# The three folders (the architectures of the test fixtures).
+
+SD15_UNET = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    cross_attention_dim=32,
+    attention_head_dim=4,  # SD1.x semantics: the number of heads
+    norm_num_groups=32,
+)
+SD15_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=16,
+)
+SD15_SCHEDULER = dict(  # Stable Diffusion 1.5's training schedule
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+    prediction_type="epsilon",
+)
+SD15_INDEX = {
+    "_class_name": "StableDiffusionPipeline",
+    "feature_extractor": [None, None],
+    "requires_safety_checker": False,
+    "safety_checker": [None, None],
+    "scheduler": ["diffusers", "DDIMScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "unet": ["diffusers", "UNet2DConditionModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
+def write_sd15(root: pathlib.Path, rng) -> None:
+    vocab = sd15_vocab()
+    write_clip(
+        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", False, rng,
+        eos_token_id=vocab["<|endoftext|>"], hidden_size=32, intermediate_size=37,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+        hidden_act="quick_gelu", projection_dim=32,
+    )  # fmt: skip
+    write_unet(root, SD15_UNET, rng)
+    write_vae(root, SD15_VAE, rng)
+    write_scheduler(root, "DDIMScheduler", SD15_SCHEDULER)
+    write_model_index(root, SD15_INDEX)
+
+
+FLOW_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    block_out_channels=(32, 32),
+    layers_per_block=1,
+    latent_channels=16,
+    norm_num_groups=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+SD35_T5_WIDTH = 128  # standing in for SD3's joint_attention_dim 4096
+SD35_TRANSFORMER = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=3,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=SD35_T5_WIDTH,
+    caption_projection_dim=16,
+    pooled_projection_dim=16 + 24,  # the CLIP-L and CLIP-G projections, concatenated
+    pos_embed_max_size=12,
+    dual_attention_layers=(0, 1),
+    qk_norm="rms_norm",
+)
+SD35_INDEX = {
+    "_class_name": "StableDiffusion3Pipeline",
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+    "text_encoder_3": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    "tokenizer_3": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "SD3Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+    "image_encoder": [None, None],
+    "feature_extractor": [None, None],
+}
+
+
+def write_sd35(root: pathlib.Path, rng) -> None:
+    from tree_grpo_jax.models.sd3 import mmdit
+    from tree_grpo_jax.models.sd3.load import TRANSFORMER
+
+    vocab = clip_vocab()
+    clip = dict(max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=4)
+    # CLIP-L as SD3 ships it (legacy eos_token_id 2: pooled at the highest id, quick_gelu,
+    # padded with <|endoftext|>); CLIP-G padded with "!" and pooled at its real eos id.
+    write_clip(
+        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", True, rng, eos_token_id=2,
+        hidden_size=32, intermediate_size=37, projection_dim=16, hidden_act="quick_gelu", **clip,
+    )  # fmt: skip
+    write_clip(
+        root, "text_encoder_2", "tokenizer_2", vocab, "!", True, rng,
+        eos_token_id=vocab["<|endoftext|>"], hidden_size=48, intermediate_size=53,
+        projection_dim=24, hidden_act="gelu", **clip,
+    )  # fmt: skip
+    write_t5(
+        root, "text_encoder_3", "tokenizer_3", rng, d_model=SD35_T5_WIDTH, d_kv=16, d_ff=72,
+        num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )  # fmt: skip
+    config = SD35_TRANSFORMER
+    inner = config["attention_head_dim"] * config["num_attention_heads"]
+    table = mmdit.sincos_position_table(
+        inner, config["pos_embed_max_size"], config["sample_size"] // config["patch_size"]
+    )  # diffusers' fixed `pos_embed.pos_embed` buffer, stored in its files
+    write_denoiser(root, TRANSFORMER, config, rng, {mmdit.BUFFERS[0]: table[None]})
+    write_vae(root, {**FLOW_VAE, "sample_size": 16, "scaling_factor": 1.5305,
+                     "shift_factor": 0.0609}, rng)  # fmt: skip
+    write_scheduler(
+        root, "FlowMatchEulerDiscreteScheduler", dict(num_train_timesteps=1000, shift=3.0)
+    )
+    write_model_index(root, SD35_INDEX)
+
+
+FLUX_T5_WIDTH = 32  # standing in for FLUX's joint_attention_dim 4096
+FLUX_CLIP_WIDTH = 24  # standing in for pooled_projection_dim 768
+FLUX_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=FLUX_T5_WIDTH,
+    pooled_projection_dim=FLUX_CLIP_WIDTH,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+FLUX_SCHEDULER = dict(  # FLUX.1-dev's scheduler_config.json
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=4096,
+    max_shift=1.15,
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+)
+FLUX_INDEX = {
+    "_class_name": "FluxPipeline",
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+    "image_encoder": [None, None],
+    "feature_extractor": [None, None],
+}
+
+
+def write_flux(root: pathlib.Path, rng) -> None:
+    from tree_grpo_jax.models.flux.load import TRANSFORMER
+
+    vocab = clip_vocab()
+    # CLIP-L as FLUX ships it: no projection, quick_gelu, padded with <|endoftext|>, legacy
+    # eos_token_id 2 (pooled at the highest id).
+    write_clip(
+        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", False, rng, eos_token_id=2,
+        max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=FLUX_CLIP_WIDTH, intermediate_size=37, hidden_act="quick_gelu",
+    )  # fmt: skip
+    write_t5(
+        root, "text_encoder_2", "tokenizer_2", rng, d_model=FLUX_T5_WIDTH, d_kv=8, d_ff=40,
+        num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )  # fmt: skip
+    write_denoiser(root, TRANSFORMER, FLUX_TRANSFORMER, rng)
+    write_vae(root, {**FLOW_VAE, "sample_size": 32, "scaling_factor": 0.3611,
+                     "shift_factor": 0.1159}, rng)  # fmt: skip
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)
+    write_model_index(root, FLUX_INDEX)
+
+
+WRITERS = {"sd15": write_sd15, "sd35": write_sd35, "flux": write_flux}
+
+
+def write_folder(kind: str, folder, seed: int = 0) -> pathlib.Path:
+    """Writes the tiny `kind` folder at `folder` (which must not hold anything); returns it."""
+    import numpy as np
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # One stream per kind, so --kinds=flux writes the same FLUX folder as all three do.
+    WRITERS[kind](folder, np.random.default_rng([seed, KINDS.index(kind)]))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="/tmp/tiny_sd", help="parent folder of sd15/ and sd35/")
+    p.add_argument("--out", default="/tmp/tiny_sd", help="parent folder of sd15/, sd35/, flux/")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace folders that already exist")
@@ -40,31 +508,21 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"error: unknown kind(s) {unknown}; choose from {', '.join(KINDS)}.")
-    try:
-        import diffusers  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(
-            f"error: {e.name} is not installed; writing the tiny folders needs torch, diffusers "
-            'and transformers: pip install -e ".[test]"'
-        ) from None
-    # The fixtures live in tests/ and import each other by their module names.
-    sys.path.insert(0, str(ROOT / "tests"))
-    from sd3_fixtures import make_tiny_sd3_folder
-    from sd_fixtures import make_tiny_sd_folder
-
-    makers = {"sd15": make_tiny_sd_folder, "sd35": make_tiny_sd3_folder}
-    out = pathlib.Path(args.out)
+    sys.path.insert(0, str(ROOT))  # the package, when it is not installed
+    out = pathlib.Path(args.out).expanduser()
+    for kind in kinds:  # every refusal before anything is written
+        folder = out / kind
+        if folder.exists() and not folder.is_dir():
+            raise SystemExit(f"error: {folder} is a file; pass another --out.")
+        if folder.is_dir() and any(folder.iterdir()) and not args.force:
+            raise SystemExit(f"error: {folder} exists and is not empty; --force replaces it.")
     written = {}
     for kind in kinds:
         folder = out / kind
-        if folder.exists() and any(folder.iterdir()):
-            if not args.force:
-                raise SystemExit(f"error: {folder} exists and is not empty; --force replaces it.")
+        if folder.is_dir():
             shutil.rmtree(folder)
         start = time.perf_counter()
-        written[kind] = makers[kind](folder, seed=args.seed)
+        written[kind] = write_folder(kind, folder, seed=args.seed)
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         print(
             f"{kind}: {folder} ({size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)",

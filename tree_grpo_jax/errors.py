@@ -13,12 +13,29 @@ class UserError(ValueError):
     """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
 
 
+# The longest first line an error sentence keeps: user input echoed whole (a 20 MB prompt)
+# would otherwise become the line.
+LINE_LIMIT = 1000
+
+
+def echo(text, limit: int = 80) -> str:
+    """User input quoted in a sentence: `repr(text)`, or its first `limit` characters and its
+    length when it is longer."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def first_line(error: BaseException | str, default: str | None = None) -> str:
-    """The first line of an error's message (or of a message); `default`, or the error's class
-    name, when it is empty."""
+    """The first line of an error's message (or of a message), at most LINE_LIMIT characters;
+    `default`, or the error's class name, when it is empty."""
     text = str(error).strip()
     if text:
-        return text.splitlines()[0]
+        line = text.splitlines()[0]
+        if len(line) > LINE_LIMIT:
+            line = f"{line[:LINE_LIMIT]}... (a line of {len(line):,} characters, cut)"
+        return line
     return type(error).__name__ if default is None else default
 
 

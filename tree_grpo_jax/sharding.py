@@ -48,6 +48,15 @@ def mesh_shape(data: int, fsdp: int, num_devices: int | None = None) -> tuple[in
     n = num_devices or jax.device_count()
     if data == -1 and fsdp == -1:
         raise ValueError("only one of mesh.data and mesh.fsdp may be -1.")
+    # -1 takes the devices the other axis leaves; name the axis that does not divide them
+    # (not the 0 the -1 would have become).
+    for axis, size, other in (("fsdp", fsdp, data), ("data", data, fsdp)):
+        if other == -1 and size >= 1 and n % size:
+            raise ValueError(
+                f"mesh.{axis}={size} does not divide the {n} available device(s), so "
+                f"mesh.{'data' if axis == 'fsdp' else 'fsdp'}=-1 has no size; set "
+                f"mesh.{axis} to a divisor of {n}."
+            )
     if data == -1:
         data = n // fsdp if fsdp > 0 and n % fsdp == 0 else 0
     if fsdp == -1:

@@ -140,6 +140,8 @@ def no_checkpoint_run(stopped_run, tmp_path):
         ("metric", "unknown metric 'no_such_metric' in --metrics"),
         ("prompts", "has no prompts"),
         ("out", "cannot write to the output folder"),
+        ("long prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
+        ("other config", "--config is not the config of the run in"),
     ],
 )
 def test_bad_input_is_one_sentence_and_writes_nothing(
@@ -151,6 +153,10 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     empty.write_text("\n \n")
     in_the_way = tmp_path / "file"
     in_the_way.write_text("x")
+    long = tmp_path / "long.txt"
+    long.write_text("a handwritten digit one\na b c d e f g h\n")
+    # the run's config with another guidance scale: another run's config
+    other = [a.replace("guidance_scale=2.0", "guidance_scale=3.0") for a in RUN]
     args = {
         "missing": [f"--workdir={tmp_path / 'nope'}"],
         "no_checkpoint": [f"--workdir={no_checkpoint_run}"],
@@ -158,6 +164,8 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
         "metric": [f"--workdir={workdir}", "--metrics=digit_accuracy,no_such_metric"],
         "prompts": [f"--workdir={workdir}", f"--prompts={empty}"],
         "out": [f"--workdir={workdir}", f"--out={in_the_way / 'eval'}"],
+        "long prompt": [f"--workdir={workdir}", f"--prompts={long}"],
+        "other config": [*other, f"--workdir={workdir}"],
     }[case]
     if case != "out":
         args.append(f"--out={out}")
@@ -166,3 +174,25 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert message in errors[0] and "Traceback" not in result.stderr
     assert not out.exists() and not (in_the_way.parent / "eval").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_as_training_does(stopped_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(stopped_run[0], copy, ignore=shutil.ignore_patterns("evaluation"))
+    checkpoints = copy / "checkpoints"
+    steps = sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
+    newest = steps[-1] + 1
+    shutil.copytree(checkpoints / str(steps[-1]), checkpoints / str(newest))
+    for path in (checkpoints / str(newest)).rglob("*"):  # every file cut to half its length
+        if path.is_file():
+            os.truncate(path, path.stat().st_size // 2)
+    out = tmp_path / "out"
+    result = run_in_process(
+        _evaluate(), f"--workdir={copy}", f"--out={out}", "--samples_per_prompt=1"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings and warnings[0].startswith(f"warning: checkpoint {newest} ")
+    rows = _read(out, "evaluation.json")["rows"]
+    assert [r["label"] for r in rows] == ["base", f"step {steps[-1]}"]
+    assert "move the folder away" not in result.stderr

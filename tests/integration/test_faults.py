@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -218,11 +220,19 @@ def test_resume_under_another_config_is_refused_and_the_record_kept(tmp_path):
 
 def test_finished_run_is_not_run_again(tmp_path):
     c = small_config("treegrpo")
-    c.train.iterations = 1
+    c.train.iterations = 2
+    c.eval.every = 0
     train.train(c, str(tmp_path))
     rows = reporting.read_metrics(str(tmp_path))
+    record = (tmp_path / "config.json").read_text()
     summary = train.train(c, str(tmp_path))
-    assert summary["already_finished"]
+    assert summary["already_finished"] and summary["iterations"] == 2
+    assert reporting.read_metrics(str(tmp_path)) == rows
+    # Asked for fewer iterations than it holds: it says what it holds, keeps its record.
+    c.train.iterations = 1
+    summary = train.train(c, str(tmp_path))
+    assert summary["already_finished"] and summary["iterations"] == 2
+    assert (tmp_path / "config.json").read_text() == record
     assert reporting.read_metrics(str(tmp_path)) == rows
 
 
@@ -231,7 +241,8 @@ def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path
     c.train.iterations = 1
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lock = {"pid": holder.pid, "host": os.uname().nodename, "since": 0}
+        # written by the owner once it runs, as a real lock is
+        lock = {"pid": holder.pid, "host": os.uname().nodename, "since": time.time()}
         (tmp_path / "run.lock").write_text(json.dumps(lock))
         with pytest.raises(WorkdirBusy, match=f"another run \\(pid {holder.pid}\\)"):
             train.train(c, str(tmp_path))
@@ -264,3 +275,25 @@ def test_a_signal_after_the_last_iteration_says_the_run_is_complete(
     assert (tmp_path / "summary.json").exists()
     monkeypatch.undo()
     assert_same_run(straight, tmp_path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_a_lock_naming_a_live_unrelated_pid_is_taken_over(tmp_path):
+    """The owner died and its pid now belongs to another process: not a run to wait for."""
+    from tree_grpo_jax.run.workdir import WorkdirLock
+
+    host = socket.gethostname()
+    sleeper = subprocess.Popen(["sleep", "60"])  # alive, but no Python
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid, since in ((sleeper.pid, time.time()), (later.pid, time.time() - 3600)):
+            (tmp_path / "run.lock").write_text(
+                json.dumps({"pid": pid, "host": host, "since": since})
+            )
+            with WorkdirLock(str(tmp_path)):
+                assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+            assert not (tmp_path / "run.lock").exists()
+    finally:
+        for process in (sleeper, later):
+            process.kill()
+            process.wait()

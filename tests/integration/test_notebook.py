@@ -1,7 +1,10 @@
 """The quickstart notebook runs headless, top to bottom, in a fresh kernel started from an
-unrelated folder, and trains in a fresh temporary workdir each time."""
+unrelated folder, and trains in a fresh workdir under runs/ each time; what it prints names no
+folder of the machine, it shows the command that resumes its run, and the committed copy
+installs from a location the user sets (no placeholder URL), its outputs free of paths."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,30 @@ def _outputs(notebook, kind: str) -> list:
     return [o for cell in notebook.cells for o in cell.get("outputs", []) if o.output_type == kind]
 
 
+# An absolute path in an output: a machine's folder.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(tmp|home|work|root|content|Users|usr|opt|var)/")
+
+
+def _texts(notebook) -> str:
+    parts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            parts.append(output.get("text", ""))
+            parts += [v for k, v in output.get("data", {}).items() if k.startswith("text/")]
+    return "\n".join(p if isinstance(p, str) else "".join(p) for p in parts)
+
+
+def test_committed_notebook_has_no_placeholder_and_no_machine_paths():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    text = nbformat.writes(notebook)
+    assert "OWNER" not in text and "github.com/" not in text
+    assert "set REPOSITORY in this cell" in notebook.cells[1].source
+    outputs = _texts(notebook)
+    assert outputs and not MACHINE_PATH.search(outputs), MACHINE_PATH.search(outputs)
+    assert "--workdir=runs/tree_grpo_notebook_" in outputs
+
+
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the notebook's workdir goes
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
@@ -33,11 +58,17 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     stderr = "".join(o.text for o in streams if o.name == "stderr")
     assert "deprecat" not in stderr.lower(), stderr
     # the training cell's last line: "<first> -> <last> in <workdir>"
-    first, rest = stdout.strip().splitlines()[-1].split(" -> ")
+    lines = stdout.strip().splitlines()
+    resume = lines[-1]
+    assert resume.startswith("python -m tree_grpo_jax.main --config=configs/tiny.py ")
+    assert resume.endswith(f" --workdir={lines[-2].split(' in ')[-1]}")
+    assert str(tmp_path) not in _texts(notebook)
+    first, rest = lines[-2].split(" -> ")
     last, workdir = rest.split(" in ")
     assert float(last) > float(first)  # ten iterations improve the digit reward
-    workdir = Path(workdir)
-    assert workdir.parent == tmp_path and workdir.name.startswith("tree_grpo_notebook_")
+    assert not Path(workdir).is_absolute()
+    workdir = tmp_path / workdir
+    assert workdir.parent == tmp_path / "runs" and workdir.name.startswith("tree_grpo_notebook_")
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["iterations"] == 10 and (workdir / "eval_00010.png").is_file()
     # the sample grids, the tree's leaves and the three pictures of the run were shown

@@ -129,6 +129,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         ("unreadable prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
         ("no such prompt set", "is neither a built-in prompt set"),
         ("unwritable out", "cannot write to the output folder"),
+        ("model path of a built-in model", "--model_path changes nothing here: the run's "),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
@@ -149,6 +150,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
         "unreadable prompt": ["--prompt=a b c d e f g h"],
         "no such prompt set": ["--prompts=no_such_set"],
         "unwritable out": [f"--out={in_the_way / 'pictures'}"],
+        "model path of a built-in model": [f"--model_path={tmp_path}"],
     }.get(case, [])
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={workdir}")

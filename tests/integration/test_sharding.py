@@ -25,6 +25,11 @@ def test_mesh_shape_resolves_and_rejects():
     assert sharding.mesh_shape(2, -1, num_devices=8) == (2, 4)
     with pytest.raises(ValueError, match="does not cover the 8 available device"):
         sharding.mesh_shape(3, 1, num_devices=8)
+    # -1 beside an axis that does not divide the devices: that axis is named, not a 0
+    with pytest.raises(ValueError, match=r"^mesh.fsdp=3 does not divide the 8 available"):
+        sharding.mesh_shape(-1, 3, num_devices=8)
+    with pytest.raises(ValueError, match=r"^mesh.data=3 does not divide the 8 available"):
+        sharding.mesh_shape(3, -1, num_devices=8)
 
 
 def test_train_step_on_8_devices_matches_one_device():

@@ -231,3 +231,11 @@ def test_an_xla_out_of_memory_becomes_one_sentence():
     text = str(oom)
     assert "\n" not in text and "(28.80GiB)" in text and "/runs/x/checkpoints" in text, text
     assert train._out_of_memory(RuntimeError("INTERNAL: something else"), "d") is None
+    # an out-of-the-ordinary setting is named first
+    import ml_collections
+
+    config = ml_collections.ConfigDict({"lora": {"rank": 100_000}})
+    text = str(train._out_of_memory(error, "/runs/x/checkpoints", config))
+    assert "lora.rank=100000 is the likely cause" in text and "\n" not in text, text
+    config.lora.rank = 32
+    assert "lora.rank" not in str(train._out_of_memory(error, "d", config))

@@ -207,3 +207,17 @@ def test_updates_per_iteration_counts_adam_steps(tmp_path):
     c.train.updates_per_iteration = 3
     _, _, metrics, count = _one_iteration(c, tmp_path)
     assert metrics["minibatches"] >= 3 and count == 3
+
+
+def test_more_updates_than_minibatches_is_one_update_each_and_said(tmp_path, capsys):
+    c = small_config("treegrpo")
+    c.train.rows_per_minibatch = 4
+    c.train.updates_per_iteration = 1000
+    _, _, metrics, count = _one_iteration(c, tmp_path)
+    minibatches = int(metrics["minibatches"])
+    assert 1 < minibatches < 1000 and count == minibatches
+    note = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert note == [
+        f"note: train.updates_per_iteration=1000 is more than the {minibatches} minibatch(es) "
+        f"an iteration trains on; each minibatch is one update ({minibatches} per iteration)."
+    ]

@@ -90,6 +90,15 @@ def latest_checkpoint(directory: str) -> int | None:
     return max(steps, default=None)
 
 
+def print_out(text: str) -> None:
+    """`print(text)` to stdout; a reader that closed the pipe (`| head`) already has what it
+    wanted: no BrokenPipeError traceback, now or when Python flushes stdout at exit."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def remove_if_empty(workdir: str) -> None:
     """A start that failed before writing anything leaves no folder behind."""
     if not os.path.isdir(workdir):

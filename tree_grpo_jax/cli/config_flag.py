@@ -161,6 +161,24 @@ def _stray(arg: str, argv) -> str:
     )
 
 
+def _missing_config(path: str) -> str:
+    """The sentence for a config file that is not there, with the path that is, if any: the
+    name with `.py`, or the same relative path in the repository this package came from (a
+    command started from another folder)."""
+    sentence = f"there is no config file {path!r} (from {os.getcwd()})"
+    file = path.split(":", 1)[0]
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__ + "/..")))
+    candidates = [file] if file.endswith(".py") else [file + ".py", file]
+    if not os.path.isabs(file):
+        candidates += [os.path.join(repository, c) for c in candidates]
+    found = next((c for c in candidates if c != file and os.path.isfile(c)), None)
+    if found is None:
+        return sentence + "."
+    if not os.path.isabs(file) and os.path.isabs(found):
+        return f"{sentence}; the repository's one is --config={found}."
+    return f"{sentence}; did you mean --config={found}?"
+
+
 def _raised_in(e: BaseException, path: str | None) -> bool:
     """Whether `e` came from running the file `path` (the config file, while it loaded)."""
     if path is None:
@@ -222,10 +240,36 @@ def _print_and_exit(text: str) -> None:
     sys.exit(0)
 
 
+# absl's help flags, which print and exit 1; ours print the command's own text and exit 0.
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def _command_module():
+    """The command's module in tree_grpo_jax.cli (`python -m tree_grpo_jax.plan` runs
+    tree_grpo_jax/plan.py, whose `run` is tree_grpo_jax.cli.plan's), or `__main__`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = spec.name.rsplit(".", 1)[-1] if spec is not None else ""
+    return sys.modules.get(f"tree_grpo_jax.cli.{name}") or main
+
+
+def help_text() -> str:
+    """The command's docstring and its flags (absl's own text for each)."""
+    module = _command_module()
+    doc = (getattr(module, "__doc__", None) or "").strip()
+    modules = [__name__] + ([module.__name__] if module is not None else [])
+    listed = "\n".join(flags.FLAGS.module_help(m) for m in dict.fromkeys(modules))
+    listed = "\n".join(line for line in listed.splitlines() if not line.endswith(":"))
+    return f"{doc}\n\nflags:\n{listed}\n"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with the config file loaded and its overrides applied here, so
     that a missing or broken file, an unknown field or a wrong type is one sentence."""
     path = _config_path(argv)
+    words = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(w in HELP_FLAGS or w.split("=", 1)[0] in HELP_FLAGS for w in words):
+        _print_and_exit(help_text())
     try:
         rest = flags.FLAGS(argv)
         config = CONFIG.value
@@ -270,7 +314,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(_not_a_config(path) or _unknown_field(argv), EXIT_BAD_INPUT)
     except Exception as e:  # noqa: BLE001 - the config file itself failed
         if isinstance(e, OSError) and path and not os.path.isfile(path):
-            fail(f"there is no config file {path!r} (from {os.getcwd()}).", EXIT_BAD_INPUT)
+            fail(_missing_config(path), EXIT_BAD_INPUT)
         if _not_a_config(path):
             fail(_not_a_config(path), EXIT_BAD_INPUT)
         reason = e.msg if isinstance(e, SyntaxError) else first_line(e)

@@ -208,12 +208,32 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evaluate(config, workdir: str | None, out: str) -> dict:
-    """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`."""
+def _check_run_config(config, ckpt, workdir: str) -> None:
+    """Refuses a --config given beside --workdir that is not the run's own (another model,
+    method or setting that makes another run, as resuming refuses it)."""
+    from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
+
+    saved = ckpt.read_meta().get("fingerprint")
+    if saved is None:
+        return  # nothing recorded to check against: the run's config.json decides
+    differs = fingerprint_mismatch(
+        run_fingerprint.with_added_defaults(saved),
+        run_fingerprint.with_added_defaults(run_fingerprint.fingerprint(config)),
+    )
+    if differs:
+        raise BadInput(
+            f"--config is not the config of the run in {workdir} ({differs}); leave --config "
+            "out to evaluate the run with its own."
+        )
+
+
+def evaluate(config, workdir: str | None, out: str, given_config: bool = False) -> dict:
+    """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`.
+    `given_config`: `config` came from --config, not from the run's folder."""
     from tree_grpo_jax import sharding
     from tree_grpo_jax.run import loop as train
     from tree_grpo_jax.run import reporting
-    from tree_grpo_jax.run.build import setup
+    from tree_grpo_jax.run.build import check_prompts, setup
     from tree_grpo_jax.run.checkpoint import Checkpointer
     from tree_grpo_jax.run.prompts import load_prompts
 
@@ -230,9 +250,13 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
         steps = ckpt.all_steps()
         if not steps:
             raise BadInput(f"there is no checkpoint in {ckpt.directory}.")
-        step = steps[-1] if STEP.value is None else STEP.value
-        if step not in steps:
+        # --step pins one; without it the newest readable is restored (a damaged newest one
+        # passed over with a warning, as training does).
+        step = STEP.value
+        if step is not None and step not in steps:
             raise BadInput(f"there is no checkpoint {step} in {ckpt.directory}; it holds {steps}.")
+        if given_config:
+            _check_run_config(config, ckpt, workdir)
     check_out(out)
 
     config = config.copy_and_resolve_references()
@@ -245,10 +269,12 @@ def evaluate(config, workdir: str | None, out: str) -> dict:
     config.log.progress = False
     trainer, state = setup(config, out)
     prompts = prompts or list(trainer.eval_prompts)
+    # Before anything is written in `out`: a prompt the model cannot read is one sentence.
+    check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
     models = [("base", state.params)]
     if ckpt is not None:
         train.check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
-        restored, _, _ = ckpt.restore(state, step)
+        restored, _, step = ckpt.restore(state, step)
         models.append((f"step {step}", restored.params))
         ckpt.close()
 
@@ -335,7 +361,7 @@ def main(argv) -> None:
         existed = os.path.exists(out)
         try:
             with interrupts.on_stop(lambda: existed or common.remove_if_empty(out)):
-                result = evaluate(config, workdir, out)
+                result = evaluate(config, workdir, out, given_config=cli.CONFIG.value is not None)
         except BaseException:
             if not existed:
                 common.remove_if_empty(out)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ from tree_grpo_jax.models.export import EXPORT_DTYPES
 from tree_grpo_jax.models.registry import ModelFamily, families, family_of_folder
 from tree_grpo_jax.run import identity
 from tree_grpo_jax.run.checkpoint import CheckpointError, quiet_orbax_reads
+from tree_grpo_jax.weights import staging
 from tree_grpo_jax.weights.files import unwrap_params
 
 DESCRIPTION = """\
@@ -413,6 +415,8 @@ def _said(source: _Source, out: Path) -> str:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        # The destination first: a folder that cannot be made is said before any model is read.
+        staging.check_out_dir(None, Path(args.out), args.overwrite, what="--out")
         source = _source(args)
         params, family, adapter = source.params, source.family, source.adapter
         if adapter and not args.merge:
@@ -458,9 +462,21 @@ def main(argv=None) -> int:
             card=card,
         )
     except (ValueError, CheckpointError) as e:
-        print(f"error: {first_line(e)}", file=sys.stderr)
+        # The loaders' sentences name the training flag; here the base folder is --model_path.
+        print(
+            f"error: {first_line(e).replace('--config.model.path', '--model_path')}",
+            file=sys.stderr,
+        )
         return 2
     except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the copy's source file is not to blame
+            out = Path(args.out).expanduser().resolve()
+            print(
+                f"error: no space left for the export in {out.parent} (disk full or over "
+                "quota); nothing was kept there.",
+                file=sys.stderr,
+            )
+            return 2
         where = f" {e.filename}" if e.filename else ""
         print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
         return 2

@@ -263,9 +263,9 @@ def main(argv) -> None:
         _fail(first_line(e))
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     if JSON.value:
-        print(json.dumps(as_json(plan, config_path, sizes_gb), indent=2), flush=True)
+        common.print_out(json.dumps(as_json(plan, config_path, sizes_gb), indent=2))
     else:
-        print(table(plan, config_path, sizes_gb), flush=True)
+        common.print_out(table(plan, config_path, sizes_gb))
 
 
 def run() -> None:

@@ -32,7 +32,7 @@ import time
 
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import echo, first_line
 
 DESCRIPTION = """\
 Draw pictures from a training run's checkpoint with the run's deterministic eval sampler:
@@ -111,7 +111,7 @@ def _prompts(args, config) -> list[str]:
         return [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if args.prompts not in prompt_sets() and not os.path.isfile(os.path.expanduser(args.prompts)):
         raise BadInput(
-            f"--prompts {args.prompts!r} is neither a built-in prompt set "
+            f"--prompts {echo(args.prompts)} is neither a built-in prompt set "
             f"({', '.join(sorted(prompt_sets()))}) nor a text file; give one prompt of your "
             'own with --prompt="...".'
         )
@@ -151,6 +151,13 @@ def _sampling_config(config, args):
     if args.num_steps is not None:
         c.eval.num_steps = args.num_steps
     if args.model_path:
+        from tree_grpo_jax.models import registry as model_registry
+
+        if not model_registry.family_of(c.model.name).needs_path:
+            raise BadInput(
+                f"--model_path changes nothing here: the run's model.name {c.model.name!r} is "
+                "a built-in model with no base folder; leave --model_path out."
+            )
         c.model.path = args.model_path
     return c
 

@@ -161,7 +161,8 @@ def shared_config() -> ml_collections.ConfigDict:
     c.train.rows_per_minibatch = 32  # denoiser rows (parents) per train step
     c.train.grad_accumulation = 1  # minibatches per optimizer update
     # 0: as grad_accumulation says; N > 0: N updates per iteration, each over a run of its
-    # minibatches (all epochs'), whatever their count (1: one update per iteration)
+    # minibatches (all epochs'), whatever their count (1: one update per iteration); above
+    # the count, one update per minibatch, said in one `note:` line
     c.train.updates_per_iteration = 0
     c.train.clip_range = 1e-4  # PPO clip epsilon
     c.train.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)

@@ -34,6 +34,7 @@ def vae_module(config: dict, where: Path, dtype):
     from diffusers import FlaxAutoencoderKL
 
     files.check_fixed(config, FIXED, where)
+    files.check_field_types(config, FlaxAutoencoderKL, where)
     fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
     return FlaxAutoencoderKL(**kwargs, dtype=dtype)

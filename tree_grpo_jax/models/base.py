@@ -175,6 +175,18 @@ class TextToImageModel:
         return self.schedule_config.make_schedule(num_steps, sampling)
 
 
+def schedule_for(model, num_steps: int, sampling, field: str) -> Schedule:
+    """`model.make_schedule`, its refusal of `num_steps` naming the config field that set it
+    (`sampling.num_steps` or `eval.num_steps`)."""
+    try:
+        return model.make_schedule(num_steps, sampling)
+    except ValueError as e:
+        message = str(e)
+        if message.startswith("num_steps "):
+            raise ValueError(f"{field}{message[len('num_steps') :]}") from None
+        raise
+
+
 def training_denoise(model, remat: bool) -> DenoiseFn:
     """The denoiser the train step differentiates: with `remat`, the backward pass
     recomputes the forward, block by block where the model does that itself

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models import export
 from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
 from tree_grpo_jax.weights import convert, files
@@ -120,13 +121,16 @@ class Component:
         """What `models.export` writes for params of this component's `config`."""
         try:
             module = self.build(config, jnp.float32)
-        except ValueError as e:
-            raise ModelLoadError(f"the {self.folder} config cannot be exported: {e}") from None
+            reference = convert.shapes_of(abstract_params(module))
+        except (ValueError, TypeError) as e:  # TypeError: a value of the wrong type
+            raise ModelLoadError(
+                f"the {self.folder} config cannot be exported: {first_line(e)}"
+            ) from None
         return export.Denoiser(
             component=self.folder,
             pt_class=self.pt_class,
             config=config,
-            reference=convert.shapes_of(abstract_params(module)),
+            reference=reference,
             list_names=self.list_names,
         )
 

@@ -237,6 +237,10 @@ def family_of_folder(path: str) -> ModelFamily:
     """The exportable family whose layout a local folder has (one sentence when none)."""
     folder = Path(path).expanduser()
     exportable = [f for f in families() if f.export is not None and f.recognizes is not None]
+    if not folder.exists():
+        raise ModelLoadError(
+            f"model folder {folder} does not exist; pass the base pipeline folder as --model_path."
+        )
     if folder.is_dir():
         for family in exportable:
             if family.recognizes(folder):

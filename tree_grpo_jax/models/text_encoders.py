@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import echo, first_line
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -486,7 +486,7 @@ class PromptCache:
         if prompts and self.needs_t5 and self.t5 is None:
             more = f" (and {len(prompts) - 1} more)" if len(prompts) > 1 else ""
             raise ValueError(
-                f"the prompt {prompts[0]!r}{more} is not cached and T5 was dropped, so it "
+                f"the prompt {echo(prompts[0])}{more} is not cached and T5 was dropped, so it "
                 "cannot be encoded; precompute every prompt before calling drop_t5()."
             )
         for start in range(0, len(prompts), self.batch_size):

@@ -55,7 +55,7 @@ def check_batches(config, mesh) -> None:
         )
 
 
-def check_sizes(config, spec, sample_shape, objective: methods.Objective) -> None:
+def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_shape=None) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
     alone cannot fit in memory (float32 states of every trained step, and the leaves, and
     what the objective's rows store beside them)."""
@@ -64,7 +64,8 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective) -> Non
     states = spec.recorded_states + objective.row_samples(config, spec)
     rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
     eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
-    eval_bytes = 2 * eval_rows * sample_bytes
+    # the fixed noise (drawn, then copied to the host), the samples and their pictures
+    eval_bytes = eval_rows * (3 * sample_bytes + 4 * int(np.prod(image_shape or sample_shape)))
     limit, where = precompile.memory_limit()
     gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
     if rollout_bytes > limit:
@@ -74,12 +75,28 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective) -> Non
             f"more than the {gib(limit)} of {where}; lower prompts.batch_size or the tree's "
             "size."
         )
+    # The eval set is held on the host as well: what is free there now bounds it too.
+    free, free_where = _host_available(), "free host memory"
+    if free is not None and free < limit:
+        limit, where = free, free_where
     if eval_bytes > limit:
         raise cfg.ConfigError(
-            f"prompts.eval_count={config.prompts.eval_count} ({eval_rows} samples) needs about "
-            f"{gib(eval_bytes)} of samples, more than the {gib(limit)} of {where}; lower "
-            "prompts.eval_count or eval.samples_per_prompt."
+            f"prompts.eval_count={config.prompts.eval_count} ({eval_rows:,} samples) needs "
+            f"about {gib(eval_bytes)} for its noise, samples and pictures, more than the "
+            f"{gib(limit)} of {where}; lower prompts.eval_count or eval.samples_per_prompt."
         )
+
+
+def _host_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def check_media(model: TextToImageModel, rewards) -> None:
@@ -218,7 +235,11 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     sentence = objective.check_model(config, model)
     if sentence is not None:
         raise cfg.ConfigError(sentence)
-    check_sizes(config, method.run_spec(config), model.sample_shape, objective)
+    image_shape = None
+    if model.media != media_kinds.LATENTS:
+        one = jnp.zeros((1, *model.sample_shape), jnp.float32)
+        image_shape = jax.eval_shape(model.decode, one).shape[1:]
+    check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if model.prepare_prompts is not None:
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])

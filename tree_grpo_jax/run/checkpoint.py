@@ -354,8 +354,27 @@ def as_path(directory: str) -> epath.Path:
     return epath.Path(directory if "://" in directory else os.path.abspath(directory))
 
 
+def broken_link(directory: str) -> str | None:
+    """The local folder or parent of it that is a symbolic link leading nowhere (a loop, or
+    a missing target), which mkdir would report as "File exists"; None if none is."""
+    if "://" in str(directory):
+        return None
+    path = os.path.abspath(directory)
+    while path != os.path.dirname(path):
+        if os.path.islink(path) and not os.path.exists(path):
+            return path
+        path = os.path.dirname(path)
+    return None
+
+
 def check_writable(directory: str) -> None:
     """Fails before training starts rather than after the first hour."""
+    link = broken_link(directory)
+    if link is not None:
+        raise CheckpointError(
+            f"cannot write to {directory}: {link} is a symbolic link that leads nowhere (a "
+            "loop or a missing target); remove it or choose another folder."
+        )
     try:
         path = as_path(directory)
         path.mkdir(parents=True, exist_ok=True)

@@ -94,17 +94,32 @@ class OutOfMemory(RuntimeError):
     """XLA could not allocate what a program needed; the last checkpoint is kept."""
 
 
-def _out_of_memory(e: Exception, workdir: str) -> OutOfMemory | None:
+def _out_of_memory(e: Exception, workdir: str, config=None) -> OutOfMemory | None:
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
         return None
     needed = re.search(r"allocat\w* ([0-9.]+ ?[KMGT]i?B)", text)
     size = f" ({needed.group(1)})" if needed else ""
     return OutOfMemory(
-        f"the device ran out of memory{size}; lower prompts.batch_size, the tree's size "
-        "(tree.k, tree.window) or train.rows_per_minibatch, or set model.remat=True; the "
-        f"checkpoints in {workdir} are kept as they were."
+        f"the device ran out of memory{size}; {_likely_settings(config)}; the checkpoints in "
+        f"{workdir} are kept as they were."
     )
+
+
+# A LoRA rank above this is no low-rank adapter of any released denoiser layer.
+LARGE_LORA_RANK = 512
+
+
+def _likely_settings(config) -> str:
+    """The settings to lower, the one out of the ordinary first (a huge LoRA rank)."""
+    usual = (
+        "lower prompts.batch_size, the tree's size (tree.k, tree.window) or "
+        "train.rows_per_minibatch, or set model.remat=True"
+    )
+    rank = int(config.lora.get("rank", 0)) if config is not None and "lora" in config else 0
+    if rank > LARGE_LORA_RANK:
+        return f"lora.rank={rank} is the likely cause (LoRA ranks are 4-256); lower it, or {usual}"
+    return usual
 
 
 class Stopped(BaseException):
@@ -312,6 +327,21 @@ def _remove_new_run(workdir: str, created: list[str], checkpoints: str) -> None:
             os.rmdir(folder)
 
 
+def _start_and_loop(config, workdir: str, reward_weights, primary: bool, ckpt) -> dict:
+    check_resume(config, ckpt)
+    trainer, state = build(config, workdir, reward_weights)
+    state, start, history = resume(trainer, state, ckpt)
+    if start < config.train.iterations:  # refused here if it cannot fit
+        precompile.precompile(trainer, state, _say(config))
+    # Written only once the resume checks have passed: it describes the checkpoints.
+    # A finished run asked for fewer iterations than it holds keeps its own.
+    written = os.path.join(workdir, "config.json")
+    if primary and (start < config.train.iterations or not os.path.exists(written)):
+        with interrupts.critical(), open(written, "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    return _loop(trainer, state, start, history, ckpt)
+
+
 def _train_in(config, workdir: str, reward_weights, lock, session_start: float) -> dict:
     primary = lock is not None
     with _Signals(defer=False), contextlib.ExitStack() as held:
@@ -319,22 +349,12 @@ def _train_in(config, workdir: str, reward_weights, lock, session_start: float) 
             held.callback(lock.release)
         ckpt = Checkpointer(checkpoint_dir(config, workdir), keep=config.checkpoint.keep)
         try:
-            check_resume(config, ckpt)
-            trainer, state = build(config, workdir, reward_weights)
-            state, start, history = resume(trainer, state, ckpt)
-            if start < config.train.iterations:  # refused here if it cannot fit
-                precompile.precompile(trainer, state, _say(config))
-            # Written only once the resume checks have passed: it describes the checkpoints.
-            if primary:
-                with interrupts.critical(), open(os.path.join(workdir, "config.json"), "w") as f:
-                    f.write(config.to_json_best_effort(indent=2))
-            try:
-                summary = _loop(trainer, state, start, history, ckpt)
-            except jax.errors.JaxRuntimeError as e:
-                oom = _out_of_memory(e, ckpt.directory)
-                if oom is None:
-                    raise
-                raise oom from None
+            summary = _start_and_loop(config, workdir, reward_weights, primary, ckpt)
+        except jax.errors.JaxRuntimeError as e:  # building, compiling or training
+            oom = _out_of_memory(e, ckpt.directory, config)
+            if oom is None:
+                raise
+            raise oom from None
         finally:
             ckpt.close()
     summary["session_s"] = time.time() - session_start
@@ -388,7 +408,9 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     total = c.train.iterations
     spec = trainer.spec().at(trainer.window_start(0))
     if start >= total and any(e["iteration"] == start for e in history["eval"]):
-        return {**summarize(trainer, spec, history, workdir), "already_finished": True}
+        # `iterations`: what the run holds, which may be more than train.iterations asks
+        summary = summarize(trainer, spec, history, workdir)
+        return {**summary, "iterations": start, "already_finished": True}
     stopped = _stopped_before(c, history, start, ckpt.directory)
     if stopped:
         return _guard_stop(trainer, spec, history, stopped)

@@ -43,6 +43,7 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import methods, sharding
 from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.models.base import schedule_for
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory
 from tree_grpo_jax.run.train_step import (
@@ -220,8 +221,8 @@ def _cond(num_prompts: int, run: _Run) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((num_prompts, *run.model.cond_shape), jnp.float32)
 
 
-def _schedule(run: _Run, num_steps: int):
-    return abstract_like(run.model.make_schedule(num_steps, run.config.sampling))
+def _schedule(run: _Run, num_steps: int, field: str = "sampling.num_steps"):
+    return abstract_like(schedule_for(run.model, num_steps, run.config.sampling, field))
 
 
 def _layout(mesh) -> str:
@@ -370,7 +371,7 @@ def evaluate_program(run: _Run):
         run.weights,
         _cond(count_, run),
         jax.ShapeDtypeStruct((count_, *model.sample_shape), jnp.float32),
-        _schedule(run, steps),
+        _schedule(run, steps, "eval.num_steps" if c.eval.num_steps else "sampling.num_steps"),
         uncond,
     )
     return f"{count_} prompts, {steps} steps{_layout(mesh)}", fn, args

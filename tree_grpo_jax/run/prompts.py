@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tree_grpo_jax.errors import echo
 from tree_grpo_jax.models import registry as model_registry
 
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
@@ -49,7 +50,7 @@ def load_prompts(source: str) -> list[str]:
     if not path.is_file():
         names = ", ".join(sorted(sets))
         raise ValueError(
-            f"prompt source {source!r} is neither a built-in set ({names}) nor an existing "
+            f"prompt source {echo(source)} is neither a built-in set ({names}) nor an existing "
             "text file with one prompt per line."
         )
     try:

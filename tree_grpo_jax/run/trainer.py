@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +34,9 @@ import numpy as np
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity
-from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -98,6 +101,16 @@ class _TrackerRows:
         return self.tracker.update(prompts, all_rewards)[self.rows]
 
 
+@functools.cache  # once per run (per count), not once per iteration
+def _note_fewer_updates(asked: int, total: int) -> None:
+    print(
+        f"note: train.updates_per_iteration={asked} is more than the {total} minibatch(es) "
+        f"an iteration trains on; each minibatch is one update ({total} per iteration).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trainer:
     """Everything an iteration needs that does not change between iterations.
@@ -148,7 +161,8 @@ class Trainer:
 
     def schedule(self, num_steps: int | None = None):
         s = self.config.sampling
-        return self.model.make_schedule(num_steps or s.num_steps, s)
+        field = "eval.num_steps" if num_steps else "sampling.num_steps"
+        return schedule_for(self.model, num_steps or s.num_steps, s, field)
 
     def rollout(
         self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
@@ -245,7 +259,10 @@ class Trainer:
         per_process = c.train.rows_per_minibatch // jax.process_count()
         count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
         total = count * c.train.inner_epochs
-        updates = min(c.train.get("updates_per_iteration", 0), total)
+        asked = c.train.get("updates_per_iteration", 0)
+        if asked > total:
+            _note_fewer_updates(asked, total)
+        updates = min(asked, total)
         context = (sampled.cond, schedule, self.uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
@@ -518,7 +535,26 @@ def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | N
 
 
 @functools.lru_cache(maxsize=8)
+def check_eval_noise_fits(count: int, sample_shape: tuple[int, ...]) -> None:
+    """Raises UserError (one sentence naming the settings) when the fixed evaluation noise
+    of `count` samples would take more than half of this machine's memory (it is drawn on
+    the host, twice over while copied), before any of it is allocated."""
+    needed = 2 * 4 * count * int(np.prod(sample_shape))
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
+        return
+    if needed > host // 2:
+        raise UserError(
+            f"the fixed evaluation noise of {count:,} samples of shape {tuple(sample_shape)} "
+            f"needs about {needed / 2**30:.1f} GiB of host memory, more than half of this "
+            f"machine's {host / 2**30:.1f} GiB; lower prompts.eval_count (or "
+            "eval.samples_per_prompt)."
+        )
+
+
 def eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
     """The fixed evaluation noise [count, *S]. Its rows depend on `count`: a caller that
     evaluates in parts draws the whole set and takes its rows."""
+    check_eval_noise_fits(count, sample_shape)
     return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))

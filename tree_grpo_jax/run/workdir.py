@@ -23,6 +23,39 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _started_at(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _command(pid: int) -> str | None:
+    """Process `pid`'s command line, from /proc; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _not_the_owner(pid: int, since) -> str | None:
+    """Why the live process `pid` cannot be the run that wrote a lock at `since` (its pid was
+    reused: it started later, or it is no Python), or None when it may be."""
+    started = _started_at(pid)
+    if started is not None and isinstance(since, (int, float)) and started > since + 2:
+        return "started after the lock was written"
+    command = _command(pid)
+    if command and "python" not in command.lower():
+        return f"is {command.split()[0]!r}, not a Python process"
+    return None
+
+
 class WorkdirLock:
     """`<workdir>/run.lock` holds the owner's pid and host while a run uses the workdir.
 
@@ -51,7 +84,8 @@ class WorkdirLock:
             except FileExistsError:
                 other = self._read()
                 pid, host = other.get("pid"), other.get("host")
-                if host == self.owner["host"] and isinstance(pid, int) and _alive(pid):
+                mine = host == self.owner["host"] and isinstance(pid, int)
+                if mine and _alive(pid) and not _not_the_owner(pid, other.get("since")):
                     raise WorkdirBusy(
                         f"another run (pid {pid}) is using {os.path.dirname(self.path)}; wait "
                         "for it to finish or choose another --workdir."

@@ -7,6 +7,7 @@ the user should do instead (e.g. "point --config.model.path at ...").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -136,9 +137,58 @@ def check_fixed(config: dict, fixed: dict, where: Path) -> None:
             )
 
 
+def _kind(default) -> tuple[str, object] | None:
+    """(what a field with this default must be, a test of a value), or None (unchecked)."""
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if isinstance(default, bool):
+        return "true or false", lambda v: isinstance(v, bool)
+    if isinstance(default, int):  # diffusers' head counts may be one per block
+        return (
+            "a whole number (or a list of them)",
+            lambda v: whole(v) or (isinstance(v, (list, tuple)) and all(whole(x) for x in v)),
+        )
+    if isinstance(default, float):
+        return "a number", number
+    if isinstance(default, str):
+        return "a string", lambda v: isinstance(v, str)
+    if isinstance(default, (list, tuple)) and default:
+        inner = _kind(default[0])
+        if inner is not None:
+            what, test = inner
+            return (
+                f"a list of {what.split(' (')[0].removeprefix('a ')}s",
+                lambda v: isinstance(v, (list, tuple)) and all(test(x) for x in v),
+            )
+    return None
+
+
+def check_field_types(config: dict, cls, where: Path) -> None:
+    """Refuses a config value whose type differs from the default of the dataclass field
+    (a Flax module's) of that name, before the module is built from it ("two" layers)."""
+    for field in dataclasses.fields(cls):
+        if field.name not in config or field.default is dataclasses.MISSING:
+            continue
+        kind = _kind(field.default)
+        value = config[field.name]
+        if kind is not None and value is not None and not kind[1](value):
+            raise ModelLoadError(f"{where} sets {field.name}={value!r}, but it must be {kind[0]}.")
+
+
 def has_pickles(folder: Path) -> bool:
     """True when the folder holds PyTorch pickle weights (which need torch to read)."""
     return any(list(Path(folder).glob(p)) for p in ("*.bin", "*.pt", "*.pth", "*.ckpt"))
+
+
+def looks_local(path: str) -> bool:
+    """A path that no hub id ('name' or 'owner/name') can be: absolute, relative to home or
+    to `.`, or with more than one `/` (or a backslash)."""
+    return path.startswith(("/", "~", ".")) or path.count("/") > 1 or "\\" in path
 
 
 def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> Path:
@@ -151,6 +201,8 @@ def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> 
         return local
     if local.exists():
         raise ModelLoadError(f"{what} {path} is a file, not a folder; {hint}.")
+    if looks_local(str(path)):
+        raise ModelLoadError(f"{what} {path} does not exist (no such folder); {hint}.")
     try:
         from huggingface_hub import snapshot_download
 

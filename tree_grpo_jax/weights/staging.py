@@ -8,8 +8,10 @@ a complete one.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from tree_grpo_jax import interrupts
@@ -33,6 +35,33 @@ def check_out_dir(
         raise ValueError(f"{what} {out} is an existing file; choose a folder.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{what} {out} is not empty; pass --overwrite or choose another.")
+    check_can_make(out, what)
+
+
+# errno -> what the folder is, for the sentence
+_CANNOT = {
+    errno.ENOTDIR: "is a file, not a folder",
+    errno.EEXIST: "is a file, not a folder",
+    errno.EACCES: "is not writable (permission denied)",
+    errno.EPERM: "is not writable (permission denied)",
+    errno.EROFS: "is on a read-only file system",
+    errno.ENOSPC: "is on a full disk",
+}
+
+
+def check_can_make(out: Path, what: str) -> None:
+    """Raises ValueError (one sentence) unless a folder can be made beside `out`: its nearest
+    existing ancestor is probed with an empty folder, made and removed at once."""
+    parent = Path(out).expanduser().resolve().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {out} cannot be made: {parent} is a file, not a folder.")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+    except OSError as e:
+        why = _CANNOT.get(e.errno, f"refuses new folders ({e.strerror or e})")
+        raise ValueError(f"{what} {out} cannot be made: {parent} {why}.") from None
 
 
 def write_staged(out: Path, fill) -> Path:

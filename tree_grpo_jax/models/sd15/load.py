@@ -179,6 +179,7 @@ def unet_reference_shapes(unet: UNet2DConditionModel) -> dict[tuple[str, ...], t
 def check_unet_config(config: dict, where: Path) -> None:
     """Raises ModelLoadError unless our UNet computes what the config describes."""
     files.check_fixed(config, _UNET_FIXED, where)
+    files.check_field_types(config, UNet2DConditionModel, where)
     for key, supported in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
         unknown = [b for b in config.get(key, ()) if b not in supported]
         if unknown:
@@ -212,6 +213,7 @@ def vae_module(config: dict, where: Path, dtype):
     from diffusers import FlaxAutoencoderKL
 
     files.check_fixed(config, _VAE_FIXED, where)
+    files.check_field_types(config, FlaxAutoencoderKL, where)
     return FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
 
 

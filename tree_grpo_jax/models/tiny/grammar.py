@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tree_grpo_jax.errors import echo
+
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 STYLE_WORDS = ("thin", "thick")
 # The words besides digits and styles, in the tokenizer's vocabulary order.
@@ -26,5 +28,5 @@ def prompt_digit(prompt: str) -> int:
     """The digit a prompt asks for (the last digit word in it)."""
     found = [DIGIT_WORDS.index(w) for w in prompt.lower().split() if w in DIGIT_WORDS]
     if not found:
-        raise ValueError(f"prompt {prompt!r} names no digit; expected one of {DIGIT_WORDS}.")
+        raise ValueError(f"prompt {echo(prompt)} names no digit; expected one of {DIGIT_WORDS}.")
     return found[-1]
