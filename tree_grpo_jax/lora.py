@@ -268,9 +268,11 @@ def _merged(base, factors, alpha, rank):
 
 
 def weights_fingerprint(params) -> str:
-    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf."""
+    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf, taken
+    block by block (the same for a scanned model's stacked blocks)."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(flatten_dict(jax.device_get(params)).items()):
+    blocks = stacking.unstack(jax.device_get(params))
+    for path, leaf in sorted(flatten_dict(blocks).items()):
         x = np.asarray(leaf, np.float64)
         digest.update("/".join(map(str, path)).encode())
         digest.update(str(x.shape).encode())

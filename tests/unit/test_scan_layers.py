@@ -200,6 +200,9 @@ def test_lora_on_stacked_kernels_is_the_unscanned_lora_stacked():
     # A scanned run's factors on the base read block by block (an export with --merge).
     _close(lora.merge(params, stacked_factors, 4.0, 2), merged, 1e-7)
     assert lora.lora_summary(stacked, stacked_paths, 2) == lora.lora_summary(params, paths, 2)
+    # A resume compares base checksums before the state (whose layout names the flag).
+    assert lora.weights_fingerprint(stacked) == lora.weights_fingerprint(params)
+    assert lora.weights_fingerprint(merged) != lora.weights_fingerprint(params)
     # PEFT keys name the blocks one by one.
     assert lora.to_peft_state_dict(stacked_factors, 4.0, 2, "transformer").keys() == (
         lora.to_peft_state_dict(factors, 4.0, 2, "transformer").keys()
