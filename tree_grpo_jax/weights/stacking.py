@@ -1,8 +1,8 @@
 """Scanned layers at the weight boundary: a run of identical blocks held as one stacked module.
 
 A model that scans its identical blocks (`model.scan_layers`) holds the run of blocks
-`transformer_blocks_1` ... `transformer_blocks_22` as one module named
-`transformer_blocks_1_to_22`, each of its leaves stacked on a leading layer axis. Everything
+`transformer_blocks_13` ... `transformer_blocks_22` as one module named
+`transformer_blocks_13_to_22`, each of its leaves stacked on a leading layer axis. Everything
 that speaks diffusers' names (the folders read and written, LoRA targets, PEFT files) sees
 the blocks one by one: `stack` turns a tree of per-block names into the stacked tree a
 model's params have, `unstack` turns it back. Both work on the top level of a tree (where
