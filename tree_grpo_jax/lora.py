@@ -8,7 +8,11 @@ model code untouched; training differentiates through `merge` with respect to th
 only, so the optimizer state and the checkpoints hold the factors and nothing else.
 
 The adapter tree mirrors the module paths of the params it adapts:
-`{"down_blocks_0": {..., "to_q": {"a": ..., "b": ...}}}`.
+`{"down_blocks_0": {..., "to_q": {"a": ..., "b": ...}}}`. A model that scans its identical
+blocks (`weights.stacking`) holds their kernels stacked, [layers, in, out]; their factors
+are stacked alike, `a` [layers, in, rank] and `b` [layers, rank, out]. Targets are matched,
+factors drawn and PEFT keys written for the blocks one by one, so a scanned model's adapter
+is the unscanned one's, stacked.
 
 `to_peft_state_dict` and `save_peft` write `pytorch_lora_weights.safetensors` as diffusers'
 `pipe.load_lora_weights(folder)` reads it (keys `unet.<module>.lora_A.weight` /
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tree_grpo_jax.weights import convert
+from tree_grpo_jax.weights import convert, stacking
 from tree_grpo_jax.weights.files import unwrap_params
 from tree_grpo_jax.weights.staging import CARD_FILE, check_out_dir, new_file_mode, write_staged
 
@@ -92,13 +96,21 @@ def target_paths(params, targets: str | Sequence[str]) -> tuple[KeyPath, ...]:
     patterns = [_parse_target(t) for t in targets]
     if not patterns:
         raise ValueError("LoRA needs at least one target module name.")
-    selected = [
-        path
-        for path, leaf in flatten_dict(dict(params)).items()
-        if path[-1] == "kernel"
-        and len(_shape(leaf)) == 2
-        and any(_matches(path[:-1], p) for p in patterns)
-    ]
+    selected = []
+    for path, leaf in flatten_dict(dict(params)).items():
+        blocks = stacking.block_names(path[0])
+        if path[-1] != "kernel" or len(_shape(leaf)) != (3 if len(blocks) > 1 else 2):
+            continue
+        # A stacked kernel is chosen when the targets choose it in every block of its run.
+        chosen = [any(_matches((b, *path[1:-1]), p) for p in patterns) for b in blocks]
+        if all(chosen):
+            selected.append(path)
+        elif any(chosen):
+            raise ValueError(
+                f"the LoRA targets {', '.join(targets)} choose {'/'.join(path[1:-1])} in some "
+                f"of the scanned blocks {path[0]} but not all; set "
+                "--config.model.scan_layers=False to adapt single blocks."
+            )
     if not selected:
         raise ValueError(
             f"no 2-D Dense kernel in the params belongs to a module matching the LoRA targets "
@@ -164,27 +176,42 @@ def init_lora(key: jax.Array, params, paths: Sequence[KeyPath], rank: int) -> di
     `a` [in, rank] is uniform in +-1/sqrt(in) (PEFT's lora_A: kaiming-uniform with
     a=sqrt(5), torch's nn.Linear default) and `b` [rank, out] is zero, so the merged model
     is the base model until the first update. Each path draws from its own split of `key`,
-    in the order given.
+    in the order given. A stacked kernel (a scanned run of blocks) has a stacked `a` and
+    `b`; then every block draws as its own path, in the sorted order of the per-block
+    paths, which gives the factors of the unscanned model's `target_paths` (sorted).
     """
     rank = _check_rank(rank)
     if not paths:
         raise ValueError("LoRA needs at least one kernel path.")
-    flat = {}
-    for subkey, path in zip(jax.random.split(key, len(paths)), paths):
+    kernels = {}
+    for path in paths:
         path = tuple(path)
         kernel = _leaf(params, path)
-        if len(_shape(kernel)) != 2:
+        stacked = len(stacking.block_names(path[0])) > 1
+        if len(_shape(kernel)) != 2 + stacked:
             raise ValueError(
                 f"LoRA goes on 2-D Dense kernels, but {'/'.join(path)} has shape "
                 f"{tuple(kernel.shape)}."
             )
-        fan_in, fan_out = _shape(kernel)
+        # A stacked kernel's blocks, one by one, as an unscanned model names them.
+        for position, block in enumerate(stacking.block_names(path[0])):
+            kernels[(block, *path[1:])] = (path, position if stacked else None)
+    flat, drawn = {}, {}
+    order = sorted(kernels) if any(p is not None for _, p in kernels.values()) else kernels
+    for subkey, block_path in zip(jax.random.split(key, len(kernels)), order):
+        path, position = kernels[block_path]
+        fan_in, fan_out = _shape(_leaf(params, path))[-2:]
         bound = 1.0 / math.sqrt(fan_in)
-        module = path[:-1]
-        flat[module + ("a",)] = jax.random.uniform(
-            subkey, (fan_in, rank), jnp.float32, -bound, bound
-        )
-        flat[module + ("b",)] = jnp.zeros((rank, fan_out), jnp.float32)
+        a = jax.random.uniform(subkey, (fan_in, rank), jnp.float32, -bound, bound)
+        drawn.setdefault(path, {})[position] = a
+        if len(drawn[path]) == len(stacking.block_names(path[0])):
+            module, factors = path[:-1], drawn.pop(path)
+            if position is None:  # a kernel of one block
+                flat[module + ("a",)] = a
+                flat[module + ("b",)] = jnp.zeros((rank, fan_out), jnp.float32)
+            else:
+                flat[module + ("a",)] = jnp.stack([factors[i] for i in range(len(factors))])
+                flat[module + ("b",)] = jnp.zeros((len(factors), rank, fan_out), jnp.float32)
     return unflatten_dict(flat)
 
 
@@ -198,13 +225,16 @@ def merge(base_params, lora, alpha: float, rank: int):
     """
     rank = _check_rank(rank)
     scale = alpha / rank
+    if stacking.is_stacked(lora) and not stacking.is_stacked(base_params):
+        lora = stacking.unstack(lora)  # a scanned run's factors on a base read block by block
     merged = base_params
     for module, (a, b) in _factor_pairs(lora).items():
         path = module + ("kernel",)
         kernel = _leaf(base_params, path)
-        chex.assert_rank(kernel, 2)
-        chex.assert_shape(a, (kernel.shape[0], rank))
-        chex.assert_shape(b, (rank, kernel.shape[1]))
+        layers = kernel.shape[:-2]  # (layers,) for a scanned run's stacked kernel
+        chex.assert_rank(kernel, 2 + len(layers))
+        chex.assert_shape(a, (*layers, kernel.shape[-2], rank))
+        chex.assert_shape(b, (*layers, rank, kernel.shape[-1]))
         dtype = jnp.promote_types(kernel.dtype, jnp.float32)
         delta = jnp.matmul(
             jnp.asarray(a, dtype), jnp.asarray(b, dtype), precision=jax.lax.Precision.HIGHEST
@@ -238,9 +268,11 @@ def _merged(base, factors, alpha, rank):
 
 
 def weights_fingerprint(params) -> str:
-    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf."""
+    """A cheap checksum of a params tree: its paths, shapes and a few sums per leaf, taken
+    block by block (the same for a scanned model's stacked blocks)."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(flatten_dict(jax.device_get(params)).items()):
+    blocks = stacking.unstack(jax.device_get(params))
+    for path, leaf in sorted(flatten_dict(blocks).items()):
         x = np.asarray(leaf, np.float64)
         digest.update("/".join(map(str, path)).encode())
         digest.update(str(x.shape).encode())
@@ -266,8 +298,8 @@ def lora_summary(params, paths: Sequence[KeyPath], rank: int) -> tuple[int, int]
     rank = _check_rank(rank)
     trainable = 0
     for path in paths:
-        fan_in, fan_out = _shape(_leaf(params, tuple(path)))
-        trainable += rank * (fan_in + fan_out)
+        *layers, fan_in, fan_out = _shape(_leaf(params, tuple(path)))
+        trainable += math.prod(layers) * rank * (fan_in + fan_out)
     return trainable, count_params(params)
 
 
@@ -294,7 +326,7 @@ def to_peft_state_dict(lora, alpha: float, rank: int, prefix: str) -> dict[str, 
     rank = _check_rank(rank)
     prefix = _check_prefix(prefix)
     flat = {}
-    for module, (a, b) in _factor_pairs(jax.device_get(lora)).items():
+    for module, (a, b) in _factor_pairs(stacking.unstack(jax.device_get(lora))).items():
         chex.assert_rank([a, b], 2)
         chex.assert_axis_dimension(a, 1, rank)
         chex.assert_axis_dimension(b, 0, rank)

@@ -14,6 +14,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from tree_grpo_jax import lora
 from tree_grpo_jax.models.registry import family_of
 from tree_grpo_jax.models.tiny import networks
+from tree_grpo_jax.weights import stacking
 
 RANK, ALPHA = 4, 8.0
 SD_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out_0")
@@ -100,6 +101,16 @@ def sd3_transformer(sd3_folder):
     from tree_grpo_jax.models.sd3.load import load_transformer
 
     module, params, _ = load_transformer(sd3_folder / "transformer", jnp.float32)
+    return module, params
+
+
+@pytest.fixture(scope="module")
+def sd3_scanned(sd3_folder):
+    """The same transformer with its blocks 0 and 1 (SD3.5's MMDiT-X) scanned, stacked."""
+    from tree_grpo_jax.models.sd3.load import load_transformer
+
+    module, params, _ = load_transformer(sd3_folder / "transformer", jnp.float32, scan_layers=True)
+    assert "transformer_blocks_0_to_1" in params
     return module, params
 
 
@@ -316,7 +327,9 @@ def _peft_roundtrip(tmp_path, factors, prefix):
     assert file == tmp_path / "adapter" / "pytorch_lora_weights.safetensors"
     back, alpha, rank = lora.read_peft(file, prefix)
     assert (alpha, rank) == (ALPHA, RANK)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, back, jax.device_get(factors))
+    # The file names blocks one by one: a scanned model's stacked factors come back unstacked.
+    expected = stacking.unstack(jax.device_get(factors))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, expected)
     return state, file.parent
 
 
@@ -357,14 +370,19 @@ def test_sd15_peft_file_loads_into_diffusers(sd_folder, sd_unet, tmp_path):
     assert np.abs(np.asarray(apply(lora.merge(params, factors, RANK, RANK))) - theirs).max() > 1e-2
 
 
-def test_sd3_peft_file_loads_into_diffusers(sd3_folder, sd3_transformer, tmp_path):
+@pytest.mark.parametrize("scanned", [False, True], ids=["blocks", "scanned"])
+def test_sd3_peft_file_loads_into_diffusers(
+    sd3_folder, sd3_transformer, sd3_scanned, tmp_path, scanned
+):
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from peft import LoraConfig
 
-    module, params = sd3_transformer
-    paths = lora.target_paths(params, family_of("sd3").lora_targets)
+    targets = family_of("sd3").lora_targets
+    block_paths = lora.target_paths(sd3_transformer[1], targets)
+    module, params = sd3_scanned if scanned else sd3_transformer
+    paths = lora.target_paths(params, targets)
     factors = _random_factors(jax.random.key(6), params, paths)
     state, folder = _peft_roundtrip(tmp_path, factors, "transformer")
     assert "transformer.transformer_blocks.1.attn.to_add_out.lora_B.weight" in state
@@ -372,7 +390,7 @@ def test_sd3_peft_file_loads_into_diffusers(sd3_folder, sd3_transformer, tmp_pat
     pipe = StableDiffusion3Pipeline.from_pretrained(str(sd3_folder))
     pipe.load_lora_weights(str(folder))
     adapted = _lora_module_names(pipe.transformer)
-    assert adapted == _pt_names(paths)
+    assert adapted == _pt_names(block_paths)
     reference = SD3Transformer2DModel.from_pretrained(str(sd3_folder / "transformer"))
     reference.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=PEFT_SD3_TARGETS))
     assert _lora_module_names(reference) == adapted  # Flow-GRPO's selection

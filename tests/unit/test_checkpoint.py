@@ -110,6 +110,24 @@ def test_a_state_that_does_not_fit_stops_and_renames_nothing(two_checkpoints, ta
     assert names(two_checkpoints) == ["1", "2"]
 
 
+def test_a_run_saved_with_its_blocks_one_by_one_names_scan_layers(tmp_path):
+    """A checkpoint of unscanned blocks (a run from before model.scan_layers) restored into
+    a scanned model's state, and the other way round: one sentence naming the flag."""
+    one_by_one = TrainState(
+        {f"transformer_blocks_{i}": {"kernel": jnp.full((3, 2), i, jnp.float32)} for i in (0, 1)},
+        None,
+    )
+    stacked = TrainState({"transformer_blocks_0_to_1": {"kernel": jnp.zeros((2, 3, 2))}}, None)
+    for saved, target, flag in ((one_by_one, stacked, False), (stacked, one_by_one, True)):
+        ckpt = Checkpointer(str(tmp_path / f"saved_{flag}"))
+        ckpt.save(1, saved, {})
+        with pytest.raises(CheckpointError, match="holds another training state") as info:
+            ckpt.restore(target)
+        assert_one_sentence(info.value)
+        assert f"resume it with --config.model.scan_layers={flag} (no checkpoint" in str(info.value)
+        assert names(tmp_path / f"saved_{flag}") == ["1"]
+
+
 def test_the_message_names_what_differs(two_checkpoints):
     ckpt = Checkpointer(str(two_checkpoints))
     with pytest.raises(CheckpointError, match="it lacks updates, which this code has"):

@@ -179,7 +179,17 @@ TYPE_CASES = [
     ({"advantage__depth_pruning": (2.5,)}, "got (2.5,)"),
     ({"advantage__depth_pruning": (True,)}, "advantage.depth_pruning must be a tuple of ints"),
     ({"eval__extra_rewards": ("digit_accuracy,clip_score",)}, "holds a comma; quote each entry"),
-    ({"model__remat": 1}, "model.remat must be True or False, e.g. --config.model.remat=True"),
+    (
+        {"model__remat": 1},
+        "model.remat must be True, False or one of none, block, block_save_attention, e.g. "
+        "--config.model.remat=block; got 1.",
+    ),
+    ({"model__remat": "blocks"}, "model.remat must be True, False or one of none, block"),
+    ({"model__scan_layers": "yes"}, "model.scan_layers must be True or False"),
+    (
+        {"model__attention": "flash"},
+        "model.attention must be one of xla, blockwise, cudnn, pallas, auto, got 'flash'.",
+    ),
     ({"train__iterations": True}, "train.iterations must be a whole number"),
     ({"train__iterations": 2.5}, "train.iterations must be a whole number"),
     ({"train__learning_rate": "1e-4"}, "train.learning_rate must be a finite number"),
@@ -192,6 +202,11 @@ TYPE_CASES = [
 @pytest.mark.parametrize("values, message", TYPE_CASES, ids=[m[:40] for _, m in TYPE_CASES])
 def test_a_wrong_type_is_one_sentence(values, message):
     assert message in sentence(with_values(tiny.get_config(), **values))
+
+
+@pytest.mark.parametrize("remat", [True, False, "none", "block", "block_save_attention"])
+def test_remat_takes_old_booleans_and_policy_names(remat):
+    cfg.validate(with_values(tiny.get_config(), model__remat=remat), known_rewards=KNOWN)
 
 
 def test_lists_for_tuples_and_ints_for_floats_pass():

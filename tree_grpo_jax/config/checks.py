@@ -17,8 +17,9 @@ from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
 from tree_grpo_jax.core.sampling import FLOW_SDES
 from tree_grpo_jax.errors import UserError
+from tree_grpo_jax.models import attention
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES
+from tree_grpo_jax.models.base import DTYPES, REMAT_MODES
 from tree_grpo_jax.rewards import registry as reward_registry
 
 WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
@@ -212,6 +213,10 @@ def _type_sentence(path: str, default, value) -> str | None:
     return None
 
 
+# Fields that take values of more than one type, checked with their values instead.
+CHECKED_BY_VALUE = ("model.remat",)
+
+
 def check_types(config) -> None:
     """Every field of the schema (the registered sections' too) has its default's type: a
     bool is True/False, an int a whole number, a float a finite number, a tuple a tuple (or
@@ -219,7 +224,7 @@ def check_types(config) -> None:
     _, fields, _ = _known_fields()
     have = flatten(config)
     for path, default in fields.items():
-        if path in have:
+        if path in have and path not in CHECKED_BY_VALUE:
             sentence = _type_sentence(path, default, have[path])
             _require(sentence is None, sentence)
 
@@ -292,6 +297,17 @@ def _check_model(m) -> None:
     dtypes = tuple(DTYPES)
     for field in ("param_dtype", "compute_dtype"):
         _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
+    remat = m.get("remat", False)
+    _require(
+        isinstance(remat, bool) or remat in REMAT_MODES,
+        f"model.remat must be True, False or one of {', '.join(REMAT_MODES)}, e.g. "
+        f"--config.model.remat=block; got {_describe(remat)}.",
+    )
+    backend = m.get("attention", "xla")
+    _require(
+        backend in attention.BACKENDS,
+        f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {backend!r}.",
+    )
 
 
 def _check_prompts(p) -> None:

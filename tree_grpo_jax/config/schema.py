@@ -73,7 +73,18 @@ def shared_config() -> ml_collections.ConfigDict:
     c.model.path = ""  # a diffusers-layout folder, for "sd", "sd3" and "flux"
     c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
     c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
-    c.model.remat = False  # recompute the denoiser's activations in the backward pass
+    # Recompute the denoiser's activations in the backward pass: "none" (False), "block"
+    # (True: each transformer block, or the whole denoiser of a model without blocks) or
+    # "block_save_attention" (each block, keeping its attention's q, k, v and output).
+    c.model.remat = ml_collections.FieldReference(False, field_type=object)
+    # Runs of identical transformer blocks (SD3, FLUX) as one scanned block over stacked
+    # params: the same numbers, one block's program to compile; models without such runs
+    # ignore it. Folders, LoRA targets and exports keep the blocks' own names.
+    c.model.scan_layers = True
+    # Attention: "xla" (materialised scores), "blockwise" (pure JAX online softmax over key
+    # blocks, O(L) memory, any platform), "cudnn" (NVIDIA GPUs), "pallas" (TPUs) or "auto"
+    # (cudnn on GPUs, pallas on TPUs, elsewhere blockwise for long sequences).
+    c.model.attention = "xla"
 
     # Prompts: a built-in set name ("digits", "animals", ...) or a text file, one per line.
     c.prompts = ml_collections.ConfigDict()

@@ -40,6 +40,9 @@ class AbstractModel:
     decode_params: PyTree = None  # ShapeDtypeStructs of what `decode` reads
     remat_blocks: bool = False  # as `TextToImageModel.remat_blocks`
     media: str = media_kinds.IMAGE  # as `TextToImageModel.media`
+    # What the plan compiles in place of an attention kernel this platform lacks ("": the
+    # run's own); see `models.attention.plan_backend`
+    attention_note: str = ""
 
     def __post_init__(self):
         media_kinds.check_media(self.media, f"model {self.name!r}")

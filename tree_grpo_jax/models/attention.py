@@ -58,6 +58,32 @@ def for_planning(backend: str, target_platform: str) -> tuple[str, str]:
     return used, ""
 
 
+# The fused kernel of each accelerator platform.
+NATIVE_KERNELS = {"gpu": "cudnn", "tpu": "pallas"}
+
+
+def plan_backend(backend: str, platform: str) -> tuple[str, str]:
+    """(the backend a memory plan on `platform` compiles for a run asking for `backend`, a
+    note when that is not the run's own): a fused kernel this platform lacks ("cudnn" or
+    "pallas" on a CPU plan, or "auto", which picks one on a GPU or TPU) is compiled as
+    "blockwise", whose memory is of the kernels' order (O(L) per head)."""
+    resolve(backend, platform)  # an unknown name: one sentence
+    if backend == "auto" and platform not in NATIVE_KERNELS:
+        return "blockwise", (
+            "attention: the run's auto backend picks the cudnn kernel on GPUs and the pallas "
+            f"kernel on TPUs; this {platform.upper()} plan compiles the blockwise backend in "
+            "their place (the same O(L) memory order)"
+        )
+    if backend in NATIVE_KERNELS.values() and NATIVE_KERNELS.get(platform) != backend:
+        where = next(p for p, k in NATIVE_KERNELS.items() if k == backend).upper()
+        return "blockwise", (
+            f"attention: the run uses the {backend} kernel on its {where}s; this "
+            f"{platform.upper()} plan compiles the blockwise backend in its place (the same "
+            "O(L) memory order)"
+        )
+    return backend, ""
+
+
 def attention(
     query: jax.Array,
     key: jax.Array,

@@ -187,11 +187,30 @@ def schedule_for(model, num_steps: int, sampling, field: str) -> Schedule:
         raise
 
 
-def training_denoise(model, remat: bool) -> DenoiseFn:
-    """The denoiser the train step differentiates: with `remat`, the backward pass
-    recomputes the forward, block by block where the model does that itself
-    (`remat_blocks`), else around the whole denoiser (which still holds that whole
+# What `model.remat` may ask a block for: nothing; recompute the whole block in the backward
+# pass; or recompute it but keep its attention's q, k, v and output (the attention, the
+# costliest part to recompute, runs once).
+REMAT_MODES = ("none", "block", "block_save_attention")
+
+
+def remat_mode(value) -> str:
+    """`model.remat` as one of REMAT_MODES: True is "block", False (or None) "none"."""
+    if value is True:
+        return "block"
+    if value is False or value is None:
+        return "none"
+    if isinstance(value, str) and value in REMAT_MODES:
+        return value
+    raise ValueError(
+        f"model.remat must be one of {', '.join(REMAT_MODES)} (or True / False), got {value!r}."
+    )
+
+
+def training_denoise(model, remat) -> DenoiseFn:
+    """The denoiser the train step differentiates: with `remat` (model.remat, not "none"),
+    the backward pass recomputes the forward, block by block where the model does that
+    itself (`remat_blocks`), else around the whole denoiser (which still holds that whole
     forward's activations at once while it recomputes them)."""
-    if not remat or getattr(model, "remat_blocks", False):
+    if remat_mode(remat) == "none" or getattr(model, "remat_blocks", False):
         return model.denoise
     return jax.checkpoint(model.denoise)

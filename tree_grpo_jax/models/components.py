@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models import export
 from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.weights import convert, files, stacking
 
 # What a hub download of a diffusers pipeline needs: configs, tokenizers, safetensors.
 PIPELINE_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.safetensors"]
@@ -46,6 +46,23 @@ class TransformerModel(TextToImageModel):
     transformer_config: dict
     vae_config: dict
     text_encoders: Any  # the family's `text_encoders.PromptCache`
+
+
+def module_options(options) -> dict:
+    """The transformer's run-time fields from a family's `LoadOptions` (`remat_blocks`,
+    `scan_layers`, `attention`)."""
+    return dict(
+        remat_blocks=options.remat_blocks,
+        scan_layers=options.scan_layers,
+        attention_implementation=options.attention,
+    )
+
+
+def remats_blocks(options) -> bool:
+    """Whether the loaded transformer recomputes its blocks (the model's `remat_blocks`)."""
+    from tree_grpo_jax.models.base import remat_mode
+
+    return remat_mode(options.remat_blocks) != "none"
 
 
 def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:
@@ -79,27 +96,31 @@ class Component:
     buffers: tuple[str, ...] = ()  # state-dict keys that are fixed buffers, not params
     list_names: frozenset = convert.DIFFUSERS_LIST_NAMES  # Flax `name_N` <-> PyTorch `name.N`
 
-    def from_config(self, config: dict, where: Path, dtype, remat_blocks: bool = False):
-        """The module `config` describes, checked; `remat_blocks` recomputes each block in
-        the backward pass."""
+    def from_config(self, config: dict, where: Path, dtype, **options):
+        """The module `config` describes, checked; `options` are its run-time fields
+        (`remat_blocks`, `scan_layers`, `attention_implementation`)."""
         if config.get("_class_name", self.pt_class) != self.pt_class:
             raise ModelLoadError(
                 f"{where} describes a {config.get('_class_name')}, not {self.article} "
                 f"{self.pt_class}; {self.point}."
             )
         try:
-            return self.build(config, dtype, remat_blocks=remat_blocks)
+            return self.build(config, dtype, **options)
         except ValueError as e:
             raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {self.point}.") from None
 
-    def load(self, folder: Path, dtype, remat_blocks: bool = False):
-        """`(module, params, config)` of the component's folder, params cast to `dtype`."""
+    def load(self, folder: Path, dtype, **options):
+        """`(module, params, config)` of the component's folder, params cast to `dtype`; a
+        module with `scan_layers` gets its runs of blocks stacked (`weights.stacking`)."""
         config = files.read_json(folder / "config.json", self.point)
-        module = self.from_config(config, folder / "config.json", dtype, remat_blocks)
+        module = self.from_config(config, folder / "config.json", dtype, **options)
         state = files.read_weights(folder, "diffusion_pytorch_model", self.point)
         state = {k: v for k, v in state.items() if k not in self.buffers}
-        shapes = convert.shapes_of(abstract_params(module))
+        blockwise = module.clone(scan_layers=False) if options.get("scan_layers") else module
+        shapes = convert.shapes_of(abstract_params(blockwise))
         params = convert.folder_to_flax(folder, state, shapes, self.point)
+        if blockwise is not module:
+            params = stacking.stack(params, abstract_params(module))
         return module, cast_floats(params, dtype), config
 
     def resolve(self, model_path: str) -> Path:
@@ -118,7 +139,8 @@ class Component:
         }
 
     def denoiser(self, config: dict) -> export.Denoiser:
-        """What `models.export` writes for params of this component's `config`."""
+        """What `models.export` writes for params of this component's `config` (the blocks
+        one by one, as the folder holds them)."""
         try:
             module = self.build(config, jnp.float32)
             reference = convert.shapes_of(abstract_params(module))

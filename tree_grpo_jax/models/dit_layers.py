@@ -20,6 +20,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from tree_grpo_jax.models import attention as attention_backends
+from tree_grpo_jax.models.base import REMAT_MODES, remat_mode  # noqa: F401 (re-exported)
+from tree_grpo_jax.weights import stacking
 
 NORM_EPS = 1e-6
 TIMESTEP_CHANNELS = 256
@@ -27,7 +32,14 @@ FF_MULT = 4
 MAX_PERIOD = 10000
 COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 # Module fields that are run-time choices, not diffusers `config.json` keys.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_implementation", "remat_blocks")
+RUNTIME_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "attention_implementation",
+    "remat_blocks",
+    "scan_layers",
+)
+ATTENTION_SAVED = ("attention_query", "attention_key", "attention_value", "attention_out")
 
 
 def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
@@ -128,8 +140,8 @@ class AdaLayerNormContinuous(Layer):
 
 
 class Attention(Layer):
-    """Base of the attention layers: the head split and the fused product, whose
-    `attention_implementation` goes to `jax.nn.dot_product_attention` (None: XLA)."""
+    """Base of the attention layers: the head split and the fused product, computed by the
+    `models.attention` backend `attention_implementation` names (None: "xla")."""
 
     heads: int = 1
     head_dim: int = 1
@@ -144,9 +156,14 @@ class Attention(Layer):
 
     def _attend(self, query, key, value):
         """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]."""
-        attended = jax.nn.dot_product_attention(
-            query, key, value, implementation=self.attention_implementation
+        # The names let a remat policy keep these four (they are identities otherwise).
+        query, key, value = (
+            checkpoint_name(x, name) for x, name in zip((query, key, value), ATTENTION_SAVED)
         )
+        attended = attention_backends.attention(
+            query, key, value, backend=self.attention_implementation or "xla"
+        )
+        attended = checkpoint_name(attended, ATTENTION_SAVED[-1])
         return attended.reshape(*attended.shape[:2], self.width)
 
 
@@ -233,10 +250,14 @@ class DiT(nn.Module):
     `in_channels`, `joint_attention_dim`, `pooled_projection_dim`)."""
 
     dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None
+    attention_implementation: str | None = None  # a `models.attention` backend (None: xla)
     # Each block recomputes its forward in the backward pass, so a train step holds one
-    # block's activations and the blocks' inputs, not every block's activations.
-    remat_blocks: bool = False
+    # block's activations and the blocks' inputs, not every block's activations: a
+    # REMAT_MODES name, True ("block") or False ("none").
+    remat_blocks: bool | str = False
+    # Runs of identical blocks as one `nn.scan` over params stacked on a leading layer axis
+    # (named `stacking.stacked_name`): one block's program, compiled once per run.
+    scan_layers: bool = False
 
     @property
     def inner_dim(self) -> int:
@@ -246,10 +267,6 @@ class DiT(nn.Module):
         if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
             raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
 
-    def block_class(self, block):
-        """`block`, recomputed in the backward pass with `remat_blocks`."""
-        return nn.remat(block) if self.remat_blocks else block
-
     def check_conditioning(self, hidden_states, encoder_hidden_states, pooled_projections):
         """The text inputs' widths, and one batch for all three inputs."""
         chex.assert_axis_dimension(encoder_hidden_states, 2, self.joint_attention_dim)
@@ -257,6 +274,91 @@ class DiT(nn.Module):
         chex.assert_equal_shape_prefix(
             [hidden_states, encoder_hidden_states, pooled_projections], prefix_len=1
         )
+
+    def check_runtime(self) -> None:
+        """The run-time fields' values (one-sentence ValueError)."""
+        remat_mode(self.remat_blocks)
+        backend = self.attention_implementation
+        if backend is not None and backend not in attention_backends.BACKENDS:
+            raise ValueError(
+                f"attention backend {backend!r} is unknown; choose one of "
+                f"{', '.join(attention_backends.BACKENDS)}."
+            )
+
+    def _remat(self, block, scanned: bool):
+        mode = remat_mode(self.remat_blocks)
+        if mode == "none":
+            return block
+        policy = None
+        if mode == "block_save_attention":
+            policy = jax.checkpoint_policies.save_only_these_names(*ATTENTION_SAVED)
+        # Inside a scan the loop already keeps XLA from merging the recomputation away.
+        return nn.remat(block, policy=policy, prevent_cse=not scanned)
+
+    def block_class(self, block):
+        """`block`, recomputed in the backward pass as `remat_blocks` says."""
+        return self._remat(block, scanned=False)
+
+    def block_stack(self, block, layers: list[dict], shared: dict, broadcast: int) -> dict:
+        """The blocks of one module list, as a dict for `setup` to assign (Flax names its
+        entries `<list>_<key>`): block `i` built from `shared` and `layers[i]`, under key
+        `i`; with `scan_layers`, each run of two or more consecutive blocks with equal
+        `layers` entries is one scanned module under key `<first>_to_<last>`, its params
+        stacked. A scanned module is called `(carry tuple, *broadcast inputs)` (`broadcast`
+        of them) and returns the carry tuple; `run_stack` calls either kind."""
+        runs = _runs(layers) if self.scan_layers else [(i, i) for i in range(len(layers))]
+        blocks = {}
+        for first, last in runs:
+            if first == last:
+                blocks[str(first)] = self.block_class(block)(**shared, **layers[first])
+                continue
+            scanned = nn.scan(
+                self._remat(_scan_body(block), scanned=True),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast,) * broadcast,
+                length=last - first + 1,
+            )
+            name = stacking.stacked_name("", first, last)[1:]
+            blocks[name] = scanned(**shared, **layers[first])
+        return blocks
+
+
+def run_stack(blocks: Mapping, carry: tuple, *inputs) -> tuple:
+    """The carry through the blocks `DiT.block_stack` built, in layer order; a block takes
+    `(*carry, *inputs)` and returns the next carry (an array or a tuple)."""
+    for key in sorted(blocks, key=lambda k: int(k.split("_")[0])):
+        block = blocks[key]
+        if "_to_" in key:
+            carry, _ = block(carry, *inputs)
+        else:
+            out = block(*carry, *inputs)
+            carry = out if isinstance(out, tuple) else (out,)
+    return carry
+
+
+def _runs(layers: list[dict]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive equal entries."""
+    runs = []
+    for i, layer in enumerate(layers):
+        if runs and layers[runs[-1][0]] == layer:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+@functools.cache
+def _scan_body(block):
+    """`block` with the call `nn.scan` makes: (carry tuple, *inputs) -> (carry tuple, None)."""
+
+    class Scanned(block):
+        def __call__(self, carry, *inputs):
+            out = block.__call__(self, *carry, *inputs)
+            return (out if isinstance(out, tuple) else (out,)), None
+
+    Scanned.__name__ = Scanned.__qualname__ = block.__name__
+    return Scanned
 
 
 def config_fields(module_class) -> frozenset:

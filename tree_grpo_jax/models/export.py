@@ -27,7 +27,7 @@ from flax import serialization
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
-from tree_grpo_jax.weights import convert
+from tree_grpo_jax.weights import convert, stacking
 from tree_grpo_jax.weights.files import unwrap_params
 from tree_grpo_jax.weights.staging import CARD_FILE, check_out_dir, new_file_mode, write_staged
 
@@ -57,7 +57,7 @@ def checked_numpy(params, denoiser: Denoiser, dtype: str) -> dict:
         raise ValueError(
             f"the params are a {type(params).__name__}, not a tree of named {what} arrays."
         )
-    params = unwrap_params(params)
+    params = stacking.unstack(unwrap_params(params))  # a scanned model's blocks, one by one
     flat = flatten_dict(params)
     not_arrays = ["/".join(map(str, k)) for k, v in flat.items() if not hasattr(v, "shape")]
     if not_arrays:

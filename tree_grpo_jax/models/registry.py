@@ -40,9 +40,13 @@ class LoadRequest:
     dtype: Any  # the compute dtype (a jnp dtype)
     seed: int  # the run's seed (for families that can build random weights)
     options: Any  # the family's own sub-section `model.<family>` (its defaults if absent)
-    # model.remat: a family whose denoiser can recompute each block in the backward pass
-    # builds it so (and says so in the model's `remat_blocks`); others ignore it
-    remat: bool = False
+    # model.remat as a `dit_layers.REMAT_MODES` name: a family whose denoiser can recompute
+    # each block in the backward pass builds it so (and says so in the model's
+    # `remat_blocks`); others ignore it
+    remat: str = "none"
+    # model.scan_layers: a family with runs of identical blocks scans them; others ignore it
+    scan_layers: bool = True
+    attention: str = "xla"  # model.attention: a `models.attention` backend name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +118,17 @@ def path_loader(
     target: str, option_names: tuple[str, ...] = (), remat: bool = False
 ) -> Callable[[LoadRequest], Any]:
     """A `load` (or `abstract`) for a loader taking a folder: `target(request.path,
-    dtype=request.dtype, **{name: options.<name>})`, and `remat_blocks=request.remat` with
-    `remat`."""
+    dtype=request.dtype, **{name: options.<name>})`, and with `remat` (a transformer's
+    loader) `remat_blocks=request.remat`, `scan_layers=request.scan_layers` and
+    `attention=request.attention`."""
     loader = lazy(target)
 
     def load(request: LoadRequest):
         arguments = {name: getattr(request.options, name) for name in option_names}
         if remat:
             arguments["remat_blocks"] = request.remat
+            arguments["scan_layers"] = request.scan_layers
+            arguments["attention"] = request.attention
         return loader(request.path, dtype=request.dtype, **arguments)
 
     return load
@@ -252,8 +259,8 @@ def family_of_folder(path: str) -> ModelFamily:
     )
 
 
-def _request(family: ModelFamily, model_config, seed: int) -> LoadRequest:
-    from tree_grpo_jax.models.base import DTYPES
+def _request(family: ModelFamily, model_config, seed: int, attention: str = "") -> LoadRequest:
+    from tree_grpo_jax.models.base import DTYPES, remat_mode
 
     return LoadRequest(
         name=model_config.name,
@@ -261,7 +268,9 @@ def _request(family: ModelFamily, model_config, seed: int) -> LoadRequest:
         dtype=DTYPES[getattr(model_config, "compute_dtype", "float32")],
         seed=seed,
         options=options_of(family, model_config),
-        remat=bool(getattr(model_config, "remat", False)),
+        remat=remat_mode(getattr(model_config, "remat", False)),
+        scan_layers=bool(getattr(model_config, "scan_layers", True)),
+        attention=attention or getattr(model_config, "attention", "xla"),
     )
 
 
@@ -293,11 +302,22 @@ def config_error(e: BaseException) -> str:
 
 def abstract_model(model_config, seed: int = 0):
     """The `models.abstract.AbstractModel` of what `model_config` names: shapes only, no
-    weight read. ModelLoadError with one sentence when its family cannot say them."""
+    weight read. ModelLoadError with one sentence when its family cannot say them.
+
+    Its attention is the kernel the run will use where this platform has it; a kernel that
+    exists only on another platform is planned as "blockwise" (the same O(L) memory order),
+    and the model's `attention_note` says so (`models.attention.plan_backend`)."""
+    import jax
+
+    from tree_grpo_jax.models import attention
+
     family = family_of(model_config.name)
     if family.abstract is None:
         raise ModelLoadError(
             f"model family {family.name!r} cannot describe its model without loading it, so "
             "its runs cannot be planned."
         )
-    return family.abstract(_request(family, model_config, seed))
+    backend = getattr(model_config, "attention", "xla")
+    planned, note = attention.plan_backend(backend, jax.default_backend())
+    model = family.abstract(_request(family, model_config, seed, planned))
+    return dataclasses.replace(model, attention_note=note) if note else model

@@ -36,6 +36,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from tree_grpo_jax.errors import reason
+from tree_grpo_jax.weights import stacking
 
 
 class CheckpointError(RuntimeError):
@@ -154,6 +155,28 @@ def state_mismatch(saved: Any, target: Any) -> str | None:
         return None
     more = f" (and {len(differences) - 3} more differences)" if len(differences) > 3 else ""
     return ", ".join(differences[:3]) + more
+
+
+def _stacks_blocks(tree) -> bool:
+    """Whether a state holds scanned blocks (a module name `weights.stacking` stacks)."""
+    return any(
+        stacking.parse(part) is not None
+        for path, _ in _named_leaves(tree)
+        for part in path.split(".")
+    )
+
+
+def scan_layers_hint(saved: Any, target: Any) -> str | None:
+    """What to set when a saved state and a target differ in how they hold the transformer's
+    blocks (one by one, or scanned runs stacked: `model.scan_layers`); None otherwise."""
+    saved_stacked, target_stacked = _stacks_blocks(saved), _stacks_blocks(target)
+    if saved_stacked == target_stacked:
+        return None
+    held = "stacked in scanned runs" if saved_stacked else "one by one"
+    return (
+        f"it holds the transformer's blocks {held}: resume it with "
+        f"--config.model.scan_layers={saved_stacked}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,10 +512,15 @@ class Checkpointer:
             # like those of damaged files, and a good checkpoint must never be set aside.
             differs = state_mismatch(saved, target_state)
             if differs:
+                layout = scan_layers_hint(saved, target_state)
                 raise CheckpointError(
                     f"checkpoint {step} in {self.directory} holds another training state than "
-                    f"this code builds ({differs}); resume it with the code that saved it or "
-                    "choose another --workdir (no checkpoint was changed)."
+                    f"this code builds ({differs}); "
+                    + (
+                        layout
+                        or "resume it with the code that saved it or choose another --workdir"
+                    )
+                    + " (no checkpoint was changed)."
                 )
             abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target_state)
         state_args = ocp.args.StandardRestore(abstract)

@@ -14,6 +14,10 @@ RESUME_MAY_CHANGE = (
     "name",
     "train.iterations",
     "model.remat",
+    "model.attention",
+    # the same numbers; a checkpoint's param tree says which, and a restore that finds the
+    # other one names the flag to set
+    "model.scan_layers",
     "model.compute_dtype",
     "prompts.eval_source",
     "prompts.eval_count",

@@ -526,6 +526,8 @@ def plan_memory(
         raise cfg.ConfigError(str(e)) from None
     build.check_batches(config, mesh)
     model = model_registry.abstract_model(config.model, seed=config.seed)
+    if model.attention_note:  # the plan compiles another attention than the run's kernel
+        progress(model.attention_note)
     run = build_run(config, model, mesh)
     what, fn, args = rollout_program(run)
     tree = jax.eval_shape(fn, *args)

@@ -21,6 +21,7 @@ import jax
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
+from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.run import memory
 from tree_grpo_jax.run.train_step import old_params
 
@@ -114,7 +115,7 @@ def check_fits(
     (`per_device`: how many of a process's devices its batches split over), naming the
     largest setting of its batch that would."""
     samples = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
-    remat = "" if config.model.remat else " (or set model.remat=True)"
+    remat = "" if remat_mode(config.model.remat) != "none" else " (or set model.remat=True)"
     sizes = {  # program -> (its rows per device, the setting that sizes them, when none fit)
         "rollout": (
             config.prompts.batch_size // per_device,

@@ -92,7 +92,10 @@ class LoadOptions:
     resolution: int = 0  # the square image side in pixels (0: 1024)
     shift: float = 0.0  # > 0: a static sigma shift in place of the folder's (dynamic for dev)
     decode_batch_size: int = 4  # latents through the VAE decoder at once
-    remat_blocks: bool = False  # recompute each transformer block in the backward pass
+    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
+    remat_blocks: bool | str = False
+    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
+    attention: str = "xla"  # model.attention: the `models.attention` backend
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -210,7 +213,7 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
         files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), options.shift
     )
     module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, options.remat_blocks
+        folders["transformer"], dtype, **components.module_options(options)
     )
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
@@ -239,5 +242,5 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
         vae_config=vae_config,
         guidance=guidance,
         text_encoders=encoders,
-        remat_blocks=options.remat_blocks,
+        remat_blocks=components.remats_blocks(options),
     )

@@ -47,6 +47,7 @@ from tree_grpo_jax.models.dit_layers import (
     RMSNorm,
     gated_feed_forward,
     module_from_config,
+    run_stack,
 )
 
 ROPE_THETA = 10000.0
@@ -279,6 +280,7 @@ class FluxTransformer(DiT):
                 f"{self.attention_head_dim}."
             )
         self.check_dtype()
+        self.check_runtime()
 
     def init_weights(self, rng: jax.Array):
         """Random params, from the smallest input (one image token, one text token)."""
@@ -313,10 +315,12 @@ class FluxTransformer(DiT):
             dim=dim, guidance=self.guidance_embeds, **layer
         )
         self.context_embedder = dense(dim)
-        double = self.block_class(FluxTransformerBlock)
-        single = self.block_class(FluxSingleTransformerBlock)
-        self.transformer_blocks = [double(**block) for _ in range(self.num_layers)]
-        self.single_transformer_blocks = [single(**block) for _ in range(self.num_single_layers)]
+        self.transformer_blocks = self.block_stack(
+            FluxTransformerBlock, [{}] * self.num_layers, block, 2
+        )
+        self.single_transformer_blocks = self.block_stack(
+            FluxSingleTransformerBlock, [{}] * self.num_single_layers, block, 2
+        )
         self.norm_out = AdaLayerNormContinuous(**layer)
         self.proj_out = dense(self.patch_size**2 * self.output_channels)
 
@@ -352,12 +356,10 @@ class FluxTransformer(DiT):
         rope = rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.axes_dims_rope)
         tokens = self.x_embedder(hidden_states)
         context = self.context_embedder(encoder_hidden_states)
-        for block in self.transformer_blocks:
-            tokens, context = block(tokens, context, temb, rope)
+        tokens, context = run_stack(self.transformer_blocks, (tokens, context), temb, rope)
         # The single-stream blocks see one sequence, text first, as the attention orders it.
         joined = jnp.concatenate([context, tokens], axis=1)
-        for block in self.single_transformer_blocks:
-            joined = block(joined, temb, rope)
+        (joined,) = run_stack(self.single_transformer_blocks, (joined,), temb, rope)
         return self.proj_out(self.norm_out(joined[:, text_tokens:], temb))
 
 
@@ -370,7 +372,7 @@ def _scaled(values, batch: int) -> jax.Array:
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> FluxTransformer:
     """The FLUX transformer of a diffusers `transformer/config.json` dict; keys starting with
     `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
-    `attention_implementation`, `remat_blocks`). Raises a one-sentence ValueError for keys
-    or values this module does not implement."""
+    `attention_implementation`, `remat_blocks`, `scan_layers`). Raises a one-sentence
+    ValueError for keys or values this module does not implement."""
     axes = {"axes_dims_rope": tuple}
     return module_from_config(FluxTransformer, config, dtype, options, axes)

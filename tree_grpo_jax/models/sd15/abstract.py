@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.models.abstract import AbstractModel, clip_prompt_shape, read_configs
-from tree_grpo_jax.models.base import cast_floats
+from tree_grpo_jax.models.base import cast_floats, remat_mode
 from tree_grpo_jax.models.sd15 import load
 from tree_grpo_jax.models.sd15.builtin import RELEASES
 
@@ -31,13 +31,22 @@ def _abstract(init, dtype):
     return jax.eval_shape(lambda: cast_floats(init(), dtype))
 
 
-def abstract_sd(path: str, dtype=jnp.float32, *, decode_batch_size: int = 8) -> AbstractModel:
-    """What `load.load_sd(path, dtype)` would load, as shapes; reads JSON files only."""
+def abstract_sd(
+    path: str,
+    dtype=jnp.float32,
+    *,
+    decode_batch_size: int = 8,
+    remat_blocks: bool | str = False,
+    scan_layers: bool = True,
+    attention: str = "xla",
+) -> AbstractModel:
+    """What `load.load_sd(path, dtype, ...)` would load, as shapes; reads JSON files only."""
+    load.check_runtime_options(attention)
     configs = read_configs(path, (UNET, VAE, TEXT, SCHEDULER), (TOKENIZER,), RELEASES, HINT)
     found = configs.files
     key = jax.random.PRNGKey(0)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
-    unet = load.unet_from_config(found[UNET], configs.path(UNET), dtype)
+    unet = load.unet_from_config(found[UNET], configs.path(UNET), dtype, remat_blocks=remat_blocks)
     vae = load.vae_module(found[VAE], configs.path(VAE), dtype)
     return AbstractModel(
         name=Path(configs.where).name,
@@ -49,4 +58,5 @@ def abstract_sd(path: str, dtype=jnp.float32, *, decode_batch_size: int = 8) -> 
         schedule_config=schedule,
         decode=load.decode_fn(vae, found[VAE], decode_batch_size, dtype),
         decode_params=_abstract(lambda: load.decoder_params(vae.init_weights(key)), dtype),
+        remat_blocks=remat_mode(remat_blocks) != "none",
     )

@@ -17,7 +17,7 @@ FAMILY = registry.register(
     registry.ModelFamily(
         name="sd",
         model_names=("sd",),
-        load=registry.path_loader("tree_grpo_jax.models.sd15.load:load_sd"),
+        load=registry.path_loader("tree_grpo_jax.models.sd15.load:load_sd", remat=True),
         needs_path=True,
         path_hint="a diffusers-layout Stable Diffusion folder (or a hub id)",
         # the q/k/v/out projections of every self- and cross-attention, as diffusers' SD
@@ -25,6 +25,6 @@ FAMILY = registry.register(
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=_recognizes,
         export=registry.deferred_export("unet", "tree_grpo_jax.models.sd15.export"),
-        abstract=registry.path_loader("tree_grpo_jax.models.sd15.abstract:abstract_sd"),
+        abstract=registry.path_loader("tree_grpo_jax.models.sd15.abstract:abstract_sd", remat=True),
     )
 )

@@ -24,6 +24,7 @@ from tree_grpo_jax.models.base import (
     ModelLoadError,
     TextToImageModel,
     cast_floats,
+    remat_mode,
 )
 from tree_grpo_jax.models.sd15.unet import (
     DOWN_BLOCKS,
@@ -191,6 +192,15 @@ def check_unet_config(config: dict, where: Path) -> None:
         raise ModelLoadError(f"{where} uses mid_block_type {mid!r}, which is not supported.")
 
 
+def check_runtime_options(attention: str) -> None:
+    """model.attention is the transformer families' choice; the UNet keeps diffusers'."""
+    if attention != "xla":
+        raise ModelLoadError(
+            f"model.attention {attention!r} is not available for Stable Diffusion 1.x, whose "
+            "UNet runs diffusers' Flax attention; set --config.model.attention=xla."
+        )
+
+
 def unet_from_config(config: dict, where: Path, dtype, **options) -> UNet2DConditionModel:
     """The UNet a `unet/config.json` describes, checked; `options` go to the module."""
     check_unet_config(config, where)
@@ -342,14 +352,21 @@ def load_sd(
     decode_batch_size: int = 8,
     use_memory_efficient_attention: bool = False,
     split_head_dim: bool = False,
+    remat_blocks: bool | str = False,
+    scan_layers: bool = True,
+    attention: str = "xla",
 ) -> StableDiffusionModel:
     """Loads a Stable Diffusion 1.x pipeline folder (or hub id) as a TextToImageModel.
 
     `dtype` is the dtype of all params and of the computation (float32 or bfloat16).
     `variant` ("fp16") prefers `*.fp16.safetensors`. `decode_batch_size` bounds how many
-    latents the VAE decodes at once. The last two options go to the UNet's attention.
-    The UNet has no remat switch: wrap `denoise` in `jax.checkpoint`.
+    latents the VAE decodes at once. `use_memory_efficient_attention` and `split_head_dim`
+    go to the UNet's attention; `remat_blocks` (model.remat) recomputes each of its down,
+    mid and up blocks in the backward pass. The UNet has no runs of identical blocks to
+    scan (`scan_layers` changes nothing) and runs diffusers' Flax attention (`attention`
+    must be "xla").
     """
+    check_runtime_options(attention)
     root = resolve_model_path(path)
     folders = {name: _component_dir(root, name) for name in COMPONENTS}
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
@@ -360,6 +377,7 @@ def load_sd(
         variant,
         use_memory_efficient_attention=use_memory_efficient_attention,
         split_head_dim=split_head_dim,
+        remat_blocks=remat_blocks,
     )
     vae, vae_params, vae_config = _load_vae(folders["vae"], dtype, variant)
     text, text_params, text_config = _load_text_encoder(folders["text_encoder"], dtype, variant)
@@ -379,4 +397,5 @@ def load_sd(
         vae_config=vae_config,
         text_config=text_config.to_dict(),
         tokenizer=tokenizer,
+        remat_blocks=remat_mode(remat_blocks) != "none",
     )

@@ -21,7 +21,9 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
 # diffusers' Flax leaves log a deprecation notice when imported and set up.
@@ -36,6 +38,7 @@ from diffusers.models.resnet_flax import (  # noqa: E402
 )
 from diffusers.models.unets.unet_2d_blocks_flax import FlaxDownBlock2D, FlaxUpBlock2D  # noqa: E402
 
+SAVED = "attention_out"  # what the "block_save_attention" remat policy keeps
 TRANSFORMER_NORM_EPS = 1e-6  # PyTorch's Transformer2DModel input GroupNorm
 DOWN_BLOCKS = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
@@ -106,10 +109,13 @@ class BasicTransformerBlock(nn.Module):
 
     def __call__(self, hidden_states, context, deterministic=True):
         self_context = context if self.only_cross_attention else None
+        # The attentions' outputs are named for the "block_save_attention" remat policy.
         normed = self.norm1(hidden_states)
-        hidden_states = hidden_states + self.attn1(normed, self_context, deterministic)
+        attended = checkpoint_name(self.attn1(normed, self_context, deterministic), SAVED)
+        hidden_states = hidden_states + attended
         normed = self.norm2(hidden_states)
-        hidden_states = hidden_states + self.attn2(normed, context, deterministic)
+        attended = checkpoint_name(self.attn2(normed, context, deterministic), SAVED)
+        hidden_states = hidden_states + attended
         normed = self.norm3(hidden_states)
         hidden_states = hidden_states + self.ff(normed, deterministic=deterministic)
         return self.dropout_layer(hidden_states, deterministic=deterministic)
@@ -356,6 +362,22 @@ class UNet2DConditionModel(nn.Module):
     use_memory_efficient_attention: bool = False
     split_head_dim: bool = False
     dtype: jnp.dtype = jnp.float32
+    # model.remat (a `base.REMAT_MODES` name, True or False): each down, mid and up block
+    # recomputes its forward in the backward pass, so a train step holds one block's
+    # activations and the blocks' inputs; "block_save_attention" keeps the attentions'
+    # outputs. Not a config.json key.
+    remat_blocks: bool | str = False
+
+    def _block(self, block, deterministic_at: int):
+        """`block`'s class, recomputed in the backward pass as `remat_blocks` says
+        (`deterministic_at`: the position of its `deterministic` argument, self being 0)."""
+        mode = remat_mode(self.remat_blocks)
+        if mode == "none":
+            return block
+        policy = None
+        if mode == "block_save_attention":
+            policy = jax.checkpoint_policies.save_only_these_names(SAVED)
+        return nn.remat(block, policy=policy, static_argnums=(deterministic_at,))
 
     def init_weights(self, rng: jax.Array):
         """Random params (the module's own init on a one-sample input)."""
@@ -401,7 +423,7 @@ class UNet2DConditionModel(nn.Module):
             input_channel, output_channel = output_channel, channels[i]
             last = i == len(channels) - 1
             if block_type == "CrossAttnDownBlock2D":
-                block = CrossAttnDownBlock2D(
+                block = self._block(CrossAttnDownBlock2D, 4)(
                     in_channels=input_channel,
                     out_channels=output_channel,
                     num_layers=self.layers_per_block,
@@ -412,7 +434,7 @@ class UNet2DConditionModel(nn.Module):
                     **options,
                 )
             else:
-                block = FlaxDownBlock2D(
+                block = self._block(FlaxDownBlock2D, 3)(
                     in_channels=input_channel,
                     out_channels=output_channel,
                     dropout=self.dropout,
@@ -426,7 +448,7 @@ class UNet2DConditionModel(nn.Module):
         if self.mid_block_type is None:
             self.mid_block = None
         else:
-            self.mid_block = UNetMidBlock2DCrossAttn(
+            self.mid_block = self._block(UNetMidBlock2DCrossAttn, 4)(
                 in_channels=channels[-1],
                 num_attention_heads=heads[-1],
                 transformer_layers_per_block=depth[-1],
@@ -441,7 +463,7 @@ class UNet2DConditionModel(nn.Module):
             input_channel = reversed_channels[min(i + 1, len(channels) - 1)]
             last = i == len(channels) - 1
             if block_type == "CrossAttnUpBlock2D":
-                block = CrossAttnUpBlock2D(
+                block = self._block(CrossAttnUpBlock2D, 5)(
                     in_channels=input_channel,
                     out_channels=output_channel,
                     prev_output_channel=prev_output_channel,
@@ -453,7 +475,7 @@ class UNet2DConditionModel(nn.Module):
                     **options,
                 )
             else:
-                block = FlaxUpBlock2D(
+                block = self._block(FlaxUpBlock2D, 4)(
                     in_channels=input_channel,
                     out_channels=output_channel,
                     prev_output_channel=prev_output_channel,
@@ -477,23 +499,24 @@ class UNet2DConditionModel(nn.Module):
 
         sample = self.conv_in(jnp.transpose(sample, (0, 2, 3, 1)))  # NCHW -> NHWC
         skips = (sample,)
-        for block in self.down_blocks:
-            if isinstance(block, CrossAttnDownBlock2D):
+        # (every argument positional: a remat block takes `deterministic` as a static one)
+        for block, kind in zip(self.down_blocks, self.down_block_types):
+            if kind == "CrossAttnDownBlock2D":
                 sample, res = block(sample, temb, encoder_hidden_states, deterministic)
             else:
-                sample, res = block(sample, temb, deterministic=deterministic)
+                sample, res = block(sample, temb, deterministic)
             skips += res
 
         if self.mid_block is not None:
             sample = self.mid_block(sample, temb, encoder_hidden_states, deterministic)
 
         width = self.layers_per_block + 1
-        for block in self.up_blocks:
+        for block, kind in zip(self.up_blocks, self.up_block_types):
             res, skips = skips[-width:], skips[:-width]
-            if isinstance(block, CrossAttnUpBlock2D):
+            if kind == "CrossAttnUpBlock2D":
                 sample = block(sample, res, temb, encoder_hidden_states, deterministic)
             else:
-                sample = block(sample, res, temb, deterministic=deterministic)
+                sample = block(sample, res, temb, deterministic)
 
         sample = self.conv_out(nn.silu(self.conv_norm_out(sample)))
         return UNetOutput(sample=jnp.transpose(sample, (0, 3, 1, 2)))
@@ -504,7 +527,7 @@ def unet_module(config: dict, dtype=jnp.float32, **options) -> UNet2DConditionMo
     (e.g. `use_memory_efficient_attention=True`). Config fields it does not read are left for
     the loader to check."""
     fields = {f.name for f in dataclasses.fields(UNet2DConditionModel)}
-    fields -= {"parent", "name", "dtype", "num_heads"}
+    fields -= {"parent", "name", "dtype", "num_heads", "remat_blocks"}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
     # SD1.x's `attention_head_dim` is really the head count (as in diffusers' PyTorch UNet,
     # heads = num_attention_heads or attention_head_dim).

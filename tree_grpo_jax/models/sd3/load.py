@@ -64,7 +64,10 @@ class LoadOptions:
     t5_max_length: int = 256  # T5 tokens per prompt
     sample_size: int | None = None  # the latent side (default: the folder's); fits the grid
     decode_batch_size: int = 4  # latents through the VAE decoder at once
-    remat_blocks: bool = False  # recompute each transformer block in the backward pass
+    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
+    remat_blocks: bool | str = False
+    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
+    attention: str = "xla"  # model.attention: the `models.attention` backend
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -128,7 +131,7 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, options.remat_blocks
+        folders["transformer"], dtype, **components.module_options(options)
     )
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
@@ -163,5 +166,5 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoders,
-        remat_blocks=options.remat_blocks,
+        remat_blocks=components.remats_blocks(options),
     )

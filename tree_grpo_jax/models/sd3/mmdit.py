@@ -37,6 +37,7 @@ from tree_grpo_jax.models.dit_layers import (
     RMSNorm,
     gated_feed_forward,
     module_from_config,
+    run_stack,
 )
 
 # PyTorch state-dict keys that are fixed buffers, not parameters: drop them when loading.
@@ -272,6 +273,7 @@ class SD3Transformer(DiT):
                 f"width num_attention_heads * attention_head_dim = {self.inner_dim}."
             )
         self.check_dtype()
+        self.check_runtime()
 
     @property
     def jnp_dtype(self):
@@ -297,20 +299,23 @@ class SD3Transformer(DiT):
         )
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim=dim, dtype=self.dtype)
         self.context_embedder = nn.Dense(self.caption_projection_dim, dtype=self.dtype)
-        block = self.block_class(JointTransformerBlock)
-        self.transformer_blocks = [
-            block(
-                dim=dim,
-                heads=self.num_attention_heads,
-                head_dim=self.attention_head_dim,
+        shared = dict(
+            dim=dim,
+            heads=self.num_attention_heads,
+            head_dim=self.attention_head_dim,
+            qk_norm=self.qk_norm is not None,
+            dtype=self.dtype,
+            attention_implementation=self.attention_implementation,
+        )
+        # The last block (context_pre_only) and SD3.5's MMDiT-X blocks differ from the rest.
+        layers = [
+            dict(
                 context_pre_only=i == self.num_layers - 1,
-                qk_norm=self.qk_norm is not None,
                 dual_attention=i in self.dual_attention_layers,
-                dtype=self.dtype,
-                attention_implementation=self.attention_implementation,
             )
             for i in range(self.num_layers)
         ]
+        self.transformer_blocks = self.block_stack(JointTransformerBlock, layers, shared, 1)
         self.norm_out = AdaLayerNormContinuous(dtype=self.dtype)
         self.proj_out = nn.Dense(self.patch_size**2 * self.output_channels, dtype=self.dtype)
 
@@ -327,8 +332,7 @@ class SD3Transformer(DiT):
         tokens = self.pos_embed(jnp.transpose(hidden_states, (0, 2, 3, 1)))
         temb = self.time_text_embed(timestep, pooled_projections)
         context = self.context_embedder(encoder_hidden_states)
-        for block in self.transformer_blocks:
-            tokens, context = block(tokens, context, temb)
+        tokens, _ = run_stack(self.transformer_blocks, (tokens, context), temb)
         tokens = self.proj_out(self.norm_out(tokens, temb))
 
         rows, columns, channels = height // patch, width // patch, self.output_channels
@@ -339,7 +343,7 @@ class SD3Transformer(DiT):
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> SD3Transformer:
     """The MMDiT of a diffusers `transformer/config.json` dict; keys starting with `_` are
     metadata and ignored, `options` set the non-config fields (`attention_implementation`,
-    `remat_blocks`).
+    `remat_blocks`, `scan_layers`).
     Raises a one-sentence ValueError for keys or values this module does not implement."""
     layers = {"dual_attention_layers": lambda layers: tuple(layers or ())}
     return module_from_config(SD3Transformer, config, dtype, options, layers)
