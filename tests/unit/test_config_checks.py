@@ -498,6 +498,7 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
         "first_grid": "a.png",
         "last_grid": "b.png",
         "reward_curve": "c.png",
+        "iterations": 4,
     }
     monkeypatch.setattr(train, "train", lambda config, workdir: summary)
     result = run_in_process(
@@ -507,6 +508,7 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "done: eval reward -0.4583 -> -4.6e-05;" in result.stdout
+    assert "--config.train.iterations=8" in result.stdout  # the line that trains further
     assert os.listdir(tmp_path) == []
 
 
