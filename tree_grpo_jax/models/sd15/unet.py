@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.models.base import constrain_rows
 from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
 # diffusers' Flax leaves log a deprecation notice when imported and set up.
@@ -475,17 +476,21 @@ class UNet2DConditionModel(nn.Module):
         timesteps = jnp.atleast_1d(jnp.asarray(timesteps))  # a number for all, or [B]
         temb = self.time_embedding(self.time_proj(timesteps))
 
-        sample = self.conv_in(jnp.transpose(sample, (0, 2, 3, 1)))  # NCHW -> NHWC
+        # `constrain_rows`: between blocks the activations keep the run's row layout
+        sample = constrain_rows(self.conv_in(jnp.transpose(sample, (0, 2, 3, 1))))  # NHWC
         skips = (sample,)
         for block in self.down_blocks:
             if isinstance(block, CrossAttnDownBlock2D):
                 sample, res = block(sample, temb, encoder_hidden_states, deterministic)
             else:
                 sample, res = block(sample, temb, deterministic=deterministic)
-            skips += res
+            sample = constrain_rows(sample)
+            skips += tuple(constrain_rows(r) for r in res)
 
         if self.mid_block is not None:
-            sample = self.mid_block(sample, temb, encoder_hidden_states, deterministic)
+            sample = constrain_rows(
+                self.mid_block(sample, temb, encoder_hidden_states, deterministic)
+            )
 
         width = self.layers_per_block + 1
         for block in self.up_blocks:
@@ -494,6 +499,7 @@ class UNet2DConditionModel(nn.Module):
                 sample = block(sample, res, temb, encoder_hidden_states, deterministic)
             else:
                 sample = block(sample, res, temb, deterministic=deterministic)
+            sample = constrain_rows(sample)
 
         sample = self.conv_out(nn.silu(self.conv_norm_out(sample)))
         return UNetOutput(sample=jnp.transpose(sample, (0, 3, 1, 2)))
