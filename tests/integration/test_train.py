@@ -207,3 +207,27 @@ def test_updates_per_iteration_counts_adam_steps(tmp_path):
     c.train.updates_per_iteration = 3
     _, _, metrics, count = _one_iteration(c, tmp_path)
     assert metrics["minibatches"] >= 3 and count == 3
+
+
+def test_denoise_rows_change_no_number(tmp_path):
+    """The denoiser over 3 rows at a time (chunks that divide no level: the last is topped
+    up) gives the rollout, the update and the eval rows that every row at once gives."""
+    runs = {}
+    for rows in (0, 3):
+        c = small_config("treegrpo")
+        c.sampling.denoise_rows = rows
+        trainer, state = train.setup(c, str(tmp_path / f"rows_{rows}"))
+        sampled = trainer.rollout(state.params, ["a cat", "a dog"], jax.random.PRNGKey(1))
+        state, metrics = trainer.iteration(state, 0)
+        _, images, rewards, _ = trainer.evaluate_samples(state.params)
+        runs[rows] = (
+            jax.device_get(sampled.tree),
+            jax.device_get(state.params),
+            metrics["loss"],
+            np.asarray(images),
+            rewards,
+        )
+    whole, chunked = runs[0], runs[3]
+    assert np.std(whole[3]) > 0 and np.std(whole[4]) > 0  # rows that differ from each other
+    for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(chunked)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

@@ -388,7 +388,8 @@ def plan_memory(
     tree = lowered["rollout"].out_info
     resident = resident_bytes(trainer, state, tree, _tree_shardings(tree, mesh))
     what = _descriptions(trainer, eval_args)
-    programs = [(name, what[name], program) for name, program in lowered.items()]
+    order = ("rollout", "train_step", "accumulate", "apply", "evaluate")
+    programs = [(name, what[name], lowered[name]) for name in order if name in lowered]
     if model.decode is not None and "decode" in chosen:
         decode, decode_what = decode_program(trainer, tree)
         programs.append(("decode", decode_what, decode))
