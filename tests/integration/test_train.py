@@ -218,6 +218,7 @@ def test_denoise_rows_change_no_number(tmp_path):
         c = small_config("treegrpo")
         c.prompts.source = "digits"
         c.rewards = "digit_alignment"  # smooth in the pixels: rounding cannot move it far
+        c.train.adam_eps = 1.0  # so the update follows the gradient, not only its sign
         c.sampling.denoise_rows = rows
         trainer, state = train.setup(c, str(tmp_path / f"rows_{rows}"))
         sampled = trainer.rollout(state.params, ["0", "1"], jax.random.PRNGKey(1))
@@ -232,7 +233,7 @@ def test_denoise_rows_change_no_number(tmp_path):
     for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(tree_3)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
     step = max(float(np.abs(m).max()) for m in jax.tree_util.tree_leaves(moved))
-    assert step > 1e-5  # the update moved the weights
+    assert step > 1e-6  # the update moved the weights
     for a, b in zip(jax.tree_util.tree_leaves(moved), jax.tree_util.tree_leaves(moved_3)):
         np.testing.assert_allclose(b, a, atol=1e-3 * step)
     np.testing.assert_allclose(images_3, images, atol=1e-4)
