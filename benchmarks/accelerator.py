@@ -55,6 +55,7 @@ import numpy as np
 
 from benchmarks import random_models
 from benchmarks.common import PRESETS, default_out, markdown_table
+from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.run import memory
 
 METHODS = ("treegrpo", "grpo")  # the tree first: a run cut short keeps it
@@ -291,7 +292,7 @@ class ModelBench:
         out = {
             "spec": spec.describe(),
             "guidance_scale": float(trainer.config.sampling.guidance_scale),
-            "remat": bool(trainer.config.model.remat),
+            "remat": remat_mode(trainer.config.model.remat),
             "setup_s": setup_s,
             "prompts": count,
             "leaves": spec.leaves * count,

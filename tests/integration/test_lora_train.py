@@ -5,6 +5,7 @@ are refused in one sentence, and a LoRA run exports a file diffusers loads."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
@@ -43,6 +44,35 @@ def test_only_factors_train_and_step_zero_is_the_base(tmp_path):
     jax.tree_util.tree_map(  # the frozen base is untouched
         np.testing.assert_array_equal, jax.device_get(trainer.adapter.base), base
     )
+
+
+def test_a_bfloat16_run_holds_its_frozen_base_in_bfloat16(tmp_path):
+    """With bfloat16 compute the frozen base is the model's weights rounded to bfloat16 (no
+    float32 copy), the factors alone keep float32 masters, and the merged weights stay
+    bfloat16 through an iteration that moves the factors and leaves the base as it was."""
+    c = lora_config()
+    c.model.compute_dtype = "bfloat16"
+    trainer, state = train.setup(c, str(tmp_path))
+    weights = flatten_dict(jax.device_get(trainer.model.params))
+    base = flatten_dict(jax.device_get(trainer.adapter.base))
+    assert set(base) == set(weights)
+    for path, value in base.items():
+        assert value.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(
+            value, np.asarray(weights[path], np.float32).astype(value.dtype)
+        )
+    factors = flatten_dict(jax.device_get(state.params))
+    assert factors and all(v.dtype == np.float32 for v in factors.values())
+    merged = jax.eval_shape(trainer.model_params, state.params)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(merged)} == {jnp.dtype(jnp.bfloat16)}
+
+    state, metrics = trainer.iteration(state, 0)
+    assert np.isfinite(metrics["loss"])
+    after = flatten_dict(jax.device_get(state.params))
+    assert all(v.dtype == np.float32 for v in after.values())
+    assert any(np.any(after[k] != factors[k]) for k in factors)  # the factors trained
+    for path, value in flatten_dict(jax.device_get(trainer.adapter.base)).items():
+        np.testing.assert_array_equal(value, base[path])
 
 
 def test_kl_reference_is_the_base_without_a_copy(tmp_path):

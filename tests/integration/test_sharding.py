@@ -10,7 +10,8 @@ import pytest
 
 from tree_grpo_jax import sharding
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "sharded_step.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_step.py")
 
 
 def test_fsdp_rule_shards_largest_divisible_dimension():
@@ -37,6 +38,7 @@ def test_train_step_on_8_devices_matches_one_device():
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": ROOT,  # this checkout's package
     }
     out = subprocess.run(
         [sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=600

@@ -221,3 +221,34 @@ def test_more_updates_than_minibatches_is_one_update_each_and_said(tmp_path, cap
         f"note: train.updates_per_iteration=1000 is more than the {minibatches} minibatch(es) "
         f"an iteration trains on; each minibatch is one update ({minibatches} per iteration)."
     ]
+
+
+def test_denoise_rows_change_no_number(tmp_path):
+    """The denoiser over 3 rows at a time (chunks that divide no level: the last is topped
+    up) gives the rollout, the update and the eval rows that every row at once gives, to
+    float32 rounding (the CPU's matmuls round differently for another number of rows)."""
+    runs = {}
+    for rows in (0, 3):
+        c = small_config("treegrpo")
+        c.prompts.source = "digits"
+        c.rewards = "digit_alignment"  # smooth in the pixels: rounding cannot move it far
+        c.train.adam_eps = 1.0  # so the update follows the gradient, not only its sign
+        c.sampling.denoise_rows = rows
+        trainer, state = train.setup(c, str(tmp_path / f"rows_{rows}"))
+        sampled = trainer.rollout(state.params, ["0", "1"], jax.random.PRNGKey(1))
+        before = jax.device_get(state.params)
+        state, metrics = trainer.iteration(state, 0)
+        _, images, rewards, _ = trainer.evaluate_samples(state.params)
+        after = jax.device_get(state.params)
+        moved = jax.tree_util.tree_map(lambda a, b: a - b, after, before)
+        runs[rows] = (jax.device_get(sampled.tree), moved, np.asarray(images), rewards)
+    (tree, moved, images, rewards), (tree_3, moved_3, images_3, rewards_3) = runs[0], runs[3]
+    assert np.std(images) > 0 and np.std(rewards) > 0  # rows that differ from each other
+    for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(tree_3)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    step = max(float(np.abs(m).max()) for m in jax.tree_util.tree_leaves(moved))
+    assert step > 1e-6  # the update moved the weights
+    for a, b in zip(jax.tree_util.tree_leaves(moved), jax.tree_util.tree_leaves(moved_3)):
+        np.testing.assert_allclose(b, a, atol=1e-3 * step)
+    np.testing.assert_allclose(images_3, images, atol=1e-4)
+    np.testing.assert_allclose(rewards_3, rewards, rtol=1e-4, atol=1e-5)

@@ -1,6 +1,8 @@
 """Runs one train step on a 1-device mesh and on a data=2 x fsdp=4 mesh of 8 simulated CPU
-devices; prints a JSON line with the losses, the largest parameter difference and how the
-parameters are laid out. Run with XLA_FLAGS=--xla_force_host_platform_device_count=8."""
+devices (there with the denoiser's rows, and its activations between layers, constrained over
+the mesh as the run lays them out); prints a JSON line with the losses, the largest parameter
+difference and how the parameters are laid out. Run with
+XLA_FLAGS=--xla_force_host_platform_device_count=8."""
 
 import json
 
@@ -13,6 +15,8 @@ import numpy as np
 from tree_grpo_jax import sharding
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.transitions import Transitions
+from tree_grpo_jax.models.base import constrain_rows
+from tree_grpo_jax.run import denoiser
 from tree_grpo_jax.run.train_step import TrainState, make_optimizer, make_train_step
 
 SAMPLE_SHAPE = (1, 4, 4)
@@ -22,8 +26,8 @@ class MLPDenoiser(nn.Module):
     @nn.compact
     def __call__(self, x, t, cond):
         h = jnp.concatenate([x.reshape(x.shape[0], -1), cond.mean(axis=1), t[:, None] / 1000.0], -1)
-        h = nn.gelu(nn.Dense(64)(h))
-        h = nn.gelu(nn.Dense(64)(h))
+        h = constrain_rows(nn.gelu(nn.Dense(64)(h)))  # the run's row layout, where it sets one
+        h = constrain_rows(nn.gelu(nn.Dense(64)(h)))
         return nn.Dense(16)(h).reshape(x.shape)
 
 
@@ -83,7 +87,7 @@ def one_step(mesh, params, batch, cond, schedule):
     shardings = sharding.param_shardings(mesh, jax.eval_shape(init, params))
     state = jax.jit(init, out_shardings=shardings)(params)
     loss_kwargs = dict(
-        denoise_fn=denoise,
+        denoise_fn=denoiser.laid_out(denoise, mesh),  # rows over the mesh where fsdp > 1
         reduce="mean",
         guidance_scale=1.0,
         clip_range=0.2,

@@ -242,6 +242,7 @@ RANGE_CASES = [
     ("sampling.noise_level", NAN, "sampling.noise_level must be a finite number"),
     ("sampling.noise_level", 0.0, "sampling.noise_level must be positive"),
     ("sampling.shift", 0.0, "sampling.shift (the flow sigma shift) must be positive"),
+    ("sampling.denoise_rows", -1, "sampling.denoise_rows must be a whole number >= 0"),
     ("sampling.guidance_scale", -1.0, "sampling.guidance_scale must be in [0, 100]"),
     ("sampling.guidance_scale", 1e30, "sampling.guidance_scale must be in [0, 100], got 1e+30"),
     ("tree.group_size", 0, "tree.group_size must be at least 1"),

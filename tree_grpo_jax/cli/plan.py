@@ -172,6 +172,7 @@ def table(plan, config_path: str, sizes_gb) -> str:
         "held between programs: "
         + ", ".join(f"{k} {size(v)}" for k, v in plan.resident.items() if v),
         "not planned: " + "; ".join(plan.not_planned) + ".",
+        *(f"note: {n}." for n in plan.notes),
     ]
     largest = plan.largest
     whole, default = fits(plan, sizes_gb), fits(plan, sizes_gb, GPU_DEFAULT_SHARE)
@@ -218,6 +219,7 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
         "fits": fits(plan, sizes_gb),
         "fits_default_gpu_share": fits(plan, sizes_gb, GPU_DEFAULT_SHARE),
         "not_planned": list(plan.not_planned),
+        "notes": list(plan.notes),
     }
 
 

@@ -342,6 +342,11 @@ def _check_sampling(s) -> None:
         s.log_prob_reduce in ("mean", "sum"),
         f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
     )
+    rows = s.get("denoise_rows", 0)
+    _require(
+        isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0,
+        f"sampling.denoise_rows must be a whole number >= 0 (0: every row at once), got {rows!r}.",
+    )
 
 
 def _check_advantage(a, num_steps: int) -> None:

@@ -109,6 +109,10 @@ def shared_config() -> ml_collections.ConfigDict:
     c.sampling.shift = 1.0  # flow sigma shift
     c.sampling.guidance_scale = 1.0  # classifier-free guidance; 1.0 switches it off
     c.sampling.log_prob_reduce = "mean"  # "mean" or "sum" over the image's dimensions
+    # Rows through the denoiser at once in the rollout and the evaluation (a level's rows, the
+    # conditional and unconditional ones both with guidance, go in chunks of this many: less
+    # activation memory, the same numbers); 0: all of them at once.
+    c.sampling.denoise_rows = 0
 
     # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix", or the
     # forward-process methods "diffusion_nft" (tree.group_size ODE samples per prompt) and

@@ -9,6 +9,8 @@ says what `decode` gives: images [B, H, W, C] or videos [B, T, H, W, C] (`models
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -204,6 +206,29 @@ def remat_mode(value) -> str:
     raise ValueError(
         f"model.remat must be one of {', '.join(REMAT_MODES)} (or True / False), got {value!r}."
     )
+
+
+# How the run lays out a batch's rows across its devices while a denoiser is traced (None:
+# as the compiler likes). Set by the run around its denoiser; read by `constrain_rows`.
+_ROW_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("row_layout", default=None)
+
+
+@contextlib.contextmanager
+def row_layout(constrain: Callable[[jax.Array], jax.Array] | None):
+    """Within it, `constrain_rows(x)` is `constrain(x)`: a family's denoiser calls it on its
+    activations between blocks, so that a sharded run keeps their rows split over the
+    devices (and gathers weights) instead of splitting the activations' channels."""
+    token = _ROW_LAYOUT.set(constrain)
+    try:
+        yield
+    finally:
+        _ROW_LAYOUT.reset(token)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """`x` [B, ...] laid out as the run's `row_layout` asks; `x` itself outside one."""
+    constrain = _ROW_LAYOUT.get()
+    return x if constrain is None else constrain(x)
 
 
 def training_denoise(model, remat) -> DenoiseFn:

@@ -20,9 +20,9 @@ from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats, training_denoise
+from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.run import precompile
+from tree_grpo_jax.run import denoiser, precompile
 from tree_grpo_jax.run.prompts import load_prompts
 from tree_grpo_jax.run.train_step import (
     TrainState,
@@ -162,7 +162,8 @@ def lora_paths(config, base) -> list:
 
 
 def frozen_base(config, model_params):
-    """LoRA's frozen base: the model's weights in the compute dtype."""
+    """LoRA's frozen base: the model's weights in the compute dtype (bfloat16 for the
+    releases' configs: only the trained factors keep `model.param_dtype` masters)."""
     return cast_floats(model_params, DTYPES[config.model.compute_dtype])
 
 
@@ -177,10 +178,11 @@ def trained_params(config, model_params, base=None, paths=None):
     return cast_floats(factors, DTYPES[config.model.param_dtype])
 
 
-def step_layout(config, objective, model, base_shardings=None) -> tuple[dict, dict]:
+def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[dict, dict]:
     """(the loss's static settings, the train step's layout: its loss function and, under
     LoRA, the merge and where the frozen base and the KL reference lie)."""
-    loss_fn, loss_kwargs = objective.loss(config, training_denoise(model, config.model.remat))
+    denoise = denoiser.training_denoise(model, config, mesh)
+    loss_fn, loss_kwargs = objective.loss(config, denoise)
     layout = {"loss_fn": loss_fn}
     if base_shardings is not None:
         rank = int(config.lora.rank)
@@ -190,6 +192,90 @@ def step_layout(config, objective, model, base_shardings=None) -> tuple[dict, di
             ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
         )
     return loss_kwargs, layout
+
+
+def references(config, params, base):
+    """(the train step's KL reference, the evaluation's KL reference) of a run training
+    `params` (LoRA: on `base`): the base itself under LoRA, else `params`' initial values
+    (for a real run, pass a copy); None where the run keeps none."""
+    use_kl = config.train.kl_beta > 0
+    # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
+    # KL term whose reference is kept anyway
+    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
+    initial = params if base is None else base
+    return (initial if use_kl else None), (initial if eval_kl else None)
+
+
+def programs(config, model, mesh, objective, state_shardings, base_shardings=None) -> dict:
+    """The run's jitted programs and the denoiser they sample with, built once: the train
+    step, its accumulating form and `sampling_denoise` (Trainer fields)."""
+    tx = make_optimizer(config.train)
+    loss_kwargs, layout = step_layout(config, objective, model, mesh, base_shardings)
+    return {
+        "train_step": make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout),
+        "accumulating": make_accumulating_step(tx, loss_kwargs, mesh, state_shardings, **layout),
+        "sampling_denoise": denoiser.sampling_denoise(model, config, mesh),
+    }
+
+
+def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
+    """The run `build` builds, as shapes: a Trainer over `model` (a family's abstract model)
+    whose state, frozen base and references are ShapeDtypeStructs carrying the shardings the
+    real run gives them, and whose programs are the real run's (`Trainer.lower_programs`
+    lowers them). Nothing is allocated; it reads no prompts and scores nothing."""
+    method = methods.get(config.tree.method)
+    tx = make_optimizer(config.train)
+    adapter = None
+    if int(config.lora.rank) == 0:
+        params = jax.eval_shape(functools.partial(trained_params, config), model.params)
+    else:
+        base = jax.eval_shape(functools.partial(frozen_base, config), model.params)
+        paths = lora_paths(config, base)
+        params = jax.eval_shape(lambda b: trained_params(config, model.params, b, paths), base)
+        rank = int(config.lora.rank)
+        base = _placed(base, sharding.param_shardings(mesh, base))
+        adapter = lora.Adapter(base, paths, rank, float(config.lora.alpha or rank), "")
+    state = jax.eval_shape(
+        lambda p: initial_state(tx, p, method.objective.keeps_old_policy), params
+    )
+    state_shardings = sharding.param_shardings(mesh, state)
+    state = _placed(state, state_shardings)
+    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
+    ref_params, kl_reference = references(
+        config, state.params, None if adapter is None else adapter.base
+    )
+    uncond = None
+    if config.sampling.guidance_scale != 1.0:
+        uncond = jax.ShapeDtypeStruct(
+            model.cond_shape, jnp.float32, sharding=sharding.replicated(mesh)
+        )
+    trainer = Trainer(
+        config=config,
+        workdir="",
+        model=model,
+        mesh=mesh,
+        method=method,
+        reward=None,
+        eval_rewards={},
+        prompts=None,
+        eval_prompts=[],
+        uncond=uncond,
+        init_state=None,
+        tracker=None,
+        ref_params=ref_params,
+        key=jax.random.PRNGKey(config.seed),
+        adapter=adapter,
+        kl_reference=kl_reference,
+        **programs(config, model, mesh, method.objective, state_shardings, base_shardings),
+    )
+    return trainer, state
+
+
+def _placed(tree, shardings):
+    """`tree`'s shapes carrying `shardings`."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
 def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
@@ -276,21 +362,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     state = init_state(params)
 
     base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
-    loss_kwargs, layout = step_layout(config, objective, model, base_shardings)
-    use_kl = config.train.kl_beta > 0
-    # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
-    # KL term whose reference is kept anyway
-    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
-    if adapter is None:
-        keep = use_kl or eval_kl
-        initial = jax.tree_util.tree_map(jnp.copy, state.params) if keep else None
-        ref_params = initial if use_kl else None
-        kl_reference = initial if eval_kl else None
+    if adapter is None:  # a copy of the initial weights: the state's are donated
+        kept = references(config, state.params, None)
+        initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
+        ref_params, kl_reference = (None if r is None else initial for r in kept)
     else:  # the KL reference is the base itself: no second copy
-        ref_params = adapter.base if use_kl else None
-        kl_reference = adapter.base if eval_kl else None
-    train_step = make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout)
-    accumulating = make_accumulating_step(tx, loss_kwargs, mesh, state_shardings, **layout)
+        ref_params, kl_reference = references(config, state.params, adapter.base)
     trainer = Trainer(
         config=config,
         workdir=workdir,
@@ -302,8 +379,6 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         prompts=prompts,
         eval_prompts=eval_prompts,
         uncond=uncond,
-        train_step=train_step,
-        accumulating=accumulating,
         init_state=init_state,
         tracker=make_tracker(config, method),
         ref_params=ref_params,
@@ -311,6 +386,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         adapter=adapter,
         embed=diversity_embed(config, eval_prompts, reward_mesh, model.media),
         kl_reference=kl_reference,
+        **programs(config, model, mesh, objective, state_shardings, base_shardings),
     )
     return trainer, state
 

@@ -28,6 +28,7 @@ RESUME_MAY_CHANGE = (
     "compile_cache.",
     "reward_models.",  # where the same reward weights live now
     "reward_options.chunk_size",
+    "sampling.denoise_rows",  # how the denoiser's rows are batched, not what it computes
 )
 
 

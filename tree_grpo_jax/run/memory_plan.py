@@ -2,18 +2,21 @@
 each: what `python -m tree_grpo_jax.plan` reports before any weight is downloaded.
 
 The model comes as shapes (`models.registry.abstract_model`: a family reads only its JSON
-configs); the trainable state, LoRA, the optimizer and the train step are built as
-`build.build` builds them, under `jax.eval_shape`, so nothing is allocated. Each program is
-lowered with explicit shardings and compiled; `Compiled.memory_analysis()` gives the sizes of
-the buffers XLA assigned to one device: arguments, outputs, temporaries, and the outputs that
-reuse a donated argument (aliased). Their sum less the aliased bytes is the program's peak.
+configs); the run is `build.abstract_trainer`: the trainer `build.build` builds, its state,
+LoRA base and references as shapes carrying the real run's shardings, so nothing is
+allocated. The programs are the trainer's own (`Trainer.lower_programs`: the rollout, the
+evaluation, the train step), lowered for those shapes and compiled; `Compiled.
+memory_analysis()` gives the sizes of the buffers XLA assigned to one device: arguments,
+outputs, temporaries, and the outputs that reuse a donated argument (aliased). Their sum less
+the aliased bytes is the program's peak.
 
 Programs:
   rollout     the iteration's tree over one prompt batch (window position traced, int32)
   train_step  one PPO step on `train.rows_per_minibatch` transition rows, optimizer included
               (with `train.updates_per_iteration`: `accumulate`, one minibatch's gradient
               added to a sum, and `apply`, the optimizer step from the sum)
-  evaluate    the deterministic sampler over `prompts.eval_count` prompts
+  evaluate    the deterministic sampler over the evaluation's samples (with the eval KL
+              where the run measures it)
   decode      the VAE decode of one iteration's leaves
 
 Batches split their leading axis over every device of the mesh, as the trainer lays them out:
@@ -28,11 +31,9 @@ shapes and shardings.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +41,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import methods, sharding
-from tree_grpo_jax.core import rollout
+from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import schedule_for
+from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory
-from tree_grpo_jax.run.train_step import (
-    TrainState,
-    initial_state,
-    make_optimizer,
-    make_train_step,
-    old_params,
-)
+from tree_grpo_jax.run.train_step import old_params
 
 # How a fusion the CPU compiler hands to a library (XNNPACK, oneDNN) is marked in its HLO.
 LIBRARY_FUSION = '"kind":"__'
@@ -97,29 +91,11 @@ class MemoryPlan:
     programs: tuple[ProgramMemory, ...]
     resident: dict[str, int]  # per-device bytes of what lives across programs
     not_planned: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # how the figures were compiled
 
     @property
     def largest(self) -> ProgramMemory:
         return max(self.programs, key=lambda p: p.total)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """The run as shapes, laid out on its mesh."""
-
-    config: Any
-    model: Any  # models.abstract.AbstractModel
-    mesh: Any
-    method: methods.Method
-    spec: Any
-    tx: Any
-    state: TrainState  # abstract
-    state_shardings: Any
-    weights: Any  # what the denoiser runs with in the rollout and evaluation
-    weights_shardings: Any
-    base: Any  # LoRA's frozen base, or None
-    base_shardings: Any
-    ref: Any  # the KL reference when it is a copy of its own, or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,64 +141,7 @@ def padded(size: int, mesh) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The run's state, as `build.build` makes it.
-
-
-def build_run(config, model, mesh) -> _Run:
-    """The trainable state and the denoiser's weights as shapes, laid out as `build.build`
-    lays them out: full fine-tuning in `model.param_dtype`, or LoRA factors on a frozen base
-    in `model.compute_dtype`."""
-    tx = make_optimizer(config.train)
-    if int(config.lora.rank) == 0:
-        base = None
-        params = jax.eval_shape(functools.partial(build.trained_params, config), model.params)
-        weights = params
-    else:  # only the factors are trained; the rollout runs on the merged weights
-        base = jax.eval_shape(functools.partial(build.frozen_base, config), model.params)
-        paths = build.lora_paths(config, base)
-        params = jax.eval_shape(
-            lambda b: build.trained_params(config, model.params, b, paths), base
-        )
-        weights = base  # `lora.merge` keeps every leaf's shape and dtype
-    method = methods.get(config.tree.method)
-    old_policy = method.objective.keeps_old_policy
-    state = jax.eval_shape(lambda p: initial_state(tx, p, old_policy), params)
-    kl = config.train.kl_beta > 0
-    return _Run(
-        config=config,
-        model=model,
-        mesh=mesh,
-        method=method,
-        spec=method.run_spec(config),
-        tx=tx,
-        state=state,
-        state_shardings=sharding.param_shardings(mesh, state),
-        weights=weights,
-        weights_shardings=sharding.param_shardings(mesh, weights),
-        base=base,
-        base_shardings=None if base is None else sharding.param_shardings(mesh, base),
-        ref=params if kl and base is None else None,  # LoRA's reference is its base
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The programs: (what, jitted function, abstract arguments).
-
-
-def _guidance(run: _Run):
-    c = run.config
-    uncond = None
-    if c.sampling.guidance_scale != 1.0:
-        uncond = jax.ShapeDtypeStruct(run.model.cond_shape, jnp.float32)
-    return uncond, float(c.sampling.guidance_scale)
-
-
-def _cond(num_prompts: int, run: _Run) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((num_prompts, *run.model.cond_shape), jnp.float32)
-
-
-def _schedule(run: _Run, num_steps: int, field: str = "sampling.num_steps"):
-    return abstract_like(schedule_for(run.model, num_steps, run.config.sampling, field))
+# The programs: the trainer's own, lowered for shapes.
 
 
 def _layout(mesh) -> str:
@@ -244,161 +163,68 @@ def _tree_shardings(tree, mesh):
     return tree.replace(segments=segments, leaves=_split(mesh))
 
 
-def rollout_program(run: _Run):
-    c, model, mesh, spec = run.config, run.model, run.mesh, run.spec
-    num_prompts = c.prompts.batch_size
-    uncond, scale = _guidance(run)
-
-    def roll(weights, cond, key, schedule, window_start, uncond):
-        return rollout.rollout(
-            model.denoise,
-            weights,
-            cond,
-            key,
-            schedule,
-            spec=spec,
-            sample_shape=model.sample_shape,
-            uncond=uncond,
-            guidance_scale=scale,
-            reduce=c.sampling.log_prob_reduce,
-            window_start=window_start,
-            split_log_prob=c.tree.split_log_prob,
-        )
-
-    args = (
-        run.weights,
-        _cond(num_prompts, run),
-        jax.eval_shape(jax.random.PRNGKey, 0),
-        _schedule(run, c.sampling.num_steps),
-        jax.ShapeDtypeStruct((), jnp.int32),  # the window position is data
-        uncond,
-    )
-    rep = sharding.replicated(mesh)
-    out = _tree_shardings(jax.eval_shape(roll, *args), mesh)
-    fn = jax.jit(
-        roll,
-        in_shardings=(run.weights_shardings, _split(mesh), rep, rep, rep, rep),
-        out_shardings=out,
-    )
-    what = (
-        f"{num_prompts} prompts x {spec.leaves} leaves, {spec.num_steps} steps"
-        f"{', guidance' if uncond is not None else ''}{_layout(mesh)}"
-    )
-    return what, fn, args
+def _shaped(shape, mesh, split: bool = True) -> jax.ShapeDtypeStruct:
+    layout = _split(mesh) if split else sharding.replicated(mesh)
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout)
 
 
-def transition_rows(run: _Run, tree):
-    """One minibatch of the method's rows as `transitions.minibatches` cuts it."""
-    k = max((b.step.k for b in run.spec.segment_blocks), default=1)
-    return run.method.objective.zero_rows(
-        run.config,
-        run.config.train.rows_per_minibatch,
-        run.model.sample_shape,
-        k,
-        tree.leaves.dtype,
-        make=jax.ShapeDtypeStruct,
+def eval_arguments(trainer):
+    """The evaluation's arguments after the weights, as `Trainer._eval_args` makes them, as
+    shapes: every eval sample (`eval.samples_per_prompt` rounds of the prompts) topped up to
+    a multiple of the devices."""
+    c, model, mesh = trainer.config, trainer.model, trainer.mesh
+    count = padded(c.prompts.eval_count * c.eval.get("samples_per_prompt", 1), mesh)
+    return (
+        _shaped((count, *model.cond_shape), mesh),
+        _shaped((count, *model.sample_shape), mesh),
+        trainer.schedule(c.eval.num_steps or None),
+        trainer.uncond,
+        c.sampling.guidance_scale,
     )
 
 
-def _step_setup(run: _Run, tree):
-    """What `build.build` gives the train step: the loss settings, the LoRA layout, and the
-    step's abstract arguments after the state: (batch, cond, schedule, uncond, ref)."""
-    c = run.config
-    uncond, _ = _guidance(run)
-    loss_kwargs, layout = build.step_layout(c, run.method.objective, run.model, run.base_shardings)
-    kl = c.train.kl_beta > 0
-    args = (
-        transition_rows(run, tree),
-        _cond(c.prompts.batch_size, run),
-        _schedule(run, c.sampling.num_steps),
-        uncond,
-        run.ref if run.base is None else (run.base if kl else None),
-    )
-    rows = c.train.rows_per_minibatch
-    what = (
-        f"{rows} rows{', guidance' if uncond is not None else ''}, "
-        f"{'remat' if c.model.remat else 'no remat'}{_layout(run.mesh)}"
-    )
-    return loss_kwargs, layout, args, what
-
-
-def train_step_program(run: _Run, tree):
-    loss_kwargs, layout, args, what = _step_setup(run, tree)
-    fn = make_train_step(run.tx, loss_kwargs, run.mesh, run.state_shardings, **layout)
-    frozen = () if run.base is None else (run.base,)
-    return what, fn, (run.state, *args, jax.ShapeDtypeStruct((), jnp.float32), *frozen)
-
-
-def accumulating_programs(run: _Run, tree):
-    """With `train.updates_per_iteration`, the trainer's update spans minibatches: one
-    gradient per minibatch added to a sum (`accumulate`), then one optimizer step (`apply`)."""
-    from tree_grpo_jax.run.train_step import make_accumulating_step
-
-    loss_kwargs, layout, args, what = _step_setup(run, tree)
-    step = make_accumulating_step(run.tx, loss_kwargs, run.mesh, run.state_shardings, **layout)
-    acc = jax.eval_shape(step.start, run.state)
-    frozen = () if run.base is None else (run.base,)
-    lr = jax.ShapeDtypeStruct((), jnp.float32)
-    return [
-        ("accumulate", what, step.accumulate, (acc, run.state, *args, *frozen)),
-        (
-            "apply",
-            "one optimizer update from the summed gradients",
-            step.apply,
-            (run.state, acc, lr),
-        ),
-    ]
-
-
-def evaluate_program(run: _Run):
-    c, model, mesh = run.config, run.model, run.mesh
-    count_ = padded(c.prompts.eval_count, mesh)
+def _descriptions(trainer, eval_args) -> dict[str, str]:
+    c, mesh, spec = trainer.config, trainer.mesh, trainer.spec()
+    guidance = ", guidance" if trainer.guidance else ""
+    rows = c.sampling.get("denoise_rows", 0)
+    chunks = f", {rows} denoiser rows at a time" if rows else ""
     steps = c.eval.num_steps or c.sampling.num_steps
-    uncond, scale = _guidance(run)
-
-    def sample(weights, cond, noise, schedule, uncond):
-        return rollout.sample_deterministic(
-            model.denoise, weights, cond, noise, schedule, uncond=uncond, guidance_scale=scale
-        )
-
-    rep, split = sharding.replicated(mesh), _split(mesh)
-    fn = jax.jit(
-        sample,
-        in_shardings=(run.weights_shardings, split, split, rep, rep),
-        out_shardings=split,
-    )
-    args = (
-        run.weights,
-        _cond(count_, run),
-        jax.ShapeDtypeStruct((count_, *model.sample_shape), jnp.float32),
-        _schedule(run, steps, "eval.num_steps" if c.eval.num_steps else "sampling.num_steps"),
-        uncond,
-    )
-    return f"{count_} prompts, {steps} steps{_layout(mesh)}", fn, args
+    kl = ", with the eval KL" if trainer.kl_reference is not None else ""
+    remat = "no remat" if remat_mode(c.model.remat) == "none" else "remat"
+    step = f"{c.train.rows_per_minibatch} rows{guidance}, {remat}{_layout(mesh)}"
+    return {
+        "rollout": f"{c.prompts.batch_size} prompts x {spec.leaves} leaves, {spec.num_steps} "
+        f"steps{guidance}{chunks}{_layout(mesh)}",
+        "evaluate": f"{eval_args[0].shape[0]} samples, {steps} steps{kl}{chunks}{_layout(mesh)}",
+        "train_step": step,
+        "accumulate": step,
+        "apply": "one optimizer update from the summed gradients",
+    }
 
 
-def decode_program(run: _Run, tree):
-    mesh = run.mesh
+def decode_program(trainer, tree):
+    mesh, model = trainer.mesh, trainer.model
     latents = jax.ShapeDtypeStruct(
         (math.prod(tree.leaves.shape[:2]), *tree.leaves.shape[2:]), tree.leaves.dtype
     )
     split = _split(mesh)
-    fn = jax.jit(
-        run.model.decode, in_shardings=(sharding.replicated(mesh), split), out_shardings=split
-    )
+    fn = jax.jit(model.decode, in_shardings=(sharding.replicated(mesh), split), out_shardings=split)
     what = f"{latents.shape[0]} leaves{_layout(mesh)}"
-    return what, fn, (run.model.decode_params, latents)
+    return fn.lower(model.decode_params, latents), what
 
 
 # ---------------------------------------------------------------------------------------------
 # Compiling and measuring.
 
 
-def compile_memory(name: str, what: str, fn, args, held: int, progress) -> ProgramMemory:
-    """Lowers and compiles `fn` on `args` and reads XLA's memory analysis of one device."""
+def compile_memory(
+    name: str, what: str, lowered, held: int, progress, options: dict | None = None
+) -> ProgramMemory:
+    """Compiles a lowered program (with compiler `options`) and reads XLA's memory analysis
+    of one device."""
     progress(f"compiling {name}: {what} ...")
     start = time.perf_counter()
-    compiled = fn.lower(*args).compile()
+    compiled = lowered.compile(compiler_options=options)
     seconds = time.perf_counter() - start
     stats = memory.read(compiled)
     if stats is None:
@@ -422,24 +248,31 @@ def compile_memory(name: str, what: str, fn, args, held: int, progress) -> Progr
     )
 
 
-def resident_bytes(run: _Run, tree, tree_shardings) -> dict[str, int]:
-    """Per device: what the run keeps across programs."""
-    rep = sharding.replicated(run.mesh)
-    state_sh = run.state_shardings
+def resident_bytes(trainer, state, tree, tree_shardings) -> dict[str, int]:
+    """Per device: what the run keeps across programs (`state` and the trainer's arrays are
+    shapes carrying their shardings)."""
+    rep = sharding.replicated(trainer.mesh)
     out = {
-        "trained params": device_bytes(run.state.params, state_sh.params),
-        "optimizer state": device_bytes(run.state.opt_state, state_sh.opt_state),
+        "trained params": _bytes(state.params),
+        "optimizer state": _bytes(state.opt_state),
     }
-    if old_params(run.state) is not None:  # DiffusionNFT's sampling policy
-        out["old policy"] = device_bytes(old_params(run.state), old_params(state_sh))
-    if run.base is not None:
-        out["LoRA base"] = device_bytes(run.base, run.base_shardings)
-    if run.ref is not None:
-        out["KL reference"] = device_bytes(run.ref, rep)
-    if run.model.decode is not None:
-        out["decoder weights"] = device_bytes(run.model.decode_params, rep)
+    if old_params(state) is not None:  # DiffusionNFT's sampling policy
+        out["old policy"] = _bytes(old_params(state))
+    if trainer.adapter is not None:
+        out["LoRA base"] = _bytes(trainer.adapter.base)
+    elif trainer.ref_params is not None or trainer.kl_reference is not None:
+        copy = trainer.ref_params if trainer.ref_params is not None else trainer.kl_reference
+        out["KL reference"] = _bytes(copy)
+    if trainer.model.decode is not None:
+        out["decoder weights"] = device_bytes(trainer.model.decode_params, rep)
     out["rollout tree"] = device_bytes(tree, tree_shardings)
     return out
+
+
+def _bytes(tree) -> int:
+    """Per device bytes of shapes that carry their shardings."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return device_bytes(leaves, [x.sharding for x in leaves])
 
 
 def _held(name: str, resident: dict[str, int], lora_run: bool) -> int:
@@ -487,11 +320,35 @@ def _not_planned(config, model, measured, names) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _training(config, run: _Run) -> str:
+def _training(config, trainer) -> str:
     m = config.model
-    what = "full fine-tuning" if run.base is None else f"LoRA rank {config.lora.rank}"
-    remat = "remat" if m.remat else "no remat"
-    return f"{what}, params {m.param_dtype}, compute {m.compute_dtype}, {remat}"
+    if trainer.adapter is None:
+        what = "full fine-tuning"
+    else:
+        dtypes = {str(x.dtype) for x in jax.tree_util.tree_leaves(trainer.adapter.base)}
+        what = f"LoRA rank {config.lora.rank} (frozen base {'/'.join(sorted(dtypes))})"
+    mode = remat_mode(m.remat)
+    remat = "no remat" if mode == "none" else f"remat ({mode})"
+    rows = config.sampling.get("denoise_rows", 0)
+    chunks = f", sampling {rows} denoiser rows at a time" if rows else ""
+    return f"{what}, params {m.param_dtype}, compute {m.compute_dtype}, {remat}{chunks}"
+
+
+# The CPU computes bfloat16 dots in float32, and loop-invariant code motion would hoist a
+# float32 copy of every bfloat16 weight out of the sampling loops: memory a GPU, computing them
+# natively, never holds. The plan's CPU compiles run without that pass.
+CPU_COMPILE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+CPU_NOTE = (
+    "CPU compiles with loop-invariant code motion off, so that the float32 copies of "
+    "bfloat16 weights the CPU would hoist out of the sampling loops (a GPU makes none) are "
+    "not counted; what a GPU would hoist besides (such as a bfloat16 copy of float32 master "
+    "weights) is not counted either"
+)
+
+
+def compile_options(platform: str) -> dict | None:
+    """The plan's compiler options on `platform` (None: the run's own)."""
+    return dict(CPU_COMPILE) if platform == "cpu" else None
 
 
 def _chosen(only: Sequence[str] | None) -> set[str]:
@@ -528,35 +385,40 @@ def plan_memory(
     model = model_registry.abstract_model(config.model, seed=config.seed)
     if model.attention_note:  # the plan compiles another attention than the run's kernel
         progress(model.attention_note)
-    run = build_run(config, model, mesh)
-    what, fn, args = rollout_program(run)
-    tree = jax.eval_shape(fn, *args)
-    resident = resident_bytes(run, tree, _tree_shardings(tree, mesh))
-    programs = [("rollout", what, fn, args)]
-    if config.train.get("updates_per_iteration", 0):
-        programs += accumulating_programs(run, tree)
-    else:
-        programs.append(("train_step", *train_step_program(run, tree)))
-    programs.append(("evaluate", *evaluate_program(run)))
-    if model.decode is not None:
-        programs.append(("decode", *decode_program(run, tree)))
-    lora_run = run.base is not None
+    trainer, state = build.abstract_trainer(config, model, mesh)
+    cond = _shaped((config.prompts.batch_size, *model.cond_shape), mesh)
+    eval_args = eval_arguments(trainer)
+    lowered = trainer.lower_programs(state, cond, eval_args, accumulating=True)
+    tree = lowered["rollout"].out_info
+    resident = resident_bytes(trainer, state, tree, _tree_shardings(tree, mesh))
+    what = _descriptions(trainer, eval_args)
+    order = ("rollout", "train_step", "accumulate", "apply", "evaluate")
+    programs = [(name, what[name], lowered[name]) for name in order if name in lowered]
+    if model.decode is not None and "decode" in chosen:
+        decode, decode_what = decode_program(trainer, tree)
+        programs.append(("decode", decode_what, decode))
+    elif model.decode is not None:
+        programs.append(("decode", "", None))
+    lora_run = trainer.adapter is not None
+    platform = devices[0].platform
+    options = compile_options(platform)
     measured = [
-        compile_memory(name, what, fn, args, _held(name, resident, lora_run), progress)
-        for name, what, fn, args in programs
+        compile_memory(name, what, program, _held(name, resident, lora_run), progress, options)
+        for name, what, program in programs
         if name in chosen
     ]
     return MemoryPlan(
         model=model.source,
-        platform=devices[0].platform,
+        platform=platform,
         devices=len(devices),
         mesh={"data": mesh.shape["data"], "fsdp": mesh.shape["fsdp"]},
-        training=_training(config, run),
+        training=_training(config, trainer),
         parameters=count(model.params),
-        trained_parameters=count(run.state.params),
+        trained_parameters=count(state.params),
         sample_shape=tuple(model.sample_shape),
         cond_shape=tuple(model.cond_shape),
         programs=tuple(measured),
         resident=resident,
         not_planned=_not_planned(config, model, measured, [p[0] for p in programs]),
+        notes=(CPU_NOTE,) if options else (),
     )

@@ -139,6 +139,13 @@ class Trainer:
     embed: Any = None  # images -> [B, D]: the diversity measure's embedding (diversity.py)
     # the denoiser's weights the eval KL compares with (the base for LoRA); None: no eval KL
     kl_reference: Any = None
+    # the rollout's and the evaluation's denoiser (`run.denoiser.sampling_denoise`; built once:
+    # the programs take it as a static argument); None: the model's own
+    sampling_denoise: Any = None
+
+    @property
+    def denoise(self):
+        return self.model.denoise if self.sampling_denoise is None else self.sampling_denoise
 
     @property
     def guidance(self) -> bool:
@@ -183,7 +190,7 @@ class Trainer:
     def _rollout_program(self, weights, cond, key, window_start: int, lower: bool = False):
         c = self.config
         return rollout.rollout(
-            self.model.denoise,
+            self.denoise,
             weights,
             cond,
             key,
@@ -396,10 +403,10 @@ class Trainer:
     def _eval_program(self, weights, args: tuple, with_kl: bool, lower: bool = False):
         if with_kl:
             fn = rollout.sample_with_kl.lower if lower else rollout.sample_with_kl
-            return fn(self.model.denoise, weights, self.kl_reference, *args)
+            return fn(self.denoise, weights, self.kl_reference, *args)
         cond, noise, schedule, uncond, scale = args
         return rollout.sample_deterministic(
-            self.model.denoise,
+            self.denoise,
             weights,
             cond,
             noise,
@@ -420,50 +427,80 @@ class Trainer:
         arguments the run will pass them, nothing computed: compiled ahead, they tell the
         programs' memory, and the run's own calls reuse them."""
         c = self.config
-        params = weights = state.params
-        if self.adapter is not None:  # the merged weights' shapes, laid out as the base
-            weights = jax.tree_util.tree_map(
-                lambda s, b: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=b.sharding),
-                jax.eval_shape(self.adapter.merged, params),
-                self.adapter.base,
-            )
         batch = [
             self.prompts.prompts[i % len(self.prompts.prompts)]
             for i in range(c.prompts.batch_size * jax.process_count())
         ]
         rows = sharding.process_rows(len(batch))
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
-        key = jax.random.split(jax.random.fold_in(self.key, 0))[0]
         prompts, noise = self.eval_inputs()
-        _, _, args = self._eval_args(prompts, noise)
-        lowered = {"rollout": self._rollout_program(weights, cond, key, 0, lower=True)}
-        lowered["evaluation"] = self._eval_program(
-            weights, args, self.kl_reference is not None, lower=True
-        )
-        if not c.train.get("updates_per_iteration", 0):
-            tree = lowered["rollout"].out_info
-            batch = self._zero_minibatch(tree)
-            lowered["train step"] = self.train_step.lower(
-                state,
-                batch,
-                sharding.replicate(self.mesh, cond),
-                self.schedule(),
-                self.uncond,
-                self.ref_params,
-                jnp.float32(learning_rate(c.train, 0)),
-                *self._step_args(),
+        _, _, eval_args = self._eval_args(prompts, noise)
+        lowered = self.lower_programs(state, cond, eval_args)
+        return {
+            "evaluation" if n == "evaluate" else n.replace("_", " "): p for n, p in lowered.items()
+        }
+
+    def lower_programs(
+        self, state: TrainState, cond, eval_args: tuple, accumulating: bool = False
+    ) -> dict:
+        """The programs the run calls, lowered for `state`, the prompt batch's conditioning
+        `cond` (split over the mesh) and the evaluation's arguments after the weights (see
+        `_eval_args`): arrays, or shapes that carry their shardings (the memory plan).
+        "rollout", "evaluate" and either "train_step" or, for a run with
+        `train.updates_per_iteration` and when `accumulating`, "accumulate" and "apply"."""
+        c = self.config
+        weights = state.params
+        if self.adapter is not None:  # the merged weights' shapes, laid out as the base
+            adapter = self.adapter
+            merged = jax.eval_shape(
+                lambda base, p: dataclasses.replace(adapter, base=base).merged(p),
+                adapter.base,
+                state.params,
             )
+            weights = jax.tree_util.tree_map(
+                lambda s, b: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=b.sharding),
+                merged,
+                adapter.base,
+            )
+        key = jax.random.split(jax.random.fold_in(self.key, 0))[0]
+        lowered = {"rollout": self._rollout_program(weights, cond, key, 0, lower=True)}
+        lowered["evaluate"] = self._eval_program(
+            weights, eval_args, self.kl_reference is not None, lower=True
+        )
+        tree = lowered["rollout"].out_info
+        rest = (
+            self._zero_minibatch(tree),
+            _replicated_like(self.mesh, cond),
+            self.schedule(),
+            self.uncond,
+            self.ref_params,
+        )
+        lr = jnp.float32(learning_rate(c.train, 0))
+        if not c.train.get("updates_per_iteration", 0):
+            lowered["train_step"] = self.train_step.lower(state, *rest, lr, *self._step_args())
+        elif accumulating:
+            step = self.accumulating
+            acc = jax.eval_shape(step.start, state)
+            lowered["accumulate"] = step.accumulate.lower(acc, state, *rest, *self._step_args())
+            lowered["apply"] = step.apply.lower(state, acc, lr)
         return lowered
 
     def _zero_minibatch(self, tree):
-        """A minibatch of zeros shaped as `transitions.minibatches` cuts them from `tree`
-        (shapes), laid out as `update` lays it out."""
-        rows = self.config.train.rows_per_minibatch // jax.process_count()
+        """The shapes of a minibatch as `transitions.minibatches` cuts them from `tree`
+        (shapes), split over the mesh as `update` lays it out (every process's rows)."""
         k = max((seg.k for seg in tree.segments), default=1)
         batch = self.method.objective.zero_rows(
-            self.config, rows, tree.leaves.shape[2:], k, tree.leaves.dtype
+            self.config,
+            self.config.train.rows_per_minibatch,
+            tree.leaves.shape[2:],
+            k,
+            tree.leaves.dtype,
+            make=jax.ShapeDtypeStruct,
         )
-        return sharding.shard_batch(self.mesh, batch)
+        split = sharding.batch_sharding(self.mesh)
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), batch
+        )
 
     def evaluate(self, params) -> tuple[dict, np.ndarray]:
         """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
@@ -512,6 +549,16 @@ class Trainer:
             tracker=make_tracker(config, self.method),
             key=jax.random.PRNGKey(seed),
         )
+
+
+def _replicated_like(mesh, tree):
+    """`tree` copied onto every device (shapes: their replicated layout)."""
+    if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree)):
+        return sharding.replicate(mesh, tree)
+    rep = sharding.replicated(mesh)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree
+    )
 
 
 def prompt_iterator(config) -> PromptIterator:

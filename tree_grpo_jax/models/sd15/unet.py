@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tree_grpo_jax.models.base import remat_mode
+from tree_grpo_jax.models.base import constrain_rows, remat_mode
 from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 
 # diffusers' Flax leaves log a deprecation notice when imported and set up.
@@ -497,7 +497,8 @@ class UNet2DConditionModel(nn.Module):
         timesteps = jnp.atleast_1d(jnp.asarray(timesteps))  # a number for all, or [B]
         temb = self.time_embedding(self.time_proj(timesteps))
 
-        sample = self.conv_in(jnp.transpose(sample, (0, 2, 3, 1)))  # NCHW -> NHWC
+        # `constrain_rows`: between blocks the activations keep the run's row layout
+        sample = constrain_rows(self.conv_in(jnp.transpose(sample, (0, 2, 3, 1))))  # NHWC
         skips = (sample,)
         # (every argument positional: a remat block takes `deterministic` as a static one)
         for block, kind in zip(self.down_blocks, self.down_block_types):
@@ -505,10 +506,13 @@ class UNet2DConditionModel(nn.Module):
                 sample, res = block(sample, temb, encoder_hidden_states, deterministic)
             else:
                 sample, res = block(sample, temb, deterministic)
-            skips += res
+            sample = constrain_rows(sample)
+            skips += tuple(constrain_rows(r) for r in res)
 
         if self.mid_block is not None:
-            sample = self.mid_block(sample, temb, encoder_hidden_states, deterministic)
+            sample = constrain_rows(
+                self.mid_block(sample, temb, encoder_hidden_states, deterministic)
+            )
 
         width = self.layers_per_block + 1
         for block, kind in zip(self.up_blocks, self.up_block_types):
@@ -517,6 +521,7 @@ class UNet2DConditionModel(nn.Module):
                 sample = block(sample, res, temb, encoder_hidden_states, deterministic)
             else:
                 sample = block(sample, res, temb, deterministic)
+            sample = constrain_rows(sample)
 
         sample = self.conv_out(nn.silu(self.conv_norm_out(sample)))
         return UNetOutput(sample=jnp.transpose(sample, (0, 3, 1, 2)))

@@ -1,0 +1,64 @@
+"""The denoiser as the run calls it: its rows laid out over the mesh, and, in the rollout and
+the evaluation, run over `sampling.denoise_rows` rows at a time.
+
+Built once per run (`build.build`, and the memory plan from shapes): the jitted programs take
+the denoiser as a static argument, so the same function object must reach every call.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tree_grpo_jax import sharding
+from tree_grpo_jax.core.guidance import DenoiseFn, in_chunks
+from tree_grpo_jax.models import base
+
+
+def rows_constraint(mesh):
+    """x [B, ...] -> x with its rows split over every device of `mesh` (an array whose rows
+    do not divide is left as it is), or None where the compiler needs no help: with fsdp = 1
+    nothing else competes for the batch's devices. With fsdp > 1 the weights are sharded over
+    'fsdp' and the compiler may otherwise split the activations' channels over it (SD1.5's
+    convolutions) rather than gather the weights as FSDP means to."""
+    if mesh.shape["fsdp"] == 1:
+        return None
+    shards = sharding.num_batch_shards(mesh)
+
+    def constrain(x):
+        if x.ndim == 0 or x.shape[0] % shards:
+            return x
+        spec = P(sharding.BATCH_AXES, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return constrain
+
+
+def laid_out(denoise_fn: DenoiseFn, mesh) -> DenoiseFn:
+    """`denoise_fn` with its inputs, its output and, through `models.base.row_layout`, the
+    activations its family constrains between blocks, split by rows over the mesh."""
+    constrain = rows_constraint(mesh)
+    if constrain is None:
+        return denoise_fn
+
+    def denoise(params, x, t, cond):
+        x, t, cond = constrain(x), constrain(t), constrain(cond)
+        with base.row_layout(constrain):  # traced here: the family's blocks see it
+            out = denoise_fn(params, x, t, cond)
+        return constrain(out)
+
+    return denoise
+
+
+def sampling_denoise(model, config, mesh) -> DenoiseFn:
+    """The rollout's and the evaluation's denoiser: `sampling.denoise_rows` rows at a time
+    (0: a whole level at once), laid out over `mesh`."""
+    rows = int(config.sampling.get("denoise_rows", 0))
+    return in_chunks(laid_out(model.denoise, mesh), rows)
+
+
+def training_denoise(model, config, mesh) -> DenoiseFn:
+    """The denoiser the train step differentiates (remat as `model.remat` asks), laid out
+    over `mesh`."""
+    return laid_out(base.training_denoise(model, config.model.remat), mesh)
