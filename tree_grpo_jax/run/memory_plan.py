@@ -236,7 +236,12 @@ def _tree_shardings(tree, mesh):
     on_prompts = _split(mesh, axis=1)
     segments = tuple(
         s.replace(
-            parents=on_prompts, children=on_prompts, log_probs=on_prompts, steps=rep, active=rep
+            parents=on_prompts,
+            children=on_prompts,
+            log_probs=on_prompts,
+            steps=rep,
+            active=rep,
+            means=None if s.means is None else on_prompts,
         )
         for s in tree.segments
     )
@@ -262,6 +267,7 @@ def rollout_program(run: _Run):
             reduce=c.sampling.log_prob_reduce,
             window_start=window_start,
             split_log_prob=c.tree.split_log_prob,
+            **run.method.objective.rollout_options(c),
         )
 
     args = (
