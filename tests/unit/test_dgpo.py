@@ -234,3 +234,25 @@ def test_rows_hold_each_group_at_distinct_early_steps(shared):
     np.testing.assert_array_equal(rows.prompt, np.repeat([0, 1], 4))
     same = np.all(rows.noise[:, :1] == rows.noise, axis=(1, 2)).all()
     assert same == shared
+
+
+def test_a_tiny_run_raises_its_reward(tmp_path):
+    """The shipped flow twin on JPEG compressibility: four iterations of DGPO
+    (configs/tiny_flow_dgpo.py) make its fixed eval samples smaller files."""
+    from configs import tiny_flow_dgpo
+    from tree_grpo_jax.run import loop as train
+
+    c = tiny_flow_dgpo.get_config()
+    c.rewards = "jpeg_compressibility"
+    c.eval.extra_rewards = ()
+    c.prompts.batch_size = 2
+    c.tree.group_size = 8
+    c.prompts.eval_count = 20
+    c.train.iterations = 4
+    c.eval.every = 0
+    c.checkpoint.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    summary = train.train(c, str(tmp_path))
+    first, last = summary["first_eval_reward"], summary["last_eval_reward"]
+    assert last > first + 0.002, (first, last)

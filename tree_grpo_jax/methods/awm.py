@@ -272,6 +272,7 @@ class AWMObjective(Objective):
     keeps_old_policy = True  # the EMA copy
     draws_rows = True  # the times and noises of its rows
     section = "awm"
+    reported_metrics = ("matching_error", "ema_kl")
 
     def options(self):
         """AWM's settings (tree.method "awm" / "awm_tree"). Defaults: the released SD3.5-M

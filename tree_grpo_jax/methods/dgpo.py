@@ -208,6 +208,7 @@ class DGPOObjective(Objective):
     keeps_old_policy = True  # the EMA reference ("ema_ref")
     draws_rows = True  # the steps and noises of its rows
     section = "dgpo"
+    reported_metrics = ("dsm", "dsm_gap", "group_weight")
 
     def options(self):
         """DGPO's settings (tree.method "dgpo"). Defaults: the released SD3.5-M GenEval

@@ -54,6 +54,9 @@ class Objective(abc.ABC):
     keeps_old_policy: ClassVar[bool] = False
     # its rows are drawn at random: the update gives them a key of their own
     draws_rows: ClassVar[bool] = False
+    # its loss's own figures, averaged over an iteration's minibatches into metrics.jsonl
+    # (TensorBoard) and shown on the progress line
+    reported_metrics: ClassVar[tuple[str, ...]] = ()
 
     # -- its own config section (`config.<section>`), or none ------------------------------------
     section: ClassVar[str | None] = None

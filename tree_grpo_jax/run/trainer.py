@@ -284,7 +284,7 @@ class Trainer:
         }
         if step_metrics:
             means = ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl")
-            for name in (*means, "old_deviation"):
+            for name in (*means, "old_deviation", *objective.reported_metrics):
                 if name in step_metrics[0]:
                     metrics[name] = float(np.mean([m[name] for m in step_metrics]))
             if "ratio_min" in step_metrics[0]:
