@@ -68,6 +68,8 @@ PRESETS: dict[str, dict] = {
 FLOW_PRESETS: dict[str, dict] = {
     "diffusion_nft": {"tree.method": "diffusion_nft", "tree.group_size": 16},
     "diffusion_nft_tree": {"tree.method": "diffusion_nft_tree", "tree.window": 4, "tree.k": 2},
+    "awm": {"tree.method": "awm", "tree.group_size": 16},
+    "dgpo": {"tree.method": "dgpo", "tree.group_size": 16},
 }
 
 LABELS = {
@@ -80,6 +82,8 @@ LABELS = {
     "branchgrpo_mix": "branchgrpo_mix (window 4)",
     "diffusion_nft": "diffusion_nft (16 ODE samples)",
     "diffusion_nft_tree": "diffusion_nft on treegrpo's tree (w=4, k=2)",
+    "awm": "awm (16 ODE samples)",
+    "dgpo": "dgpo (16 ODE samples)",
 }
 
 

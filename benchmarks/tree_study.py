@@ -10,6 +10,7 @@
     python -m benchmarks.tree_study --group nft        # DiffusionNFT beside the trees (flow twin)
     python -m benchmarks.tree_study --group nft_cost   # the same seconds each, fewer sigmas too
     python -m benchmarks.tree_study --group nft_screen # DiffusionNFT's learning rate, beta, tree
+    python -m benchmarks.tree_study --group methods    # AWM, DGPO, GRPO-Guard beside them all
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
@@ -174,6 +175,17 @@ SETTINGS: dict[str, Setting] = {
         "branchgrpo_mix", BMIX_TREES2, label="branchgrpo_mix, 2 trees"
     ),
     "branchgrpo_mix_lr3e-4": Setting("branchgrpo_mix", LR3, label="branchgrpo_mix, lr 3e-4"),
+    "grpo_lr3e-4": Setting("grpo", LR3, label="grpo, lr 3e-4"),
+    "treegrpo_guard_lr3e-4": Setting(
+        "treegrpo", LR3 + (("grpo_guard.enabled", True),), label="treegrpo + GRPO-Guard, lr 3e-4"
+    ),
+    # the methods' own defaults (their sections), on-policy, at their released 3e-4
+    "awm_lr3e-4": Setting("awm", LR3 + (("train.clip_range", 1.0),), label="awm, lr 3e-4"),
+    "dgpo_lr3e-4": Setting(
+        "dgpo",
+        LR3 + (("train.kl_beta", 0.02), ("train.rows_per_minibatch", 4)),
+        label="dgpo, lr 3e-4",
+    ),
 }
 
 GROUPS = {
@@ -285,9 +297,21 @@ GROUPS = {
         "diffusion_nft_tree",
         "diffusion_nft_tree_lr3e-4",
     ),
+    # Advantage Weighted Matching, DGPO and TreeGRPO with GRPO-Guard beside the trees, the
+    # flat methods and DiffusionNFT, every one at lr 3e-4 (section 11's best for each)
+    "methods": (
+        "grpo_lr3e-4",
+        "mixgrpo_lr3e-4",
+        "treegrpo_lr3e-4",
+        "branchgrpo_mix_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "awm_lr3e-4",
+        "dgpo_lr3e-4",
+        "treegrpo_guard_lr3e-4",
+    ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
-FLOW_GROUPS = {"nft": "flow", "nft_cost": "flow_time", "nft_screen": "flow"}
+FLOW_GROUPS = {"nft": "flow", "nft_cost": "flow_time", "nft_screen": "flow", "methods": "flow1"}
 
 MODES = {
     # seeds; budget: training seconds per run (a cap when `iterations` is set); iterations:
@@ -325,6 +349,15 @@ MODES = {
     "flow": dict(
         model="tiny_flow",
         seeds=(0, 1, 2),
+        budget=150.0,
+        iterations=16,
+        evals=0,
+        rewards=("jpeg_compressibility", "jpeg_incompressibility"),
+    ),
+    # "flow" with one seed: a run that a shared machine finishes in about half an hour
+    "flow1": dict(
+        model="tiny_flow",
+        seeds=(0,),
         budget=150.0,
         iterations=16,
         evals=0,

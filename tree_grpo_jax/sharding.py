@@ -237,6 +237,7 @@ def local_tree(tree, rows: slice):
             log_probs=local_rows(seg.log_probs, rows, axis=1),
             steps=to_host(seg.steps),
             active=to_host(seg.active),
+            means=None if seg.means is None else local_rows(seg.means, rows, axis=1),
         )
         for seg in tree.segments
     )

@@ -112,3 +112,46 @@ def test_the_trainer_trains_through_the_method_s_objective(frozen_method, tmp_pa
     # loss (tests/test_train.py) moves them
     jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.device_get(state.params))
     jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.device_get(state.old_params))
+
+
+def _tiny_flow_run(tmp_path, guard: bool):
+    from configs import tiny_flow
+
+    c = tiny_flow.get_config()
+    c.rewards = "jpeg_compressibility"
+    c.eval.extra_rewards = ()
+    c.prompts.batch_size = 2
+    c.prompts.eval_count = 2
+    c.train.iterations = 1
+    c.eval.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    c.grpo_guard.enabled = guard
+    trainer, state = train.setup(c, str(tmp_path / f"guard_{guard}"))
+    return trainer.iteration(state, 0)[1]
+
+
+def test_grpo_guard_off_leaves_today_s_numbers_and_on_regulates_the_ratio(tmp_path):
+    """TreeGRPO on the flow twin, one iteration: with the guard off, the figures the code
+    gave before the guard existed (recorded from that code, this machine's CPU); with it on,
+    the same rollout and rewards, a ratio of exactly 1 on its one minibatch (the weights
+    that rolled out are the weights scored) and a gradient of its own."""
+    off = _tiny_flow_run(tmp_path, guard=False)
+    # the loss is -mean(A) at ratio 1: zero up to rounding, which the program's fusion sets
+    assert abs(off["loss"] - 1.390775050680304e-08) < 1e-7
+    recorded = {
+        "reward_mean": -0.39509375020861626,
+        "grad_norm": 0.06710987538099289,
+        "ratio_min": 0.9999998807907104,
+        "ratio_max": 1.0000001192092896,
+        "trained_edges": 60,
+        "train_rows": 30,
+    }
+    for name, value in recorded.items():
+        np.testing.assert_allclose(off[name], value, rtol=1e-5, err_msg=name)
+    on = _tiny_flow_run(tmp_path, guard=True)
+    assert on["reward_mean"] == off["reward_mean"]
+    assert on["ratio_min"] == pytest.approx(1.0, abs=1e-6)
+    assert on["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    # its gradient is the plain one scaled by each step's std over |dt|
+    assert abs(on["grad_norm"] - off["grad_norm"]) > 0.05 * off["grad_norm"]

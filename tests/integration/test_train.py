@@ -42,6 +42,41 @@ def nft_config(method: str = "diffusion_nft"):
     return c
 
 
+def awm_config(method: str = "awm"):
+    """A small off-policy AWM run: the EMA copy samples, anchors the ratio and moves."""
+    c = nft_config(method)
+    c.awm.train_timesteps = 2  # strata of [1, int(4 * 0.9)) = [1, 3)
+    c.awm.off_policy = True
+    c.awm.ema_decay_rate = 0.25
+    return c
+
+
+def dgpo_config():
+    """A small DGPO run that samples with its EMA copy from the second iteration on."""
+    c = nft_config("dgpo")
+    c.dgpo.trunc_steps = 2
+    c.dgpo.train_timesteps = 2
+    c.dgpo.switch_ema_ref = 1
+    c.dgpo.ema_decay_rate = 0.25
+    c.train.kl_beta = 0.02
+    c.train.rows_per_minibatch = 2
+    return c
+
+
+def test_two_iterations_of_awm_on_the_tree(tmp_path):
+    c = awm_config("awm_tree")
+    c.train.kl_beta = 0.1
+    train.train(c, str(tmp_path))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [m for m in metrics if "train/reward_mean" in m]
+    leaves = 4  # k2 over a window of 2
+    assert [m["train/train_rows"] for m in rows] == [2 * leaves * 2] * 2
+    # min(0.25 * iterations done, 0.3)
+    assert [m["train/ema_decay"] for m in rows] == [0.25, 0.3]
+    assert all(m["train/ema_kl"] >= 0 and m["train/matching_error"] > 0 for m in rows)
+    assert all(np.isfinite(m["train/loss"]) and m["train/kl"] >= 0 for m in rows)
+
+
 def test_two_iterations_of_diffusion_nft_on_the_tree(tmp_path):
     # (the plain diffusion_nft run is the resume test's)
     c = nft_config("diffusion_nft_tree")
@@ -64,10 +99,11 @@ def _final_params(c, workdir):
     return jax.device_get((restored.params, old_params(restored))), meta
 
 
-@pytest.mark.parametrize("method", ["grpo", "diffusion_nft"])
+@pytest.mark.parametrize("method", ["grpo", "diffusion_nft", "awm", "dgpo"])
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
-    # DiffusionNFT: the old policy (the sampler) is part of the state, compared too
-    c = small_config("grpo") if method == "grpo" else nft_config()
+    # DiffusionNFT, AWM, DGPO: the old policy / EMA copy is part of the state, compared too
+    configs = {"grpo": lambda: small_config("grpo"), "diffusion_nft": nft_config}
+    c = {**configs, "awm": awm_config, "dgpo": dgpo_config}[method]()
     c.advantage.stat_tracker = True
     c.advantage.tracker_min_count = 2
     c.train.iterations = 4

@@ -7,7 +7,8 @@ from the record, which holds their defaults: `model.<family>` from each model fa
 (models/<family>/family.py), `reward_options.<name>` from each reward with settings of its
 own and `reward_models.<name>` (its folder, "" = none configured) from each reward that reads
 a model (tree_grpo_jax/rewards), and an objective's options from the objective
-(`diffusion_nft` from tree_grpo_jax/methods/nft.py).
+(`diffusion_nft` from tree_grpo_jax/methods/nft.py, `awm`, `dgpo`, and `grpo_guard` of
+the PPO objective).
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def shared_config() -> ml_collections.ConfigDict:
 
     # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix", or the
     # forward-process methods "diffusion_nft" (tree.group_size ODE samples per prompt) and
-    # "diffusion_nft_tree" (the leaves of treegrpo's tree), flow models only (section below).
+    # "diffusion_nft_tree" (the leaves of treegrpo's tree), "awm" / "awm_tree" (Advantage
+    # Weighted Matching, likewise) and "dgpo" (tree.group_size ODE samples per prompt), flow
+    # models only (their sections below).
     c.tree = ml_collections.ConfigDict()
     c.tree.method = "treegrpo"
     c.tree.group_size = 16  # grpo / mixgrpo: chains per prompt

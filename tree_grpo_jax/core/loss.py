@@ -10,6 +10,14 @@ actions with (`Segment.score_scale`): the split's noise scale by default, 1 when
 ran with `split_log_prob="unscaled"` (BranchGRPO's released convention). The loss thus
 follows the rollout's convention and the importance ratio is 1 before an update either way.
 
+GRPO-Guard (arXiv 2510.22319; `guard=True`, flow schedules) regulates the ratio: with s the
+step's std and mu, mu_old the step means under the trained and the rollout's parameters
+(`Transitions.old_means`), log r = s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2)), which
+is |.|-reduced (mu - mu_old) . (x - mu_old) / s: centred under the rollout's Gaussian and of
+one scale at every step, where the plain log-ratio is biased below 0 and grows as s shrinks.
+`guard_reweight="dt"` then divides each edge's term by its step's |dt| (the released
+trainers' `policy_loss / sqrt_dt**2`), which evens the steps' gradients.
+
 Jit it with `denoise_fn` static (functools.partial, or `static_argnames`).
 """
 
@@ -66,6 +74,29 @@ def score_actions(
     return sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, reduce)
 
 
+GUARD_REWEIGHTS = ("dt", "none")
+
+
+def _reduce(values: jax.Array, event_ndim: int, reduce: str) -> jax.Array:
+    axes = tuple(range(values.ndim - event_ndim, values.ndim))
+    return jnp.mean(values, axis=axes) if reduce == "mean" else jnp.sum(values, axis=axes)
+
+
+def guard_log_ratio(
+    log_ratio: jax.Array,
+    mean: jax.Array,
+    old_mean: jax.Array,
+    std: jax.Array,
+    event_ndim: int,
+    reduce: str,
+) -> jax.Array:
+    """GRPO-Guard's normalised log-ratio [R, K] from the plain one [R, K], the step means
+    [R, 1, *S] (trained) and [R, *S] (rollout's) and the std broadcastable to the means."""
+    scale = jnp.mean(jnp.broadcast_to(std, mean.shape), axis=tuple(range(2, mean.ndim)))
+    gap = _reduce((mean[:, 0] - old_mean.astype(jnp.float32)) ** 2, event_ndim, reduce)
+    return (log_ratio + gap[:, None] / (2.0 * scale**2)) * scale
+
+
 def ppo_loss(
     params: PyTree,
     batch: Transitions,
@@ -79,6 +110,8 @@ def ppo_loss(
     kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     reduce: str = "mean",
+    guard: bool = False,
+    guard_reweight: str = "dt",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
 
@@ -87,7 +120,8 @@ def ppo_loss(
     is the KL between the step Gaussians of the policy and the frozen reference, which
     share the policy's std (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2),
     Flow-GRPO's form; it is averaged over the rows that have a trained edge and costs one
-    more forward per row. `reduce` must match the rollout's.
+    more forward per row. `reduce` must match the rollout's. `guard`: GRPO-Guard's ratio
+    and, with `guard_reweight="dt"`, its per-step weights (module docstring).
     """
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape_prefix([batch.x, batch.actions, batch.mask], 1)
@@ -103,11 +137,19 @@ def ppo_loss(
 
     # Masked slots may hold anything: zero their log-ratio before exp so they stay finite.
     log_ratio = jnp.where(mask, new_log_probs - batch.old_log_probs, 0.0)
+    if guard:
+        if batch.old_means is None:
+            raise ValueError("guard needs the rollout's step means (record_means=True).")
+        guarded = guard_log_ratio(log_ratio, mean, batch.old_means, std, event_ndim, reduce)
+        log_ratio = jnp.where(mask, guarded, 0.0)
     ratio = jnp.exp(log_ratio)
     advantages = batch.advantages.astype(jnp.float32)  # clipped once, by the method table
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = _masked_mean(jnp.maximum(unclipped, clipped), mask)
+    per_edge = jnp.maximum(unclipped, clipped)
+    if guard and guard_reweight == "dt":
+        per_edge = per_edge / -schedule.dt[batch.step][:, None]
+    policy_loss = _masked_mean(per_edge, mask)
 
     live_rows = mask.any(axis=1)
     if use_kl:

@@ -60,6 +60,10 @@ class Segment:
     score_scale: the std multiplier of `log_probs` (noise_scale, or 1 with
     split_log_prob="unscaled"); level: the structural level of the children (the number of
     BRANCH steps at or before this segment), which is all the advantages need.
+
+    means:     [T, P, n, *S]      the step Gaussian's mean at each parent under the rollout's
+                                  parameters, recorded only when the rollout is asked to
+                                  (`record_means`: GRPO-Guard's ratio normalisation); else None
     """
 
     parents: jax.Array
@@ -71,6 +75,7 @@ class Segment:
     noise_scale: float = struct.field(pytree_node=False)
     score_scale: float = struct.field(pytree_node=False)
     level: int = struct.field(pytree_node=False)
+    means: jax.Array | None = None
 
     @property
     def num_steps(self) -> int:
@@ -206,6 +211,7 @@ def rollout(
     window_start: jax.Array | int = 0,
     split_log_prob: str = "sampled",
     lower: bool = False,
+    record_means: bool = False,
 ) -> Tree:
     """Rolls out `spec.num_trees` trees for each of the P prompts in `cond` [P, L, D].
 
@@ -214,6 +220,7 @@ def rollout(
     Python int is checked against the spec, a traced one is clipped into range.
     `split_log_prob` is "sampled" (score split children under the widened Gaussian they were
     drawn from) or "unscaled" (under the unscaled std, BranchGRPO's released code).
+    `record_means` keeps each parent's step mean in its segment (`Segment.means`).
 
     Compiles once per spec, batch shape, denoiser and options, for every window position;
     the same key gives the same tree. `lower=True` returns the program lowered for these
@@ -244,11 +251,20 @@ def rollout(
         sample_shape=tuple(sample_shape),
         reduce=reduce,
         split_log_prob=split_log_prob,
+        record_means=record_means,
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("denoise_fn", "spec", "sample_shape", "reduce", "split_log_prob")
+    jax.jit,
+    static_argnames=(
+        "denoise_fn",
+        "spec",
+        "sample_shape",
+        "reduce",
+        "split_log_prob",
+        "record_means",
+    ),
 )
 def _rollout(
     denoise_fn,
@@ -264,6 +280,7 @@ def _rollout(
     sample_shape: tuple[int, ...],
     reduce: str,
     split_log_prob: str,
+    record_means: bool = False,
 ) -> Tree:
     num_prompts = cond.shape[0]
     event_ndim = len(sample_shape)
@@ -277,6 +294,10 @@ def _rollout(
 
     def ode_body(i, x):
         return schedule.deterministic_step(i, x, level_predict(i, x))
+
+    def step_mean(i, x, pred):
+        """The parents' step mean (XLA shares it with the draw's), or None unrecorded."""
+        return schedule.transition(i, x, pred)[0] if record_means else None
 
     x = initial_noise(init_key, num_prompts, spec, sample_shape)
     segments = []
@@ -305,8 +326,9 @@ def _rollout(
 
             def body(x, inputs, draw=draw):
                 i, noise, _ = inputs
-                children, log_probs = draw(i, x, level_predict(i, x), noise)
-                return children, (x, children, log_probs)
+                pred = level_predict(i, x)
+                children, log_probs = draw(i, x, pred, noise)
+                return children, (x, children, log_probs, step_mean(i, x, pred))
 
         else:  # mixed: stochastic inside the window, deterministic outside
             active = _window_flags(block, spec, steps, start)
@@ -316,7 +338,8 @@ def _rollout(
                 pred = level_predict(i, x)
                 drawn, log_probs = draw(i, x, pred, noise)
                 children = jnp.where(stochastic, drawn, schedule.deterministic_step(i, x, pred))
-                return children, (x, children, jnp.where(stochastic, log_probs, 0.0))
+                record = (x, children, jnp.where(stochastic, log_probs, 0.0))
+                return children, (*record, step_mean(i, x, pred))
 
         inputs = (steps, noises[len(segments)], active)
         if block.num_steps == 1:  # a BRANCH step changes the level's size: no scan
@@ -324,7 +347,7 @@ def _rollout(
             record = jax.tree_util.tree_map(lambda a: a[None], record)
         else:
             x, record = jax.lax.scan(body, x, inputs)
-        parents, children, log_probs = record
+        parents, children, log_probs, means = record
         segments.append(
             Segment(
                 parents,
@@ -336,6 +359,7 @@ def _rollout(
                 noise_scale=step.noise_scale,
                 score_scale=score_scale,
                 level=block.level,
+                means=means,
             )
         )
 

@@ -49,6 +49,9 @@ class Transitions(MaskedRows):
     old_log_probs: np.ndarray  # [R, K] under the rollout's parameters
     advantages: np.ndarray  # [R, K]
     mask: np.ndarray  # [R, K] bool, True = a real edge that is trained
+    # [R, *S] the step mean under the rollout's parameters (GRPO-Guard), when the rollout
+    # recorded it; else None
+    old_means: np.ndarray | None = None
 
 
 def _rows(array: np.ndarray) -> np.ndarray:
@@ -110,20 +113,23 @@ def gather_transitions(
                 old_log_probs=_pad_children(np.asarray(seg.log_probs, np.float32), seg.k, max_k, 0),
                 advantages=_pad_children(np.asarray(advantages[j], np.float32), seg.k, max_k, 0),
                 mask=_pad_children(mask, seg.k, max_k, False),
+                old_means=None if seg.means is None else _rows(np.asarray(seg.means)),
             )
         )
     if not parts:
-        return empty_transitions(sample_shape, max_k, np.asarray(tree.leaves).dtype)
+        means = bool(tree.segments) and tree.segments[0].means is not None
+        return empty_transitions(sample_shape, max_k, np.asarray(tree.leaves).dtype, means)
     merged = jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *parts)
     live = merged.mask.any(axis=1)
     return jax.tree_util.tree_map(lambda a: a[live], merged)
 
 
 def zero_transitions(
-    rows: int, sample_shape, max_k: int = 1, dtype=np.float32, make=np.zeros
+    rows: int, sample_shape, max_k: int = 1, dtype=np.float32, make=np.zeros, means=False
 ) -> Transitions:
     """`rows` rows of zeros (`make=jax.ShapeDtypeStruct`: their shapes alone), the layout
-    `gather_transitions` gives and `minibatches` cuts."""
+    `gather_transitions` gives and `minibatches` cuts; `means`: with the rollout's step
+    means (GRPO-Guard)."""
     return Transitions(
         x=make((rows, *sample_shape), dtype),
         step=make((rows,), np.int32),
@@ -133,11 +139,14 @@ def zero_transitions(
         old_log_probs=make((rows, max_k), np.float32),
         advantages=make((rows, max_k), np.float32),
         mask=make((rows, max_k), np.bool_),
+        old_means=make((rows, *sample_shape), np.float32) if means else None,
     )
 
 
-def empty_transitions(sample_shape, max_k: int = 1, dtype=np.float32) -> Transitions:
-    return zero_transitions(0, sample_shape, max_k, dtype)
+def empty_transitions(
+    sample_shape, max_k: int = 1, dtype=np.float32, means: bool = False
+) -> Transitions:
+    return zero_transitions(0, sample_shape, max_k, dtype, means=means)
 
 
 def num_minibatches(num_rows: int, rows_per_batch: int) -> int:

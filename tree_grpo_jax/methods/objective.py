@@ -42,6 +42,7 @@ class RowSource:
     # this process's view of DDPO's stat tracker (`update(prompt_ids, rewards)` of its own
     # rows, updated with the global batch), or None
     tracker: Any = None
+    schedule: Any = None  # the sampler's schedule (its sigmas: forward-process rows' times)
 
 
 class Objective(abc.ABC):
@@ -53,6 +54,9 @@ class Objective(abc.ABC):
     keeps_old_policy: ClassVar[bool] = False
     # its rows are drawn at random: the update gives them a key of their own
     draws_rows: ClassVar[bool] = False
+    # its loss's own figures, averaged over an iteration's minibatches into metrics.jsonl
+    # (TensorBoard) and shown on the progress line
+    reported_metrics: ClassVar[tuple[str, ...]] = ()
 
     # -- its own config section (`config.<section>`), or none ------------------------------------
     section: ClassVar[str | None] = None
@@ -77,6 +81,11 @@ class Objective(abc.ABC):
         return None
 
     # -- training --------------------------------------------------------------------------------
+    def rollout_options(self, config: ml_collections.ConfigDict) -> dict:
+        """What the rollout must record for this objective's rows besides the tree
+        (`core.rollout.rollout`'s keywords, e.g. GRPO-Guard's `record_means`)."""
+        return {}
+
     @abc.abstractmethod
     def rows(
         self,
@@ -106,6 +115,11 @@ class Objective(abc.ABC):
     ):
         """`rows` rows of zeros of this objective's kind (`make=jax.ShapeDtypeStruct`: their
         shapes alone); `max_k` is the tree's widest branch."""
+
+    def samples_with_old_policy(self, config: ml_collections.ConfigDict, iteration: int) -> bool:
+        """Whether iteration `iteration` rolls out with the old policy (when one is kept)
+        rather than the trained weights."""
+        return self.keeps_old_policy
 
     def after_update(
         self, config: ml_collections.ConfigDict, old, params, iteration: int

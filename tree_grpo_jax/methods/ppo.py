@@ -4,15 +4,20 @@ Its rows are the tree's trainable edges gathered by parent (`core.transitions`),
 its advantage from the method's credit assignment and, where the method prunes, only the
 edges its masks keep. The state keeps no old policy: the rollout's own log-probabilities
 are the ratio's denominator.
+
+Its section `grpo_guard` switches on GRPO-Guard (arXiv 2510.22319) for every PPO method of
+the table: the rollout records each parent's step mean and the loss normalises the ratio
+with it and reweights the steps (core/loss.py). Off by default: today's runs are unchanged.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
-from tree_grpo_jax.core import transitions
-from tree_grpo_jax.core.loss import ppo_loss
+from tree_grpo_jax.core import sampling, transitions
+from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, ppo_loss
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -30,11 +35,50 @@ def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) ->
 
 class PPOObjective(Objective):
     name = "ppo"
+    section = "grpo_guard"
+
+    def options(self):
+        """GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
+        variants), flow models only. The ratio becomes
+        exp(s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2))), s the step's std, mu_old the
+        rollout's step mean (recorded by the rollout: one more state per trained parent),
+        and with reweight "dt" each edge's term is divided by its step's |dt|. Sources:
+        Flow-Factory src/flow_factory/trainers/grpo.py (GRPOGuardTrainer: the normalised
+        ratio) and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
+        reweighting); arXiv 2510.22319."""
+        g = ml_collections.ConfigDict()
+        g.enabled = False
+        g.reweight = "dt"  # "dt": divide each step's terms by |dt|; "none": the ratio alone
+        return g
+
+    def check_section(self, config):
+        g = config.grpo_guard
+        if g.reweight not in GUARD_REWEIGHTS:
+            return (
+                f"grpo_guard.reweight must be one of {', '.join(GUARD_REWEIGHTS)}, got "
+                f"{g.reweight!r}."
+            )
+        return None
 
     def check_run(self, config, spec):
         if spec.trainable_edges > 0:
             return None
         return f"the {config.tree.method} tree has no trainable step."
+
+    def check_model(self, config, model):
+        if not config.grpo_guard.enabled:
+            return None
+        schedule = model.make_schedule(config.sampling.num_steps, config.sampling)
+        if isinstance(schedule, sampling.FlowSchedule):
+            return None
+        return (
+            "grpo_guard.enabled normalises the ratio of a flow SDE step: it needs a "
+            f"rectified-flow model (tiny_flow, sd3, flux), not model.name={config.model.name}."
+        )
+
+    def rollout_options(self, config):
+        """The parents' step means, for GRPO-Guard's ratio."""
+        return {"record_means": True} if config.grpo_guard.enabled else {}
 
     def rows(self, method, config, source: RowSource, key=None) -> transitions.Transitions:
         """The trainable edges of this process's trees with their clipped advantages (the
@@ -56,6 +100,8 @@ class PPOObjective(Objective):
     def loss(self, config, denoise_fn):
         c = config
         settings = dict(reduce=c.sampling.log_prob_reduce, clip_range=c.train.clip_range)
+        if c.grpo_guard.enabled:
+            settings.update(guard=True, guard_reweight=c.grpo_guard.reweight)
         return ppo_loss, dict(
             denoise_fn=denoise_fn,
             guidance_scale=c.sampling.guidance_scale,
@@ -64,7 +110,14 @@ class PPOObjective(Objective):
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make)
+        means = config.grpo_guard.enabled
+        return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make, means)
+
+    def row_samples(self, config, spec):
+        """GRPO-Guard: each recorded parent's step mean beside the recorded states."""
+        if not config.grpo_guard.enabled:
+            return 0
+        return sum(b.num_steps * b.nodes_in for b in spec.segment_blocks)
 
     def training_counts(self, config, spec: TreeSpec, prunes: bool) -> dict:
         """Trained edges and rows (one row = one parent, whose single forward scores all its

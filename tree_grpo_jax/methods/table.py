@@ -4,10 +4,12 @@ A method is a tree (its spec builder), a credit assignment (its advantage functi
 its trainable edges train (its edge-mask hook: BranchGRPO's pruning), its objective and a few
 flags the trainer reads: whether its window slides, whether it can use DDPO's per-prompt stat
 tracker. The objective is an `objective.Objective`: `ppo.PPO` (PPO-clip on the rollout's own
-steps) or `nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the
+steps), `nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the
 leaves; its advantages are one array per leaf, [P, L], and it samples from an old copy of the
-policy). This is the one place that maps a method name to behaviour: the config checks look
-a method up here, and the run holds the `Method` it got and calls it.
+policy), `awm.AWM` (Advantage Weighted Matching) or `dgpo.DGPO` (Direct Group Preference
+Optimization), both forward-process objectives on the leaves too. This is the one place
+that maps a method name to behaviour: the config checks look a method up here, and the run
+holds the `Method` it got and calls it.
 
 Entries read their options from the config's `tree` and `advantage` sections; the library
 functions they call take plain values and static specs.
@@ -26,7 +28,7 @@ import numpy as np
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, tree_spec
 from tree_grpo_jax.core.rollout import Tree
-from tree_grpo_jax.methods import nft
+from tree_grpo_jax.methods import awm, dgpo, nft
 from tree_grpo_jax.methods.objective import Objective
 from tree_grpo_jax.methods.ppo import PPO
 
@@ -228,6 +230,32 @@ METHODS: dict[str, Method] = {
             advantages=_nft_credit,
             windowed=True,
             objective=nft.NFT,
+        ),
+        # AWM on G deterministic (ODE) samples per prompt, as its release samples
+        Method(
+            "awm",
+            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "awm"),
+            advantages=_nft_credit,
+            objective=awm.AWM,
+        ),
+        # AWM on the leaves of TreeGRPO's tree
+        Method(
+            "awm_tree",
+            spec=lambda t, n: tree_spec.named(
+                tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), "awm_tree"
+            ),
+            advantages=_nft_credit,
+            windowed=True,
+            objective=awm.AWM,
+        ),
+        # DGPO on G deterministic (ODE) samples per prompt, as its release samples
+        Method(
+            "dgpo",
+            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "dgpo"),
+            # the batch-std credit; its rows take each prompt's own std with
+            # dgpo.global_std=False (dgpo.advantages)
+            advantages=_nft_credit,
+            objective=dgpo.DGPO,
         ),
     )
 }

@@ -483,6 +483,7 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
                 with interrupts.critical():
                     writer.write(done, metrics, prefix="train/")
                 shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
+                shown += trainer.method.objective.reported_metrics
                 progress.update(
                     iteration,
                     metrics["time_iteration"],

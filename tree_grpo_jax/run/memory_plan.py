@@ -156,7 +156,12 @@ def _tree_shardings(tree, mesh):
     on_prompts = _split(mesh, axis=1)
     segments = tuple(
         s.replace(
-            parents=on_prompts, children=on_prompts, log_probs=on_prompts, steps=rep, active=rep
+            parents=on_prompts,
+            children=on_prompts,
+            log_probs=on_prompts,
+            steps=rep,
+            active=rep,
+            means=None if s.means is None else on_prompts,
         )
         for s in tree.segments
     )

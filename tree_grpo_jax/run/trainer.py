@@ -203,6 +203,7 @@ class Trainer:
             window_start=jnp.int32(window_start),  # data: one program for every position
             split_log_prob=c.tree.split_log_prob,
             lower=lower,
+            **self.method.objective.rollout_options(c),
         )
 
     def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
@@ -239,14 +240,18 @@ class Trainer:
             rewards=rewards,
             iteration=iteration,
             tracker=tracker,
+            schedule=self.schedule(),
         )
         return self.method.objective.rows(self.method, self.config, source, key)
 
-    def sampling_params(self, state: TrainState):
+    def sampling_params(self, state: TrainState, iteration: int = 0):
         """The trained weights the rollout samples with: the old policy where the method
-        keeps one (DiffusionNFT), else the current ones."""
+        keeps one and samples with it at `iteration` (DiffusionNFT; AWM off-policy; DGPO
+        after its switch), else the current ones."""
         old = old_params(state)
-        return state.params if old is None else old
+        if old is None or not self.method.objective.samples_with_old_policy(self.config, iteration):
+            return state.params
+        return old
 
     def update(
         self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
@@ -303,7 +308,7 @@ class Trainer:
         }
         if step_metrics:
             means = ("loss", "approx_kl", "clip_fraction", "ratio_mean", "grad_norm", "kl")
-            for name in (*means, "old_deviation"):
+            for name in (*means, "old_deviation", *objective.reported_metrics):
                 if name in step_metrics[0]:
                     metrics[name] = float(np.mean([m[name] for m in step_metrics]))
             if "ratio_min" in step_metrics[0]:
@@ -328,7 +333,9 @@ class Trainer:
         t0 = time.perf_counter()
         rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
         prompts = self.prompts.next_global_batch()
-        sampled = self.rollout(self.sampling_params(state), prompts, rollout_key, iteration)
+        sampled = self.rollout(
+            self.sampling_params(state, iteration), prompts, rollout_key, iteration
+        )
         finite = bool(jnp.all(jnp.isfinite(sampled.tree.leaves)))
         if not sharding.agree(finite, "min"):
             raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))

@@ -1,0 +1,258 @@
+"""DGPO's group preference loss against a per-sample float64 numpy version written from the
+release's formula, its gradient's sign and its neutral point, its credit and its rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tree_grpo_jax.core.sampling import make_flow_schedule
+from tree_grpo_jax.methods import dgpo
+
+SHAPE = (3, 2)
+NUM_STEPS = 10
+GROUP = 3
+
+
+def linear_denoiser(params, x, t, cond):
+    out = jnp.einsum("bij,jk->bik", x, params["w"]) + t[:, None, None] / 1000.0 * params["b"]
+    return out + cond.mean(axis=(1, 2))[:, None, None]
+
+
+def _params(seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w": jnp.asarray(scale * rng.normal(size=(2, 2)), jnp.float32),
+        "b": jnp.asarray(scale * rng.normal(size=SHAPE), jnp.float32),
+    }
+
+
+def _rows(seed, rows=4, prompts=2):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((rows, GROUP), bool)
+    mask[-1] = False  # a masked row
+    mask[0, 2] = False  # and a masked sample in a live one
+    return dgpo.DGPORows(
+        x0=rng.normal(size=(rows, GROUP, *SHAPE)).astype(np.float32),
+        noise=rng.normal(size=(rows, GROUP, *SHAPE)).astype(np.float32),
+        step=rng.integers(0, 5, size=rows).astype(np.int32),
+        prompt=rng.integers(0, prompts, size=rows).astype(np.int32),
+        advantage=rng.normal(size=(rows, GROUP)).astype(np.float32),
+        mask=mask,
+    )
+
+
+def _np(p):
+    return {k: np.asarray(v, np.float64) for k, v in p.items()}
+
+
+def reference(params, old, init, rows, cond, schedule, s):
+    """compute_group_dgpo_loss_allreduce and the release's clip and KL, one sample at a
+    time in float64: the loss and its gradient's coefficients d(loss)/d(dsm_i)."""
+    sigmas = np.asarray(schedule.sigmas, np.float64)
+    p, po, pi = _np(params), _np(old), _np(init)
+    cond = np.asarray(cond, np.float64)
+    total, kl, count = 0.0, 0.0, int(rows.mask.sum())
+    for r in range(len(rows.step)):
+        sigma = sigmas[rows.step[r]]
+        c = cond[rows.prompt[r]].mean()
+        terms = []
+        for g in range(GROUP):
+            if not rows.mask[r, g]:
+                continue
+            x0, eps = rows.x0[r, g].astype(np.float64), rows.noise[r, g].astype(np.float64)
+            xt = (1 - sigma) * x0 + sigma * eps
+            target = eps - x0
+
+            v, v_old, v_init = (xt @ q["w"] + sigma * q["b"] + c for q in (p, po, pi))
+            dsm, dsm_old, dsm_init = (np.mean((target - u) ** 2) for u in (v, v_old, v_init))
+            ref = dsm_old if s["reference"] == "ema" else dsm_init
+            a = float(rows.advantage[r, g])
+            terms.append((a, dsm, ref, np.mean((v - v_init) ** 2)))
+        group_sum = sum(a * s["beta_dpo"] * (d - ref) / s["group_size"] for a, d, ref, _ in terms)
+        weight = 1 / (1 + np.exp(-group_sum))
+        for a, d, _, k in terms:
+            total += weight * a * d
+            kl += k
+    return (total + s["kl_beta"] * kl) / count
+
+
+SETTINGS = [
+    dict(beta_dpo=100.0, group_size=16, reference="initial", kl_beta=0.02, clip=False),
+    dict(beta_dpo=7.0, group_size=GROUP, reference="ema", kl_beta=0.0, clip=False),
+]
+
+
+def _loss(params, rows, cond, old, init, s, clip_range=1e-2):
+    return dgpo.dgpo_loss(
+        params,
+        rows,
+        denoise_fn=linear_denoiser,
+        schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
+        cond=cond,
+        old_params=old,
+        beta_dpo=s["beta_dpo"],
+        group_size=s["group_size"],
+        reference=s["reference"],
+        clip_dsm=s["clip"],
+        clip_range=clip_range,
+        kl_beta=s["kl_beta"],
+        ref_params=init if (s["reference"] == "initial" or s["kl_beta"]) else None,
+    )
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=["initial_reference_kl", "ema_reference"])
+def test_the_loss_matches_a_per_sample_reference(s):
+    params, old, init = _params(0, 0.3), _params(1, 0.3), _params(2, 0.3)
+    rows = _rows(3)
+    cond = jnp.asarray(np.random.default_rng(4).normal(size=(2, 3, 4)), jnp.float32)
+    schedule = make_flow_schedule(NUM_STEPS, shift=3.0)
+    loss, metrics = _loss(params, rows, cond, old, init, s)
+    expected = reference(params, old, init, rows, cond, schedule, s)
+    np.testing.assert_allclose(float(loss), expected, rtol=2e-5)
+    assert int(metrics["trained_edges"]) == 3 * GROUP - 1 and int(metrics["rows"]) == 3
+    # the group weights are neither 0, 1/2 nor 1: the preference term matters here
+    assert 0.05 < float(metrics["group_weight"]) < 0.95
+    assert abs(float(metrics["group_weight"]) - 0.5) > 1e-3
+
+
+def _one_group(a, seed=5):
+    rng = np.random.default_rng(seed)
+    return dgpo.DGPORows(
+        x0=rng.normal(size=(1, GROUP, *SHAPE)).astype(np.float32),
+        noise=np.broadcast_to(rng.normal(size=(1, 1, *SHAPE)), (1, GROUP, *SHAPE)).astype(
+            np.float32
+        ),
+        step=np.array([2], np.int32),
+        prompt=np.zeros(1, np.int32),
+        advantage=np.asarray([a], np.float32),
+        mask=np.ones((1, GROUP), bool),
+    )
+
+
+def _free_velocity(params, x, t, cond):
+    return jnp.broadcast_to(params["v"], x.shape)
+
+
+def test_winners_are_pulled_losers_pushed_and_the_reference_weighs_one_half():
+    """At the reference (dsm = ref), every group's sigmoid is 1/2: the gradient is
+    A_i / 2 * grad(dsm_i) / n, towards each winner's data velocity, away from each loser's;
+    A = 0 does not move."""
+    schedule = make_flow_schedule(NUM_STEPS, shift=3.0)
+    v0 = np.random.default_rng(6).normal(size=(GROUP, *SHAPE)).astype(np.float32)
+    s = dict(beta_dpo=100.0, group_size=GROUP, reference="ema", kl_beta=0.0, clip=True)
+    a = [1.0, -1.0, 0.0]
+    rows = _one_group(a)
+
+    def per_sample_velocity(params, x, t, cond):
+        return jnp.broadcast_to(params["v"], x.shape)
+
+    p = {"v": jnp.asarray(v0)}
+    loss = lambda q: dgpo.dgpo_loss(  # noqa: E731
+        q,
+        rows,
+        denoise_fn=per_sample_velocity,
+        schedule=schedule,
+        cond=jnp.zeros((1, 1, 1)),
+        old_params=p,
+        beta_dpo=s["beta_dpo"],
+        group_size=GROUP,
+        reference="ema",
+        clip_dsm=True,
+    )
+    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
+    assert float(metrics["group_weight"]) == pytest.approx(0.5)
+    assert float(metrics["clip_fraction"]) == 0.0  # ratio 1: inside the clip
+    g = np.asarray(grad["v"])
+    v_data = rows.noise[0] - rows.x0[0]
+    # d/dv of 1/2 * A_i * mean((v_data - v)^2) / GROUP
+    expected = np.stack(
+        [0.5 * a[i] * -2 * (v_data[i] - v0[i]) / v0[i].size / GROUP for i in range(3)]
+    )
+    np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-7)
+    assert float(np.sum(-g[0] * (v_data[0] - v0[0]))) > 0  # the winner towards its data
+    assert float(np.sum(-g[1] * (v_data[1] - v0[1]))) < 0  # the loser away
+    np.testing.assert_array_equal(g[2], 0.0)
+
+
+def test_the_clip_holds_a_sample_that_has_moved_too_far_its_way():
+    """The EMA copy far better than the trained weights on the winner (ratio below 1 - c is
+    not clipped for a winner) and far worse on the loser's side: only samples whose ratio
+    left [1 - c, 1 + c] in their advantage's direction stop giving a gradient."""
+    schedule = make_flow_schedule(NUM_STEPS, shift=3.0)
+    rows = _one_group([1.0, -1.0, 1.0])
+    v_data = rows.noise[0] - rows.x0[0]
+    v = v_data + 0.5  # trained: dsm 0.25 each
+    old = np.stack([v_data[0] + 1.0, v_data[1] + 1.0, v_data[2]])  # dsm 1, 1, 0
+    p = {"v": jnp.asarray(v)}
+    loss = lambda q: dgpo.dgpo_loss(  # noqa: E731
+        q,
+        rows,
+        denoise_fn=_free_velocity,
+        schedule=schedule,
+        cond=jnp.zeros((1, 1, 1)),
+        old_params={"v": jnp.asarray(old)},
+        group_size=GROUP,
+        reference="ema",
+        clip_dsm=True,
+        clip_range=0.1,
+    )
+    (_, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
+    g = np.asarray(grad["v"])
+    # ratio = exp(dsm_old - dsm): e^0.75 for the winner 0 (A > 0, above 1 + c: held),
+    # e^0.75 for the loser 1 (A < 0: only below 1 - c holds), e^-0.25 for winner 2 (kept)
+    np.testing.assert_array_equal(g[0], 0.0)
+    assert np.abs(g[1]).sum() > 0 and np.abs(g[2]).sum() > 0
+    assert float(metrics["clip_fraction"]) == pytest.approx(1 / 3)
+
+
+def test_advantages_by_hand_with_the_prompt_s_std_or_the_batch_s():
+    rewards = np.array([[1.0, 2.0, 3.0], [10.0, 10.0, 16.0]])
+    per_prompt = dgpo.advantages(rewards, global_std=False)
+    np.testing.assert_allclose(per_prompt[0], np.array([-1, 0, 1]) / (np.sqrt(2 / 3) + 1e-4))
+    np.testing.assert_allclose(per_prompt[1], np.array([-2, -2, 4]) / (np.sqrt(8) + 1e-4))
+    std = np.sqrt(np.mean((rewards - rewards.mean()) ** 2))
+    np.testing.assert_allclose(
+        dgpo.advantages(rewards, global_std=True)[1], np.array([-2, -2, 4]) / (std + 1e-4)
+    )
+    np.testing.assert_array_equal(dgpo.advantages(np.full((2, 3), 0.3), False), 0.0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_rows_hold_each_group_at_distinct_early_steps(shared):
+    leaves = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    adv = np.arange(6, dtype=np.float32).reshape(2, 3)
+    rows = dgpo.gather_rows(
+        leaves, adv, jax.random.PRNGKey(0), steps=5, per_group=4, shared_noise=shared
+    )
+    assert rows.num_rows == 2 * 4 and rows.num_edges == 2 * 4 * 3
+    for p in range(2):
+        steps = rows.step[p * 4 : (p + 1) * 4]
+        assert len(set(steps)) == 4 and set(steps) <= set(range(5))
+        np.testing.assert_array_equal(rows.x0[p * 4], leaves[p])
+        np.testing.assert_array_equal(rows.advantage[p * 4], adv[p])
+    np.testing.assert_array_equal(rows.prompt, np.repeat([0, 1], 4))
+    same = np.all(rows.noise[:, :1] == rows.noise, axis=(1, 2)).all()
+    assert same == shared
+
+
+def test_a_tiny_run_raises_its_reward(tmp_path):
+    """The shipped flow twin on JPEG compressibility: four iterations of DGPO
+    (configs/tiny_flow_dgpo.py) make its fixed eval samples smaller files."""
+    from configs import tiny_flow_dgpo
+    from tree_grpo_jax.run import loop as train
+
+    c = tiny_flow_dgpo.get_config()
+    c.rewards = "jpeg_compressibility"
+    c.eval.extra_rewards = ()
+    c.prompts.batch_size = 2
+    c.tree.group_size = 8
+    c.prompts.eval_count = 20
+    c.train.iterations = 4
+    c.eval.every = 0
+    c.checkpoint.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    summary = train.train(c, str(tmp_path))
+    first, last = summary["first_eval_reward"], summary["last_eval_reward"]
+    assert last > first + 0.002, (first, last)

@@ -1,0 +1,421 @@
+"""Advantage Weighted Matching (AWM, arXiv 2509.25050): the flow-matching loss of the
+pretraining, on the policy's own samples, weighted by their group advantages.
+
+The final samples x0 of a rollout (ODE samples, or a tree's leaves) are noised again at
+`train_timesteps` times t drawn per sample, x_t = (1 - t) x0 + t eps, and each gets a
+"log-likelihood" from its velocity's matching error, weighted in t:
+
+    logp = w(-mean((v(x_t, t) - (eps - x0))^2), t)
+    w: Uniform (as is), t (times t), t**2, huber -(sqrt(-logp + 1e-10) - 1e-5) t,
+       ghuber -((-logp + 1e-10)^p - 1e-10^p) t / p
+    ratio = exp(logp - logp_old)
+    loss = mean over rows of max(-A ratio, -A clip(ratio, 1 - clip, 1 + clip))
+           + kl_beta * mean |v - v_ref|^2 + ema_beta * mean |v - v_ema|^2
+
+with A the sample's advantage (per prompt, over the batch's std), clipped to
++-advantage.clip and scaled by advantage_max / advantage.clip. On-policy (the released
+default) logp_old is logp itself held constant: the ratio is 1 and the gradient is
+A * grad(logp), the advantage-weighted matching gradient; off-policy logp_old is the EMA
+copy's and the EMA samples. The EMA copy is the state's old policy (`OldPolicyState`):
+after every iteration ema <- d * ema + (1 - d) * new with d = min(rate * iterations done,
+max) (the released "linear" kl_ema_decay_type) or d = max ("constant").
+
+Rows (`AWMRows`) are (sample, t, noise) triples, built on the host once per iteration.
+Sources: scxue/advantage_weighted_matching advantage_weighted_matching/scripts/
+train_sd3_awm.py (compute_log_prob_awm, the time_type samplers, the training loop) and
+config/dgx_awm.py (SD3.5-M settings); Flow-Factory src/flow_factory/trainers/awm.py.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import struct
+
+from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.core.transitions import MaskedRows
+from tree_grpo_jax.methods import nft
+from tree_grpo_jax.methods.objective import Objective, RowSource
+
+TIME_SAMPLINGS = ("discrete", "discrete_wo_init", "discrete_with_init", "uniform", "logit_normal")
+WEIGHTINGS = ("Uniform", "t", "t**2", "huber", "ghuber")
+# the released floors: the huber forms' 1e-10 under the power, the smallest continuous t
+HUBER_EPS = 1e-10
+MIN_TIME = 0.01
+UNIFORM_LOWER = 0.2  # the released "uniform" sampler's lower bound before the shift
+
+
+@struct.dataclass
+class AWMRows(MaskedRows):
+    x0: np.ndarray  # [R, *S] a final sample
+    noise: np.ndarray  # [R, *S] the forward process's noise for this row
+    time: np.ndarray  # [R] float32 in (0, 1]: the sigma x0 is noised to
+    prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
+    advantage: np.ndarray  # [R] float32, clipped and scaled
+    mask: np.ndarray  # [R] bool, True = a real row
+
+
+def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> AWMRows:
+    return AWMRows(
+        x0=make((rows, *sample_shape), dtype),
+        noise=make((rows, *sample_shape), dtype),
+        time=make((rows,), np.float32),
+        prompt=make((rows,), np.int32),
+        advantage=make((rows,), np.float32),
+        mask=make((rows,), np.bool_),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Times.
+
+
+def _shift(t, shift: float):
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def _strata(rng: np.random.Generator, samples: int, count: int) -> np.ndarray:
+    """[samples, count] one uniform draw per stratum [j / count, (j + 1) / count), each
+    sample's strata in its own random order (the released stratified draws)."""
+    u = (np.arange(count) + rng.uniform(size=(samples, count))) / count
+    return rng.permuted(u, axis=1)
+
+
+def sample_times(
+    kind: str,
+    rng: np.random.Generator,
+    samples: int,
+    count: int,
+    sigmas: np.ndarray,
+    fraction: float,
+    shift: float,
+) -> np.ndarray:
+    """[samples, count] times t in (0, 1] for each sample, as the released `time_type` does:
+    "discrete*" take the sampler's own sigmas at step indices drawn one per stratum of
+    [0 (1 without / forced init), int(N * fraction)] ("discrete_with_init": step 0 and
+    count - 1 strata from 1); "uniform" stratifies [0.2, 1] and shifts; "logit_normal"
+    stratifies a standard normal's quantiles, sigmoid, shift, at least 0.01."""
+    num_steps = len(sigmas) - 1
+    top = int(num_steps * fraction)
+    if kind.startswith("discrete"):
+        first = 0 if kind == "discrete" else 1
+        strata = count - 1 if kind == "discrete_with_init" else count
+        bounds = np.linspace(first, top, strata + 1)
+        lower, upper = np.floor(bounds[:-1]), np.floor(bounds[1:])
+        u = rng.uniform(size=(samples, strata))
+        steps = (lower + np.floor(u * (upper - lower))).astype(int)
+        if kind == "discrete_with_init":
+            steps = np.concatenate([np.zeros((samples, 1), int), steps], axis=1)
+        return np.asarray(sigmas, np.float64)[np.minimum(steps, num_steps - 1)]
+    u = _strata(rng, samples, count)
+    if kind == "uniform":
+        return _shift(UNIFORM_LOWER + u * (1.0 - UNIFORM_LOWER), shift)
+    from scipy.special import ndtri  # the normal's quantile function
+
+    t = _shift(1.0 / (1.0 + np.exp(-ndtri(np.clip(u, 1e-7, 1 - 1e-7)))), shift)
+    return np.maximum(t, MIN_TIME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Credit.
+
+
+def scaled_advantages(rewards: np.ndarray, clip: float, advantage_max: float) -> np.ndarray:
+    """[P, L] rewards -> each prompt's advantages over the batch's std (the released tracker
+    with global_std), clipped to +-clip and scaled to +-advantage_max."""
+    a = np.clip(nft.advantages(rewards), -clip, clip)
+    return a / clip * advantage_max
+
+
+def gather_rows(
+    leaves: np.ndarray,
+    advantages: np.ndarray,
+    times: np.ndarray,
+    key: jax.Array,
+) -> AWMRows:
+    """Every leaf [P, L, *S] at its `times` [P * L, T], each with its own noise: P * L * T
+    rows, sample-major. `advantages` is [P, L]."""
+    leaves = np.asarray(leaves)
+    num_prompts, num_leaves = leaves.shape[:2]
+    chex.assert_shape(advantages, (num_prompts, num_leaves))
+    per_sample = times.shape[1]
+    flat = leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:])
+    x0 = np.repeat(flat, per_sample, axis=0)
+    noise = np.asarray(jax.random.normal(key, x0.shape, jnp.float32)).astype(x0.dtype)
+    prompt = np.repeat(np.arange(num_prompts, dtype=np.int32), num_leaves * per_sample)
+    adv = np.repeat(np.asarray(advantages, np.float32).reshape(-1), per_sample)
+    return AWMRows(
+        x0, noise, times.reshape(-1).astype(np.float32), prompt, adv, np.ones(len(x0), bool)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss.
+
+
+def _row_mean(values: jax.Array) -> jax.Array:
+    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def weighted_log_prob(error: jax.Array, t: jax.Array, weighting: str, power: float) -> jax.Array:
+    """The released weighting of logp = -error (error: the mean squared matching error)."""
+    if weighting == "Uniform":
+        return -error
+    if weighting == "t":
+        return -error * t
+    if weighting == "t**2":
+        return -error * t**2
+    if weighting == "huber":
+        return -(jnp.sqrt(error + HUBER_EPS) - 1e-5) * t
+    if weighting == "ghuber":
+        return -((error + HUBER_EPS) ** power - HUBER_EPS**power) * t / power
+    raise ValueError(f"unknown AWM weighting {weighting!r}; choose one of {WEIGHTINGS}.")
+
+
+def awm_loss(
+    params: PyTree,
+    batch: AWMRows,
+    *,
+    denoise_fn: DenoiseFn,
+    schedule: sampling.FlowSchedule,
+    cond: jax.Array,
+    old_params: PyTree,
+    clip_range: jax.Array | float = 1.0,
+    weighting: str = "ghuber",
+    power: jax.Array | float = 0.25,
+    off_policy: bool = False,
+    kl_beta: jax.Array | float = 0.0,
+    ema_beta: jax.Array | float = 0.0,
+    ref_params: PyTree | None = None,
+    uncond: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """AWM's loss over the batch's real rows (module docstring); the gradient flows through
+    `params` alone. One forward per row, one more for the KL reference and one for the EMA
+    copy (its KL, or the off-policy ratio's denominator). `uncond` is not read: the
+    conditional velocity is sampled and trained (the config refuses guidance)."""
+    chex.assert_rank(cond, 3)
+    chex.assert_equal_shape([batch.x0, batch.noise])
+    if ref_params is None and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
+        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    mask = batch.mask.astype(bool)
+    x0 = batch.x0.astype(jnp.float32)
+    noise = batch.noise.astype(jnp.float32)
+    t = batch.time.astype(jnp.float32)
+    t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
+    xt = (1.0 - t_b) * x0 + t_b * noise
+    target = noise - x0
+    row_cond = cond[batch.prompt]
+
+    def velocity(p):
+        return denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
+
+    v = velocity(params)
+    log_prob = weighted_log_prob(_row_mean((v - target) ** 2), t, weighting, power)
+    use_ema = off_policy or not (isinstance(ema_beta, (int, float)) and ema_beta == 0)
+    v_ema = jax.lax.stop_gradient(velocity(old_params)) if use_ema else None
+    if off_policy:
+        old = weighted_log_prob(_row_mean((v_ema - target) ** 2), t, weighting, power)
+    else:
+        old = jax.lax.stop_gradient(log_prob)
+    log_ratio = jnp.where(mask, log_prob - old, 0.0)
+    ratio = jnp.exp(log_ratio)
+    a = batch.advantage.astype(jnp.float32)
+    per_row = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    policy_loss = _masked_mean(per_row, mask)
+    zero = jnp.zeros((), jnp.float32)
+    kl = zero
+    if ref_params is not None:
+        v_ref = jax.lax.stop_gradient(velocity(ref_params))
+        kl = _masked_mean(_row_mean((v - v_ref) ** 2), mask)
+    ema_kl = zero if v_ema is None else _masked_mean(_row_mean((v - v_ema) ** 2), mask)
+    big = jnp.finfo(jnp.float32).max
+    any_live = jnp.any(mask)
+    metrics = {
+        "policy_loss": policy_loss,
+        "kl": kl,
+        "ema_kl": ema_kl,
+        "matching_error": _masked_mean(_row_mean((v - target) ** 2), mask),
+        "clip_fraction": _masked_mean(
+            (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask
+        ),
+        "ratio_mean": jnp.where(any_live, _masked_mean(ratio, mask), 1.0),
+        "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
+        "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
+        "trained_edges": jnp.sum(mask),
+        "rows": jnp.sum(mask),
+    }
+    return policy_loss + kl_beta * kl + ema_beta * ema_kl, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective as the method table holds it.
+
+
+def ema_decay(iterations_done: int, kind: str, rate: float, ceiling: float) -> float:
+    """d after `iterations_done` iterations: min(rate * iterations, max) ("linear", the
+    released default, one optimizer step per iteration) or max ("constant")."""
+    if kind == "constant":
+        return float(ceiling)
+    return nft.old_policy_decay(iterations_done, 0, rate, ceiling)
+
+
+class AWMObjective(Objective):
+    name = "awm"
+    keeps_old_policy = True  # the EMA copy
+    draws_rows = True  # the times and noises of its rows
+    section = "awm"
+    reported_metrics = ("matching_error", "ema_kl")
+
+    def options(self):
+        """AWM's settings (tree.method "awm" / "awm_tree"). Defaults: the released SD3.5-M
+        GenEval/OCR configs (scxue/advantage_weighted_matching config/dgx_awm.py:
+        train_timesteps 6, time_type discrete_wo_init, timestep_fraction 0.9, time_shift 3,
+        weighting ghuber with power 0.25, advantage_max 1 over adv_clip_max 5
+        (advantage.clip), clip_range 1 (train.clip_range), ema_beta 1, kl_ema_decay 0.3
+        "linear", off_policy False); train.kl_beta is their beta (0.003; 1e-4 PickScore)."""
+        a = ml_collections.ConfigDict()
+        a.train_timesteps = 6  # times each sample is trained at
+        a.time_sampling = "discrete_wo_init"  # one of TIME_SAMPLINGS (their time_type)
+        a.timestep_fraction = 0.9  # "discrete*": strata over int(num_steps * fraction)
+        a.time_shift = 3.0  # "uniform" / "logit_normal": t -> s t / (1 + (s - 1) t)
+        a.weighting = "ghuber"  # one of WEIGHTINGS
+        a.ghuber_power = 0.25
+        a.advantage_max = 1.0  # advantages clipped to +-advantage.clip, scaled to +-this
+        a.ema_beta = 1.0  # weight of |v - v_ema|^2 (their ema_beta)
+        a.ema_decay_type = "linear"  # "linear": min(rate * iterations, max); "constant": max
+        a.ema_decay_rate = 0.001
+        a.ema_decay_max = 0.3  # their kl_ema_decay
+        a.off_policy = False  # sample with the EMA copy and take its logp as the old one
+        return a
+
+    def check_section(self, config):
+        a = config.awm
+        if not a.train_timesteps >= 1:
+            return f"awm.train_timesteps must be at least 1, got {a.train_timesteps}."
+        if a.time_sampling not in TIME_SAMPLINGS:
+            return (
+                f"awm.time_sampling must be one of {', '.join(TIME_SAMPLINGS)}, got "
+                f"{a.time_sampling!r}."
+            )
+        if not 0 < a.timestep_fraction <= 1:
+            return f"awm.timestep_fraction must be in (0, 1], got {a.timestep_fraction}."
+        if not a.time_shift > 0:
+            return f"awm.time_shift must be positive, got {a.time_shift}."
+        if a.weighting not in WEIGHTINGS:
+            return f"awm.weighting must be one of {', '.join(WEIGHTINGS)}, got {a.weighting!r}."
+        if not a.ghuber_power > 0:
+            return f"awm.ghuber_power must be positive, got {a.ghuber_power}."
+        if not a.advantage_max > 0:
+            return f"awm.advantage_max must be positive, got {a.advantage_max}."
+        if not a.ema_beta >= 0:
+            return f"awm.ema_beta must be >= 0, got {a.ema_beta}."
+        if a.ema_decay_type not in ("linear", "constant"):
+            return f"awm.ema_decay_type must be linear or constant, got {a.ema_decay_type!r}."
+        if not a.ema_decay_rate >= 0:
+            return f"awm.ema_decay_rate must be >= 0, got {a.ema_decay_rate}."
+        if not 0 <= a.ema_decay_max < 1:
+            return f"awm.ema_decay_max must be in [0, 1), got {a.ema_decay_max}."
+        return None
+
+    def check_run(self, config, spec):
+        a = config.awm
+        if config.sampling.guidance_scale != 1.0:
+            return (
+                f"{config.tree.method} samples and trains the conditional velocity without "
+                "guidance (the released SD3.5-M setting); set sampling.guidance_scale=1, not "
+                f"{config.sampling.guidance_scale}."
+            )
+        if a.time_sampling.startswith("discrete"):
+            top = int(config.sampling.num_steps * a.timestep_fraction)
+            first = 0 if a.time_sampling == "discrete" else 1
+            strata = a.train_timesteps - (a.time_sampling == "discrete_with_init")
+            if strata > 0 and top - first < strata:
+                return (
+                    f"awm.time_sampling={a.time_sampling} draws {strata} steps from "
+                    f"[{first}, {top}) (int(sampling.num_steps * awm.timestep_fraction)): "
+                    "lower awm.train_timesteps or raise the fraction."
+                )
+        return None
+
+    def check_model(self, config, model):
+        return nft.NFT.check_model(config, model)
+
+    def samples_with_old_policy(self, config, iteration):
+        return bool(config.awm.off_policy)
+
+    def rows(self, method, config, source: RowSource, key=None) -> AWMRows:
+        """Every leaf at `train_timesteps` times, each with its advantage (normalised over
+        the global batch, as on every process)."""
+        c, a = config, config.awm
+        (leaf_advantages,) = method.clipped_advantages(
+            c, source.spec, source.tree, jnp.asarray(source.rewards)
+        )
+        adv = np.asarray(leaf_advantages, np.float64)[source.rows]
+        adv = adv / c.advantage.clip * a.advantage_max
+        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
+        time_key, noise_key = jax.random.split(key)
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        sigmas = np.asarray(source.schedule.sigmas)  # the sampler's own
+        times = sample_times(
+            a.time_sampling,
+            rng,
+            adv.size,
+            a.train_timesteps,
+            sigmas,
+            a.timestep_fraction,
+            a.time_shift,
+        )
+        rows = gather_rows(source.tree.leaves, adv, times, noise_key)
+        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+
+    def loss(self, config, denoise_fn):
+        a = config.awm
+        return awm_loss, dict(
+            denoise_fn=denoise_fn,
+            clip_range=config.train.clip_range,
+            weighting=a.weighting,
+            power=a.ghuber_power,
+            off_policy=bool(a.off_policy),
+            kl_beta=config.train.kl_beta,
+            ema_beta=a.ema_beta,
+        )
+
+    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
+        return zero_rows(rows, sample_shape, dtype, make)
+
+    def after_update(self, config, old, params, iteration):
+        """ema <- d * ema + (1 - d) * new, d after iteration `iteration` is done."""
+        a = config.awm
+        decay = ema_decay(iteration + 1, a.ema_decay_type, a.ema_decay_rate, a.ema_decay_max)
+        return nft.mix_old_policy(old, params, jnp.float32(decay)), {"ema_decay": decay}
+
+    def row_samples(self, config, spec):
+        """Each leaf and its noise, again, per time it is trained at."""
+        return 2 * config.awm.train_timesteps * spec.leaves
+
+    def training_counts(self, config, spec, prunes):
+        """Every leaf at its train_timesteps times, one row each; a row runs the trained
+        policy, the EMA copy (its KL or the off-policy ratio) and the KL reference."""
+        a = config.awm
+        rows = spec.leaves * a.train_timesteps
+        forwards = 1 + (config.train.kl_beta > 0) + (a.ema_beta > 0 or bool(a.off_policy))
+        return {
+            "guidance": False,
+            "rollout_rows": spec.rollout_denoiser_calls(False),
+            "trained_edges": rows,
+            "train_rows": rows,
+            "train_forward_rows": rows * forwards,
+            "spec_trainable_edges": 0,
+            "spec_train_rows": 0,
+        }
+
+
+AWM = AWMObjective()
