@@ -28,6 +28,7 @@ def get_config():
     c.model.path = "black-forest-labs/FLUX.1-dev"
     c.model.compute_dtype = "bfloat16"
     c.model.remat = True
+    c.model.attention = "auto"  # cuDNN on GPUs, Pallas on TPUs, blockwise on long CPU rows
     c.model.flux.guidance = 3.5  # distilled guidance, embedded by the transformer
     c.model.flux.resolution = 720
     c.model.flux.shift = 3.0  # static, as the released codes shift linspace(1, 0, 21)

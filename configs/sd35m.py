@@ -20,6 +20,7 @@ def get_config():
     c.model.path = "stabilityai/stable-diffusion-3.5-medium"
     c.model.compute_dtype = "bfloat16"
     c.model.remat = True
+    c.model.attention = "auto"  # cuDNN on GPUs, Pallas on TPUs, blockwise on long CPU rows
     c.model.sd3.sample_size = 64  # latents; 8x VAE -> 512 px (the folder's own is 128: 1024 px)
     c.prompts.source = "animals"
     c.prompts.batch_size = 4

@@ -101,9 +101,10 @@ def test_auto_and_planning_choose_by_platform():
     assert attn.resolve("auto", "cpu", 64, 64) == "xla"
     assert attn.resolve("auto", "cpu", 8192, 8192) == "blockwise"
     assert attn.resolve("xla", "gpu") == "xla"
-    assert attn.for_planning("auto", "gpu")[0] == "blockwise"
-    assert "cudnn" in attn.for_planning("cudnn", "gpu")[1]
-    assert attn.for_planning("xla", "gpu") == ("xla", "")
+    assert attn.plan_backend("auto", "cpu")[0] == "blockwise"
+    assert attn.plan_backend("auto", "gpu") == ("auto", "")  # a GPU plan compiles cuDNN's
+    assert "cudnn" in attn.plan_backend("cudnn", "cpu")[1]
+    assert attn.plan_backend("xla", "cpu") == ("xla", "")
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         attn.resolve("flash", "cpu")
 

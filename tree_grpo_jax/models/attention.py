@@ -12,8 +12,8 @@ head_dim], and gives the same values with any backend:
 - "pallas": the Pallas flash-attention kernel for TPUs;
 - "auto": cudnn on a GPU, pallas on a TPU, and elsewhere blockwise once the scores would be
   large (`AUTO_BLOCKWISE_SCORES`), xla below that.
-`resolve` says which backend a platform will run, and `for_planning` which one the memory
-plan compiles on the CPU in its place.
+`resolve` says which backend a platform will run, and `plan_backend` which one a memory plan
+compiles in place of a kernel its platform lacks.
 """
 
 from __future__ import annotations
@@ -43,19 +43,6 @@ def resolve(backend: str, platform: str, query_len: int = 0, key_len: int = 0) -
     if platform == "tpu":
         return "pallas"
     return "blockwise" if query_len * key_len > AUTO_BLOCKWISE_SCORES else "xla"
-
-
-def for_planning(backend: str, target_platform: str) -> tuple[str, str]:
-    """(what the plan compiles on this machine's CPU, a note when that differs from what the
-    run will use): a kernel that exists only on another platform is planned as blockwise,
-    whose memory is the kernel's order (O(L) per head)."""
-    used = resolve(backend, target_platform, 1, 1)
-    if used in ("cudnn", "pallas"):
-        return "blockwise", (
-            f"attention: the run uses the {used} kernel on its {target_platform.upper()}s; this "
-            "plan compiles the blockwise backend in its place (the same O(L) memory order)"
-        )
-    return used, ""
 
 
 # The fused kernel of each accelerator platform.
