@@ -23,7 +23,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from tree_grpo_jax.models import attention as attention_backends
-from tree_grpo_jax.models.base import REMAT_MODES, remat_mode  # noqa: F401 (re-exported)
+from tree_grpo_jax.models.base import (  # noqa: F401 (REMAT_MODES re-exported)
+    REMAT_MODES,
+    constrain_rows,
+    remat_mode,
+)
 from tree_grpo_jax.weights import stacking
 
 NORM_EPS = 1e-6
@@ -355,7 +359,9 @@ def _scan_body(block):
     class Scanned(block):
         def __call__(self, carry, *inputs):
             out = block.__call__(self, *carry, *inputs)
-            return (out if isinstance(out, tuple) else (out,)), None
+            # between blocks the activations keep the run's row layout (`row_layout`)
+            out = out if isinstance(out, tuple) else (out,)
+            return tuple(constrain_rows(o) for o in out), None
 
     Scanned.__name__ = Scanned.__qualname__ = block.__name__
     return Scanned
