@@ -14,8 +14,9 @@ architectures are the test fixtures' (`tests/sd_fixtures.py`, `tests/sd3_fixture
 MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
 scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
 shifted scheduler; a few thousand times smaller than the releases. diffusers'
-`DiffusionPipeline.from_pretrained` reads them too (tests/parity/test_tiny_folders.py). The
-samples are noise: the folders check that a config runs, not what it learns.
+`DiffusionPipeline.from_pretrained` reads them too
+(tests/parity/test_tiny_folders_in_diffusers.py). The samples are noise: the folders check
+that a config runs, not what it learns.
 """
 
 from __future__ import annotations

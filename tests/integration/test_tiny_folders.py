@@ -1,5 +1,5 @@
 """launch/tiny_folders.py writes the weights-free SD1.5, SD3.5 and FLUX folders with torch
-blocked, and the project's loaders read them and run (tests/parity/test_tiny_folders.py
+blocked, and the project's loaders read them and run (tests/parity/test_tiny_folders_in_diffusers.py
 checks that diffusers' and transformers' PyTorch classes read the same folders)."""
 
 import subprocess
