@@ -253,7 +253,7 @@ def test_fp16_safetensors_variant(folder, model, tmp_path):
 
 
 def test_missing_folder_is_one_sentence(tmp_path):
-    with pytest.raises(ModelLoadError, match="not a folder and could not be downloaded") as err:
+    with pytest.raises(ModelLoadError, match="does not exist \\(no such folder\\)") as err:
         load_sd(str(tmp_path / "nowhere"))
     assert "--config.model.path" in str(err.value)
 
