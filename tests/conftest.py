@@ -61,3 +61,16 @@ def shared_compile_cache(tmp_path_factory):
     os.environ[compile_cache.ENV_DIR] = str(folder)
     compile_cache.enable(folder)
     yield folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After each test module, the programs JAX compiled for it are dropped: the suite runs in
+    one process, and a thousand tests' executables otherwise stay resident to its end."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -307,6 +307,22 @@ RANGE_CASES = [
     ("checkpoint.keep", 0, "checkpoint.keep must be at least 1"),
     ("mesh.data", 0, "mesh.data must be -1 (every remaining device) or at least 1"),
     ("mesh.fsdp", -2, "mesh.fsdp must be -1 (every remaining device) or at least 1"),
+    # the 2026 methods' sections (checked whatever the method)
+    ("awm.advantage_max", -1.0, "awm.advantage_max must be positive"),
+    ("awm.ema_beta", -1.0, "awm.ema_beta must be >= 0"),
+    ("awm.ema_decay_max", 1.0, "awm.ema_decay_max must be in [0, 1)"),
+    ("awm.ema_decay_rate", -1.0, "awm.ema_decay_rate must be >= 0"),
+    ("awm.ghuber_power", 0.0, "awm.ghuber_power must be positive"),
+    ("awm.time_shift", -1.0, "awm.time_shift must be positive"),
+    ("awm.timestep_fraction", 0.0, "awm.timestep_fraction must be in (0, 1]"),
+    ("awm.train_timesteps", 0, "awm.train_timesteps must be at least 1"),
+    ("dgpo.beta_dpo", 0.0, "dgpo.beta_dpo must be positive"),
+    ("dgpo.clip_range", -1.0, "dgpo.clip_range must be positive"),
+    ("dgpo.ema_decay_max", 1.0, "dgpo.ema_decay_max must be in [0, 1)"),
+    ("dgpo.ema_decay_rate", -1.0, "dgpo.ema_decay_rate must be >= 0"),
+    ("dgpo.switch_ema_ref", -1, "dgpo.switch_ema_ref must be >= 0"),
+    ("dgpo.train_timesteps", 0, "dgpo.train_timesteps must be at least 1"),
+    ("dgpo.trunc_steps", -1, "dgpo.trunc_steps must be >= 0"),
 ]
 # Strings, checked against their choices (or as names) in their own tests or here.
 NAME_CASES = [
