@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from absl import logging as absl_logging
 
-from tree_grpo_jax.run import checkpoint
+from tree_grpo_jax.run import checkpoint, digests
 from tree_grpo_jax.run.checkpoint import DIGESTS_KEY, Checkpointer, state_digests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -291,11 +291,11 @@ def _sharded_round_trip(folder: pathlib.Path) -> dict:
     other_mesh, _, _ = ckpt.restore(on_line)
     ckpt.close()
     # one process holds every shard, so NumPy gathers the whole arrays
-    host = {path: np.asarray(leaf) for path, leaf in checkpoint._named_leaves(on_square)}
+    host = {path: np.asarray(leaf) for path, leaf in digests.named_leaves(on_square)}
 
     def on_device(tree):  # the sharded path: one program over the arrays where they lie
-        named = checkpoint._named_leaves(tree)
-        sums = np.asarray(checkpoint._digest_leaves([leaf for _, leaf in named]))
+        named = digests.named_leaves(tree)
+        sums = np.asarray(digests._digest_leaves([leaf for _, leaf in named]))
         return {path: [int(a), int(b)] for (path, _), (a, b) in zip(named, sums)}
 
     return {
@@ -304,7 +304,7 @@ def _sharded_round_trip(folder: pathlib.Path) -> dict:
         "devices": jax.device_count(),
         "distinct_shards": {
             path: len({str(shard.index) for shard in leaf.addressable_shards})
-            for path, leaf in checkpoint._named_leaves(on_square)
+            for path, leaf in digests.named_leaves(on_square)
         },
         "saved": saved,
         "recorded": recorded_digests(folder / "1"),
