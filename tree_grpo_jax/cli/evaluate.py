@@ -211,15 +211,12 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 def _check_run_config(config, ckpt, workdir: str) -> None:
     """Refuses a --config given beside --workdir that is not the run's own (another model,
     method or setting that makes another run, as resuming refuses it)."""
-    from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
+    from tree_grpo_jax.run.loop import run_mismatch
 
     saved = ckpt.read_meta().get("fingerprint")
     if saved is None:
         return  # nothing recorded to check against: the run's config.json decides
-    differs = fingerprint_mismatch(
-        run_fingerprint.with_added_defaults(saved),
-        run_fingerprint.with_added_defaults(run_fingerprint.fingerprint(config)),
-    )
+    differs = run_mismatch(saved, config)
     if differs:
         raise BadInput(
             f"--config is not the config of the run in {workdir} ({differs}); leave --config "

@@ -173,6 +173,29 @@ def _nft_credit(spec, tree, rewards, credit: Credit):
     return (jnp.asarray(nft.advantages(np.asarray(rewards)), jnp.float32),)
 
 
+def _on_ode_samples(name: str, objective: Objective, spec_name: str) -> Method:
+    """A forward-process method on G deterministic (ODE) samples per prompt."""
+    return Method(
+        name,
+        spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), spec_name),
+        advantages=_nft_credit,
+        objective=objective,
+    )
+
+
+def _on_tree_leaves(name: str, objective: Objective, spec_name: str) -> Method:
+    """A forward-process method on the leaves of TreeGRPO's tree (its window slides)."""
+    return Method(
+        name,
+        spec=lambda t, n: tree_spec.named(
+            tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), spec_name
+        ),
+        advantages=_nft_credit,
+        windowed=True,
+        objective=objective,
+    )
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -214,49 +237,16 @@ METHODS: dict[str, Method] = {
             windowed=True,
             edge_masks=pruning.branchgrpo_masks,
         ),
-        # DiffusionNFT on G deterministic (ODE) samples per prompt, the released sampler's
-        Method(
-            "diffusion_nft",
-            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "nft"),
-            advantages=_nft_credit,
-            objective=nft.NFT,
-        ),
-        # DiffusionNFT on the leaves of TreeGRPO's tree: shared prefixes make samples cheaper
-        Method(
-            "diffusion_nft_tree",
-            spec=lambda t, n: tree_spec.named(
-                tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), "nft_tree"
-            ),
-            advantages=_nft_credit,
-            windowed=True,
-            objective=nft.NFT,
-        ),
-        # AWM on G deterministic (ODE) samples per prompt, as its release samples
-        Method(
-            "awm",
-            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "awm"),
-            advantages=_nft_credit,
-            objective=awm.AWM,
-        ),
-        # AWM on the leaves of TreeGRPO's tree
-        Method(
-            "awm_tree",
-            spec=lambda t, n: tree_spec.named(
-                tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees), "awm_tree"
-            ),
-            advantages=_nft_credit,
-            windowed=True,
-            objective=awm.AWM,
-        ),
-        # DGPO on G deterministic (ODE) samples per prompt, as its release samples
-        Method(
-            "dgpo",
-            spec=lambda t, n: tree_spec.named(tree_spec.deterministic(n, t.group_size), "dgpo"),
-            # the batch-std credit; its rows take each prompt's own std with
-            # dgpo.global_std=False (dgpo.advantages)
-            advantages=_nft_credit,
-            objective=dgpo.DGPO,
-        ),
+        # DiffusionNFT on G deterministic (ODE) samples per prompt, the released sampler's;
+        # and on the leaves of TreeGRPO's tree: shared prefixes make samples cheaper
+        _on_ode_samples("diffusion_nft", nft.NFT, "nft"),
+        _on_tree_leaves("diffusion_nft_tree", nft.NFT, "nft_tree"),
+        # AWM on G ODE samples per prompt, as its release samples, and on a tree's leaves
+        _on_ode_samples("awm", awm.AWM, "awm"),
+        _on_tree_leaves("awm_tree", awm.AWM, "awm_tree"),
+        # DGPO on G ODE samples per prompt, as its release samples; the batch-std credit (its
+        # rows take each prompt's own std with dgpo.global_std=False: dgpo.advantages)
+        _on_ode_samples("dgpo", dgpo.DGPO, "dgpo"),
     )
 }
 

@@ -217,12 +217,7 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
             f"the checkpoints in {ckpt.directory} carry no run fingerprint, so they cannot be "
             "checked against this config; use another --workdir."
         )
-    # Both at the schema's defaults: a field the saved run predates, or a registered section
-    # the config leaves out, is run at its default.
-    differs = fingerprint_mismatch(
-        run_fingerprint.with_added_defaults(saved),
-        run_fingerprint.with_added_defaults(run_fingerprint.fingerprint(config)),
-    )
+    differs = run_mismatch(saved, config)
     if differs:
         raise CheckpointError(
             f"{ckpt.directory} holds another run ({differs}); resume it with its own config "
@@ -231,6 +226,16 @@ def check_resume(config: ml_collections.ConfigDict, ckpt: Checkpointer) -> None:
     changed = identity.mismatch(meta.get("identity"), identity.measure(config, say=_say(config)))
     if changed:
         raise CheckpointError(changed)
+
+
+def run_mismatch(saved: dict, config) -> str | None:
+    """What makes `config` another run than the one whose fingerprint `saved` is (None: the
+    same run). Both at the schema's defaults: a field the saved run predates, or a
+    registered section the config leaves out, is run at its default."""
+    return fingerprint_mismatch(
+        run_fingerprint.with_added_defaults(saved),
+        run_fingerprint.with_added_defaults(run_fingerprint.fingerprint(config)),
+    )
 
 
 def check_base_weights(trainer: Trainer, meta: dict, directory: str) -> None:
