@@ -32,7 +32,7 @@ from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction
 from tree_grpo_jax.core.transitions import Transitions
 
 
-def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean over the True entries; 0 when there are none."""
     count = jnp.sum(mask)
     return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1)
@@ -77,11 +77,6 @@ def score_actions(
 GUARD_REWEIGHTS = ("dt", "none")
 
 
-def _reduce(values: jax.Array, event_ndim: int, reduce: str) -> jax.Array:
-    axes = tuple(range(values.ndim - event_ndim, values.ndim))
-    return jnp.mean(values, axis=axes) if reduce == "mean" else jnp.sum(values, axis=axes)
-
-
 def guard_log_ratio(
     log_ratio: jax.Array,
     mean: jax.Array,
@@ -93,7 +88,9 @@ def guard_log_ratio(
     """GRPO-Guard's normalised log-ratio [R, K] from the plain one [R, K], the step means
     [R, 1, *S] (trained) and [R, *S] (rollout's) and the std broadcastable to the means."""
     scale = jnp.mean(jnp.broadcast_to(std, mean.shape), axis=tuple(range(2, mean.ndim)))
-    gap = _reduce((mean[:, 0] - old_mean.astype(jnp.float32)) ** 2, event_ndim, reduce)
+    gap = sampling.reduce_event(
+        (mean[:, 0] - old_mean.astype(jnp.float32)) ** 2, event_ndim, reduce
+    )
     return (log_ratio + gap[:, None] / (2.0 * scale**2)) * scale
 
 
@@ -149,7 +146,7 @@ def ppo_loss(
     per_edge = jnp.maximum(unclipped, clipped)
     if guard and guard_reweight == "dt":
         per_edge = per_edge / -schedule.dt[batch.step][:, None]
-    policy_loss = _masked_mean(per_edge, mask)
+    policy_loss = masked_mean(per_edge, mask)
 
     live_rows = mask.any(axis=1)
     if use_kl:
@@ -163,26 +160,24 @@ def ppo_loss(
             guidance_scale,
         )
         row_kl = sampling.gaussian_kl(mean, ref_mean, std, event_ndim, reduce)[:, 0]
-        kl = _masked_mean(row_kl, live_rows)
+        kl = masked_mean(row_kl, live_rows)
     else:
         kl = jnp.zeros((), jnp.float32)
     loss = policy_loss + kl_beta * kl
 
     big = jnp.finfo(jnp.float32).max
     any_live = jnp.any(mask)
-    adv_mean = _masked_mean(advantages, mask)
+    adv_mean = masked_mean(advantages, mask)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
-        "approx_kl": 0.5 * _masked_mean(log_ratio**2, mask),
-        "clip_fraction": _masked_mean(
-            (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask
-        ),
-        "ratio_mean": jnp.where(any_live, _masked_mean(ratio, mask), 1.0),
+        "approx_kl": 0.5 * masked_mean(log_ratio**2, mask),
+        "clip_fraction": masked_mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask),
+        "ratio_mean": jnp.where(any_live, masked_mean(ratio, mask), 1.0),
         "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
         "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
         "advantage_mean": adv_mean,
-        "advantage_std": jnp.sqrt(_masked_mean((advantages - adv_mean) ** 2, mask)),
+        "advantage_std": jnp.sqrt(masked_mean((advantages - adv_mean) ** 2, mask)),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(live_rows),
     }

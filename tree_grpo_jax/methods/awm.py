@@ -37,6 +37,7 @@ from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.core.loss import masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -157,14 +158,6 @@ def gather_rows(
 # The loss.
 
 
-def _row_mean(values: jax.Array) -> jax.Array:
-    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
-
-
-def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-
-
 def weighted_log_prob(error: jax.Array, t: jax.Array, weighting: str, power: float) -> jax.Array:
     """The released weighting of logp = -error (error: the mean squared matching error)."""
     if weighting == "Uniform":
@@ -218,35 +211,33 @@ def awm_loss(
         return denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
 
     v = velocity(params)
-    log_prob = weighted_log_prob(_row_mean((v - target) ** 2), t, weighting, power)
+    log_prob = weighted_log_prob(nft.row_mean((v - target) ** 2), t, weighting, power)
     use_ema = off_policy or not (isinstance(ema_beta, (int, float)) and ema_beta == 0)
     v_ema = jax.lax.stop_gradient(velocity(old_params)) if use_ema else None
     if off_policy:
-        old = weighted_log_prob(_row_mean((v_ema - target) ** 2), t, weighting, power)
+        old = weighted_log_prob(nft.row_mean((v_ema - target) ** 2), t, weighting, power)
     else:
         old = jax.lax.stop_gradient(log_prob)
     log_ratio = jnp.where(mask, log_prob - old, 0.0)
     ratio = jnp.exp(log_ratio)
     a = batch.advantage.astype(jnp.float32)
     per_row = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range))
-    policy_loss = _masked_mean(per_row, mask)
+    policy_loss = masked_mean(per_row, mask)
     zero = jnp.zeros((), jnp.float32)
     kl = zero
     if ref_params is not None:
         v_ref = jax.lax.stop_gradient(velocity(ref_params))
-        kl = _masked_mean(_row_mean((v - v_ref) ** 2), mask)
-    ema_kl = zero if v_ema is None else _masked_mean(_row_mean((v - v_ema) ** 2), mask)
+        kl = masked_mean(nft.row_mean((v - v_ref) ** 2), mask)
+    ema_kl = zero if v_ema is None else masked_mean(nft.row_mean((v - v_ema) ** 2), mask)
     big = jnp.finfo(jnp.float32).max
     any_live = jnp.any(mask)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         "ema_kl": ema_kl,
-        "matching_error": _masked_mean(_row_mean((v - target) ** 2), mask),
-        "clip_fraction": _masked_mean(
-            (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask
-        ),
-        "ratio_mean": jnp.where(any_live, _masked_mean(ratio, mask), 1.0),
+        "matching_error": masked_mean(nft.row_mean((v - target) ** 2), mask),
+        "clip_fraction": masked_mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask),
+        "ratio_mean": jnp.where(any_live, masked_mean(ratio, mask), 1.0),
         "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
         "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
         "trained_edges": jnp.sum(mask),

@@ -35,6 +35,7 @@ from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.core.loss import masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -111,10 +112,6 @@ def _sample_mean(values: jax.Array) -> jax.Array:
     return jnp.mean(values, axis=tuple(range(2, values.ndim)))
 
 
-def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-
-
 def dgpo_loss(
     params: PyTree,
     batch: DGPORows,
@@ -178,19 +175,19 @@ def dgpo_loss(
     per_sample = a * beta_dpo * (jax.lax.stop_gradient(dsm) - ref_dsm) / group_size
     group_sum = jnp.sum(jnp.where(mask, per_sample, 0.0), axis=1, keepdims=True)
     weight = jax.lax.stop_gradient(jax.nn.sigmoid(group_sum))
-    policy_loss = _masked_mean(weight * a * dsm, mask)
+    policy_loss = masked_mean(weight * a * dsm, mask)
     if v_init is not None:
-        kl = _masked_mean(_sample_mean((v - v_init) ** 2), mask)
+        kl = masked_mean(_sample_mean((v - v_init) ** 2), mask)
     else:
         kl = jnp.zeros((), jnp.float32)
     live_rows = mask.any(axis=1)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
-        "dsm": _masked_mean(dsm, mask),
-        "dsm_gap": _masked_mean(dsm - ref_dsm, mask),
-        "group_weight": _masked_mean(jnp.broadcast_to(weight, mask.shape), mask),
-        "clip_fraction": _masked_mean(clipped.astype(jnp.float32), mask),
+        "dsm": masked_mean(dsm, mask),
+        "dsm_gap": masked_mean(dsm - ref_dsm, mask),
+        "group_weight": masked_mean(jnp.broadcast_to(weight, mask.shape), mask),
+        "clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(live_rows),
     }

@@ -34,6 +34,7 @@ from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
+from tree_grpo_jax.core.loss import masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -126,19 +127,16 @@ def gather_rows(
 # The objective.
 
 
-def _row_mean(values: jax.Array) -> jax.Array:
+def row_mean(values: jax.Array) -> jax.Array:
+    """The mean of each row [R, ...] over its sample axes."""
     return jnp.mean(values, axis=tuple(range(1, values.ndim)))
-
-
-def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
 def _weighted_error(x0_hat: jax.Array, x0: jax.Array) -> jax.Array:
     """|x0_hat - x0|^2 per row over its (constant) mean absolute error."""
     error = x0_hat - x0
-    weight = jax.lax.stop_gradient(jnp.maximum(_row_mean(jnp.abs(error)), WEIGHT_FLOOR))
-    return _row_mean(error**2) / weight
+    weight = jax.lax.stop_gradient(jnp.maximum(row_mean(jnp.abs(error)), WEIGHT_FLOOR))
+    return row_mean(error**2) / weight
 
 
 def nft_loss(
@@ -180,18 +178,18 @@ def nft_loss(
     negative = xt - sigma * ((1.0 + beta) * v_old - beta * v)
     r = batch.optimality.astype(jnp.float32)
     per_row = r * _weighted_error(positive, x0) + (1.0 - r) * _weighted_error(negative, x0)
-    policy_loss = _masked_mean(per_row * (clip / beta), mask)
+    policy_loss = masked_mean(per_row * (clip / beta), mask)
     if ref_params is not None:
         v_ref = jax.lax.stop_gradient(velocity(ref_params))
-        kl = _masked_mean(_row_mean((v - v_ref) ** 2), mask)
+        kl = masked_mean(row_mean((v - v_ref) ** 2), mask)
     else:
         kl = jnp.zeros((), jnp.float32)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         # how far the trained velocity has moved from the sampling policy's
-        "old_deviation": _masked_mean(_row_mean((v - v_old) ** 2), mask),
-        "optimality_mean": _masked_mean(r, mask),
+        "old_deviation": masked_mean(row_mean((v - v_old) ** 2), mask),
+        "optimality_mean": masked_mean(r, mask),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
     }
