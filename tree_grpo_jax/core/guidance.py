@@ -3,6 +3,7 @@ the same denoiser run over a few rows at a time."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,19 @@ import jax.numpy as jnp
 PyTree = Any
 # (params, x [B, *sample_shape], t [B], cond [B, L, D]) -> eps / v / velocity, shaped like x.
 DenoiseFn = Callable[[PyTree, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _denoise_once(denoise_fn, params, x, t, cond):
+    return denoise_fn(params, x, t, cond)
+
+
+def traced_once(denoise_fn: DenoiseFn) -> DenoiseFn:
+    """`denoise_fn` behind one jit (the same numbers). Inside a traced program every call of
+    the same shapes reuses one traced body: tracing the model is most of a small run's
+    start, and a program that calls it at equal widths traces it once. A gradient through
+    it transforms that body instead of tracing the model again under the gradient."""
+    return functools.partial(_denoise_once, denoise_fn)
 
 
 def guided_prediction(

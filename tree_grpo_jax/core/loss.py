@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction, traced_once
 from tree_grpo_jax.core.transitions import Transitions
 
 
@@ -48,7 +48,7 @@ def _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_sc
     event_ndim = batch.x.ndim - 1
     t = schedule.timesteps[batch.step]
     pred = guided_prediction(
-        denoise_fn, params, batch.x, t, cond[batch.prompt], uncond, guidance_scale
+        traced_once(denoise_fn), params, batch.x, t, cond[batch.prompt], uncond, guidance_scale
     )
     # Each row has its own step index: gather the schedule per row, broadcasting over
     # the child axis and the sample axes.

@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction
+from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction, traced_once
 from tree_grpo_jax.core.tree_spec import Block, TreeSpec
 
 # How a split child's log-prob is computed. "sampled" (default): under the Gaussian it was
@@ -166,7 +166,10 @@ def _level_prediction(denoise_fn, params, schedule, i, x, cond, uncond, guidance
     flat_x = x.reshape(num_prompts * n, *x.shape[2:])
     flat_t = jnp.full((num_prompts * n,), schedule.timesteps[i])
     flat_cond = jnp.repeat(cond, n, axis=0)
-    pred = guided_prediction(denoise_fn, params, flat_x, flat_t, flat_cond, uncond, guidance_scale)
+    # The window's first BRANCH step and the ODE steps before it share a width: one trace.
+    pred = guided_prediction(
+        traced_once(denoise_fn), params, flat_x, flat_t, flat_cond, uncond, guidance_scale
+    )
     return pred.reshape(x.shape)
 
 

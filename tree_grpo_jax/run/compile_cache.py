@@ -1,8 +1,10 @@
 """JAX's persistent compilation cache: a second run with the same programs starts warm.
 
-`enable()` points JAX at a cache folder and lowers the thresholds so that the CPU compiles
-of a few seconds that dominate a small run are written too (JAX's defaults skip programs
-that compile in under a second). Call it once, before the first compile; the trainer's
+`enable()` points JAX at a cache folder and lowers the thresholds so that every program is
+written: the CPU compiles of a few seconds that dominate a small run, and the two hundred
+small ones (array operations run one by one on the host side, each some tens of ms to
+compile) that JAX's defaults skip as under a second and a warm start would otherwise
+compile again. Call it once, before the first compile; the trainer's
 entry point does, unless switched off.
 
 The default folder is `$XDG_CACHE_HOME/tree_grpo_jax/jax`, or `~/.cache/tree_grpo_jax/jax`.
@@ -18,7 +20,7 @@ import pathlib
 import jax
 
 ENV_DIR = "TREE_GRPO_JAX_COMPILE_CACHE"  # overrides the default folder
-MIN_COMPILE_TIME_S = 0.5  # cache programs that took at least this long to compile
+MIN_COMPILE_TIME_S = 0.0  # cache every program, however quick its compile
 MIN_ENTRY_SIZE_BYTES = 0  # however small the executable
 
 
