@@ -18,8 +18,10 @@ setup(
     # The config schema is tree_grpo_jax.config's; configs/ holds experiment files, passed by
     # path (--config=configs/tiny.py), and is no package of the install (a user's own
     # `configs` stays theirs).
-    packages=find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]),
-    package_data={"tree_grpo_jax": ["assets/*", "assets/**/*"]},
+    # assets/ holds the tiny models' weights and no Python: a data package of its own
+    # (listed, so setuptools ships it without asking whether it should).
+    packages=[*find_packages(include=["tree_grpo_jax", "tree_grpo_jax.*"]), "tree_grpo_jax.assets"],
+    package_data={"tree_grpo_jax.assets": ["*"]},
     include_package_data=True,
     install_requires=[
         "jax>=0.6",
