@@ -208,6 +208,33 @@ def test_one_compile_serves_every_window_position():
         assert not np.allclose(leaves[0], leaves[-1])  # the window really moved
 
 
+@pytest.mark.parametrize(
+    "family, widths",
+    [
+        # ODE before the window at 1 node, BRANCH steps at 1, 2 and 4, ODE after at 8: the
+        # model is traced at widths 1, 2, 4 and 8 (the ODE steps and the first split share 1)
+        (ts.treegrpo(6, window=3, k=2, window_start=ts.FAMILY), [1, 2, 4, 8]),
+        # ODE, the SDE window and ODE again, all at the group's 4 rows: one trace
+        (ts.mixgrpo(6, 4, window=2, window_start=ts.FAMILY), [4]),
+    ],
+    ids=["treegrpo", "mixgrpo"],
+)
+def test_the_denoiser_is_traced_once_per_level_width(family, widths):
+    """The Python denoiser runs only while a program is traced: its calls are the traces."""
+    traced = []
+
+    def denoiser(params, x, t, cond):
+        traced.append(x.shape[0] // P)  # the level's nodes per prompt
+        return analytic_denoiser(params, x, t, cond)
+
+    schedule = sampling.make_ddim_schedule(6, eta=1.0)
+    rollout(
+        denoiser, PARAMS, COND, jax.random.PRNGKey(0), schedule, spec=family,
+        sample_shape=SAMPLE_SHAPE, window_start=1, lower=True,
+    )  # fmt: skip
+    assert sorted(traced) == widths
+
+
 def test_family_at_a_position_equals_the_plain_spec():
     """TreeGRPO's and MixGRPO's families lay noise out like the plain spec of a position, so
     the same key gives the same tree either way."""
