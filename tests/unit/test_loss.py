@@ -302,11 +302,14 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
     batch = gather_transitions(tree, advantages, masks)  # no padding: count rows exactly
     params = {"a": PARAMS["a"] * 1.3, "b": PARAMS["b"] - 0.2}  # ratios away from 1, some clip
 
+    def fresh_denoiser(*args):  # not yet traced at these shapes by another test's program
+        return denoiser(*args)
+
     def amortized(p):
         return ppo_loss(
             p,
             batch,
-            denoise_fn=denoiser,
+            denoise_fn=fresh_denoiser,
             schedule=schedule,
             cond=COND,
             uncond=UNCOND,
