@@ -8,12 +8,14 @@ JAX-native (it can run on the accelerator, inside jit when its inputs allow), an
 it takes (`models.media`): "image" (every built-in reward) or "video". An image reward given
 videos [B, T, H, W, C] scores their B*T frames, each with its video's prompt, and gives
 each video the mean over its frames; a video reward gets the videos whole and takes no
-images. Rewards that read a model (HPS-v2.1, PickScore, ...) are registered with
-`register_model` and built from their folder by `load_reward(name, path)`; a reward with
-settings of its own registers their defaults (`options`), which a run's config holds in
-`reward_options.<name>` and which reach the builder as keyword arguments. Several rewards
-combine into one weighted sum with `combined_reward`. `load_rewards` builds what a run's
-config names; nothing outside a reward's own module needs to know its name.
+images. `with_frames` gives an image reward's frames' scores too, and a combined reward's
+weighted sum frame by frame (a run logs them). Rewards that read a model (HPS-v2.1,
+PickScore, ...) are registered with `register_model` and built from their folder by
+`load_reward(name, path)`; a reward with settings of its own registers their defaults
+(`options`), which a run's config holds in `reward_options.<name>` and which reach the
+builder as keyword arguments. Several rewards combine into one weighted sum with
+`combined_reward`. `load_rewards` builds what a run's config names; nothing outside a
+reward's own module needs to know its name.
 """
 
 from __future__ import annotations
