@@ -17,12 +17,12 @@ embeddings, tree_grpo_jax/evaluation/temporal.py).
 
 The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
 per model, each metric's mean and std, `diversity`, `temporal_distance` for videos),
-`evaluation.md` (the base-vs-trained
-table with the differences) and one picture grid per model (a column per prompt, a row per
-noise, the first ten prompts; a video model's cells are strips of its frames, and the grid
-also moves in an animated GIF beside it). Results are saved per chunk of prompts in
-`<out>/partial/`: a rerun with the same arguments continues where the last one stopped. Bad
-input is one `error:` sentence and exit status 2, with nothing written.
+`evaluation.md` (the base-vs-trained table with the differences) and one picture grid per
+model (a column per prompt, a row per noise, the first ten prompts; a video model's cells
+are strips of its frames, and the grid also moves in an animated GIF beside it). Results are
+saved per chunk of prompts in `<out>/partial/`: a rerun with the same arguments continues
+where the last one stopped. Bad input is one `error:` sentence and exit status 2, with
+nothing written.
 """
 
 from __future__ import annotations

@@ -520,7 +520,8 @@ class Trainer:
     def evaluate(self, params) -> tuple[dict, np.ndarray]:
         """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
         fixed prompts, `eval.samples_per_prompt` fixed noises each, with the deterministic
-        sampler. Rows are sample-major (row k * P + p: prompt p's k-th noise)."""
+        sampler; for videos also the reward frame by frame and the temporal distance. Rows
+        are sample-major (row k * P + p: prompt p's k-th noise)."""
         metrics, images, _, _ = self.evaluate_samples(params)
         return metrics, images
 
