@@ -319,3 +319,24 @@ def test_tensorboard_shows_videos_as_strips(tmp_path):
     writer.write_image(0, "eval/samples", random_videos(2), ["a\n1", "b\n2"], columns=2)
     writer.close()
     assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_tensorboard_gets_the_videos_moving_where_it_can_encode_them(tmp_path, monkeypatch):
+    """With moviepy (which tensorboardX's video summaries need) the videos also go to
+    `add_video` as [N, T, C, H, W] at the GIFs' frame rate; without it, the strips alone."""
+    videos = random_videos(2, seed=4)
+    for can in (True, False):
+        monkeypatch.setattr(reporting, "can_write_video", lambda can=can: can)
+        writer = reporting.MetricsWriter(str(tmp_path / str(can)), tensorboard=True)
+        calls = []
+        record = calls.append
+        monkeypatch.setattr(writer._tb, "add_video", lambda *a, _r=record, **k: _r((a, k)))
+        writer.write_image(3, "eval/samples", videos, ["a", "b"], columns=2)
+        writer.close()
+        if not can:
+            assert calls == []
+            continue
+        [((tag, frames, step), options)] = calls
+        assert (tag, step, options) == ("eval/samples_video", 3, {"fps": 8.0})
+        assert frames.shape == (2, FRAMES, 1, SIDE, SIDE)
+        np.testing.assert_allclose(frames[1, 2, 0], videos[1, 2, ..., 0], rtol=1e-6)

@@ -11,15 +11,18 @@ checkpoint (the latest, or `--step`; opened read-only). Every prompt gets K fixe
 them, its batch split over the devices. Every metric (a registered reward's name; default:
 the run's rewards and `eval.extra_rewards`) is scored on every sample; the diversity of a
 prompt's K samples (tree_grpo_jax/evaluation/diversity.py) and, for a trained checkpoint, the
-exact KL of its trajectories to the base model are reported beside them.
+exact KL of its trajectories to the base model are reported beside them; for a video model
+also each sample's temporal distance (the mean distance between its consecutive frames'
+embeddings, tree_grpo_jax/evaluation/temporal.py).
 
 The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
-per model, each metric's mean and std, `diversity`), `evaluation.md` (the base-vs-trained
-table with the differences) and one picture grid per model (a column per prompt, a row per
-noise, the first ten prompts; a video model's cells are strips of its frames, and the grid
-also moves in an animated GIF beside it). Results are saved per chunk of prompts in
-`<out>/partial/`: a rerun with the same arguments continues where the last one stopped. Bad
-input is one `error:` sentence and exit status 2, with nothing written.
+per model, each metric's mean and std, `diversity`, `temporal_distance` for videos),
+`evaluation.md` (the base-vs-trained table with the differences) and one picture grid per
+model (a column per prompt, a row per noise, the first ten prompts; a video model's cells
+are strips of its frames, and the grid also moves in an animated GIF beside it). Results are
+saved per chunk of prompts in `<out>/partial/`: a rerun with the same arguments continues
+where the last one stopped. Bad input is one `error:` sentence and exit status 2, with
+nothing written.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/evalua
 CHUNK = flags.DEFINE_integer("prompts_per_chunk", 32, "Prompts per saved chunk of results.")
 
 GRID_PROMPTS = 10
+TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py)
 
 
 def _metric_names(config, text: str | None) -> list[str]:
@@ -122,10 +126,11 @@ class _Chunks:
 
 def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> dict:
     """The results of prompts `ids` (one chunk): metric values (sample-major), each
-    prompt's diversity, the KL of each sample, and the grid's images among them."""
+    prompt's diversity, the KL of each sample, a video's temporal distance, and the grid's
+    images among them."""
     import numpy as np
 
-    from tree_grpo_jax.evaluation import diversity
+    from tree_grpo_jax.evaluation import diversity, temporal
 
     n = len(prompts)
     # The last chunk is topped up to the others' size: one compiled sampler serves all.
@@ -140,8 +145,14 @@ def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> d
         return np.swapaxes(per_prompt(values), 0, 1).reshape(-1, *np.shape(values)[1:])
 
     done = {m: flat(batch.values(r)) for m, r in metrics.items()}
+    embedded = None
+    if trainer.frame_embed is not None:  # videos: each frame embedded once, for both figures
+        frames = batch.values(lambda videos, _: trainer.frame_embed(videos))
+        done[TEMPORAL] = flat(temporal.distances(frames))
+        embedded = diversity.flat_frames(frames)
     if k > 1:
-        embedded = batch.values(lambda images, _: trainer.embed(images))
+        if embedded is None:
+            embedded = batch.values(lambda images, _: trainer.embed(images))
         done["diversity"] = diversity.per_prompt(per_prompt(embedded))
     if with_kl:
         done["kl"] = flat(batch.kl)
@@ -183,7 +194,9 @@ def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl
     if chunks is None:
         return None, None
     row = {"label": label}
-    for name in [*metrics, *(["diversity"] if k > 1 else []), *(["kl"] if with_kl else [])]:
+    video = trainer.frame_embed is not None
+    figures = [*(["diversity"] if k > 1 else []), *([TEMPORAL] if video else [])]
+    for name in [*metrics, *figures, *(["kl"] if with_kl else [])]:
         values = np.concatenate([p[name] for p in parts])
         row[name] = {"mean": float(values.mean()), "std": float(values.std())}
     grid = np.concatenate([p["grid"] for p in parts if "grid" in p], axis=1)
@@ -328,11 +341,15 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
     with interrupts.critical():
         with open(os.path.join(out, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2)
-        columns = [*names, *(["diversity"] if k > 1 else []), *(["kl"] if len(rows) > 1 else [])]
+        video = [TEMPORAL] if TEMPORAL in rows[0] else []
+        columns = [*names, *(["diversity"] if k > 1 else []), *video]
+        columns += ["kl"] if len(rows) > 1 else []
         head = (
             f"{len(prompts)} prompts x {k} samples, deterministic sampler "
             f"({arguments['num_steps']} steps), seed {config.eval.seed}; mean ± std over "
-            "samples (diversity: over prompts).\n\n"
+            "samples (diversity: over prompts)."
+            + (f" {TEMPORAL}: mean distance between consecutive frames." if video else "")
+            + "\n\n"
         )
         with open(os.path.join(out, "evaluation.md"), "w") as f:
             f.write(head + _table(rows, columns))

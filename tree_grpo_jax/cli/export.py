@@ -250,7 +250,10 @@ def _iterations(count: int) -> str:
 
 def _eval_text(run: _Run) -> str:
     """The eval reward at the exported checkpoint (mean ± std over the eval samples), the
-    first one beside it, and the other eval metrics then."""
+    first one beside it, and the other eval metrics then (a video's per-frame rewards
+    left out)."""
+    from tree_grpo_jax.run import reporting
+
     evals = _evals(run.workdir)
     done = [s for s in sorted(evals) if s <= run.step and "reward_mean" in evals[s]]
     if not done:
@@ -266,7 +269,9 @@ def _eval_text(run: _Run) -> str:
     others = [
         f"{k} {_number(v)}"
         for k, v in at.items()
-        if k not in ("reward_mean", "reward_std") and isinstance(v, (int, float))
+        if k not in ("reward_mean", "reward_std")
+        and isinstance(v, (int, float))
+        and not reporting.is_frame_reward(k)
     ]
     return text + (f"; {', '.join(others)}" if others else "")
 

@@ -133,6 +133,8 @@ def _sampling_config(config, args):
     """The run's config with what sampling changes: the seed, the steps, the base folder,
     and nothing loaded that only training or its evaluation reads (reward models, a
     reference copy of the weights, the diversity embedding)."""
+    from tree_grpo_jax.evaluation import diversity
+
     c = config.copy_and_resolve_references()
     c.rewards = STAND_IN_REWARD
     c.eval.extra_rewards = ()
@@ -143,6 +145,11 @@ def _sampling_config(config, args):
         c.eval.guard.min_diversity_fraction = 0.0
         c.eval.guard.held_out_drop = 0.0
     c.prompts.eval_count = 1  # the trainer's own eval list: one prompt, no repeats
+    # a video model's trainer embeds frames for the eval's temporal distance, which drawing
+    # never reads: no CLIP folder is opened for it
+    for name, _ in diversity.CLIP_FOLDERS:
+        if c.reward_models.get(name):
+            c.reward_models[name] = ""
     if args.prompts is not None:  # the run's training prompt file need not be at hand
         c.prompts.source, c.prompts.eval_source = args.prompts, ""
     c.log.progress = False

@@ -84,17 +84,34 @@ def by_prompt(values, num_prompts: int, samples_per_prompt: int) -> np.ndarray:
     return np.swapaxes(v, 0, 1)
 
 
+def per_frame(embed: Embed) -> Callable[[object], np.ndarray]:
+    """An image embedding applied to each frame of videos: [B, T, H, W, C] -> [B, T, D]
+    (the temporal distance's input, `evaluation.temporal`)."""
+
+    def embed_frames(videos) -> np.ndarray:
+        b, t = np.shape(videos)[:2]
+        frames = np.asarray(videos).reshape(b * t, *np.shape(videos)[2:])
+        return np.asarray(embed(frames)).reshape(b, t, -1)
+
+    return embed_frames
+
+
 def over_frames(embed: Embed) -> Embed:
     """An image embedding as a video one: videos [B, T, H, W, C] -> their B*T frames'
     features, each video's concatenated in frame order -> [B, T * D] (so two videos' distance
-    compares them frame by frame)."""
+    compares them frame by frame): `per_frame`'s output with its frames laid end to end."""
+    frames = per_frame(embed)
 
     def embed_video(videos) -> np.ndarray:
-        b, t = np.shape(videos)[:2]
-        frames = np.asarray(videos).reshape(b * t, *np.shape(videos)[2:])
-        return np.asarray(embed(frames)).reshape(b, -1)
+        return flat_frames(frames(videos))
 
     return embed_video
+
+
+def flat_frames(frame_embeddings) -> np.ndarray:
+    """[B, T, D] -> [B, T * D], as `over_frames` embeds a video."""
+    e = np.asarray(frame_embeddings)
+    return e.reshape(e.shape[0], -1)
 
 
 def pixels(images) -> np.ndarray:

@@ -8,12 +8,14 @@ JAX-native (it can run on the accelerator, inside jit when its inputs allow), an
 it takes (`models.media`): "image" (every built-in reward) or "video". An image reward given
 videos [B, T, H, W, C] scores their B*T frames, each with its video's prompt, and gives
 each video the mean over its frames; a video reward gets the videos whole and takes no
-images. Rewards that read a model (HPS-v2.1, PickScore, ...) are registered with
-`register_model` and built from their folder by `load_reward(name, path)`; a reward with
-settings of its own registers their defaults (`options`), which a run's config holds in
-`reward_options.<name>` and which reach the builder as keyword arguments. Several rewards
-combine into one weighted sum with `combined_reward`. `load_rewards` builds what a run's
-config names; nothing outside a reward's own module needs to know its name.
+images. `with_frames` gives an image reward's frames' scores too, and a combined reward's
+weighted sum frame by frame (a run logs them). Rewards that read a model (HPS-v2.1,
+PickScore, ...) are registered with `register_model` and built from their folder by
+`load_reward(name, path)`; a reward with settings of its own registers their defaults
+(`options`), which a run's config holds in `reward_options.<name>` and which reach the
+builder as keyword arguments. Several rewards combine into one weighted sum with
+`combined_reward`. `load_rewards` builds what a run's config names; nothing outside a
+reward's own module needs to know its name.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class Reward:
         return f"reward {self.name!r} {takes}, not {media}s; choose a reward for {media}s."
 
     def __call__(self, images, prompts: Sequence[str]):
+        return self.with_frames(images, prompts)[0]
+
+    def with_frames(self, images, prompts: Sequence[str]):
+        """(scores [B], each frame's score [B, T] or None): an image reward given videos
+        also gives the scores of their frames (whose mean over T is the video's score);
+        None for images, and for a video reward (it scores the videos whole)."""
         media = media_kinds.of_rank(np.ndim(images))
         if media is None:
             raise RewardMediaError(
@@ -87,7 +95,7 @@ class Reward:
             raise RewardMediaError(self.refusal(media))
         count = images.shape[0]
         if media == self.media:
-            return self._checked(self.fn(images, prompts), count, media)
+            return self._checked(self.fn(images, prompts), count, media), None
         # an image reward on videos: every frame with its video's prompt, then each video's
         # mean over its frames
         if len(prompts) != count:
@@ -100,7 +108,8 @@ class Reward:
         per_frame = [p for p in prompts for _ in range(frames)]
         scores = self._checked(self.fn(stills, per_frame), count * frames, media_kinds.IMAGE)
         xp = np if isinstance(scores, np.ndarray) else jnp
-        return xp.mean(scores.reshape(count, frames), axis=1)
+        scores = scores.reshape(count, frames)
+        return xp.mean(scores, axis=1), scores
 
     def _checked(self, scores, count: int, media: str):
         shape = tuple(getattr(scores, "shape", ()))
@@ -360,10 +369,31 @@ class CombinedReward:
 
     def __call__(self, images, prompts: Sequence[str], return_components: bool = False):
         """The weighted sum `[B]`; with `return_components`, also `{name: scores [B]}`."""
-        xp = np if self.on_host else jnp
-        components = {n: xp.asarray(r(images, prompts)) for n, r in self.rewards.items()}
-        total = sum(w * components[n] for n, w in self.weights.items())
+        total, components, _ = self.with_frames(images, prompts)
         return (total, components) if return_components else total
+
+    def with_frames(self, images, prompts: Sequence[str]):
+        """(the weighted sum [B], {name: scores [B]}, the weighted sum frame by frame
+        [B, T] or None). The frames' sum is given for videos that some reward scores frame
+        by frame; a reward that scores videos whole counts its score at every frame, so the
+        mean over T of a video's frames is its total. None for images, and for videos that
+        no reward scores frame by frame (their frames' sums would all be the total)."""
+        xp = np if self.on_host else jnp
+        components, frames = {}, {}
+        for n, r in self.rewards.items():
+            scores, by_frame = r.with_frames(images, prompts)
+            components[n] = xp.asarray(scores)
+            if by_frame is not None:
+                frames[n] = xp.asarray(by_frame)
+        total = sum(w * components[n] for n, w in self.weights.items())
+        if not frames:
+            return total, components, None
+        count = next(iter(frames.values())).shape[1]
+        per_frame = sum(
+            w * (frames[n] if n in frames else xp.repeat(components[n][:, None], count, axis=1))
+            for n, w in self.weights.items()
+        )
+        return total, components, per_frame
 
 
 def combined_reward(

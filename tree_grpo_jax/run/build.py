@@ -384,18 +384,30 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
-        embed=diversity_embed(config, eval_prompts, reward_mesh, model.media),
+        **eval_embeddings(config, eval_prompts, reward_mesh, model.media),
         kl_reference=kl_reference,
         **programs(config, model, mesh, objective, state_shardings, base_shardings),
     )
     return trainer, state
 
 
-def diversity_embed(config, eval_prompts, mesh, media: str = media_kinds.IMAGE):
+def eval_embeddings(config, eval_prompts, mesh, media: str) -> dict:
+    """The trainer's `embed` (`diversity_embed`) and, for videos, its `frame_embed`: the same
+    image embedding, built once, applied to each frame (the temporal distance)."""
+    if media != media_kinds.VIDEO:
+        return {"embed": diversity_embed(config, eval_prompts, mesh, media)}
+    image_embed = diversity.make_embed(config, mesh)[0]
+    return {
+        "embed": diversity_embed(config, eval_prompts, mesh, media, image_embed),
+        "frame_embed": diversity.per_frame(image_embed),
+    }
+
+
+def diversity_embed(config, eval_prompts, mesh, media: str = media_kinds.IMAGE, image_embed=None):
     """The eval's diversity embedding, when some eval prompt has several samples (repeated
     in the eval list, or `eval.samples_per_prompt` > 1); else None, or one sentence when
     the guard would watch a diversity there is none of. Videos are embedded frame by
-    frame."""
+    frame. `image_embed`: the image embedding already built (else it is built here)."""
     if config.eval.get("samples_per_prompt", 1) < 2 and not diversity.repeats(eval_prompts):
         guard = config.eval.get("guard")
         if guard is not None and guard.min_diversity_fraction > 0:
@@ -405,5 +417,5 @@ def diversity_embed(config, eval_prompts, mesh, media: str = media_kinds.IMAGE):
                 "all different)."
             )
         return None
-    embed = diversity.make_embed(config, mesh)[0]
+    embed = image_embed or diversity.make_embed(config, mesh)[0]
     return diversity.over_frames(embed) if media == media_kinds.VIDEO else embed

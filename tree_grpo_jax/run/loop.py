@@ -272,9 +272,12 @@ def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -
             reporting.save_grid(path, images, columns=columns)
         writer.write(iteration, metrics, prefix="eval/")
         writer.write_image(iteration, "eval/samples", images, captions, columns)
-    history["eval"].append({"iteration": iteration, **metrics})
+    # a video's per-frame rewards stay in metrics.jsonl and TensorBoard: the run's record
+    # (and the line below) keeps to one figure a metric
+    kept = {k: v for k, v in metrics.items() if not reporting.is_frame_reward(k)}
+    history["eval"].append({"iteration": iteration, **kept})
     if trainer.config.log.progress and sharding.is_primary():
-        shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        shown = " ".join(f"{k}={v:.4g}" for k, v in kept.items())
         print(f"eval after {iteration} iterations: {shown} -> {path}", flush=True)
     return metrics
 

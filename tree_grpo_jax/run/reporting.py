@@ -2,11 +2,14 @@
 
 Samples are images [N, H, W, C] or videos [N, T, H, W, C] in [0, 1]. A video is pictured as
 a strip of its frames, left to right, in a PNG, and moving, in an animated GIF beside it.
+A video run's reward is also logged frame by frame (`frame_rewards`: one scalar per frame
+in metrics.jsonl and TensorBoard, none on the progress line).
 """
 
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -69,11 +72,17 @@ class MetricsWriter:
 
     def write_image(self, step: int, tag: str, images, captions, columns: int) -> None:
         """A grid of `images` with a caption under each, to TensorBoard and wandb (the
-        workdir's own pictures are the plain grids)."""
+        workdir's own pictures are the plain grids); videos as strips of their frames, and
+        to TensorBoard also moving (`<tag>_video`) when it can encode them."""
         if self._tb is None and self._wandb is None:
             return
         picture = captioned_grid(as_stills(images), captions, columns)
         if self._tb is not None:
+            # tensorboardX encodes a video summary with moviepy, which the package does not
+            # depend on: without it the strips' grid below is the videos' only summary
+            if is_video(images) and can_write_video():
+                frames = np.moveaxis(np.clip(np.asarray(images, np.float32), 0, 1), -1, 2)
+                self._tb.add_video(f"{tag}_video", frames, step, fps=1000 / FRAME_MS)
             self._tb.add_image(tag, np.asarray(picture), step, dataformats="HWC")
         if self._wandb is not None:
             import wandb
@@ -98,6 +107,31 @@ class NullWriter:
 
     def close(self) -> None:
         pass
+
+
+def can_write_video() -> bool:
+    """Whether tensorboardX can write video summaries here (moviepy is installed)."""
+    return importlib.util.find_spec("moviepy") is not None
+
+
+FRAME_REWARD = "reward_frame_"  # a video run's per-frame reward: reward_frame_<t>
+
+
+def frame_rewards(frames) -> dict[str, float]:
+    """Per-frame scores [N, T] -> {reward_frame_<t>: the mean over the N videos of frame
+    t's score}, t zero-padded so that the names sort in frame order; their mean over t is
+    the mean reward. {} for None (images)."""
+    if frames is None:
+        return {}
+    frames = np.asarray(frames, np.float64)
+    width = len(str(frames.shape[1] - 1))
+    return {f"{FRAME_REWARD}{t:0{width}d}": float(v) for t, v in enumerate(frames.mean(axis=0))}
+
+
+def is_frame_reward(name: str) -> bool:
+    """Whether a metric's name (with or without its `train/` or `eval/`) is a per-frame
+    reward, which only metrics.jsonl and TensorBoard show."""
+    return name.rpartition("/")[2].startswith(FRAME_REWARD)
 
 
 def _is_scalar(v) -> bool:

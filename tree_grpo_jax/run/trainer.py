@@ -35,8 +35,9 @@ from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.errors import UserError
-from tree_grpo_jax.evaluation import diversity
+from tree_grpo_jax.evaluation import diversity, temporal
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
+from tree_grpo_jax.run import reporting
 from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -137,6 +138,9 @@ class Trainer:
     key: jax.Array
     adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
     embed: Any = None  # images -> [B, D]: the diversity measure's embedding (diversity.py)
+    # videos [B, T, ...] -> [B, T, D]: the same embedding, frame by frame (the temporal
+    # distance, evaluation/temporal.py); None for images
+    frame_embed: Any = None
     # the denoiser's weights the eval KL compares with (the base for LoRA); None: no eval KL
     kl_reference: Any = None
     # the rollout's and the evaluation's denoiser (`run.denoiser.sampling_denoise`; built once:
@@ -206,19 +210,22 @@ class Trainer:
             **self.method.objective.rollout_options(c),
         )
 
-    def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict]:
+    def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict, Any]:
         """Rewards of this process's images, then every process's, in process order: all
-        processes check, log and normalise the same values."""
-        total, parts = self.reward(images, prompts, return_components=True)
+        processes check, log and normalise the same values. Also each reward's scores and,
+        for videos scored frame by frame, the total frame by frame [N, T] (else None)."""
+        total, parts, frames = self.reward.with_frames(images, prompts)
         total = sharding.gather(np.asarray(total, np.float64))
         parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
+        if frames is not None:
+            frames = sharding.gather(np.asarray(frames, np.float64))
         bad = ~np.isfinite(total)
         if bad.any():
             raise RewardError(
                 f"reward {self.reward.name} returned {int(bad.sum())} non-finite value(s) out "
                 f"of {total.size} {where}; fix the reward (or its weights) before training on it."
             )
-        return total, parts
+        return total, parts, frames
 
     def trainable_rows(
         self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
@@ -346,7 +353,7 @@ class Trainer:
         num_prompts, num_leaves = leaves.shape[:2]
         images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
         leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
-        rewards, parts = self.score(images, leaf_prompts, f"at iteration {iteration}")
+        rewards, parts, frames = self.score(images, leaf_prompts, f"at iteration {iteration}")
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
         timings["time_reward"] = time.perf_counter() - t1
 
@@ -358,6 +365,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
+            **reporting.frame_rewards(frames),
             **update_metrics,
             "window_start": self.window_start(iteration),
             **timings,
@@ -512,7 +520,8 @@ class Trainer:
     def evaluate(self, params) -> tuple[dict, np.ndarray]:
         """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
         fixed prompts, `eval.samples_per_prompt` fixed noises each, with the deterministic
-        sampler. Rows are sample-major (row k * P + p: prompt p's k-th noise)."""
+        sampler; for videos also the reward frame by frame and the temporal distance. Rows
+        are sample-major (row k * P + p: prompt p's k-th noise)."""
         metrics, images, _, _ = self.evaluate_samples(params)
         return metrics, images
 
@@ -521,15 +530,22 @@ class Trainer:
         prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
         batch = self.eval_batch(params, prompts, noise, with_kl=with_kl)
-        total, parts = self.score(batch.images, batch.prompts, "in evaluation")
+        total, parts, frames = self.score(batch.images, batch.prompts, "in evaluation")
         total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
             metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
+        metrics.update(reporting.frame_rewards(None if frames is None else frames[: batch.count]))
         for name, reward in self.eval_rewards.items():
             metrics[name] = float(np.mean(batch.values(reward)))
+        embeddings = None
+        if self.frame_embed is not None:  # videos: each frame embedded once, for both figures
+            frame_embeddings = batch.values(lambda videos, _: self.frame_embed(videos))
+            metrics["temporal_distance"] = temporal.mean_distance(frame_embeddings)
+            embeddings = diversity.flat_frames(frame_embeddings)
         if self.embed is not None:
-            embeddings = batch.values(lambda images, _: self.embed(images))
+            if embeddings is None:
+                embeddings = batch.values(lambda images, _: self.embed(images))
             value = diversity.mean_diversity_by_text(embeddings, prompts)
             if value is not None:
                 metrics["diversity"] = value
