@@ -19,8 +19,8 @@ import numpy as np
 
 from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 
-# The committed results that README.md and BENCHMARKS.md cite. A script writes there only when
-# told to (`--out=benchmarks/results`); by default it writes under RUNS_DIR.
+# The committed results that BENCHMARKS.md and docs/benchmarks.md cite. A script writes
+# there only when told to (`--out=benchmarks/results`); by default it writes under RUNS_DIR.
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Where a script's results go by default: `runs/` (git-ignored) of the working directory, as
 # the trainer's runs do.

@@ -13,9 +13,9 @@ python -m tree_grpo_jax.main --config=configs/flux_branchgrpo.py \
 The script's `--timestep_fraction 0.6` and `--ignore_last` are parsed but not read by its
 training loop, which trains every edge; so does this config. The released code scores split
 children under the unscaled std: `--config.tree.split_log_prob=unscaled` does the same
-(ours scores a split child under the Gaussian it was drawn from; the README's BranchGRPO
-section says what the two choices change). It makes an optimizer step every 12 trained samples
-(gradient_accumulation_steps 12): here every 3 minibatches of 4 rows.
+(ours scores a split child under the Gaussian it was drawn from; docs/methods.md, "The
+released codes' conventions", says what the two choices change). It makes an optimizer step
+every 12 trained samples (gradient_accumulation_steps 12): here every 3 minibatches of 4 rows.
 """
 
 from tree_grpo_jax.config import base_config

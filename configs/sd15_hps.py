@@ -1,8 +1,8 @@
 """Stable Diffusion 1.5 with TreeGRPO trained on HPS-v2.1, evaluated on HPS-v2.1, PickScore,
 the LAION aesthetic score and CLIP score side by side (the papers' table columns).
 
-Needs the four reward folders (README, "Rewards": where the weights come from and how the
-pickled releases are converted):
+Needs the four reward folders (docs/prompts-and-rewards.md: where the weights come from and how
+the pickled releases are converted):
 
 python -m tree_grpo_jax.main --config=configs/sd15_hps.py \
     --config.model.path=/models/sd15 \

@@ -6,7 +6,7 @@ weights with bf16 compute and gradient checkpointing.
 python -m tree_grpo_jax.main --config=configs/sd35m.py --config.model.path=/path/to/sd3.5-medium
 (a diffusers-layout folder: stabilityai/stable-diffusion-3.5-medium). The reward defaults to
 `jpeg_compressibility`, which needs no weights; the paper's is HPS-v2.1:
---config.rewards=hpsv2 --config.reward_models.hpsv2=/path/to/hpsv2.1 (README, "Rewards").
+--config.rewards=hpsv2 --config.reward_models.hpsv2=/path/to/hpsv2.1 (docs/prompts-and-rewards.md).
 `--config.model.sd3.use_t5=False` runs without the 4.7B T5 encoder (its tokens are zeros).
 """
 

@@ -7,7 +7,7 @@ decay rising 0.001 per iteration up to 0.5, each sample trained at 9 of its 10 s
 python -m tree_grpo_jax.main --config=configs/sd35m_nft.py --config.model.path=/path/to/sd3.5-medium
 The release samples with a second-order (DPM-2) solver and evaluates an EMA of the weights
 with 40 steps; here the sampler is the flow's Euler step and the eval uses the trained weights
-(README, "DiffusionNFT"). Its prompts are 48 per iteration over 8 GPUs; here
+(docs/methods.md, "DiffusionNFT"). Its prompts are 48 per iteration over 8 GPUs; here
 `prompts.batch_size` per host, 4 by default.
 """
 

@@ -195,9 +195,9 @@ def shared_config() -> ml_collections.ConfigDict:
 
     # Rewards: "name" or a weighted sum "name:weight,name:weight" (see tree_grpo_jax.rewards).
     c.rewards = ""  # the default run's
-    # Folders of the rewards that read a model (README, "Rewards"), one field per such reward
-    # (its record says what folder it reads); "" = none configured (clip_score then falls
-    # back to the hub id openai/clip-vit-large-patch14).
+    # Folders of the rewards that read a model (docs/prompts-and-rewards.md), one field per
+    # such reward (its record says what folder it reads); "" = none configured (clip_score
+    # then falls back to the hub id openai/clip-vit-large-patch14).
     c.reward_models = ml_collections.ConfigDict()
     c.reward_options = ml_collections.ConfigDict()
     c.reward_options.dtype = "float32"  # the reward models' compute dtype (or "bfloat16")

@@ -8,7 +8,8 @@ import logging
 
 class _DropFlaxDeprecation(logging.Filter):
     """diffusers and transformers log that their Flax classes are deprecated each time a
-    Flax module is imported or set up; the versions are pinned on purpose (see README)."""
+    Flax module is imported or set up; the versions are pinned on purpose (see
+    docs/getting-started.md, "Dependencies")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "classes are deprecated" not in record.getMessage()

@@ -262,7 +262,7 @@ def missing_weights(name: str, path: str | None) -> str | None:
     if entry.weights and not path and not entry.default_path:
         return (
             f"reward {name!r} needs {entry.weights}: set --config.reward_models.{name}=/path "
-            "(see the README, Rewards)."
+            "(see docs/prompts-and-rewards.md)."
         )
     return None
 
