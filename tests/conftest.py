@@ -14,6 +14,28 @@ from ci_imports import pytest_make_collect_report, pytest_runtest_makereport  # 
 
 pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test folders
 
+# pyproject's addopts run the suite with `-n auto --dist loadscope`: worker processes, each
+# test module on one worker (its module fixtures built once), each worker its own session
+# (session fixtures and the compile cache folder per worker, under its own basetemp).
+MAX_WORKERS = 4  # more only repeats the session fixtures; the longest module bounds the run
+GIB_PER_WORKER = 6  # a worker peaks near 2.5 GiB, plus the processes a test starts beside it
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """How many workers `-n auto` starts: one per core this process may use, at most
+    MAX_WORKERS and one per GIB_PER_WORKER of memory (2 on a 2-core, 24 GiB machine).
+    PYTEST_XDIST_AUTO_NUM_WORKERS, when set, decides instead (pytest-xdist reads it)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):  # no sysconf: the cores decide
+        memory_gib = GIB_PER_WORKER * MAX_WORKERS
+    return max(1, min(cores or 1, MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
+
+
 # The tests run tiny models, where XLA's optimization passes take longer than the programs
 # they speed up: skip most of them (here and in the command-line runs the tests start, which
 # inherit the environment). Set before the first JAX import reads it.
