@@ -76,10 +76,17 @@ def sd_model(sd_folder):
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
     """One persistent compilation cache for the whole session (and the command-line runs it
-    starts): the many small trainings compile the same programs, and a hit skips XLA."""
+    starts): the many small trainings compile the same programs, and a hit skips XLA. The
+    workers of one run share it (their basetemps' common parent), as the processes of one
+    test already do: an entry another worker is still writing fails to read, and JAX warns
+    and compiles it."""
     from tree_grpo_jax.run import compile_cache
 
-    folder = tmp_path_factory.mktemp("jax_compile_cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "jax_compile_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("jax_compile_cache")
     os.environ[compile_cache.ENV_DIR] = str(folder)
     compile_cache.enable(folder)
     yield folder
