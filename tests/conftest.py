@@ -1,5 +1,5 @@
 """Session-wide test settings: XLA's optimization level, one persistent compilation cache,
-the tiny random SD1.5, SD3 and FLUX folders (written with PyTorch once per session and never
+the tiny random SD1.5, SD3 and FLUX folders (written with PyTorch once per run and never
 written into: a test that breaks one breaks a copy), the loaded SD1.5 model, and, under CI, a
 failure for every test skipped for a missing package (ci_imports.py).
 
@@ -8,6 +8,7 @@ reference), parity/ (our Flax models, converters and exports against the PyTorch
 built tiny and random), integration/ (runs, commands, processes and files end to end)."""
 
 import os
+import shutil
 
 import pytest
 from ci_imports import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
@@ -42,12 +43,31 @@ def pytest_xdist_auto_num_workers(config):
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
+def _written_once(tmp_path_factory, name: str, write):
+    """The folder `write(folder)` fills, once per run: in one process a fresh temporary
+    folder; under pytest-xdist the first worker to ask writes it in the folder the run's
+    workers share (their basetemps' parent) while the others wait on its lock."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return write(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # torch's and huggingface_hub's dependency
+
+    root = tmp_path_factory.getbasetemp().parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed halfway
+            folder.mkdir(mode=0o700)  # as mktemp makes it
+            write(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sd_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from sd_fixtures import make_tiny_sd_folder
 
-    return make_tiny_sd_folder(tmp_path_factory.mktemp("tiny_sd"))
+    return _written_once(tmp_path_factory, "tiny_sd", make_tiny_sd_folder)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +75,7 @@ def sd3_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from sd3_fixtures import make_tiny_sd3_folder
 
-    return make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3"))
+    return _written_once(tmp_path_factory, "tiny_sd3", make_tiny_sd3_folder)
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +83,7 @@ def flux_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from flux_fixtures import make_tiny_flux_folder
 
-    return make_tiny_flux_folder(tmp_path_factory.mktemp("tiny_flux"))
+    return _written_once(tmp_path_factory, "tiny_flux", make_tiny_flux_folder)
 
 
 @pytest.fixture(scope="session")
