@@ -17,9 +17,11 @@ pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test fo
 
 # pyproject's addopts run the suite with `-n auto --dist loadscope`: worker processes, each
 # test module on one worker (its module fixtures built once), each worker its own session
-# (session fixtures and the compile cache folder per worker, under its own basetemp).
+# (the compile cache and the tiny model folders below are shared by the run's workers).
 MAX_WORKERS = 4  # more only repeats the session fixtures; the longest module bounds the run
-GIB_PER_WORKER = 6  # a worker peaks near 2.5 GiB, plus the processes a test starts beside it
+# A worker peaked at 4.4 GiB, and at 9.4 GiB with the 3 processes test_data_parallel.py starts
+# beside it (2 workers on 2 cores): 8 GiB a worker leaves room for one such module.
+GIB_PER_WORKER = 8
 
 
 @pytest.hookimpl(optionalhook=True)
