@@ -19,7 +19,7 @@ pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test fo
 # test module on one worker (its module fixtures built once), each worker its own session
 # (the compile cache and the tiny model folders below are shared by the run's workers).
 MAX_WORKERS = 4  # more only repeats the session fixtures; the longest module bounds the run
-# A worker peaked at 4.4 GiB, and at 9.4 GiB with the 3 processes test_data_parallel.py starts
+# A worker peaked at 5.0 GiB, and at 9.4 GiB with the 3 processes test_data_parallel.py starts
 # beside it (2 workers on 2 cores): 8 GiB a worker leaves room for one such module.
 GIB_PER_WORKER = 8
 
