@@ -47,6 +47,7 @@ setup(
         # (open_clip imports torchvision, whose wheels need this torch release beside them).
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.8",  # pyproject's addopts run the suite on two workers
             "scipy>=1.11",
             "ruff>=0.6",
             "torch==2.14.1",

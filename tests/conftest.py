@@ -1,5 +1,5 @@
 """Session-wide test settings: XLA's optimization level, one persistent compilation cache,
-the tiny random SD1.5, SD3 and FLUX folders (written with PyTorch once per session and never
+the tiny random SD1.5, SD3 and FLUX folders (written with PyTorch once per run and never
 written into: a test that breaks one breaks a copy), the loaded SD1.5 model, and, under CI, a
 failure for every test skipped for a missing package (ci_imports.py).
 
@@ -8,11 +8,36 @@ reference), parity/ (our Flax models, converters and exports against the PyTorch
 built tiny and random), integration/ (runs, commands, processes and files end to end)."""
 
 import os
+import shutil
 
 import pytest
 from ci_imports import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test folders
+
+# pyproject's addopts run the suite with `-n auto --dist loadscope`: worker processes, each
+# test module on one worker (its module fixtures built once), each worker its own session
+# (the compile cache and the tiny model folders below are shared by the run's workers).
+MAX_WORKERS = 4  # more only repeats the session fixtures; the longest module bounds the run
+# A worker peaked at 5.0 GiB, and at 9.4 GiB with the 3 processes test_data_parallel.py starts
+# beside it (2 workers on 2 cores): 8 GiB a worker leaves room for one such module.
+GIB_PER_WORKER = 8
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """How many workers `-n auto` starts: one per core this process may use, at most
+    MAX_WORKERS and one per GIB_PER_WORKER of memory (2 on a 2-core, 24 GiB machine).
+    PYTEST_XDIST_AUTO_NUM_WORKERS, when set, decides instead (pytest-xdist reads it)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):  # no sysconf: the cores decide
+        memory_gib = GIB_PER_WORKER * MAX_WORKERS
+    return max(1, min(cores or 1, MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
+
 
 # The tests run tiny models, where XLA's optimization passes take longer than the programs
 # they speed up: skip most of them (here and in the command-line runs the tests start, which
@@ -20,12 +45,31 @@ pytest_plugins = ["pytester"]  # test_ci_imports.py runs pytest on small test fo
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
+def _written_once(tmp_path_factory, name: str, write):
+    """The folder `write(folder)` fills, once per run: in one process a fresh temporary
+    folder; under pytest-xdist the first worker to ask writes it in the folder the run's
+    workers share (their basetemps' parent) while the others wait on its lock."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return write(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # torch's and huggingface_hub's dependency
+
+    root = tmp_path_factory.getbasetemp().parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed halfway
+            folder.mkdir(mode=0o700)  # as mktemp makes it
+            write(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sd_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from sd_fixtures import make_tiny_sd_folder
 
-    return make_tiny_sd_folder(tmp_path_factory.mktemp("tiny_sd"))
+    return _written_once(tmp_path_factory, "tiny_sd", make_tiny_sd_folder)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +77,7 @@ def sd3_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from sd3_fixtures import make_tiny_sd3_folder
 
-    return make_tiny_sd3_folder(tmp_path_factory.mktemp("tiny_sd3"))
+    return _written_once(tmp_path_factory, "tiny_sd3", make_tiny_sd3_folder)
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +85,7 @@ def flux_folder(tmp_path_factory):
     pytest.importorskip("torch")
     from flux_fixtures import make_tiny_flux_folder
 
-    return make_tiny_flux_folder(tmp_path_factory.mktemp("tiny_flux"))
+    return _written_once(tmp_path_factory, "tiny_flux", make_tiny_flux_folder)
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +98,17 @@ def sd_model(sd_folder):
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
     """One persistent compilation cache for the whole session (and the command-line runs it
-    starts): the many small trainings compile the same programs, and a hit skips XLA."""
+    starts): the many small trainings compile the same programs, and a hit skips XLA. The
+    workers of one run share it (their basetemps' common parent), as the processes of one
+    test already do: an entry another worker is still writing fails to read, and JAX warns
+    and compiles it."""
     from tree_grpo_jax.run import compile_cache
 
-    folder = tmp_path_factory.mktemp("jax_compile_cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "jax_compile_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("jax_compile_cache")
     os.environ[compile_cache.ENV_DIR] = str(folder)
     compile_cache.enable(folder)
     yield folder
