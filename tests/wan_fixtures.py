@@ -66,7 +66,11 @@ MODEL_INDEX = {
 
 def t5_pieces() -> list[tuple[str, float]]:
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    return pieces + [("▁" + w, -2.0) for w in WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    return (
+        pieces
+        + [("▁" + w, -2.0) for w in WORDS]
+        + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    )
 
 
 def save_tokenizer(folder: Path) -> None:

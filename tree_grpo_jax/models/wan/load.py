@@ -40,7 +40,7 @@ import numpy as np
 
 from tree_grpo_jax.models import components, media, text_encoders
 from tree_grpo_jax.models.base import FlowSigmasScheduleConfig, ModelLoadError, cast_floats
-from tree_grpo_jax.models.wan import family, text, transformer, vae
+from tree_grpo_jax.models.wan import family, transformer, vae
 from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Wan2.1 text-to-video folder"
@@ -288,12 +288,12 @@ def load_text_encoder(
         text_encoders.check_t5_max_length(t5_max_length)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
+    from tree_grpo_jax.models.wan import text
+
     run = text.load_prompt_encoder(
         root, dtype, POINT, max_length=t5_max_length, width=width, clean=clean_prompt
     )
-    return WanTextEncoder(
-        t5=run, t5_max_length=t5_max_length, width=width, batch_size=batch_size
-    )
+    return WanTextEncoder(t5=run, t5_max_length=t5_max_length, width=width, batch_size=batch_size)
 
 
 def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
@@ -308,7 +308,9 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     check_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file, options.shift)
+    schedule = schedule_config(
+        files.read_json(scheduler_file, POINT), scheduler_file, options.shift
+    )
     module, params, transformer_config = load_transformer(
         folders["transformer"], dtype, **components.module_options(options)
     )
