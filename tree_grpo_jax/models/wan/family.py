@@ -32,9 +32,9 @@ def options() -> ml_collections.ConfigDict:
 
 def resolution_of(value) -> tuple[int, int] | None:
     """`model.wan.resolution` as (height, width) ints; None when it is not a pair of ints."""
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return (int(value[0]), int(value[1]))
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if pair and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (int(value[0]), int(value[1]))
     return None
 
 
