@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import html
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -238,19 +236,12 @@ def abstract_decoder(vae_config: dict, where: Path, dtype, batch_size: int):
         module = vae.decoder_module(vae_config, dtype)
     except ValueError as e:
         raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
-    shapes = jax.eval_shape(lambda: cast_floats(vae.decoder_shapes(module), dtype))
+    shapes = jax.eval_shape(lambda p: cast_floats(p, dtype), vae.decoder_shapes(module))
     return make_decode(vae.decode_fn(module, vae_config, dtype, batch_size)), shapes
 
 
 # ---------------------------------------------------------------------------------------------
 # The prompts: umT5 as WanPipeline runs it, each prompt once.
-
-
-def clean_prompt(prompt: str) -> str:
-    """WanPipeline's `prompt_clean` without ftfy: HTML entities unescaped (twice, as it
-    does), runs of white space made one space, the ends stripped. ftfy, when installed,
-    also repairs mis-decoded text; prompts that need it differ between the two."""
-    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt)).strip()).strip()
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -283,17 +274,22 @@ class WanTextEncoder(text_encoders.PromptCache):
 def load_text_encoder(
     root: Path, dtype, *, t5_max_length: int, width: int, batch_size: int = 8
 ) -> WanTextEncoder:
-    """umT5 and its tokenizer of the folder at `root`; its d_model must be `width`."""
+    """umT5 and its tokenizer of the folder at `root` (`text.load_umt5`); its d_model must
+    be `width`, the transformer's text_dim."""
+    from tree_grpo_jax.models.wan import text
+
     try:
         text_encoders.check_t5_max_length(t5_max_length)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    from tree_grpo_jax.models.wan import text
-
-    run = text.load_prompt_encoder(
-        root, dtype, POINT, max_length=t5_max_length, width=width, clean=clean_prompt
-    )
-    return WanTextEncoder(t5=run, t5_max_length=t5_max_length, width=width, batch_size=batch_size)
+    umt5 = text.load_umt5(root, dtype, POINT, max_length=t5_max_length)
+    d_model = np.shape(umt5.params["shared"]["embedding"])[-1]
+    if d_model != width:
+        raise ModelLoadError(
+            f"{umt5.folder / 'config.json'} has d_model {d_model}, but the transformer's "
+            f"text_dim is {width}; {POINT}."
+        )
+    return WanTextEncoder(t5=umt5, t5_max_length=t5_max_length, width=width, batch_size=batch_size)
 
 
 def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
