@@ -66,18 +66,20 @@ def _reference(torch_vae, latents):
     return (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
 
 
-@pytest.mark.parametrize("frames", [3, 1])
-def test_decode_equals_diffusers(torch_vae, loaded, frames):
+@pytest.mark.parametrize("frames, chunked", [(3, True), (3, False), (1, True)])
+def test_decode_equals_diffusers(torch_vae, loaded, frames, chunked):
+    """One latent frame at a time (with the caches) and all at once give diffusers' video."""
     module, params, config = loaded
     latents = np.random.default_rng(frames).standard_normal((2, frames, 4, 4, Z_DIM)).astype("f4")
     expected = _reference(torch_vae, latents)
-    got = np.asarray(vae.decode_fn(module, config, jnp.float32)(params, jnp.asarray(latents)))
+    decode = vae.decode_fn(module, config, jnp.float32, chunked=chunked)
+    got = np.asarray(decode(params, jnp.asarray(latents)))
     video_frames = 1 + 4 * (frames - 1)
     assert got.shape == expected.shape == (2, video_frames, 32, 32, 3)
     # Most pixels inside (0, 1): the comparison is not of clamped constants.
     assert np.mean((expected > 0) & (expected < 1)) > 0.5
     diff = np.abs(got - expected).max()
-    print(f"{frames} latent frames: max abs difference {diff:.2e}")
+    print(f"{frames} latent frames, chunked {chunked}: max abs difference {diff:.2e}")
     assert diff <= 1e-4 * np.abs(expected).max(), diff
     # The two latents give different videos, and so do the frames within one video.
     assert np.abs(expected[0] - expected[1]).mean() > 1e-2

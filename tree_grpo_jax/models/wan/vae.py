@@ -133,12 +133,39 @@ def latent_frames(video_frames: int, config: dict | WanVAEConfig) -> int:
 # The modules, named as diffusers' PyTorch ones (`up_blocks_0` for `up_blocks.0`).
 
 
-def _causal_conv(features: int, kernel: tuple[int, int, int], dtype, name: str) -> nn.Conv:
-    """`WanCausalConv3d` over [B, T, H, W, C]: kt - 1 zero frames in front, none behind, and
-    half the window of zeros on each side in space."""
-    kt, kh, kw = kernel
-    padding = ((kt - 1, 0), (kh // 2, kh // 2), (kw // 2, kw // 2))
-    return nn.Conv(features, kernel, padding=padding, dtype=dtype, name=name)
+class CausalConv3d(nn.Module):
+    """`WanCausalConv3d` over [B, T, H, W, C]: half the window of zeros on each side in space
+    and kt - 1 frames in front in time, none behind. The frames in front are zeros, or, when
+    the `cache` collection is mutable (a chunk of a video decoded after the ones before it),
+    the last kt - 1 frames this conv saw, which it keeps there (zeros before the first)."""
+
+    features: int
+    kernel: tuple[int, int, int]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kt, kh, kw = self.kernel
+        kernel = self.param(
+            "kernel", nn.initializers.lecun_normal(), (*self.kernel, x.shape[-1], self.features)
+        )
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        x = x.astype(self.dtype)
+        if kt > 1 and self.is_mutable_collection("cache"):
+            b, _, h, w, c = x.shape
+            frames = self.variable("cache", "frames", jnp.zeros, (b, kt - 1, h, w, c), x.dtype)
+            x = jnp.concatenate([frames.value.astype(x.dtype), x], axis=1)
+            frames.value = x[:, x.shape[1] - (kt - 1) :]
+        elif kt > 1:
+            x = jnp.pad(x, ((0, 0), (kt - 1, 0), (0, 0), (0, 0), (0, 0)))
+        y = jax.lax.conv_general_dilated(
+            x,
+            kernel.astype(self.dtype),
+            window_strides=(1, 1, 1),
+            padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)),
+            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+        )
+        return y + bias.astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -167,11 +194,11 @@ class ResidualBlock(nn.Module):
     def __call__(self, x):
         h = x
         if x.shape[-1] != self.out_dim:
-            h = _causal_conv(self.out_dim, (1, 1, 1), self.dtype, "conv_shortcut")(x)
+            h = CausalConv3d(self.out_dim, (1, 1, 1), self.dtype, name="conv_shortcut")(x)
         x = nn.silu(RMSNorm(self.dtype, name="norm1")(x))
-        x = _causal_conv(self.out_dim, (3, 3, 3), self.dtype, "conv1")(x)
+        x = CausalConv3d(self.out_dim, (3, 3, 3), self.dtype, name="conv1")(x)
         x = nn.silu(RMSNorm(self.dtype, name="norm2")(x))
-        x = _causal_conv(self.out_dim, (3, 3, 3), self.dtype, "conv2")(x)
+        x = CausalConv3d(self.out_dim, (3, 3, 3), self.dtype, name="conv2")(x)
         return x + h
 
 
@@ -200,20 +227,23 @@ class AttentionBlock(nn.Module):
 class Resample(nn.Module):
     """`WanResample` in the decoder's two modes: `upsample2d` (nearest 2x in space, then a
     3x3 conv to half the channels) and `upsample3d` (first a causal time conv to twice the
-    channels whose halves become two frames, for every frame but the first)."""
+    channels whose halves become two frames, for every frame but the video's first, which
+    passes alone: `first` says whether x starts the video)."""
 
     mode: str
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, first: bool):
         b, t, h, w, c = x.shape
-        if self.mode == "upsample3d" and t > 1:
-            rest = _causal_conv(2 * c, (3, 1, 1), self.dtype, "time_conv")(x[:, 1:])
+        if self.mode == "upsample3d":
+            head, rest = (x[:, :1], x[:, 1:]) if first else (x[:, :0], x)
+            n = rest.shape[1]  # zero for a first chunk of one frame: the conv keeps its zeros
+            rest = CausalConv3d(2 * c, (3, 1, 1), self.dtype, name="time_conv")(rest)
             # channels [s*c, (s+1)*c) of frame i are output frame 2i + s
-            rest = rest.reshape(b, t - 1, h, w, 2, c)
-            rest = jnp.moveaxis(rest, 4, 2).reshape(b, 2 * (t - 1), h, w, c)
-            x = jnp.concatenate([x[:, :1], rest], axis=1)
+            rest = rest.reshape(b, n, h, w, 2, c)
+            rest = jnp.moveaxis(rest, 4, 2).reshape(b, 2 * n, h, w, c)
+            x = jnp.concatenate([head.astype(rest.dtype), rest], axis=1)
         t = x.shape[1]
         x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)  # nearest-exact, factor 2
         x = nn.Conv(c // 2, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, name="resample_1")(
@@ -231,11 +261,11 @@ class UpBlock(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, first: bool):
         for i in range(self.num_res_blocks + 1):
             x = ResidualBlock(self.out_dim, self.dtype, name=f"resnets_{i}")(x)
         if self.upsample_mode is not None:
-            x = Resample(self.upsample_mode, self.dtype, name="upsamplers_0")(x)
+            x = Resample(self.upsample_mode, self.dtype, name="upsamplers_0")(x, first)
         return x
 
 
@@ -259,32 +289,36 @@ class Decoder3d(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, first: bool):
         c = self.config
         mult = c.dim_mult
         dims = [c.dim * u for u in (mult[-1], *mult[::-1])]
-        x = _causal_conv(dims[0], (3, 3, 3), self.dtype, "conv_in")(x)
+        x = CausalConv3d(dims[0], (3, 3, 3), self.dtype, name="conv_in")(x)
         x = MidBlock(self.dtype, name="mid_block")(x)
         for i, out_dim in enumerate(dims[1:]):
             mode = None
             if i != len(mult) - 1:
                 mode = "upsample3d" if c.temporal_upsample[i] else "upsample2d"
-            x = UpBlock(out_dim, c.num_res_blocks, mode, self.dtype, name=f"up_blocks_{i}")(x)
+            x = UpBlock(out_dim, c.num_res_blocks, mode, self.dtype, name=f"up_blocks_{i}")(
+                x, first
+            )
         x = nn.silu(RMSNorm(self.dtype, name="norm_out")(x))
-        return _causal_conv(3, (3, 3, 3), self.dtype, "conv_out")(x)
+        return CausalConv3d(3, (3, 3, 3), self.dtype, name="conv_out")(x)
 
 
 class WanVAEDecoder(nn.Module):
     """`post_quant_conv` then the decoder, on de-normalised latents [B, F, h, w, z_dim]; the
-    params are {"post_quant_conv", "decoder"}, as the folder's keys are prefixed."""
+    params are {"post_quant_conv", "decoder"}, as the folder's keys are prefixed. `first`:
+    whether z starts the video (False for a later chunk, decoded with the `cache` collection
+    its predecessors left)."""
 
     config: WanVAEConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, z):
-        z = _causal_conv(self.config.z_dim, (1, 1, 1), self.dtype, "post_quant_conv")(z)
-        return Decoder3d(self.config, self.dtype, name="decoder")(z)
+    def __call__(self, z, first: bool = True):
+        z = CausalConv3d(self.config.z_dim, (1, 1, 1), self.dtype, name="post_quant_conv")(z)
+        return Decoder3d(self.config, self.dtype, name="decoder")(z, first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,15 +377,46 @@ def load_decoder(folder: Path, dtype, hint: str):
     return module, cast_floats(params, dtype), config
 
 
-def decode_fn(module: WanVAEDecoder, config: dict | WanVAEConfig, dtype, batch_size: int = 1):
+def decode_chunks(module: WanVAEDecoder, params, z):
+    """The decoder on z [B, F, h, w, z_dim] one latent frame at a time, as diffusers decodes:
+    the first frame alone, then a scan over the others carrying every causal conv's last
+    frames (the `cache` collection). The same numbers as one call on all F frames, with the
+    activations of one latent frame's video frames alive instead of the whole video's."""
+    video, state = module.apply({"params": params}, z[:, :1], first=True, mutable=["cache"])
+    if z.shape[1] == 1:
+        return video
+
+    def step(cache, zt):
+        out, state = module.apply(
+            {"params": params, "cache": cache}, zt[:, None], first=False, mutable=["cache"]
+        )
+        return state["cache"], out
+
+    _, rest = jax.lax.scan(step, state["cache"], jnp.moveaxis(z[:, 1:], 1, 0))
+    rest = jnp.moveaxis(rest, 0, 1)  # [B, F - 1, frames per latent, H, W, 3]
+    return jnp.concatenate([video, rest.reshape(rest.shape[0], -1, *rest.shape[3:])], axis=1)
+
+
+def decode_fn(
+    module: WanVAEDecoder,
+    config: dict | WanVAEConfig,
+    dtype,
+    batch_size: int = 1,
+    chunked: bool = True,
+):
     """`decode(params, latents [B, F, h, w, z_dim]) -> videos [B, T, H, W, 3]` in [0, 1],
-    jitted, T = `num_frames(F)`; `batch_size` videos go through the decoder at once."""
+    jitted, T = `num_frames(F)`; `batch_size` videos go through the decoder at once, each
+    one latent frame at a time (`decode_chunks`) or, without `chunked`, all frames at once
+    (fewer, larger programs; activation memory grows with the frames)."""
     c = config if isinstance(config, WanVAEConfig) else vae_config(config)
     mean = jnp.asarray(c.latents_mean, jnp.float32)
     inv_std = 1.0 / jnp.asarray(c.latents_std, jnp.float32)  # as the pipeline writes it
 
     def decode_one(params, z):  # [F, h, w, z] -> [T, H, W, 3] in [-1, 1]
-        return module.apply({"params": params}, z[None].astype(dtype))[0]
+        z = z[None].astype(dtype)
+        if chunked:
+            return decode_chunks(module, params, z)[0]
+        return module.apply({"params": params}, z)[0]
 
     @jax.jit
     def decode(params, latents):
