@@ -331,3 +331,40 @@ def test_video_sizes_the_folder_cannot_make_are_one_sentence(folder):
     ):
         with pytest.raises(ModelLoadError, match=words):
             load_wan(str(folder), **{"resolution": RESOLUTION, "num_frames": 9, **options})
+
+
+def test_the_torch_free_tiny_folder_is_what_diffusers_saves(folder, tmp_path):
+    """launch/tiny_folders.py's Wan folder (written without torch) against this torch-built
+    one of the same architecture: the transformer and umT5 load in their PyTorch classes with
+    no missing or unexpected key, every component's keys and shapes are the same, and the VAE
+    holds the decoder's half of them."""
+    import importlib.util
+    from pathlib import Path
+
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    from tree_grpo_jax.weights import files
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tiny_folders", root / "launch/tiny_folders.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.main([f"--out={tmp_path}", "--kinds=wan"])["wan"]
+    for name, klass in (("transformer", WanTransformer3DModel), ("text_encoder", UMT5EncoderModel)):
+        _, info = klass.from_pretrained(written / name, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+    def shapes(path, stem):
+        return {k: v.shape for k, v in files.read_weights(path, stem, "").items()}
+
+    for name, stem in (("transformer", "diffusion_pytorch_model"), ("text_encoder", "model")):
+        assert shapes(written / name, stem) == shapes(folder / name, stem), name
+    ours = shapes(written / "vae", "diffusion_pytorch_model")
+    theirs = shapes(folder / "vae", "diffusion_pytorch_model")
+    assert ours == {k: v for k, v in theirs.items() if k.startswith(("decoder.", "post_quant"))}
+    index = json.loads((written / "model_index.json").read_text())
+    assert index == {
+        **json.loads((folder / "model_index.json").read_text()),
+        "_diffusers_version": index["_diffusers_version"],
+    }
