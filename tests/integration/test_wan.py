@@ -41,13 +41,13 @@ NFT = ["--config=configs/wan_nft.py", "--config.tree.group_size=2", "--config.lo
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The tiny folder written and the runs made in one Python with torch blocked: a
-    2-iteration BranchGRPO run, the same run killed after iteration 1 and rerun, an NFT
-    iteration, and the first run's export."""
+    2-iteration BranchGRPO run, rerun after its last checkpoint is removed (as a kill before
+    it was written leaves it), an NFT iteration, and the BranchGRPO run's export."""
     tmp = tmp_path_factory.mktemp("wan")
     folder = tmp / "tiny" / "wan"
     code = textwrap.dedent(
         f"""
-        import json, runpy, sys
+        import json, runpy, shutil, sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         sys.path.insert(1, "tests")
         sys.argv = ["tiny_folders.py", "--out={tmp / "tiny"}", "--kinds=wan"]
@@ -55,17 +55,21 @@ def runs(tmp_path_factory):
         from in_process import run_main
         from tree_grpo_jax.cli import export
         shrink = {SHRINK!r} + ["--config.model.path={folder}"]
-        runs = {{
-            "straight": [*{BRANCH!r}, "--config.train.iterations=2"],
-            "killed": [*{BRANCH!r}, "--config.train.iterations=1"],
-            "rerun": [*{BRANCH!r}, "--config.train.iterations=2"],
-            "nft": [*{NFT!r}, "--config.train.iterations=1"],
-        }}
         status = {{}}
-        for name, args in runs.items():
-            workdir = "{tmp}/" + ("killed" if name == "rerun" else name)
-            result = run_main(*args, *shrink, "--workdir=" + workdir)
+
+        def run(name, workdir, *args):
+            result = run_main(*args, *shrink, "--workdir={tmp}/" + workdir)
+            said = result.stdout + result.stderr
             status[name] = [result.returncode, result.stdout[-1500:], result.stderr[-3000:]]
+            status[name + "_released"] = "prompts encoded ahead; T5 released" in said
+            status[name + "_resumed"] = "resumed from the checkpoint after iteration 1" in said
+
+        run("straight", "straight", *{BRANCH!r}, "--config.train.iterations=2")
+        # Killed after iteration 1's checkpoint: iteration 2's never written; then rerun.
+        shutil.copytree("{tmp}/straight/checkpoints", "{tmp}/expected")
+        shutil.rmtree("{tmp}/straight/checkpoints/2")
+        run("rerun", "straight", *{BRANCH!r}, "--config.train.iterations=2")
+        run("nft", "nft", *{NFT!r}, "--config.train.iterations=1")
         status["export"] = export.main(["--workdir={tmp}/straight", "--out={tmp}/exported"])
         print("STATUS" + json.dumps(status))
         assert sys.modules["torch"] is None
@@ -81,10 +85,10 @@ def runs(tmp_path_factory):
     return tmp, folder, json.loads(line[len("STATUS") :])
 
 
-def _final_params(workdir):
+def _final_params(checkpoints):
     from tree_grpo_jax.run.checkpoint import Checkpointer
 
-    return Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
+    return Checkpointer(str(checkpoints), read_only=True).restore_params()
 
 
 def test_branchgrpo_and_nft_iterations_train(runs):
@@ -97,7 +101,7 @@ def test_branchgrpo_and_nft_iterations_train(runs):
         assert "done: eval reward" in out, out
         rows = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
         assert any("train/loss" in r and np.isfinite(r["train/loss"]) for r in rows), name
-    assert "prompts encoded ahead; T5 released" in status["straight"][1] + status["straight"][2]
+    assert status["straight_released"] and status["nft_released"]
 
 
 def test_a_killed_run_rerun_ends_where_the_straight_run_ends(runs):
@@ -105,10 +109,11 @@ def test_a_killed_run_rerun_ends_where_the_straight_run_ends(runs):
     import numpy as np
 
     tmp, _, status = runs
-    assert status["killed"][0] == 0 and status["rerun"][0] == 0, status["rerun"][2]
-    straight, rerun = _final_params(tmp / "straight"), _final_params(tmp / "killed")
+    assert status["rerun"][0] == 0, status["rerun"][2]
+    assert status["rerun_resumed"] and not status["straight_resumed"]
+    expected, rerun = _final_params(tmp / "expected"), _final_params(tmp / "straight/checkpoints")
     moved = jax.tree_util.tree_map(
-        lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), straight, rerun
+        lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), expected, rerun
     )
     assert max(jax.tree_util.tree_leaves(moved)) <= 1e-6, moved
 
@@ -126,7 +131,7 @@ def test_the_export_is_the_trained_transformer(runs):
         assert (out / part).is_dir(), part
     options = dict(resolution=(16, 32), num_frames=9, t5_max_length=8)
     exported, base = load_wan(str(out), **options), load_wan(str(folder), **options)
-    trained = _final_params(tmp / "straight")
+    trained = _final_params(tmp / "straight/checkpoints")
     for a, b in zip(jax.tree_util.tree_leaves(exported.params), jax.tree_util.tree_leaves(trained)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0)
     changed = [
