@@ -285,12 +285,17 @@ def test_image_to_video_is_refused_as_text_to_video_only():
     _one_sentence(str(raised.value))
 
 
-def test_latents_the_patches_do_not_tile_are_refused(reference):
+def test_latents_the_patches_do_not_tile_or_the_rotary_tables_do_not_reach_are_refused(reference):
     module = reference.module()
     params = transformer_weights.abstract_params(module)
     inputs = make_inputs()
     inputs["hidden_states"] = np.zeros((2, 3, 5, 6, 4), np.float32)
     with pytest.raises(ValueError, match="3 frames of 5x6") as raised:
+        jax.eval_shape(module.apply, {"params": params}, **inputs)
+    _one_sentence(str(raised.value))
+    # 33 frames: more positions on one axis than the rotary tables of 32 hold
+    inputs["hidden_states"] = np.zeros((2, 33, 4, 6, 4), np.float32)
+    with pytest.raises(ValueError, match="rope_max_seq_len 32") as raised:
         jax.eval_shape(module.apply, {"params": params}, **inputs)
     _one_sentence(str(raised.value))
 
