@@ -86,7 +86,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def encoder(folder):
-    return text.load_umt5(folder, jnp.float32, HINT, max_length=LENGTH)
+    return text.load_prompt_encoder(folder, jnp.float32, HINT, max_length=LENGTH, width=16)
 
 
 def _pipeline(folder, text_encoder=None):
@@ -207,6 +207,10 @@ def test_bad_folders_are_one_sentence(folder, tmp_path):
     config_path.write_text(json.dumps(config))
     (root / "text_encoder" / "model.safetensors.index.json").unlink()
     refused(r"has no model.safetensors \(or its index\)")
+    with pytest.raises(
+        ModelLoadError, match=r"has d_model 16, but the transformer's text_dim is 32"
+    ):
+        text.load_prompt_encoder(folder, jnp.float32, HINT, max_length=LENGTH, width=32)
     shutil.rmtree(root / "tokenizer")
     refused(r"has no tokenizer/ folder")
     with pytest.raises(ValueError, match=r"^t5_max_length must be in \[1, 512\], got 600\.$"):

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
+from tree_grpo_jax.models import attention as attention_backends  # noqa: E402
 from tree_grpo_jax.models.wan import transformer, transformer_weights  # noqa: E402
 from tree_grpo_jax.weights import convert, stacking  # noqa: E402
 
@@ -32,6 +33,10 @@ CONFIG = dict(
     eps=1e-6,
     rope_max_seq_len=32,
 )
+# The other shapes diffusers' class allows: a patch over two frames, no norm before the
+# cross-attention, more output channels than input channels.
+VARIANT = dict(CONFIG, patch_size=(2, 2, 1), cross_attn_norm=False, out_channels=6)
+VARIANT_LATENTS = (1, 4, 4, 3, 4)
 # [B, F, h, w, C] latents: 3 frames of 4x6 (a 3x2x3 token grid, no two axes alike).
 LATENT_SHAPE = (2, 3, 4, 6, 4)
 TIMESTEPS = (30.0, 970.0)
@@ -67,14 +72,17 @@ def reference():
     return Reference(CONFIG)
 
 
-def make_inputs(seed: int = 0, timesteps=TIMESTEPS) -> dict:
+@pytest.fixture(scope="module")
+def variant():
+    return Reference(VARIANT, seed=1)
+
+
+def make_inputs(seed: int = 0, timesteps=TIMESTEPS, shape=LATENT_SHAPE) -> dict:
     rng = np.random.default_rng(seed)
     inputs = dict(
-        hidden_states=rng.standard_normal(LATENT_SHAPE),
-        timestep=np.asarray(timesteps),
-        encoder_hidden_states=rng.standard_normal(
-            (LATENT_SHAPE[0], TEXT_TOKENS, CONFIG["text_dim"])
-        ),
+        hidden_states=rng.standard_normal(shape),
+        timestep=np.asarray(timesteps[: shape[0]]),
+        encoder_hidden_states=rng.standard_normal((shape[0], TEXT_TOKENS, CONFIG["text_dim"])),
     )
     return {k: np.asarray(v, np.float32) for k, v in inputs.items()}
 
@@ -105,6 +113,15 @@ def test_matches_pytorch_in_float32(reference, scan_layers):
     theirs = torch_output(reference.torch_model, inputs)
     ours = flax_output(module, params, inputs)
     assert ours.shape == theirs.shape == LATENT_SHAPE
+    assert _relative_error(ours, theirs) < FLOAT32_TOLERANCE
+
+
+def test_other_patches_and_no_cross_attention_norm_match_pytorch(variant):
+    module = variant.module()
+    inputs = make_inputs(shape=VARIANT_LATENTS)
+    theirs = torch_output(variant.torch_model, inputs)
+    ours = flax_output(module, variant.params(module), inputs)
+    assert ours.shape == theirs.shape == (*VARIANT_LATENTS[:-1], 6)
     assert _relative_error(ours, theirs) < FLOAT32_TOLERANCE
 
 
@@ -149,12 +166,21 @@ def test_export_round_trip_loads_strictly_into_pytorch(reference):
     )
 
 
-def test_attention_backends_agree(reference):
+def test_attention_backends_agree(reference, monkeypatch):
+    """XLA's attention against the blockwise one, its keys cut into blocks of 4 (18 video
+    tokens, 5 text tokens: several blocks, the last one padded)."""
+    blockwise = attention_backends.blockwise_attention
+
+    def small_blocks(query, key, value, *, mask=None, block_size=None):
+        return blockwise(query, key, value, mask=mask, block_size=4)
+
     inputs = make_inputs()
     outputs = []
     for backend in ("xla", "blockwise"):
         module = reference.module(attention_implementation=backend)
-        outputs.append(flax_output(module, reference.params(module), inputs))
+        with monkeypatch.context() as patch:
+            patch.setattr(attention_backends, "blockwise_attention", small_blocks)
+            outputs.append(flax_output(module, reference.params(module), inputs))
     assert _relative_error(outputs[1], outputs[0]) < 1e-6
 
 
@@ -259,12 +285,17 @@ def test_image_to_video_is_refused_as_text_to_video_only():
     _one_sentence(str(raised.value))
 
 
-def test_latents_the_patches_do_not_tile_are_refused(reference):
+def test_latents_the_patches_do_not_tile_or_the_rotary_tables_do_not_reach_are_refused(reference):
     module = reference.module()
     params = transformer_weights.abstract_params(module)
     inputs = make_inputs()
     inputs["hidden_states"] = np.zeros((2, 3, 5, 6, 4), np.float32)
     with pytest.raises(ValueError, match="3 frames of 5x6") as raised:
+        jax.eval_shape(module.apply, {"params": params}, **inputs)
+    _one_sentence(str(raised.value))
+    # 33 frames: more positions on one axis than the rotary tables of 32 hold
+    inputs["hidden_states"] = np.zeros((2, 33, 4, 6, 4), np.float32)
+    with pytest.raises(ValueError, match="rope_max_seq_len 32") as raised:
         jax.eval_shape(module.apply, {"params": params}, **inputs)
     _one_sentence(str(raised.value))
 

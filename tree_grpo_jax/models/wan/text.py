@@ -123,13 +123,14 @@ class UMT5Encoder:
     max_length: int  # every prompt is padded or truncated to this many tokens
     encode: Callable
     params: Any
+    clean: Callable[[str], str] = prompt_clean  # applied to each prompt before tokenizing
 
     def tokenize(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, mask), each [P, max_length] int32, of the cleaned prompts."""
         if isinstance(prompts, str):
             raise TypeError("tokenize takes a list of prompts, not one string.")
         tokens = self.tokenizer(
-            [prompt_clean(p) for p in prompts],
+            [self.clean(p) for p in prompts],
             padding="max_length",
             max_length=self.max_length,
             truncation=True,
@@ -152,16 +153,24 @@ def load_umt5(
     max_length: int = WAN_MAX_LENGTH,
     encoder_name: str = "text_encoder",
     tokenizer_name: str = "tokenizer",
+    width: int | None = None,
+    clean: Callable[[str], str] = prompt_clean,
 ) -> UMT5Encoder:
     """The umT5 encoder and tokenizer of a Wan diffusers folder (`text_encoder/` with its
     config.json and safetensors, sharded or not; `tokenizer/`), without torch; one sentence
-    (ModelLoadError ending in `hint`) for a folder that does not fit."""
+    (ModelLoadError ending in `hint`) for a folder that does not fit, or whose d_model is not
+    `width` (the transformer's text_dim) when given."""
     if not 1 <= max_length <= T5_MAX_LENGTH:
         raise ValueError(f"t5_max_length must be in [1, {T5_MAX_LENGTH}], got {max_length}.")
     folder = files.component_dir(root, encoder_name, ("config.json",), hint)
     tokenizer = load_t5_tokenizer(files.component_dir(root, tokenizer_name, (), hint), hint)
     raw = read_config(folder, "umt5", "a umT5 encoder", hint)
     config = umt5_config(raw, folder / "config.json", hint)
+    if width is not None and config.d_model != width:
+        raise ModelLoadError(
+            f"{folder / 'config.json'} has d_model {config.d_model}, but the transformer's "
+            f"text_dim is {width}; {hint}."
+        )
     state = files.read_weights(folder, "model", hint)
     try:
         params = convert_umt5(state, config)
@@ -170,4 +179,19 @@ def load_umt5(
             f"the weights in {folder} do not match its config ({e}); {hint}."
         ) from None
     module = umt5_module(config, dtype)
-    return UMT5Encoder(folder, tokenizer, max_length, encode_fn(module), cast_floats(params, dtype))
+    params = cast_floats(params, dtype)
+    return UMT5Encoder(folder, tokenizer, max_length, encode_fn(module), params, clean)
+
+
+def load_prompt_encoder(
+    root: Path,
+    dtype,
+    hint: str,
+    *,
+    max_length: int,
+    width: int,
+    clean: Callable[[str], str] = prompt_clean,
+) -> UMT5Encoder:
+    """`load_umt5` of a Wan folder's `text_encoder/` and `tokenizer/`, its d_model checked
+    against `width`: called on a list of prompts, gives their states [P, max_length, width]."""
+    return load_umt5(root, dtype, hint, max_length=max_length, width=width, clean=clean)

@@ -23,6 +23,12 @@ Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`. As 
 keeps them in float32 (`_keep_in_fp32_modules`), the norms, modulations, residual sums of
 the gated branches, the timestep embedding and the rotations are computed in float32; the
 rotary angles are taken in float64, as diffusers takes them, and rounded once.
+
+Against the PyTorch model in float32 on CPU (tests/parity/test_wan_transformer.py: a tiny
+random model, 3 frames of 4x6 latents, outputs of scale ~2.5) the largest difference is
+1.9e-7 of the scale, blocks scanned or not, at JAX's default matmul precision; bfloat16
+compute with float32 params is within 0.7%. The released configs (`builtin_config`) hold
+1,418,996,800 (1.3B) and 14,288,491,584 (14B) parameters, diffusers' trees name for name.
 """
 
 from __future__ import annotations
