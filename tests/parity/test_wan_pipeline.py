@@ -316,7 +316,7 @@ def _rewrite_json(path, **changes):
         ),
         (
             lambda r: _rewrite_json(r / "text_encoder" / "config.json", d_model=24),
-            "text_encoder",
+            "has d_model 24, but the transformer's text_dim is 16",
         ),
     ],
 )

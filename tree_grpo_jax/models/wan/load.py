@@ -274,21 +274,15 @@ class WanTextEncoder(text_encoders.PromptCache):
 def load_text_encoder(
     root: Path, dtype, *, t5_max_length: int, width: int, batch_size: int = 8
 ) -> WanTextEncoder:
-    """umT5 and its tokenizer of the folder at `root` (`text.load_umt5`); its d_model must
-    be `width`, the transformer's text_dim."""
+    """umT5 and its tokenizer of the folder at `root` (`text.load_prompt_encoder`); its
+    d_model must be `width`, the transformer's text_dim."""
     from tree_grpo_jax.models.wan import text
 
     try:
         text_encoders.check_t5_max_length(t5_max_length)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    umt5 = text.load_umt5(root, dtype, POINT, max_length=t5_max_length)
-    d_model = np.shape(umt5.params["shared"]["embedding"])[-1]
-    if d_model != width:
-        raise ModelLoadError(
-            f"{umt5.folder / 'config.json'} has d_model {d_model}, but the transformer's "
-            f"text_dim is {width}; {POINT}."
-        )
+    umt5 = text.load_prompt_encoder(root, dtype, POINT, max_length=t5_max_length, width=width)
     return WanTextEncoder(t5=umt5, t5_max_length=t5_max_length, width=width, batch_size=batch_size)
 
 
