@@ -21,7 +21,17 @@ with `use_flow_sigmas` spaces N sigmas from 1 down to `1 / T` and shifts them by
 `FlowMatchEulerDiscreteScheduler` gets that scheduler's sigmas for its `shift`. The steps
 between them are the library's flow steps (Euler for the deterministic sampler, the table's
 SDEs for the stochastic ones), not UniPC's multistep corrector. `shift > 0` replaces the
-folder's shift (Wan's own guidance: 3.0 at 480p, 5.0 at 720p).
+folder's shift (Wan's own guidance: 3.0 at 480p, 5.0 at 720p). The pipeline hands the
+transformer UniPC's timesteps rounded down to integers; here they are `1000 * sigma` unrounded,
+as the GRPO codes' Euler schedulers give them.
+
+Measured against diffusers' PyTorch WanPipeline on a tiny random folder
+(tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
+sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
+the Euler one on these sigmas) differs by at most 4.8e-7 from `WanPipeline(latents=...,
+output_type="latent")` on latents up to 4.2; the prompts by 1.2e-6 from `encode_prompt`
+(states up to 2.5); the decoded videos by 1.6e-6; the sigmas by less than 2e-6 from the
+release's UniPC scheduler.
 """
 
 from __future__ import annotations
