@@ -125,7 +125,10 @@ def _euler_pipe(pipe, sigmas):
     return original
 
 
-def test_deterministic_sampler_equals_the_pipeline(model, pipe):
+@pytest.mark.parametrize("guidance", [1.0, 5.0])
+def test_deterministic_sampler_equals_the_pipeline(model, pipe, guidance):
+    """Unguided, and with the configs' guidance 5 against the empty negative prompt (the
+    pipeline's default), which the run's unconditional prompt is."""
     noise = np.random.default_rng(0).standard_normal((3, *LATENTS)).astype("f4")
     schedule = model.make_schedule(4, Sampling())
     original = _euler_pipe(pipe, np.asarray(schedule.sigmas, np.float64))
@@ -133,11 +136,12 @@ def test_deterministic_sampler_equals_the_pipeline(model, pipe):
         with torch.no_grad():
             expected = pipe(
                 PROMPTS,
+                negative_prompt="",
                 height=RESOLUTION[0],
                 width=RESOLUTION[1],
                 num_frames=NUM_FRAMES,
                 num_inference_steps=4,
-                guidance_scale=1.0,
+                guidance_scale=guidance,
                 latents=torch.from_numpy(noise),
                 output_type="latent",
                 max_sequence_length=T5_TOKENS,
@@ -145,7 +149,13 @@ def test_deterministic_sampler_equals_the_pipeline(model, pipe):
     finally:
         pipe.scheduler = original
     got = rollout.sample_deterministic(
-        model.denoise, model.params, model.encode_prompts(PROMPTS), jnp.asarray(noise), schedule
+        model.denoise,
+        model.params,
+        model.encode_prompts(PROMPTS),
+        jnp.asarray(noise),
+        schedule,
+        uncond=model.encode_prompts([""])[0],  # as the run builds it
+        guidance_scale=guidance,
     )
     diff = np.abs(np.asarray(got) - expected).max()
     assert diff <= 1e-5 * max(1.0, np.abs(expected).max()), diff
