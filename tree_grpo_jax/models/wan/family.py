@@ -83,9 +83,11 @@ FAMILY = registry.register(
         path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
         options=options,
         check_options=check_options,
-        # The attention projections of every block's self- and cross-attention (`attn1`,
-        # `attn2`), as Flow-Factory's default Wan LoRA and diffusers' PEFT names give them
-        # (`to_q`, `to_k`, `to_v`, `to_out.0`), matched as path endings as PEFT matches them.
+        # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
+        # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
+        # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's
+        # Wan adapters' own default adds the feed-forward (`ffn.net.0.proj`, `ffn.net.2`):
+        # `lora.targets` can name those too ("ffn/net_0/proj", "ffn/net_2").
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
         export=registry.deferred_export("transformer", "tree_grpo_jax.models.wan.export"),
