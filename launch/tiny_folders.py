@@ -1,7 +1,7 @@
-"""Writes tiny random Stable Diffusion 1.5, SD3.5 and FLUX.1 folders in the real diffusers
-layout, for a smoke run of those configs without downloading any weights.
+"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1 and Wan2.1 folders in the real
+diffusers layout, for a smoke run of those configs without downloading any weights.
 
-    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux}
+    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux,wan}
 
 Only the package's own dependencies are needed (`pip install -e .`): no torch. Each weight
 file is the project's Flax module for that component (our UNet, SD3 MMDiT and FLUX
@@ -13,10 +13,13 @@ architectures are the test fixtures' (`tests/sd_fixtures.py`, `tests/sd3_fixture
 `tests/flux_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
 MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
 scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
-shifted scheduler; a few thousand times smaller than the releases. diffusers'
-`DiffusionPipeline.from_pretrained` reads them too
-(tests/parity/test_tiny_folders_in_diffusers.py). The samples are noise: the folders check
-that a config runs, not what it learns.
+shifted scheduler; Wan2.1's transformer (`WanTransformer3DModel`), video VAE, umT5 and
+UniPC flow scheduler (tests/wan_fixtures.py); a few thousand times smaller than the
+releases. diffusers' `DiffusionPipeline.from_pretrained` reads the first three too
+(tests/parity/test_tiny_folders_in_diffusers.py); the Wan folder's VAE holds its decoder
+only (the half the library runs), so it is read by the project's loader, and by diffusers
+only component by component. The samples are noise: the folders check that a config runs,
+not what it learns.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KINDS = ("sd15", "sd35", "flux")
+KINDS = ("sd15", "sd35", "flux", "wan")
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
@@ -476,7 +479,110 @@ def write_flux(root: pathlib.Path, rng) -> None:
     write_model_index(root, FLUX_INDEX)
 
 
-WRITERS = {"sd15": write_sd15, "sd35": write_sd35, "flux": write_flux}
+WAN_TEXT_WIDTH = 16  # standing in for Wan2.1's text_dim 4096
+WAN_LATENT_CHANNELS = 4  # standing in for its 16
+WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=8,
+    in_channels=WAN_LATENT_CHANNELS,
+    out_channels=WAN_LATENT_CHANNELS,
+    text_dim=WAN_TEXT_WIDTH,
+    freq_dim=8,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=32,
+)
+WAN_VAE = dict(  # 4 pixels per latent, 4 frames per latent frame (the 4k + 1 rule holds)
+    base_dim=8,
+    z_dim=WAN_LATENT_CHANNELS,
+    dim_mult=(1, 2, 2),
+    num_res_blocks=1,
+    attn_scales=(),
+    temperal_downsample=(True, True),
+    dropout=0.0,
+    latents_mean=(0.3, -0.2, 0.1, 0.5),
+    latents_std=(1.5, 0.8, 2.0, 1.2),
+)
+WAN_SCHEDULER = dict(  # the release's scheduler_config.json (flow_shift 3: the 480p value)
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    num_train_timesteps=1000,
+    flow_shift=3.0,
+    solver_order=2,
+    final_sigmas_type="zero",
+)
+WAN_INDEX = {
+    "_class_name": "WanPipeline",
+    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    "text_encoder": ["transformers", "UMT5EncoderModel"],
+    "tokenizer": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "WanTransformer3DModel"],
+    "transformer_2": [None, None],
+    "vae": ["diffusers", "AutoencoderKLWan"],
+    "boundary_ratio": None,
+    "expand_timesteps": False,
+}
+# The Wan VAE decoder's module lists; its RMS norms' `gamma` keep PyTorch's broadcast shape.
+_WAN_VAE_LISTS = frozenset({"up_blocks", "resnets", "attentions", "upsamplers", "resample"})
+
+
+def write_umt5(root, rng, **config) -> None:
+    """A transformers UMT5EncoderModel folder (every block its own relative bias table) and
+    a T5 fast tokenizer."""
+    from transformers import UMT5Config
+
+    from tree_grpo_jax.models.wan import text
+    from tree_grpo_jax.weights import convert
+
+    write_t5_tokenizer(root / "tokenizer")
+    umt5 = UMT5Config(vocab_size=len(t5_pieces()) + 6, feed_forward_proj="gated-gelu", **config)
+    umt5.architectures = ["UMT5EncoderModel"]
+    umt5.save_pretrained(root / "text_encoder")
+    raw = json.loads((root / "text_encoder" / "config.json").read_text())
+    module = text.umt5_module(text.umt5_config(raw, root / "text_encoder", "a tiny folder"))
+    flat = random_params(convert.shapes_of(text.umt5_shapes(module)), rng)
+    flat[("encoder", "final_layer_norm", "weight")] *= 0.2  # outputs of a few tenths
+    save_weights(root / "text_encoder", "model", pytorch_state(flat, ()))
+
+
+def write_wan_vae(root: pathlib.Path, config: dict, rng) -> None:
+    """`AutoencoderKLWan`'s decoder and post-quant conv, under its PyTorch names."""
+    from tree_grpo_jax.models.wan import vae
+    from tree_grpo_jax.weights import convert
+
+    full = diffusers_config("AutoencoderKLWan", config)
+    shapes = convert.shapes_of(vae.decoder_shapes(vae.decoder_module(full)))
+    flat = random_params(shapes, rng)
+    state = pytorch_state({k: v for k, v in flat.items() if k[-1] != "scale"}, _WAN_VAE_LISTS)
+    for path, value in flat.items():
+        if path[-1] == "scale":  # WanRMS_norm's gamma: [C, 1, 1] in attentions, else [C, 1, 1, 1]
+            name = next(iter(pytorch_state({path[:-1] + ("bias",): value}, _WAN_VAE_LISTS)))
+            ones = (1, 1) if "attentions" in path[-3] else (1, 1, 1)
+            state[name.removesuffix(".bias") + ".gamma"] = value.reshape(-1, *ones)
+    write_json(root / "vae" / "config.json", full)
+    save_weights(root / "vae", "diffusion_pytorch_model", state)
+
+
+def write_wan(root: pathlib.Path, rng) -> None:
+    from tree_grpo_jax.models.wan.load import TRANSFORMER
+
+    write_umt5(
+        root, rng, d_model=WAN_TEXT_WIDTH, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+    )  # fmt: skip
+    write_denoiser(root, TRANSFORMER, WAN_TRANSFORMER, rng)
+    write_wan_vae(root, WAN_VAE, rng)
+    write_scheduler(root, "UniPCMultistepScheduler", WAN_SCHEDULER)
+    write_model_index(root, WAN_INDEX)
+
+
+WRITERS = {"sd15": write_sd15, "sd35": write_sd35, "flux": write_flux, "wan": write_wan}
 
 
 def write_folder(kind: str, folder, seed: int = 0) -> pathlib.Path:
@@ -496,7 +602,7 @@ def write_folder(kind: str, folder, seed: int = 0) -> pathlib.Path:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="/tmp/tiny_sd", help="parent folder of sd15/, sd35/, flux/")
+    p.add_argument("--out", default="/tmp/tiny_sd", help="parent folder of sd15/, sd35/, ...")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace folders that already exist")

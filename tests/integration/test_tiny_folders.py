@@ -1,6 +1,7 @@
 """launch/tiny_folders.py writes the weights-free SD1.5, SD3.5 and FLUX folders with torch
 blocked, and the project's loaders read them and run (tests/parity/test_tiny_folders_in_diffusers.py
-checks that diffusers' and transformers' PyTorch classes read the same folders)."""
+checks that diffusers' and transformers' PyTorch classes read the same folders; the Wan folder
+is tests/integration/test_wan.py's and tests/parity/test_wan_pipeline.py's)."""
 
 import subprocess
 import sys
@@ -15,7 +16,7 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
         f"""
         import runpy, sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        sys.argv = ["tiny_folders.py", "--out={tmp_path}"]
+        sys.argv = ["tiny_folders.py", "--out={tmp_path}", "--kinds=sd15,sd35,flux"]
         runpy.run_path({str(ROOT / "launch" / "tiny_folders.py")!r}, run_name="__main__")
         import jax
         import numpy as np

@@ -27,7 +27,8 @@ def _tiny_folders():
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_written")
-    return _tiny_folders().main([f"--out={out}"])
+    # The Wan folder is checked against its own fixture in tests/parity/test_wan_pipeline.py.
+    return _tiny_folders().main([f"--out={out}", "--kinds=sd15,sd35,flux"])
 
 
 def _classes():

@@ -64,14 +64,14 @@ def shared_config() -> ml_collections.ConfigDict:
 
     # The model: "tiny" (DDIM, ships in the package), "tiny_flow" (rectified flow, ships in the
     # package), "random_tiny" / "random_tiny_flow" (same architecture, random weights, for
-    # tests), "sd" (Stable Diffusion 1.x), "sd3" (SD3 / 3.5) or "flux" (FLUX.1), each from
-    # `path`: a local diffusers-layout folder or a hub id. A family's own settings are its
-    # sub-section `model.<family>`, with the defaults its record gives
+    # tests), "sd" (Stable Diffusion 1.x), "sd3" (SD3 / 3.5), "flux" (FLUX.1) or "wan" (Wan2.1
+    # text-to-video), each from `path`: a local diffusers-layout folder or a hub id. A family's
+    # own settings are its sub-section `model.<family>`, with the defaults its record gives
     # (tree_grpo_jax/models/<family>/family.py). The default run's model, prompts and reward
     # are the tiny family's (its record's `default_run`).
     c.model = ml_collections.ConfigDict()
     c.model.name = ""  # the default run's
-    c.model.path = ""  # a diffusers-layout folder, for "sd", "sd3" and "flux"
+    c.model.path = ""  # a diffusers-layout folder, for "sd", "sd3", "flux" and "wan"
     c.model.param_dtype = "float32"  # master weights (optimizer updates are always fp32 math)
     c.model.compute_dtype = "float32"  # "bfloat16" runs rollouts and forwards in bf16
     # Recompute the denoiser's activations in the backward pass: "none" (False), "block"

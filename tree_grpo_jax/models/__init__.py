@@ -11,6 +11,7 @@ tiny           the embedded tiny digits model
 sd15           Stable Diffusion 1.x from a diffusers folder
 sd3            Stable Diffusion 3 / 3.5 (MMDiT, flow matching) from a diffusers folder
 flux           FLUX.1 dev and schnell (flow matching) from a diffusers folder
+wan            Wan2.1 text-to-video (flow matching; videos) from a diffusers folder
 
 A new family is one sub-package with a `family.py` that registers its `ModelFamily`
 (`registry.register`); nothing outside its sub-package names it.

@@ -80,6 +80,19 @@ def gated_feed_forward(x, feed_forward: Callable, shift, scale, gate) -> jax.Arr
     return x + gate[:, None] * feed_forward(modulate(layer_norm(x), shift, scale))
 
 
+def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding: each (even, odd) channel pair of x [B, S, heads, head_dim] turned by
+    its angle, given as cos and sin [S, head_dim / 2], in float32 (diffusers' rotary
+    embeddings with interleaved real and imaginary parts)."""
+    chex.assert_rank(x, 4)
+    chex.assert_shape([cos, sin], (x.shape[1], x.shape[-1] // 2))
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
 class Layer(nn.Module):
     """Base of the layers below: the compute and parameter dtypes, and a Dense using them."""
 
@@ -182,12 +195,15 @@ class GELUProjection(Layer):
 
 
 class FeedForward(Layer):
-    """`net_0` (dense to 4x, GELU-tanh) then `net_2` back, as diffusers' Sequential indices."""
+    """`net_0` (dense to `inner_dim`, default 4x, GELU-tanh) then `net_2` back, as diffusers'
+    Sequential indices."""
 
     dim: int = 1
+    inner_dim: int | None = None  # None: dim * FF_MULT (diffusers' `mult=4`)
 
     def setup(self):
-        self.net_0 = GELUProjection(features=self.dim * FF_MULT, **self.dtypes)
+        inner = self.inner_dim or self.dim * FF_MULT
+        self.net_0 = GELUProjection(features=inner, **self.dtypes)
         self.net_2 = self.dense(self.dim)
 
     def __call__(self, x):

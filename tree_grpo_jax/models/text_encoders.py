@@ -59,6 +59,9 @@ class T5EncoderConfig:
     layer_norm_epsilon: float
     gated: bool
     activation: str
+    # umT5 (`UMT5EncoderModel`): every block owns its relative-position bias table; T5's
+    # first block's table serves them all.
+    bias_per_block: bool = False
 
 
 def relative_position_buckets(length: int, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -93,14 +96,15 @@ class T5LayerNorm(nn.Module):
 
 class T5SelfAttention(nn.Module):
     """Unscaled dot-product attention plus T5's relative-position bias, which only the first
-    block owns (`has_relative_bias`) and every block reuses."""
+    block owns (`has_relative_bias`) and every block reuses (umT5: each block its own), plus
+    the padding mask's additive bias when there is one."""
 
     config: T5EncoderConfig
     has_relative_bias: bool
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, bias):
+    def __call__(self, x, bias, mask_bias=None):
         c = self.config
         batch, length = x.shape[:2]
 
@@ -118,7 +122,10 @@ class T5SelfAttention(nn.Module):
             embed = nn.Embed(c.num_buckets, c.num_heads, name="relative_attention_bias")
             bias = jnp.transpose(embed(jnp.asarray(table)), (2, 0, 1))[None]  # [1, H, L, L]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        weights = jax.nn.softmax(scores + bias.astype(jnp.float32), axis=-1)
+        total = bias.astype(jnp.float32)
+        if mask_bias is not None:  # added to the bias first, as transformers does
+            total = total + mask_bias
+        weights = jax.nn.softmax(scores + total, axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
         return project("o", c.d_model, out.reshape(batch, length, -1)), bias
 
@@ -150,12 +157,12 @@ class _T5AttentionSublayer(nn.Module):  # `layer/0`
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, bias):
+    def __call__(self, x, bias, mask_bias=None):
         norm = T5LayerNorm(self.config.layer_norm_epsilon, self.dtype, name="layer_norm")
         attention = T5SelfAttention(
             self.config, self.has_relative_bias, self.dtype, name="SelfAttention"
         )
-        out, bias = attention(norm(x), bias)
+        out, bias = attention(norm(x), bias, mask_bias)
         return x + out, bias
 
 
@@ -175,9 +182,9 @@ class _T5Sublayers(nn.Module):  # `block/i/layer`
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, bias):
+    def __call__(self, x, bias, mask_bias=None):
         x, bias = _T5AttentionSublayer(self.config, self.has_relative_bias, self.dtype, name="0")(
-            x, bias
+            x, bias, mask_bias
         )
         return _T5FeedForwardSublayer(self.config, self.dtype, name="1")(x), bias
 
@@ -187,11 +194,11 @@ class _T5Blocks(nn.Module):  # `encoder/block`
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, mask_bias=None):
         bias = None
         for i in range(self.config.num_layers):
-            block = _T5Block(self.config, i == 0, self.dtype, name=str(i))
-            x, bias = block(x, bias)
+            owns_bias = i == 0 or self.config.bias_per_block
+            x, bias = _T5Block(self.config, owns_bias, self.dtype, name=str(i))(x, bias, mask_bias)
         return x
 
 
@@ -201,8 +208,9 @@ class _T5Block(nn.Module):  # `encoder/block/i`
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, bias):
-        return _T5Sublayers(self.config, self.has_relative_bias, self.dtype, name="layer")(x, bias)
+    def __call__(self, x, bias, mask_bias=None):
+        sublayers = _T5Sublayers(self.config, self.has_relative_bias, self.dtype, name="layer")
+        return sublayers(x, bias, mask_bias)
 
 
 class _T5Stack(nn.Module):  # `encoder`
@@ -210,23 +218,28 @@ class _T5Stack(nn.Module):  # `encoder`
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
-        x = _T5Blocks(self.config, self.dtype, name="block")(x)
+    def __call__(self, x, mask_bias=None):
+        x = _T5Blocks(self.config, self.dtype, name="block")(x, mask_bias)
         return T5LayerNorm(self.config.layer_norm_epsilon, self.dtype, name="final_layer_norm")(x)
 
 
 class T5Encoder(nn.Module):
-    """ids [B, L] -> T5's last hidden states [B, L, d_model], with no attention mask (the
-    pipelines feed T5 none: padding tokens are attended to)."""
+    """ids [B, L] -> T5's last hidden states [B, L, d_model]. Without `mask` (what the SD3 and
+    FLUX pipelines feed T5) padding tokens are attended to; with `mask` [B, L] (1: a token,
+    0: padding; WanPipeline's umT5) no token attends to padding, which keeps its states."""
 
     config: T5EncoderConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, ids):
+    def __call__(self, ids, mask=None):
         c = self.config
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, name="shared")
-        return _T5Stack(c, self.dtype, name="encoder")(embed(ids))
+        mask_bias = None
+        if mask is not None:  # transformers' extended mask: 0 or float32's lowest
+            keep = mask.astype(jnp.float32)[:, None, None, :]
+            mask_bias = (1.0 - keep) * jnp.finfo(jnp.float32).min
+        return _T5Stack(c, self.dtype, name="encoder")(embed(ids), mask_bias)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ DIFFUSERS_LIST_NAMES = frozenset(
         "upsamplers",
         "transformer_blocks",
         "single_transformer_blocks",
+        "blocks",  # WanTransformer3DModel's blocks (a LoRA's PEFT keys name them `blocks.N`)
         "to_out",
         "net",
     }

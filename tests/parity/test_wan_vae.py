@@ -1,0 +1,147 @@
+"""The Wan2.1 VAE decoder (models/wan/vae.py) against diffusers' `AutoencoderKLWan` built tiny
+and random in PyTorch and saved as a `vae/` folder: the same videos from the same latents
+(de-normalised as WanPipeline does, decoded frame by frame with diffusers' causal cache), the
+frame count rule, and bad folders in one sentence."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tree_grpo_jax.models.base import ModelLoadError
+from tree_grpo_jax.models.wan import vae
+
+torch = pytest.importorskip("torch")
+from sd_fixtures import perturb  # noqa: E402
+
+HINT = "point model.path at a Wan2.1 diffusers folder"
+Z_DIM = 4
+# Four levels as Wan2.1 has (8x in space), two of them doubling the frames (4x in time).
+TINY = dict(
+    base_dim=8,
+    z_dim=Z_DIM,
+    dim_mult=[1, 2, 2, 2],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+)
+
+
+@pytest.fixture(scope="module")
+def torch_vae():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = AutoencoderKLWan(
+        **TINY,
+        latents_mean=rng.normal(0.0, 0.5, Z_DIM).round(4).tolist(),
+        latents_std=rng.uniform(0.5, 2.5, Z_DIM).round(4).tolist(),
+    )
+    perturb(model, generator)  # RMS scales and biases away from ones and zeros
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def folder(torch_vae, tmp_path_factory):
+    path = tmp_path_factory.mktemp("wan_vae") / "vae"
+    torch_vae.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return vae.load_decoder(folder, jnp.float32, HINT)
+
+
+def _reference(torch_vae, latents):
+    """WanPipeline's decode of channels-last latents, as [B, T, H, W, 3] in [0, 1]."""
+    config = torch_vae.config
+    z = torch.from_numpy(latents).permute(0, 4, 1, 2, 3)  # -> [B, z, F, h, w]
+    mean = torch.tensor(config.latents_mean).view(1, Z_DIM, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(1, Z_DIM, 1, 1, 1)
+    with torch.no_grad():
+        video = torch_vae.decode(z / inv_std + mean, return_dict=False)[0]
+    return (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
+
+
+@pytest.mark.parametrize("frames, chunked", [(3, True), (3, False), (1, True)])
+def test_decode_equals_diffusers(torch_vae, loaded, frames, chunked):
+    """One latent frame at a time (with the caches) and all at once give diffusers' video."""
+    module, params, config = loaded
+    latents = np.random.default_rng(frames).standard_normal((2, frames, 4, 4, Z_DIM)).astype("f4")
+    expected = _reference(torch_vae, latents)
+    decode = vae.decode_fn(module, config, jnp.float32, chunked=chunked)
+    got = np.asarray(decode(params, jnp.asarray(latents)))
+    video_frames = 1 + 4 * (frames - 1)
+    assert got.shape == expected.shape == (2, video_frames, 32, 32, 3)
+    # Most pixels inside (0, 1): the comparison is not of clamped constants.
+    assert np.mean((expected > 0) & (expected < 1)) > 0.5
+    diff = np.abs(got - expected).max()
+    print(f"{frames} latent frames, chunked {chunked}: max abs difference {diff:.2e}")
+    assert diff <= 1e-4 * np.abs(expected).max(), diff
+    # The two latents give different videos, and so do the frames within one video.
+    assert np.abs(expected[0] - expected[1]).mean() > 1e-2
+    if frames > 1:
+        assert np.abs(expected[0, 0] - expected[0, -1]).mean() > 1e-2
+
+
+def test_frame_count_rule(loaded):
+    _, _, config = loaded
+    assert (config.temporal_factor, config.spatial_factor) == (4, 8)
+    assert [vae.num_frames(f, config) for f in (1, 2, 3, 21)] == [1, 5, 9, 81]
+    assert vae.latent_frames(81, config) == 21 and vae.latent_frames(1, config) == 1
+    with pytest.raises(ValueError, match=r"^a Wan video has 1 \+ 4k frames .* use 77 or 81\.$"):
+        vae.latent_frames(80, config)
+    # Wan2.1's own config (the class's defaults): 4x in time, 8x in space.
+    wan21 = vae.vae_config({"base_dim": 96, "z_dim": 16})
+    assert (wan21.temporal_factor, wan21.spatial_factor, wan21.dim) == (4, 8, 96)
+    assert vae.num_frames(21, {}) == 81
+    # One temporal level fewer: 2x.
+    stats = {"latents_mean": [0.0] * Z_DIM, "latents_std": [1.0] * Z_DIM}
+    assert vae.num_frames(3, {**TINY, **stats, "temperal_downsample": [False, False, True]}) == 5
+
+
+def test_convert_ignores_the_encoder_and_names_what_is_missing(torch_vae, loaded):
+    _, params, config = loaded
+    state = {k: v.numpy() for k, v in torch_vae.state_dict().items()}
+    assert any(k.startswith("encoder.") for k in state)
+    converted = vae.convert_decoder(state, config)
+    np.testing.assert_array_equal(
+        converted["decoder"]["conv_in"]["kernel"],
+        state["decoder.conv_in.weight"].transpose(2, 3, 4, 1, 0),
+    )
+    del state["decoder.up_blocks.1.upsamplers.0.time_conv.weight"]
+    with pytest.raises(Exception, match="missing decoder/up_blocks_1/upsamplers_0/time_conv"):
+        vae.convert_decoder(state, config)
+
+
+def _broken(folder, tmp_path, **changes):
+    broken = tmp_path / "vae"
+    broken.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, **changes}))
+    (broken / "diffusion_pytorch_model.safetensors").symlink_to(
+        folder / "diffusion_pytorch_model.safetensors"
+    )
+    return broken
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"is_residual": True}, r"sets is_residual=True, but only is_residual=False"),
+        ({"latents_std": [1.0, 2.0]}, r"has 2 latents_std values for z_dim 4"),
+        ({"base_dim": 16}, r"^the weights in .* do not match its config \(.*\); point model"),
+        ({"dim_mult": "two"}, r"sets dim_mult='two', but it must be a list of whole numbers"),
+        (
+            {"_class_name": "AutoencoderKL"},
+            r"describes AutoencoderKL, not the AutoencoderKLWan of a Wan VAE; point",
+        ),
+    ],
+)
+def test_bad_folders_are_one_sentence(folder, tmp_path, changes, message):
+    with pytest.raises(ModelLoadError, match=message) as error:
+        vae.load_decoder(_broken(folder, tmp_path, **changes), jnp.float32, HINT)
+    assert "\n" not in str(error.value) and str(error.value).endswith(".")

@@ -1,0 +1,76 @@
+"""Wan2.1 as shapes, for planning: from a folder's JSON configs alone, or from the releases'
+own (`builtin:wan-1.3b`, `builtin:wan-14b`), through the loader's config checks and module
+builders.
+
+The conditioning is umT5's states: `t5_max_length` tokens as wide as the transformer's
+`text_dim`. A sample is one video's latents [16, F, h, w]; the decoder planned is the Wan
+VAE's, giving [B, T, H, W, 3].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tree_grpo_jax.models import components, media
+from tree_grpo_jax.models.abstract import AbstractModel, read_configs
+from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.wan import load
+from tree_grpo_jax.models.wan.builtin import RELEASES
+
+TRANSFORMER, VAE, SCHEDULER = (
+    "transformer/config.json",
+    "vae/config.json",
+    "scheduler/scheduler_config.json",
+)
+TEXT = "text_encoder/config.json"
+HINT = (
+    "point --config.model.path at a diffusers-layout Wan2.1 text-to-video folder (its JSON "
+    f"files are enough), or use {' or '.join('builtin:' + n for n in RELEASES)}"
+)
+
+
+def check_text_width(configs, transformer) -> None:
+    """The loader's check of umT5's width against the transformer's, on their configs."""
+    value = configs.files.get(TEXT, {}).get("d_model", transformer.text_dim)
+    if value != transformer.text_dim:
+        raise ModelLoadError(
+            f"{configs.path(TEXT)} has d_model {value}, but the transformer's text_dim is "
+            f"{transformer.text_dim}; {HINT}."
+        )
+
+
+def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
+    """What `load.load_wan(path, dtype, **options)` would load, as shapes; reads JSON files
+    only."""
+    options = load.LoadOptions(**options)
+    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
+    found = configs.files
+    config, vae_config = found[TRANSFORMER], found[VAE]
+    load.check_channels(config, vae_config, Path(configs.where))
+    transformer = load.transformer_from_config(
+        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+    )
+    check_text_width(configs, transformer)
+    if not 1 <= options.t5_max_length <= 512:
+        raise ModelLoadError(f"t5_max_length must be in [1, 512], got {options.t5_max_length}.")
+    shape = load.sample_shape(config, vae_config, options.resolution, options.num_frames)
+    schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER), options.shift)
+    decode, decode_params = load.abstract_decoder(
+        vae_config, configs.path(VAE), dtype, options.decode_batch_size
+    )
+    return AbstractModel(
+        name=Path(configs.where).name,
+        source=configs.source,
+        sample_shape=shape,
+        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
+        denoise=load.make_denoise(transformer),
+        cond_shape=(options.t5_max_length, transformer.text_dim),
+        schedule_config=schedule,
+        decode=decode,
+        decode_params=decode_params,
+        remat_blocks=components.remats_blocks(options),
+        media=media.VIDEO,
+    )

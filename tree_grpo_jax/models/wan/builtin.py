@@ -1,0 +1,101 @@
+"""Wan2.1-T2V-1.3B's and -14B's JSON configs as data: `model.path=builtin:wan-1.3b` (or
+`builtin:wan-14b`) plans a run on the public releases (Wan-AI/Wan2.1-T2V-1.3B-Diffusers,
+Wan-AI/Wan2.1-T2V-14B-Diffusers) without any of their files.
+
+The values are the releases' `transformer/config.json` (30 blocks of width 1536, 12 heads
+of 128, FFN 8960 for 1.3B; 40 blocks of 5120, 40 heads, FFN 13824 for 14B; both take
+umT5's 4096-wide states and patches of 1x2x2 latents), `vae/config.json` (the shared
+`AutoencoderKLWan`: 16 latent channels, 8x spatial and 4x temporal compression, its
+per-channel latents_mean and latents_std), `scheduler/scheduler_config.json` (UniPC with
+flow sigmas and flow_shift 3, the 480p value) and the text encoder's `config.json`
+(umT5-XXL's encoder: d_model 4096, 24 layers, 64 heads of 64, gated-GELU FFN 10240, a
+256,384-token vocabulary, a relative attention bias in every layer), with the fields that
+size the model.
+"""
+
+from __future__ import annotations
+
+from tree_grpo_jax.models.abstract import BuiltinRelease
+
+_TRANSFORMER = {
+    "_class_name": "WanTransformer3DModel",
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 16,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+_VAE = {
+    "_class_name": "AutoencoderKLWan",
+    "attn_scales": [],
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0,
+    "latents_mean": [
+        -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+        0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+    ],
+    "latents_std": [
+        2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916,
+    ],
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+}  # fmt: skip
+_SCHEDULER = {
+    "_class_name": "UniPCMultistepScheduler",
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "solver_order": 2,
+    "use_flow_sigmas": True,
+}
+UMT5_XXL = {
+    "architectures": ["UMT5EncoderModel"],
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "dense_act_fn": "gelu_new",
+    "feed_forward_proj": "gated-gelu",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "model_type": "umt5",
+    "num_heads": 64,
+    "num_layers": 24,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 256384,
+}
+
+
+def _release(hub_id: str, **transformer) -> BuiltinRelease:
+    return BuiltinRelease(
+        hub_id=hub_id,
+        configs={
+            "transformer/config.json": {**_TRANSFORMER, **transformer},
+            "vae/config.json": _VAE,
+            "scheduler/scheduler_config.json": _SCHEDULER,
+            "text_encoder/config.json": UMT5_XXL,
+            "tokenizer/tokenizer_config.json": {"model_max_length": 512},
+        },
+    )
+
+
+WAN_1_3B = _release(
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", num_attention_heads=12, ffn_dim=8960, num_layers=30
+)
+WAN_14B = _release(
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers", num_attention_heads=40, ffn_dim=13824, num_layers=40
+)
+
+RELEASES = {"wan-1.3b": WAN_1_3B, "wan-14b": WAN_14B}

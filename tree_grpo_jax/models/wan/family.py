@@ -1,0 +1,98 @@
+"""The Wan2.1 family's record: `model.name = "wan"` loads a diffusers Wan2.1 text-to-video
+folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from tree_grpo_jax.models import registry
+
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+# WanPipeline's defaults: 480 x 832 px, 81 frames, 512 umT5 tokens.
+DEFAULT_RESOLUTION = (480, 832)
+DEFAULT_FRAMES = 81
+T5_MAX_LENGTH = 512
+# Pixels per latent (the VAE's 8) times the transformer's 2x2 patch: a side's granularity.
+SIDE_MULTIPLE = 16
+FRAME_STRIDE = 4  # the VAE's temporal compression: a video has 4k + 1 frames
+
+
+def options() -> ml_collections.ConfigDict:
+    """`model.wan`: the family's own settings, with their defaults."""
+    c = ml_collections.ConfigDict()
+    c.resolution = DEFAULT_RESOLUTION  # (height, width) in pixels, multiples of 16
+    c.num_frames = DEFAULT_FRAMES  # frames per video, 4k + 1 (latent frames: k + 1)
+    # > 0: the sigma shift (the scheduler's flow_shift; Wan uses 3 at 480p, 5 at 720p) in
+    # place of the folder's; 0: the folder's scheduler config
+    c.shift = 0.0
+    c.t5_max_length = T5_MAX_LENGTH  # umT5 tokens per prompt (WanPipeline's 512)
+    c.decode_batch_size = 1  # videos through the VAE decoder at once
+    return c
+
+
+def resolution_of(value) -> tuple[int, int] | None:
+    """`model.wan.resolution` as (height, width) ints; None when it is not a pair of ints."""
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if pair and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (int(value[0]), int(value[1]))
+    return None
+
+
+def check_options(o) -> str | None:
+    size = resolution_of(o.resolution)
+    if size is None or min(size) <= 0 or any(s % SIDE_MULTIPLE for s in size):
+        return (
+            "model.wan.resolution must be (height, width) in pixels, each a positive multiple "
+            f"of {SIDE_MULTIPLE} (8 pixels per latent, 2x2 latents per token), got "
+            f"{o.resolution!r}."
+        )
+    frames = o.num_frames
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        return f"model.wan.num_frames must be a positive integer 4k + 1, got {frames!r}."
+    if (frames - 1) % FRAME_STRIDE:
+        return (
+            f"model.wan.num_frames must be 4k + 1 (the VAE compresses 4 frames into one latent "
+            f"frame after the first): {frames} is not; try {frames - (frames - 1) % 4} or "
+            f"{frames - (frames - 1) % 4 + 4}."
+        )
+    if not o.shift >= 0:
+        return f"model.wan.shift must be >= 0 (0: the folder's flow_shift), got {o.shift}."
+    if not 1 <= o.t5_max_length <= T5_MAX_LENGTH:
+        return (
+            f"model.wan.t5_max_length must be in [1, {T5_MAX_LENGTH}] (WanPipeline's "
+            f"max_sequence_length), got {o.t5_max_length}."
+        )
+    if o.decode_batch_size < 1:
+        return f"model.wan.decode_batch_size must be at least 1, got {o.decode_batch_size}."
+    return None
+
+
+# A folder whose `transformer/config.json` names WanTransformer3DModel.
+recognizes = registry.component_class_is("transformer", (TRANSFORMER_CLASS,))
+# The fields of `model.wan` the loader and the planner take, as keyword arguments.
+LOADER_OPTIONS = ("resolution", "num_frames", "shift", "t5_max_length", "decode_batch_size")
+
+FAMILY = registry.register(
+    registry.ModelFamily(
+        name="wan",
+        model_names=("wan",),
+        load=registry.path_loader(
+            "tree_grpo_jax.models.wan.load:load_wan", LOADER_OPTIONS, remat=True
+        ),
+        needs_path=True,
+        path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
+        options=options,
+        check_options=check_options,
+        # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
+        # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
+        # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's
+        # Wan adapters' own default adds the feed-forward (`ffn.net.0.proj`, `ffn.net.2`):
+        # `lora.targets` can name those too ("ffn/net_0/proj", "ffn/net_2").
+        lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
+        recognizes=recognizes,
+        export=registry.deferred_export("transformer", "tree_grpo_jax.models.wan.export"),
+        abstract=registry.path_loader(
+            "tree_grpo_jax.models.wan.abstract:abstract_wan", LOADER_OPTIONS, remat=True
+        ),
+    )
+)

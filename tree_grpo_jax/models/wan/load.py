@@ -1,0 +1,340 @@
+"""Wan2.1 text-to-video from a diffusers-layout folder, as a `WanModel`.
+
+The folder is what `WanPipeline.save_pretrained` writes (Wan-AI/Wan2.1-T2V-1.3B-Diffusers,
+-14B-Diffusers): `transformer/` (`WanTransformer3DModel`, its safetensors sharded, bfloat16),
+`vae/` (`AutoencoderKLWan`), `text_encoder/` (umT5-XXL's encoder, `UMT5EncoderModel`,
+sharded), `tokenizer/` and `scheduler/`. Weights are read in numpy (torch is never imported).
+Only the transformer's weights are trainable `params`; umT5 and the VAE decoder are frozen
+and closed over by `encode_prompts` and `decode`.
+
+A sample is one video's latents, channels first as WanPipeline holds them: [16, F, h, w] with
+F = (frames - 1) / 4 + 1 latent frames and h, w the pixel sides / 8. The denoiser moves the
+channels last for the transformer and back. Its timestep is `1000 * sigma`, as the pipeline
+passes its scheduler's timesteps. A prompt's conditioning is umT5's last hidden states over
+`t5_max_length` tokens, zero past the prompt's own tokens (as `WanPipeline.encode_prompt`
+gives them); prompts are encoded once and cached, so umT5 (5.7B parameters) can be released
+before training (`prepare_prompts`).
+
+The schedule's sigmas are the folder's scheduler's: the release's `UniPCMultistepScheduler`
+with `use_flow_sigmas` spaces N sigmas from 1 down to `1 / T` and shifts them by its
+`flow_shift` (`s * sigma / (1 + (s - 1) * sigma)`), then 0; a folder with a
+`FlowMatchEulerDiscreteScheduler` gets that scheduler's sigmas for its `shift`. The steps
+between them are the library's flow steps (Euler for the deterministic sampler, the table's
+SDEs for the stochastic ones), not UniPC's multistep corrector. `shift > 0` replaces the
+folder's shift (Wan's own guidance: 3.0 at 480p, 5.0 at 720p). The pipeline hands the
+transformer UniPC's timesteps rounded down to integers; here they are `1000 * sigma` unrounded,
+as the GRPO codes' Euler schedulers give them.
+
+Measured against diffusers' PyTorch WanPipeline on a tiny random folder
+(tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
+sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
+the Euler one on these sigmas) differs by at most 4.8e-7 from `WanPipeline(latents=...,
+output_type="latent")` on latents up to 4.2; the prompts by 1.2e-6 from `encode_prompt`
+(states up to 2.5); the decoded videos by 1.6e-6; the sigmas by less than 2e-6 from the
+release's UniPC scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.models import components, media, text_encoders
+from tree_grpo_jax.models.base import FlowSigmasScheduleConfig, ModelLoadError, cast_floats
+from tree_grpo_jax.models.wan import family, transformer, vae
+from tree_grpo_jax.weights import files
+
+POINT = "point --config.model.path at a local diffusers-layout Wan2.1 text-to-video folder"
+# Prompts encoded ahead so that umT5 can be released (4 MB each at 512 tokens in bfloat16).
+MAX_PREPARED_PROMPTS = 1024
+UNIPC = "UniPCMultistepScheduler"
+SCHEDULERS = (UNIPC, components.FLOW_SCHEDULER)
+# The options of UniPC's flow sigmas the schedule implements, with the one value it assumes.
+_UNIPC_FIXED = {
+    "use_flow_sigmas": True,
+    "prediction_type": "flow_prediction",
+    "use_dynamic_shifting": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "shift_terminal": None,
+    "final_sigmas_type": "zero",
+}
+_EULER_FIXED = {**components.FLOW_SCHEDULER_FIXED, "use_dynamic_shifting": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class WanScheduleConfig(FlowSigmasScheduleConfig):
+    """The sigmas of the folder's scheduler as WanPipeline sets it up for N steps (no
+    `sigmas` passed): `grid="unipc"`, UniPC's flow sigmas, `linspace(1, 1/T, N + 1)[:-1]`
+    shifted once; `grid="flow_match_euler"`, the Euler scheduler's, N sigmas from 1 down to
+    its shifted `1/T`, shifted again. Both end with 0. UniPC nudges a first sigma of exactly
+    1 to 1 - 1e-6 to keep its log finite; an Euler step needs no such nudge, so it starts
+    at 1."""
+
+    flow_shift: float = 3.0
+    num_train_timesteps: int = 1000
+    grid: str = "unipc"
+
+    def shifted(self, sigma):
+        s = self.flow_shift
+        return s * sigma / (1.0 + (s - 1.0) * sigma)
+
+    def sigmas(self, num_steps: int) -> np.ndarray:
+        last = 1.0 / self.num_train_timesteps
+        if self.grid == "unipc":
+            base = np.linspace(1.0, last, num_steps + 1)[:-1]
+        else:
+            base = np.linspace(1.0, self.shifted(last), num_steps)
+        return np.append(self.shifted(base), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What `load_wan` and `abstract.abstract_wan` take as keywords, with their defaults."""
+
+    resolution: Sequence[int] = family.DEFAULT_RESOLUTION  # (height, width) in pixels
+    num_frames: int = family.DEFAULT_FRAMES  # 4k + 1
+    shift: float = 0.0  # > 0: this flow_shift in place of the folder's
+    t5_max_length: int = family.T5_MAX_LENGTH  # umT5 tokens per prompt
+    decode_batch_size: int = 1  # videos through the VAE decoder at once
+    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
+    remat_blocks: bool | str = False
+    scan_layers: bool = True  # model.scan_layers: the 30 (40) blocks as one scan
+    attention: str = "xla"  # model.attention: the `models.attention` backend
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class WanModel(components.TransformerModel):
+    """A loaded Wan2.1 folder; `decode` gives videos [B, T, H, W, 3] in [0, 1]; its
+    `text_encoders` are a `WanTextEncoder`."""
+
+    media: str = media.VIDEO
+    num_frames: int  # the video frames `decode` gives (4k + 1)
+
+
+def build_transformer(config: dict, dtype, **options):
+    """`transformer.transformer_module`, its blocks one by one unless `scan_layers` is
+    asked for: the export checks params (unstacked) against this module's shapes."""
+    return transformer.transformer_module(config, dtype, **{"scan_layers": False, **options})
+
+
+TRANSFORMER = components.Component(
+    folder="transformer",
+    pt_class=family.TRANSFORMER_CLASS,
+    build=build_transformer,
+    point=POINT,
+    list_names=transformer.MODULE_LISTS,
+)
+abstract_params = components.abstract_params
+transformer_from_config = TRANSFORMER.from_config
+load_transformer = TRANSFORMER.load
+
+
+def schedule_config(config: dict, where: Path, static_shift: float = 0.0) -> WanScheduleConfig:
+    """The schedule of a `scheduler/scheduler_config.json`, checked; `static_shift > 0`
+    replaces its shift."""
+    name = config.get("_class_name", UNIPC)
+    if name not in SCHEDULERS:
+        raise ModelLoadError(
+            f"{where} describes a {name}, but Wan2.1 folders use {' or '.join(SCHEDULERS)} "
+            "(its flow sigmas); " + POINT + "."
+        )
+    if name == UNIPC:
+        if config.get("use_flow_sigmas") is not True:
+            raise ModelLoadError(
+                f"{where} does not set use_flow_sigmas=true, so its sigmas are not a flow "
+                f"model's; {POINT}."
+            )
+        files.check_fixed(config, _UNIPC_FIXED, where)
+        shift, grid = config.get("flow_shift", 1.0), "unipc"
+    else:
+        components.check_flow_scheduler(config, where, "Wan2.1", _EULER_FIXED)
+        shift, grid = config.get("shift", 1.0), "flow_match_euler"
+    steps = config.get("num_train_timesteps", 1000)
+    if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not shift > 0:
+        raise ModelLoadError(f"{where} has a shift of {shift!r}; it must be a number > 0.")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise ModelLoadError(f"{where} has num_train_timesteps {steps!r}; it must be >= 2.")
+    return WanScheduleConfig(
+        flow_shift=float(static_shift if static_shift > 0 else shift),
+        num_train_timesteps=steps,
+        grid=grid,
+    )
+
+
+def vae_factors(vae_config: dict) -> tuple[int, int]:
+    """(pixels per latent, frames per latent frame) as WanPipeline computes them from
+    `temperal_downsample`: 2 ** levels and 2 ** (levels that halve time); (8, 4) for Wan2.1."""
+    down = vae_config.get("temperal_downsample", [False, True, True])
+    return 2 ** len(down), 2 ** sum(bool(d) for d in down)
+
+
+def check_channels(transformer_config: dict, vae_config: dict, where: Path) -> None:
+    latent = vae_config.get("z_dim", 16)
+    for field in ("in_channels", "out_channels"):
+        value = transformer_config.get(field, 16)
+        if value is not None and value != latent:
+            raise ModelLoadError(
+                f"{where}'s transformer has {field} {value}, not its VAE's {latent} latent "
+                f"channels (z_dim); {POINT}."
+            )
+
+
+def sample_shape(
+    transformer_config: dict, vae_config: dict, resolution, num_frames: int
+) -> tuple[int, int, int, int]:
+    """One video's latents, channels first: (z_dim, (frames - 1) / t + 1, H / s, W / s) for
+    the VAE's spatial factor s and temporal factor t; the sides must be multiples of s times
+    the transformer's patch and the frames t k + 1 (one sentence otherwise)."""
+    size = family.resolution_of(resolution)
+    if size is None:
+        raise ModelLoadError(f"model.wan.resolution must be (height, width), got {resolution!r}.")
+    spatial, temporal = vae_factors(vae_config)
+    patch = tuple(transformer_config.get("patch_size", (1, 2, 2)))
+    multiple = spatial * patch[1]
+    if min(size) <= 0 or any(s % multiple for s in size):
+        raise ModelLoadError(
+            f"model.wan.resolution {size[0]}x{size[1]} must have both sides multiples of "
+            f"{multiple} ({spatial} pixels per latent, {patch[1]}x{patch[2]} latents per "
+            "token)."
+        )
+    if num_frames < 1 or (num_frames - 1) % (temporal * patch[0]):
+        raise ModelLoadError(
+            f"model.wan.num_frames {num_frames} must be {temporal}k + 1 (the VAE makes one "
+            f"latent frame of every {temporal} frames after the first)."
+        )
+    channels = vae_config.get("z_dim", 16)
+    return (channels, (num_frames - 1) // temporal + 1, size[0] // spatial, size[1] // spatial)
+
+
+def make_denoise(module):
+    """`(params, x [B, C, F, h, w], t [B] (1000 sigma), cond [B, L, text_dim]) -> velocity
+    [B, C, F, h, w]`, as WanPipeline calls its transformer."""
+
+    def denoise(params, x, t, cond):
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
+        latents = jnp.moveaxis(x, 1, -1).astype(module.dtype)
+        out = module.apply({"params": params}, latents, t, cond.astype(module.dtype))
+        return jnp.moveaxis(out, -1, 1).astype(x.dtype)
+
+    return denoise
+
+
+def make_decode(decode_latents: Callable) -> Callable:
+    """`(decoder params, latents [B, C, F, h, w]) -> videos [B, T, H, W, 3]` in [0, 1];
+    `decode_latents` is the VAE's `decode_fn`, which takes the latents channels last."""
+
+    @jax.jit
+    def decode(params, latents):
+        return decode_latents(params, jnp.moveaxis(latents, 1, -1))
+
+    return decode
+
+
+def abstract_decoder(vae_config: dict, where: Path, dtype, batch_size: int):
+    """`(decode, decoder params as ShapeDtypeStructs in dtype)` of a `vae/config.json`, for
+    the plan; nothing is computed."""
+    try:
+        module = vae.decoder_module(vae_config, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
+    shapes = jax.eval_shape(lambda p: cast_floats(p, dtype), vae.decoder_shapes(module))
+    return make_decode(vae.decode_fn(module, vae_config, dtype, batch_size)), shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompts: umT5 as WanPipeline runs it, each prompt once.
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class WanTextEncoder(text_encoders.PromptCache):
+    """umT5 with a host cache of every prompt encoded so far. `t5(prompts)` gives the
+    states [B, t5_max_length, width], zero past each prompt's tokens; `drop_t5` releases
+    it, after which only cached prompts can be encoded."""
+
+    t5: Callable[[list[str]], Any] | None
+    t5_max_length: int
+    width: int  # umT5's d_model, the transformer's text_dim
+    batch_size: int = 8
+    cache: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def _compute(self, prompts: list[str]) -> None:
+        for chunk, padded in self._batches(prompts):
+            states = np.asarray(self.t5(padded))
+            for i, prompt in enumerate(chunk):
+                self.cache[prompt] = states[i]
+
+    def encode(self, prompts: Sequence[str]) -> np.ndarray:
+        """prompts -> [P, t5_max_length, width] float32, as `WanPipeline.encode_prompt`."""
+        prompts = self._cached(prompts)
+        return np.stack([self.cache[p] for p in prompts]).astype(np.float32)
+
+    def conditioning(self, prompts: Sequence[str]) -> jax.Array:
+        return jnp.asarray(self.encode(list(prompts)))
+
+
+def load_text_encoder(
+    root: Path, dtype, *, t5_max_length: int, width: int, batch_size: int = 8
+) -> WanTextEncoder:
+    """umT5 and its tokenizer of the folder at `root` (`text.load_prompt_encoder`); its
+    d_model must be `width`, the transformer's text_dim."""
+    from tree_grpo_jax.models.wan import text
+
+    try:
+        text_encoders.check_t5_max_length(t5_max_length)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    umt5 = text.load_prompt_encoder(root, dtype, POINT, max_length=t5_max_length, width=width)
+    return WanTextEncoder(t5=umt5, t5_max_length=t5_max_length, width=width, batch_size=batch_size)
+
+
+def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
+    """Loads a Wan2.1 text-to-video pipeline folder (or hub id) as a video model.
+
+    `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`.
+    """
+    options = LoadOptions(**options)
+    root, folders = TRANSFORMER.pipeline(path)
+    transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
+    vae_config = files.read_json(folders["vae"] / "config.json", POINT)
+    check_channels(transformer_config, vae_config, root)
+    shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
+    scheduler_file = folders["scheduler"] / "scheduler_config.json"
+    schedule = schedule_config(
+        files.read_json(scheduler_file, POINT), scheduler_file, options.shift
+    )
+    module, params, transformer_config = load_transformer(
+        folders["transformer"], dtype, **components.module_options(options)
+    )
+    decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
+    decode_latents = make_decode(
+        vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
+    )
+    encoder = load_text_encoder(
+        root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
+    )
+    return WanModel(
+        name=root.name,
+        sample_shape=shape,
+        params=params,
+        denoise=make_denoise(module),
+        encode_prompts=encoder.conditioning,
+        decode=functools.partial(decode_latents, decoder_params),
+        schedule_config=schedule,
+        prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
+        path=root,
+        transformer=module,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        text_encoders=encoder,
+        remat_blocks=components.remats_blocks(options),
+        num_frames=options.num_frames,
+    )
