@@ -33,6 +33,7 @@ TUPLE_FIELDS = {
     "advantage.depth_pruning": (int, "'(2,3)'"),
     "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
     "lora.targets": (str, "\"('to_q','to_v')\""),
+    "model.wan.resolution": (int, "'(480,832)'"),
 }
 
 
