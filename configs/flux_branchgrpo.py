@@ -26,12 +26,19 @@ def get_config():
     c.name = "flux_branchgrpo"
     c.model.name = "flux"
     c.model.path = "black-forest-labs/FLUX.1-dev"
-    c.model.compute_dtype = "bfloat16"
-    c.model.remat = True
-    c.model.attention = "auto"  # cuDNN on GPUs, Pallas on TPUs, blockwise on long CPU rows
     c.model.flux.guidance = 3.5  # distilled guidance, embedded by the transformer
     c.model.flux.resolution = 720
     c.model.flux.shift = 3.0  # static, as the released codes shift linspace(1, 0, 21)
+    c.sampling.guidance_scale = 1.0  # --cfg 0.0: no classifier-free guidance
+    return release_settings(c)
+
+
+def release_settings(c):
+    """The released FLUX script's precision, sampler, tree, credit, reward and optimizer
+    settings on `c`, whatever model it names (configs/wan_branchgrpo.py takes them too)."""
+    c.model.compute_dtype = "bfloat16"
+    c.model.remat = True
+    c.model.attention = "auto"  # cuDNN on GPUs, Pallas on TPUs, blockwise on long CPU rows
     c.prompts.source = "animals"
     c.prompts.batch_size = 2
     c.prompts.eval_count = 8
@@ -39,7 +46,6 @@ def get_config():
     c.sampling.flow_sde = "dancegrpo"
     c.sampling.flow_score_correction = True
     c.sampling.noise_level = 0.3  # their eta
-    c.sampling.guidance_scale = 1.0  # --cfg 0.0: no classifier-free guidance
     c.tree.method = "branchgrpo"
     c.tree.split_steps = (0, 3, 6, 9)
     c.tree.k = 2

@@ -24,45 +24,17 @@ python -m tree_grpo_jax.main --config=configs/wan_branchgrpo.py \
 --config.model.path=builtin:wan-1.3b` plans it without the weights.
 """
 
+from configs import flux_branchgrpo
 from tree_grpo_jax.config import base_config
 
 
 def get_config():
-    c = base_config()
+    c = flux_branchgrpo.release_settings(base_config())
     c.name = "wan_branchgrpo"
     c.model.name = "wan"
     c.model.path = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-    c.model.compute_dtype = "bfloat16"
-    c.model.remat = True
-    c.model.attention = "auto"  # cuDNN on GPUs, Pallas on TPUs, blockwise on long CPU rows
     c.model.wan.resolution = (240, 416)
     c.model.wan.num_frames = 33
     c.model.wan.shift = 3.0
-    c.prompts.source = "animals"
-    c.prompts.batch_size = 2
-    c.prompts.eval_count = 8
-    c.sampling.num_steps = 20
-    c.sampling.flow_sde = "dancegrpo"
-    c.sampling.flow_score_correction = True
-    c.sampling.noise_level = 0.3  # their eta
     c.sampling.guidance_scale = 5.0
-    c.tree.method = "branchgrpo"
-    c.tree.split_steps = (0, 3, 6, 9)
-    c.tree.k = 2
-    c.tree.num_trees = 1  # one root per prompt: every leaf starts from the same noise
-    c.tree.split_noise_scale = 4.0
-    c.tree.window_slide_every = 0
-    c.advantage.fusion = "mean"
-    c.advantage.branch_normalization = "depthwise"
-    c.advantage.clip = 5.0
-    c.rewards = "hpsv2"
-    c.train.iterations = 300
-    c.train.learning_rate = 1e-5
-    c.train.weight_decay = 1e-4
-    c.train.max_grad_norm = 1.0
-    c.train.clip_range = 1e-3
-    c.train.rows_per_minibatch = 4
-    c.train.grad_accumulation = 3
-    c.eval.every = 25
-    c.checkpoint.every = 50
     return c

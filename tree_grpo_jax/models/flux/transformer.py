@@ -47,6 +47,7 @@ from tree_grpo_jax.models.dit_layers import (
     RMSNorm,
     gated_feed_forward,
     module_from_config,
+    rotate_pairs,
     run_stack,
 )
 
@@ -138,18 +139,6 @@ def rope_tables(ids: jax.Array, axes_dims: tuple[int, ...], theta: float = ROPE_
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates each (even, odd) channel pair of x [B, S, heads, head_dim] by its angle, in
-    float32 (diffusers' `apply_rotary_emb` with interleaved real/imaginary parts)."""
-    chex.assert_rank(x, 4)
-    chex.assert_shape([cos, sin], (x.shape[1], x.shape[-1] // 2))
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
-
-
 class FluxAttention(Attention):
     """Multi-head attention with RMS qk-norm and RoPE. `joint` (double-stream blocks): the
     text tokens have their own projections (`add_*_proj`, `norm_added_*`), go first in the
@@ -184,7 +173,7 @@ class FluxAttention(Attention):
                 [self.norm_added_k(self._heads(self.add_k_proj(context))), key], axis=1
             )
             value = jnp.concatenate([self._heads(self.add_v_proj(context)), value], axis=1)
-        attended = self._attend(apply_rope(query, *rope), apply_rope(key, *rope), value)
+        attended = self._attend(rotate_pairs(query, *rope), rotate_pairs(key, *rope), value)
         if not self.joint:
             return attended
         text_tokens = context.shape[1]
