@@ -193,13 +193,13 @@ def write_vae(root: pathlib.Path, config: dict, rng) -> None:
     import jax
 
     from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-    from tree_grpo_jax.models.sd15.load import _flax_kwargs
+    from tree_grpo_jax.models.sd15.load import flax_module_kwargs
     from tree_grpo_jax.weights import convert
 
     quiet_flax_deprecation_notices()
     from diffusers import FlaxAutoencoderKL
 
-    module = FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config))
+    module = FlaxAutoencoderKL(**flax_module_kwargs(FlaxAutoencoderKL, config))
     shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
     # diffusers' Flax VAE always has the quant convs; a config without them has none.
     for conv in ("quant_conv", "post_quant_conv"):

@@ -162,7 +162,7 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
     )
 
 
-def _flax_kwargs(cls, config: dict) -> dict:
+def flax_module_kwargs(cls, config: dict) -> dict:
     """The config fields the Flax class takes, lists turned into tuples."""
     fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name", "dtype"}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
@@ -224,7 +224,7 @@ def vae_module(config: dict, where: Path, dtype):
 
     files.check_fixed(config, _VAE_FIXED, where)
     files.check_field_types(config, FlaxAutoencoderKL, where)
-    return FlaxAutoencoderKL(**_flax_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
+    return FlaxAutoencoderKL(**flax_module_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
 
 
 def decoder_params(vae_params) -> dict:
