@@ -68,6 +68,8 @@ def test_sliding_window_compiles_the_rollout_and_the_step_once(tmp_path):
     c.tree.window_slide_every = 1
     c.train.iterations = 4
     trainer, state = train.setup(c, str(tmp_path))
+    # an equal step built earlier in this process is reused, with the programs it holds
+    step_programs = trainer.train_step._cache_size()
     starts = []
     with count_compiles() as compiles:
         for iteration in range(4):  # window positions 0, 1, 2, 3
@@ -75,7 +77,7 @@ def test_sliding_window_compiles_the_rollout_and_the_step_once(tmp_path):
             starts.append(metrics["window_start"])
     assert starts == [0, 1, 2, 3]
     assert compiles["_rollout"] == 1
-    assert trainer.train_step._cache_size() == 1
+    assert trainer.train_step._cache_size() <= step_programs + 1
 
 
 def _adam_count(state) -> int:

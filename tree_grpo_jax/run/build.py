@@ -22,7 +22,7 @@ from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.run import denoiser, precompile
+from tree_grpo_jax.run import denoiser, precompile, reuse
 from tree_grpo_jax.run.prompts import load_prompts
 from tree_grpo_jax.run.train_step import (
     TrainState,
@@ -206,16 +206,32 @@ def references(config, params, base):
     return (initial if use_kl else None), (initial if eval_kl else None)
 
 
+_kept_steps = reuse.Kept(4)  # a resume, or an evaluation after training, reuses its steps
+
+
 def programs(config, model, mesh, objective, state_shardings, base_shardings=None) -> dict:
     """The run's jitted programs and the denoiser they sample with, built once: the train
-    step, its accumulating form and `sampling_denoise` (Trainer fields)."""
+    step, its accumulating form, `init_state` and `sampling_denoise` (Trainer fields). A
+    run built again in this process with equal settings gets the same programs back, so
+    nothing is traced or compiled twice."""
     tx = make_optimizer(config.train)
     loss_kwargs, layout = step_layout(config, objective, model, mesh, base_shardings)
-    return {
-        "train_step": make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout),
-        "accumulating": make_accumulating_step(tx, loss_kwargs, mesh, state_shardings, **layout),
-        "sampling_denoise": denoiser.sampling_denoise(model, config, mesh),
-    }
+    old_policy = objective.keeps_old_policy
+
+    def build_steps():
+        return {
+            "train_step": make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout),
+            "accumulating": make_accumulating_step(
+                tx, loss_kwargs, mesh, state_shardings, **layout
+            ),
+            "init_state": jax.jit(
+                lambda p: initial_state(tx, p, old_policy), out_shardings=state_shardings
+            ),
+        }
+
+    settings = (tx, loss_kwargs, layout, mesh, state_shardings, old_policy)
+    steps = _kept_steps.get(settings, build_steps)
+    return {**steps, "sampling_denoise": denoiser.sampling_denoise(model, config, mesh)}
 
 
 def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
@@ -260,7 +276,6 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         prompts=None,
         eval_prompts=[],
         uncond=uncond,
-        init_state=None,
         tracker=None,
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
@@ -353,15 +368,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     else:
         params = trained_params(config, model.params, adapter.base, adapter.paths)
     tx = make_optimizer(config.train)
-
-    def fresh(p):
-        return initial_state(tx, p, objective.keeps_old_policy)
-
-    state_shardings = sharding.param_shardings(mesh, jax.eval_shape(fresh, params))
-    init_state = jax.jit(fresh, out_shardings=state_shardings)
-    state = init_state(params)
-
+    fresh = jax.eval_shape(lambda p: initial_state(tx, p, objective.keeps_old_policy), params)
+    state_shardings = sharding.param_shardings(mesh, fresh)
     base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
+    built = programs(config, model, mesh, objective, state_shardings, base_shardings)
+    state = built["init_state"](params)
+
     if adapter is None:  # a copy of the initial weights: the state's are donated
         kept = references(config, state.params, None)
         initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
@@ -379,14 +391,13 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         prompts=prompts,
         eval_prompts=eval_prompts,
         uncond=uncond,
-        init_state=init_state,
         tracker=make_tracker(config, method),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
         **eval_embeddings(config, eval_prompts, reward_mesh, model.media),
         kl_reference=kl_reference,
-        **programs(config, model, mesh, objective, state_shardings, base_shardings),
+        **built,
     )
     return trainer, state
 

@@ -1,8 +1,9 @@
 """The denoiser as the run calls it: its rows laid out over the mesh, and, in the rollout and
 the evaluation, run over `sampling.denoise_rows` rows at a time.
 
-Built once per run (`build.build`, and the memory plan from shapes): the jitted programs take
-the denoiser as a static argument, so the same function object must reach every call.
+Built once per run (`build.build`, and the memory plan from shapes), and kept for equal
+settings: the jitted programs take the denoiser as a static argument, so the same function
+object must reach every call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tree_grpo_jax import sharding
 from tree_grpo_jax.core.guidance import DenoiseFn, in_chunks
 from tree_grpo_jax.models import base
+from tree_grpo_jax.run import reuse
 
 
 def rows_constraint(mesh):
@@ -51,14 +53,27 @@ def laid_out(denoise_fn: DenoiseFn, mesh) -> DenoiseFn:
     return denoise
 
 
+# A model built once and set up twice (a resume in one process) gets the same denoisers back:
+# the rollout and the evaluation, which take them as static arguments, then compile once.
+_kept = reuse.Kept(8)
+
+
 def sampling_denoise(model, config, mesh) -> DenoiseFn:
     """The rollout's and the evaluation's denoiser: `sampling.denoise_rows` rows at a time
     (0: a whole level at once), laid out over `mesh`."""
     rows = int(config.sampling.get("denoise_rows", 0))
-    return in_chunks(laid_out(model.denoise, mesh), rows)
+    return _kept.get(
+        ("sampling", model.denoise, mesh, rows),
+        lambda: in_chunks(laid_out(model.denoise, mesh), rows),
+    )
 
 
 def training_denoise(model, config, mesh) -> DenoiseFn:
     """The denoiser the train step differentiates (remat as `model.remat` asks), laid out
     over `mesh`."""
-    return laid_out(base.training_denoise(model, config.model.remat), mesh)
+    remat = base.remat_mode(config.model.remat)
+    blocks = bool(getattr(model, "remat_blocks", False))
+    return _kept.get(
+        ("training", model.denoise, mesh, remat, blocks),
+        lambda: laid_out(base.training_denoise(model, remat), mesh),
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -53,14 +54,27 @@ def old_params(state: TrainState):
 
 def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """AdamW without its learning rate: the step scales updates by the iteration's rate,
-    so a schedule over iterations needs no guess of how many minibatches an iteration has."""
-    tx = optax.chain(
-        optax.clip_by_global_norm(train.max_grad_norm),
-        optax.scale_by_adam(b1=train.adam_b1, b2=train.adam_b2, eps=train.adam_eps),
-        optax.add_decayed_weights(train.weight_decay),
+    so a schedule over iterations needs no guess of how many minibatches an iteration has.
+    Equal settings give the same object (the steps built on it can then be reused)."""
+    return _optimizer(
+        float(train.max_grad_norm),
+        float(train.adam_b1),
+        float(train.adam_b2),
+        float(train.adam_eps),
+        float(train.weight_decay),
+        int(train.grad_accumulation),
     )
-    if train.grad_accumulation > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=train.grad_accumulation)
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(max_grad_norm, b1, b2, eps, weight_decay, grad_accumulation):
+    tx = optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay),
+    )
+    if grad_accumulation > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=grad_accumulation)
     return tx
 
 
