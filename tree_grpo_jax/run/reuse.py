@@ -71,7 +71,3 @@ class Kept:
             while len(self._built) > self._size:
                 self._built.popitem(last=False)
         return built
-
-    def clear(self) -> None:
-        with self._lock:
-            self._built.clear()
