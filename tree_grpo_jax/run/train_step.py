@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import struct
+from jax.flatten_util import ravel_pytree
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.core.loss import ppo_loss
@@ -122,10 +123,13 @@ def _loss_and_grads(loss_fn, loss_kwargs: dict, merge):
     return loss_and_grads
 
 
-def _apply(tx, state: TrainState, grads, lr, loss=0.0):
+def _apply(tx, state: TrainState, grads, lr, loss=0.0, *, one_vector=False):
     """The optimizer's update from `grads` at rate `lr`. A non-finite loss, gradient or result
     leaves the state as it was and is reported: the trainer stops, and nothing non-finite
-    can reach a checkpoint."""
+    can reach a checkpoint. With `one_vector` (see `_one_vector_fits`) the update runs on the
+    parameters laid end to end: the same arithmetic, a tenth of the program."""
+    if one_vector and _one_vector_fits(state.params):
+        return _apply_to_one_vector(tx, state, grads, lr, loss)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
     params = optax.apply_updates(state.params, updates)
@@ -136,6 +140,55 @@ def _apply(tx, state: TrainState, grads, lr, loss=0.0):
     opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
     state = state.replace(params=params, opt_state=opt_state)
     return state, {"grad_norm": grad_norm, "finite": finite}
+
+
+# Up to this many trained numbers, a replicated update runs on one vector: the copies that
+# laying the parameters, gradients and moments end to end takes (a few times 64 MiB at most)
+# are cheap, and the program is one update instead of one per parameter, which XLA compiles
+# in a third of the time (the tiny model's 208 arrays: 18.8k operations down to 2.9k).
+ONE_VECTOR_MAX_ELEMENTS = 2**24
+
+
+def _one_vector_fits(params) -> bool:
+    leaves = jax.tree_util.tree_leaves(params)
+    return (
+        len(leaves) > 1
+        and len({x.dtype for x in leaves}) == 1
+        and sum(x.size for x in leaves) <= ONE_VECTOR_MAX_ELEMENTS
+    )
+
+
+def _apply_to_one_vector(tx, state: TrainState, grads, lr, loss):
+    """`_apply` with the parameters, the gradients and every part of the optimizer's state
+    shaped like the parameters (Adam's moments, MultiSteps' sums) each raveled to one vector,
+    and unraveled after: elementwise the same numbers (the gradient's norm sums in another
+    order)."""
+    vector, unravel = ravel_pytree(state.params)
+    treedef = jax.tree_util.tree_structure(state.params)
+    kinds = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state.params)]
+
+    def like_params(x) -> bool:
+        leaves = jax.tree_util.tree_leaves(x)
+        return (
+            jax.tree_util.tree_structure(x) == treedef
+            and [(y.shape, y.dtype) for y in leaves] == kinds
+        )
+
+    parts, parts_def = jax.tree_util.tree_flatten(state.opt_state, is_leaf=like_params)
+    raveled = [like_params(part) for part in parts]
+    flat_parts = [ravel_pytree(p)[0] if r else p for p, r in zip(parts, raveled, strict=True)]
+    flat_state = state.replace(params=vector, opt_state=parts_def.unflatten(flat_parts))
+    flat_grads = ravel_pytree(grads)[0]
+    new, applied = _apply(tx, flat_state, flat_grads, lr, loss)
+    new_parts = parts_def.flatten_up_to(new.opt_state)
+    opt_state = [unravel(p) if r else p for p, r in zip(new_parts, raveled, strict=True)]
+    return new.replace(
+        params=unravel(new.params), opt_state=parts_def.unflatten(opt_state)
+    ), applied
+
+
+def _replicated(shardings) -> bool:
+    return all(s.is_fully_replicated for s in jax.tree_util.tree_leaves(shardings))
 
 
 def _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings) -> tuple:
@@ -167,12 +220,13 @@ def make_train_step(
     `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
     """
     loss_and_grads = _loss_and_grads(loss_fn, loss_kwargs, merge)
+    one_vector = _replicated(state_shardings)
 
     def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
         (loss, metrics), grads = loss_and_grads(
             state.params, batch, cond, schedule, uncond, ref_params, frozen, old_params(state)
         )
-        state, applied = _apply(tx, state, grads, lr, loss)
+        state, applied = _apply(tx, state, grads, lr, loss, one_vector=one_vector)
         return state, {**metrics, "loss": loss, **applied}
 
     shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
@@ -225,6 +279,7 @@ def make_accumulating_step(
     rep = sharding.replicated(mesh)
     grad_shardings = state_shardings.params
     acc_shardings = Accumulated(grad_shardings, rep)
+    one_vector = _replicated(state_shardings)
 
     def start(state: TrainState) -> Accumulated:
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
@@ -241,7 +296,7 @@ def make_accumulating_step(
 
     def apply(state, acc: Accumulated, lr):
         grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(acc.edges, 1.0), acc.grads)
-        return _apply(tx, state, grads, lr)
+        return _apply(tx, state, grads, lr, one_vector=one_vector)
 
     shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
     state_sh, rest = shardings[0], shardings[1:6] + shardings[7:]
