@@ -40,6 +40,7 @@ def smoke(tmp_path_factory):
     return str(out), info
 
 
+@pytest.mark.slow
 def test_smoke_suite_writes_every_file(smoke):
     out, info = smoke
     for name in SUITE_FILES:
@@ -53,6 +54,7 @@ def test_smoke_suite_writes_every_file(smoke):
     assert set(info["presets"]) == set(PRESETS)
 
 
+@pytest.mark.slow
 def test_derived_counts_equal_measured_counts(smoke):
     out, info = smoke
     results = _load(out, "costs.json")["presets"]
@@ -103,6 +105,7 @@ def test_one_update_per_iteration():
     assert config.train.grad_accumulation == 22
 
 
+@pytest.mark.slow
 def test_time_and_reward_results(smoke):
     out, _ = smoke
     times = _load(out, "time_per_iteration.json")["presets"]
@@ -120,6 +123,7 @@ def test_time_and_reward_results(smoke):
     assert set(reward["time_to_reward"]["presets"]) == set(PRESETS)
 
 
+@pytest.mark.slow
 def test_engine_and_node_loop_agree(smoke):
     out, info = smoke
     trees = _load(out, "engine_vs_node_loop.json")["trees"]
@@ -148,6 +152,7 @@ def _measured() -> list[str]:
     return [a.name for a in random_models.ARCHITECTURES if a.build]
 
 
+@pytest.mark.slow
 def test_accelerator_smoke_runs_every_section_of_every_model(accelerator_smoke):
     results, saved, _ = accelerator_smoke
     assert saved["models"].keys() == results["models"].keys()
@@ -173,6 +178,7 @@ def test_accelerator_smoke_runs_every_section_of_every_model(accelerator_smoke):
     assert _positive(r["images_per_s"]) and _positive(r["prompts_per_s"])
 
 
+@pytest.mark.slow
 def test_accelerator_smoke_markdown_has_every_model(accelerator_smoke):
     _, saved, table = accelerator_smoke
     assert "error" not in table and accelerator.SMOKE_TOWER in table
@@ -187,6 +193,7 @@ def test_accelerator_smoke_markdown_has_every_model(accelerator_smoke):
         assert _positive(float(cells[5].split(" / ")[0])), row
 
 
+@pytest.mark.slow
 def test_replot_rebuilds_the_same_tables(smoke):
     out, _ = smoke
     with open(os.path.join(out, "tables.md")) as f:

@@ -226,6 +226,7 @@ def test_orbax_warns_no_more_of_waiting_for_a_previous_save(tmp_path, monkeypatc
     assert not any("Waiting for previous save" in m for m in logged)
 
 
+@pytest.mark.slow
 def test_the_digests_do_not_depend_on_the_mesh(tmp_path):
     """Saved from a state sharded over 2x2 simulated devices, restored on one device and onto
     a 4x1 mesh: the same digests everywhere, and no warning."""

@@ -166,6 +166,7 @@ def test_broken_config_file_is_one_sentence(tmp_path, broken_configs, which, mes
     assert not (tmp_path / "run").exists()  # a failed start leaves no folder behind
 
 
+@pytest.mark.slow
 def test_configs_load_from_any_working_directory(tmp_path):
     """An absolute --config path from another folder, a user's own config file outside the
     repository that starts from the package's schema, and, run from the repository's root,

@@ -58,6 +58,7 @@ def test_missing_local_model_path_says_the_folder_does_not_exist(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_plan_json_into_a_closed_pipe_exits_quietly(tmp_path):
     """`plan --json | head -c 10`: the reader is gone before the plan is printed."""
     process = subprocess.Popen(

@@ -11,6 +11,9 @@ import sys
 import numpy as np
 import pytest
 
+# Slow tier: each run is a process on 4 or 8 simulated devices.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "data_parallel.py")
 # devices -> the meshes (kind:data:fsdp) trained on them

@@ -84,6 +84,7 @@ def sigint_handled():
 INTERRUPT_POINTS = ["after_prompts_drawn", "during_update", "during_save"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", INTERRUPT_POINTS)
 def test_interrupt_inside_an_iteration_resumes_exactly(
     tmp_path, monkeypatch, straight, point, sigint_handled
@@ -132,6 +133,7 @@ def test_interrupt_inside_an_iteration_resumes_exactly(
     assert_same_run(straight, tmp_path)
 
 
+@pytest.mark.slow
 def test_hard_kill_resumes_from_last_checkpoint_without_duplicate_rows(
     tmp_path, monkeypatch, straight
 ):
@@ -154,6 +156,7 @@ def test_hard_kill_resumes_from_last_checkpoint_without_duplicate_rows(
     assert_same_run(straight, tmp_path)
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, straight, capsys):
     c = fault_config()
     c.checkpoint.every = 1
@@ -173,6 +176,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, straight
     assert_same_run(straight, tmp_path)
 
 
+@pytest.mark.slow
 def test_divergence_stops_and_keeps_checkpoints_finite(tmp_path, monkeypatch):
     """Two good iterations are checkpointed; then the step size explodes: the run stops with
     one sentence at the first non-finite number and the good checkpoints stay as they were."""
@@ -255,6 +259,7 @@ def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 1
 
 
+@pytest.mark.slow
 def test_a_signal_after_the_last_iteration_says_the_run_is_complete(
     tmp_path, monkeypatch, straight, sigint_handled
 ):

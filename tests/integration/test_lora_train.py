@@ -46,6 +46,7 @@ def test_only_factors_train_and_step_zero_is_the_base(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_bfloat16_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     """With bfloat16 compute the frozen base is the model's weights rounded to bfloat16 (no
     float32 copy), the factors alone keep float32 masters, and the merged weights stay
@@ -110,6 +111,7 @@ def test_lora_checkpoint_into_a_full_run_is_refused(tmp_path):
         train.train(full, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_sd_lora_run_exports_peft_weights_and_merged_weights(tmp_path, sd_folder):
     """A LoRA run on the tiny SD folder exports a PEFT file diffusers loads, whose UNet then
     computes what our merged UNet computes; `--merge` writes the merged UNet itself."""

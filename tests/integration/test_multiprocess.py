@@ -25,6 +25,9 @@ from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.run.checkpoint import Checkpointer
 
+# Slow tier: several processes joined by jax.distributed.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL_PROMPTS = 4
 COMMON = (

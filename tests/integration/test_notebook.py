@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Slow tier: a fresh kernel runs the whole notebook.
+pytestmark = pytest.mark.slow
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 

@@ -131,6 +131,7 @@ def _tiny_flow_run(tmp_path, guard: bool):
     return trainer.iteration(state, 0)[1]
 
 
+@pytest.mark.slow
 def test_grpo_guard_off_leaves_today_s_numbers_and_on_regulates_the_ratio(tmp_path):
     """TreeGRPO on the flow twin, one iteration: with the guard off, the figures the code
     gave before the guard existed (recorded from that code, this machine's CPU); with it on,

@@ -105,6 +105,7 @@ def test_tiny_plan_has_every_program_and_the_train_state():
     assert plan["fits"] == {"80": True, "141": True}
 
 
+@pytest.mark.slow
 def test_lora_plan_trains_only_the_factors():
     from tree_grpo_jax.models.tiny.networks import random_weights
 
@@ -137,6 +138,7 @@ def test_lora_plan_trains_only_the_factors():
     assert "LoRA rank 4" in result.stdout
 
 
+@pytest.mark.slow
 def test_diffusion_nft_plan_counts_the_old_policy():
     one_step_per_minibatch = "--config.train.updates_per_iteration=0"
     plan = plan_json("--config=configs/tiny_flow_nft.py", *SMALL, one_step_per_minibatch)
@@ -165,6 +167,7 @@ def test_sd_plan_reads_only_the_folders_json(sd_folder, tmp_path):
     assert plan["model"] == str(folder)
 
 
+@pytest.mark.slow
 def test_sd3_plan_reads_only_the_folders_json(sd3_folder, tmp_path):
     from sd3_fixtures import T5_WIDTH
 
@@ -220,6 +223,7 @@ def _plan_process(*args, env):
     )
 
 
+@pytest.mark.slow
 def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
     four = [
         "--programs=train_step",

@@ -33,6 +33,7 @@ def test_mesh_shape_resolves_and_rejects():
         sharding.mesh_shape(3, -1, num_devices=8)
 
 
+@pytest.mark.slow
 def test_train_step_on_8_devices_matches_one_device():
     env = {
         **os.environ,

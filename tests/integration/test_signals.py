@@ -10,6 +10,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+# Slow tier: a process per scenario, signalled at chosen moments.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = [
     "--config=configs/tiny.py",

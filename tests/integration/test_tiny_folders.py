@@ -8,9 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_folders_are_written_and_loaded_without_torch(tmp_path):
     code = textwrap.dedent(
         f"""

@@ -57,6 +57,7 @@ def test_nan_reward_stops_with_one_sentence_and_keeps_progress(tmp_path):
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step == 2
 
 
+@pytest.mark.slow
 def test_sliding_window_compiles_the_rollout_and_the_step_once(tmp_path):
     """Every window position of a sliding TreeGRPO window is served by one compiled rollout
     and one compiled train step."""
@@ -92,6 +93,7 @@ def _one_iteration(c, workdir):
     return before, jax.device_get(state.params), metrics, _adam_count(state)
 
 
+@pytest.mark.slow
 def test_one_update_per_iteration_spans_every_minibatch(tmp_path):
     """`updates_per_iteration=1` over 3 minibatches of 2 rows (the last topped up, masked)
     gives the update one plain step gives on one minibatch holding every row."""
@@ -144,6 +146,7 @@ def test_more_updates_than_minibatches_is_one_update_each_and_said(tmp_path, cap
     ]
 
 
+@pytest.mark.slow
 def test_denoise_rows_change_no_number(tmp_path):
     """The denoiser over 3 rows at a time (chunks that divide no level: the last is topped
     up) gives the rollout, the update and the eval rows that every row at once gives, to

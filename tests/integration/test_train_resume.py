@@ -82,7 +82,15 @@ def _final_params(c, workdir):
     return jax.device_get((restored.params, old_params(restored))), meta
 
 
-@pytest.mark.parametrize("method", ["grpo", "diffusion_nft", "awm", "dgpo"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param("grpo", marks=pytest.mark.slow),  # test_train.py trains it; this resumes it
+        pytest.param("diffusion_nft", marks=pytest.mark.slow),
+        pytest.param("awm", marks=pytest.mark.slow),
+        "dgpo",  # the fast tier's killed-and-resumed run, and its DGPO run
+    ],
+)
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
     # DiffusionNFT, AWM, DGPO: the old policy / EMA copy is part of the state, compared too
     configs = {"grpo": lambda: small_config("grpo"), "diffusion_nft": nft_config}

@@ -394,6 +394,7 @@ def test_bad_options_are_one_sentence():
         assert sentence.startswith(f"model.flux.{field} must be") and "\n" not in sentence
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, overrides",
     [

@@ -292,6 +292,7 @@ def test_truncated_weights(tmp_path, clip_folder):
         rewards.load_reward("pickscore", str(cut))
 
 
+@pytest.mark.slow
 def test_training_on_a_weighted_mix_reports_every_eval_reward(tmp_path, clip_folder):
     """`rewards=pickscore:1,clip_score:0.5` trains on their weighted sum; eval lists more."""
     from small_configs import small_config
@@ -322,6 +323,7 @@ def test_training_on_a_weighted_mix_reports_every_eval_reward(tmp_path, clip_fol
     assert len(evals) == 2 and all(np.isfinite(r["eval/clip_score"]) for r in evals)
 
 
+@pytest.mark.slow
 def test_fsdp_sharded_reward_scores_as_on_one_device(clip_folder):
     import os
     import subprocess

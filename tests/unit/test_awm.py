@@ -232,6 +232,7 @@ def test_the_time_samplers_follow_the_released_strata():
     )
 
 
+@pytest.mark.slow
 def test_a_tiny_run_raises_its_reward(tmp_path):
     """The shipped flow twin on JPEG compressibility, which it starts far from: four
     iterations of AWM (configs/tiny_flow_awm.py) make its fixed eval samples smaller files."""

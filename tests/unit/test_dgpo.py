@@ -236,6 +236,7 @@ def test_rows_hold_each_group_at_distinct_early_steps(shared):
     assert same == shared
 
 
+@pytest.mark.slow
 def test_a_tiny_run_raises_its_reward(tmp_path):
     """The shipped flow twin on JPEG compressibility: four iterations of DGPO
     (configs/tiny_flow_dgpo.py) make its fixed eval samples smaller files."""

@@ -335,6 +335,7 @@ def with_flags(config, *overrides):
     return values.config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split_log_prob", ["sampled", "unscaled"])
 def test_training_iteration_with_the_dancegrpo_sde_starts_at_ratio_one(tmp_path, split_log_prob):
     """The first update's ratios are 1 to float32 rounding: the rollout and the train step

@@ -36,6 +36,7 @@ def _write_old(path, data: bytes, age_s: float = 60.0):
     os.utime(path, (then, then))
 
 
+@pytest.mark.slow
 def test_reordered_prompt_file_refuses_the_resume_and_the_original_resumes(tmp_path):
     prompts = tmp_path / "digits.txt"
     prompts.write_text("\n".join(DIGIT_PROMPTS) + "\n")

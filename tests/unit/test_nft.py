@@ -212,6 +212,7 @@ def test_a_model_that_is_not_a_flow_is_one_sentence(tmp_path):
         train.setup(c, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_tiny_run_raises_its_reward(tmp_path):
     """The shipped flow twin on JPEG compressibility, which it starts far from: six
     iterations of DiffusionNFT make its fixed eval samples smaller files."""

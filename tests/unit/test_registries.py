@@ -101,6 +101,7 @@ def toy_config() -> ml_collections.ConfigDict:
     return c
 
 
+@pytest.mark.slow
 def test_a_toy_family_and_reward_from_outside_train_the_loop(toys, tmp_path):
     c = toy_config()
     summary = train.train(c, str(tmp_path / "run"))

@@ -129,7 +129,9 @@ def test_scanned_model_stacks_runs_of_identical_blocks():
     assert shapes["single_transformer_blocks_0_to_2"]["proj_mlp"]["kernel"].shape == (3, 32, 128)
 
 
-@pytest.mark.parametrize("remat", [False, "block_save_attention"])
+@pytest.mark.parametrize(
+    "remat", [False, pytest.param("block_save_attention", marks=pytest.mark.slow)]
+)
 def test_scanned_equals_unrolled_in_outputs_and_gradients(reference, remat):
     family, params, (out, grad) = reference
     build, config, _ = FAMILIES[family]
@@ -141,6 +143,7 @@ def test_scanned_equals_unrolled_in_outputs_and_gradients(reference, remat):
     _close(stacking.unstack(scan_grad), grad)
 
 
+@pytest.mark.slow
 def test_block_remat_changes_no_number(reference):
     # (the scanned test above runs the policy that keeps the attention)
     family, params, (out, grad) = reference
@@ -149,6 +152,7 @@ def test_block_remat_changes_no_number(reference):
     _close(remat_grad, grad)
 
 
+@pytest.mark.slow
 def test_blockwise_attention_equals_xla_inside_the_models(reference):
     family, params, (out, grad) = reference
     block_out, block_grad = _output_and_grad(family, params, attention_implementation="blockwise")
@@ -232,6 +236,7 @@ UNET_CONFIG = dict(
 )
 
 
+@pytest.mark.slow
 def test_unet_remat_per_block_changes_no_number():
     from tree_grpo_jax.models.sd15.unet import unet_module
 
