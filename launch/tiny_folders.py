@@ -9,13 +9,14 @@ transformer; diffusers' Flax VAE; transformers' Flax CLIP towers; our T5 encoder
 seeded random values and written under diffusers' and transformers' PyTorch names and
 layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser) in
 safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
-architectures are the test fixtures' (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`,
-`tests/flux_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
+architectures are launch/tiny_architectures.py's tables, which the test fixtures build with
+torch too (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`, `tests/flux_fixtures.py`,
+`tests/wan_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
 MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
 scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
 shifted scheduler; Wan2.1's transformer (`WanTransformer3DModel`), video VAE, umT5 and
-UniPC flow scheduler (tests/wan_fixtures.py); a few thousand times smaller than the
-releases. diffusers' `DiffusionPipeline.from_pretrained` reads the first three too
+UniPC flow scheduler; a few thousand times smaller than the releases. diffusers'
+`DiffusionPipeline.from_pretrained` reads the first three too
 (tests/parity/test_tiny_folders_in_diffusers.py); the Wan folder's VAE holds its decoder
 only (the half the library runs), so it is read by the project's loader, and by diffusers
 only component by component. The samples are noise: the folders check that a config runs,
@@ -33,6 +34,10 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the package (when it is not installed) and the tables
+from launch.tiny_architectures import FLUX, SD15, SD35, WAN  # noqa: E402
+
 KINDS = ("sd15", "sd35", "flux", "wan")
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ def write_t5(root, encoder, tokenizer, rng, **config) -> None:
     from tree_grpo_jax.weights import convert
 
     write_t5_tokenizer(root / tokenizer)
-    t5 = T5Config(vocab_size=len(t5_pieces()) + 6, feed_forward_proj="gated-gelu", **config)
+    t5 = T5Config(vocab_size=len(t5_pieces()) + 6, **config)
     t5.architectures = ["T5EncoderModel"]
     t5.save_pretrained(root / encoder)
     module = T5Encoder(t5_config(root / encoder, "a tiny folder"), jnp.float32)
@@ -277,110 +282,19 @@ def write_model_index(root: pathlib.Path, index: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The three folders (the architectures of the test fixtures).
-
-SD15_UNET = dict(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=4,  # SD1.x semantics: the number of heads
-    norm_num_groups=32,
-)
-SD15_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=32,
-    sample_size=16,
-)
-SD15_SCHEDULER = dict(  # Stable Diffusion 1.5's training schedule
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=1,
-    prediction_type="epsilon",
-)
-SD15_INDEX = {
-    "_class_name": "StableDiffusionPipeline",
-    "feature_extractor": [None, None],
-    "requires_safety_checker": False,
-    "safety_checker": [None, None],
-    "scheduler": ["diffusers", "DDIMScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "unet": ["diffusers", "UNet2DConditionModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-}
+# The four folders (launch/tiny_architectures.py's tables).
 
 
 def write_sd15(root: pathlib.Path, rng) -> None:
     vocab = sd15_vocab()
     write_clip(
         root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", False, rng,
-        eos_token_id=vocab["<|endoftext|>"], hidden_size=32, intermediate_size=37,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
-        hidden_act="quick_gelu", projection_dim=32,
+        eos_token_id=vocab["<|endoftext|>"], **SD15["text_encoder"],
     )  # fmt: skip
-    write_unet(root, SD15_UNET, rng)
-    write_vae(root, SD15_VAE, rng)
-    write_scheduler(root, "DDIMScheduler", SD15_SCHEDULER)
-    write_model_index(root, SD15_INDEX)
-
-
-FLOW_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    block_out_channels=(32, 32),
-    layers_per_block=1,
-    latent_channels=16,
-    norm_num_groups=32,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
-SD35_T5_WIDTH = 128  # standing in for SD3's joint_attention_dim 4096
-SD35_TRANSFORMER = dict(
-    sample_size=8,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=3,
-    attention_head_dim=8,
-    num_attention_heads=2,
-    joint_attention_dim=SD35_T5_WIDTH,
-    caption_projection_dim=16,
-    pooled_projection_dim=16 + 24,  # the CLIP-L and CLIP-G projections, concatenated
-    pos_embed_max_size=12,
-    dual_attention_layers=(0, 1),
-    qk_norm="rms_norm",
-)
-SD35_INDEX = {
-    "_class_name": "StableDiffusion3Pipeline",
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_3": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "tokenizer_2": ["transformers", "CLIPTokenizer"],
-    "tokenizer_3": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "SD3Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-    "image_encoder": [None, None],
-    "feature_extractor": [None, None],
-}
+    write_unet(root, SD15["unet"], rng)
+    write_vae(root, SD15["vae"], rng)
+    write_scheduler(root, "DDIMScheduler", SD15["scheduler"])
+    write_model_index(root, SD15["model_index"])
 
 
 def write_sd35(root: pathlib.Path, rng) -> None:
@@ -388,146 +302,43 @@ def write_sd35(root: pathlib.Path, rng) -> None:
     from tree_grpo_jax.models.sd3.load import TRANSFORMER
 
     vocab = clip_vocab()
-    clip = dict(max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=4)
-    # CLIP-L as SD3 ships it (legacy eos_token_id 2: pooled at the highest id, quick_gelu,
-    # padded with <|endoftext|>); CLIP-G padded with "!" and pooled at its real eos id.
+    # CLIP-L padded with <|endoftext|>; CLIP-G padded with "!" and pooled at its real eos id.
     write_clip(
-        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", True, rng, eos_token_id=2,
-        hidden_size=32, intermediate_size=37, projection_dim=16, hidden_act="quick_gelu", **clip,
+        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", True, rng,
+        **SD35["text_encoder"],
     )  # fmt: skip
     write_clip(
         root, "text_encoder_2", "tokenizer_2", vocab, "!", True, rng,
-        eos_token_id=vocab["<|endoftext|>"], hidden_size=48, intermediate_size=53,
-        projection_dim=24, hidden_act="gelu", **clip,
+        eos_token_id=vocab["<|endoftext|>"], **SD35["text_encoder_2"],
     )  # fmt: skip
-    write_t5(
-        root, "text_encoder_3", "tokenizer_3", rng, d_model=SD35_T5_WIDTH, d_kv=16, d_ff=72,
-        num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-    )  # fmt: skip
-    config = SD35_TRANSFORMER
+    write_t5(root, "text_encoder_3", "tokenizer_3", rng, **SD35["text_encoder_3"])
+    config = SD35["transformer"]
     inner = config["attention_head_dim"] * config["num_attention_heads"]
     table = mmdit.sincos_position_table(
         inner, config["pos_embed_max_size"], config["sample_size"] // config["patch_size"]
     )  # diffusers' fixed `pos_embed.pos_embed` buffer, stored in its files
     write_denoiser(root, TRANSFORMER, config, rng, {mmdit.BUFFERS[0]: table[None]})
-    write_vae(root, {**FLOW_VAE, "sample_size": 16, "scaling_factor": 1.5305,
-                     "shift_factor": 0.0609}, rng)  # fmt: skip
-    write_scheduler(
-        root, "FlowMatchEulerDiscreteScheduler", dict(num_train_timesteps=1000, shift=3.0)
-    )
-    write_model_index(root, SD35_INDEX)
-
-
-FLUX_T5_WIDTH = 32  # standing in for FLUX's joint_attention_dim 4096
-FLUX_CLIP_WIDTH = 24  # standing in for pooled_projection_dim 768
-FLUX_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=FLUX_T5_WIDTH,
-    pooled_projection_dim=FLUX_CLIP_WIDTH,
-    guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6),
-)
-FLUX_SCHEDULER = dict(  # FLUX.1-dev's scheduler_config.json
-    base_image_seq_len=256,
-    base_shift=0.5,
-    max_image_seq_len=4096,
-    max_shift=1.15,
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-)
-FLUX_INDEX = {
-    "_class_name": "FluxPipeline",
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModel"],
-    "text_encoder_2": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "tokenizer_2": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "FluxTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-    "image_encoder": [None, None],
-    "feature_extractor": [None, None],
-}
+    write_vae(root, SD35["vae"], rng)
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", SD35["scheduler"])
+    write_model_index(root, SD35["model_index"])
 
 
 def write_flux(root: pathlib.Path, rng) -> None:
     from tree_grpo_jax.models.flux.load import TRANSFORMER
 
     vocab = clip_vocab()
-    # CLIP-L as FLUX ships it: no projection, quick_gelu, padded with <|endoftext|>, legacy
-    # eos_token_id 2 (pooled at the highest id).
+    # CLIP-L padded with <|endoftext|>, as FLUX ships it.
     write_clip(
-        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", False, rng, eos_token_id=2,
-        max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=4,
-        hidden_size=FLUX_CLIP_WIDTH, intermediate_size=37, hidden_act="quick_gelu",
+        root, "text_encoder", "tokenizer", vocab, "<|endoftext|>", False, rng,
+        **FLUX["text_encoder"],
     )  # fmt: skip
-    write_t5(
-        root, "text_encoder_2", "tokenizer_2", rng, d_model=FLUX_T5_WIDTH, d_kv=8, d_ff=40,
-        num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-    )  # fmt: skip
-    write_denoiser(root, TRANSFORMER, FLUX_TRANSFORMER, rng)
-    write_vae(root, {**FLOW_VAE, "sample_size": 32, "scaling_factor": 0.3611,
-                     "shift_factor": 0.1159}, rng)  # fmt: skip
-    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)
-    write_model_index(root, FLUX_INDEX)
+    write_t5(root, "text_encoder_2", "tokenizer_2", rng, **FLUX["text_encoder_2"])
+    write_denoiser(root, TRANSFORMER, FLUX["transformer"], rng)
+    write_vae(root, FLUX["vae"], rng)
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", FLUX["scheduler"])
+    write_model_index(root, FLUX["model_index"])
 
 
-WAN_TEXT_WIDTH = 16  # standing in for Wan2.1's text_dim 4096
-WAN_LATENT_CHANNELS = 4  # standing in for its 16
-WAN_TRANSFORMER = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=8,
-    in_channels=WAN_LATENT_CHANNELS,
-    out_channels=WAN_LATENT_CHANNELS,
-    text_dim=WAN_TEXT_WIDTH,
-    freq_dim=8,
-    ffn_dim=32,
-    num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    image_dim=None,
-    added_kv_proj_dim=None,
-    rope_max_seq_len=32,
-)
-WAN_VAE = dict(  # 4 pixels per latent, 4 frames per latent frame (the 4k + 1 rule holds)
-    base_dim=8,
-    z_dim=WAN_LATENT_CHANNELS,
-    dim_mult=(1, 2, 2),
-    num_res_blocks=1,
-    attn_scales=(),
-    temperal_downsample=(True, True),
-    dropout=0.0,
-    latents_mean=(0.3, -0.2, 0.1, 0.5),
-    latents_std=(1.5, 0.8, 2.0, 1.2),
-)
-WAN_SCHEDULER = dict(  # the release's scheduler_config.json (flow_shift 3: the 480p value)
-    prediction_type="flow_prediction",
-    use_flow_sigmas=True,
-    num_train_timesteps=1000,
-    flow_shift=3.0,
-    solver_order=2,
-    final_sigmas_type="zero",
-)
-WAN_INDEX = {
-    "_class_name": "WanPipeline",
-    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    "text_encoder": ["transformers", "UMT5EncoderModel"],
-    "tokenizer": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "WanTransformer3DModel"],
-    "transformer_2": [None, None],
-    "vae": ["diffusers", "AutoencoderKLWan"],
-    "boundary_ratio": None,
-    "expand_timesteps": False,
-}
 # The Wan VAE decoder's module lists; its RMS norms' `gamma` keep PyTorch's broadcast shape.
 _WAN_VAE_LISTS = frozenset({"up_blocks", "resnets", "attentions", "upsamplers", "resample"})
 
@@ -541,7 +352,7 @@ def write_umt5(root, rng, **config) -> None:
     from tree_grpo_jax.weights import convert
 
     write_t5_tokenizer(root / "tokenizer")
-    umt5 = UMT5Config(vocab_size=len(t5_pieces()) + 6, feed_forward_proj="gated-gelu", **config)
+    umt5 = UMT5Config(vocab_size=len(t5_pieces()) + 6, **config)
     umt5.architectures = ["UMT5EncoderModel"]
     umt5.save_pretrained(root / "text_encoder")
     raw = json.loads((root / "text_encoder" / "config.json").read_text())
@@ -572,14 +383,11 @@ def write_wan_vae(root: pathlib.Path, config: dict, rng) -> None:
 def write_wan(root: pathlib.Path, rng) -> None:
     from tree_grpo_jax.models.wan.load import TRANSFORMER
 
-    write_umt5(
-        root, rng, d_model=WAN_TEXT_WIDTH, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16,
-    )  # fmt: skip
-    write_denoiser(root, TRANSFORMER, WAN_TRANSFORMER, rng)
-    write_wan_vae(root, WAN_VAE, rng)
-    write_scheduler(root, "UniPCMultistepScheduler", WAN_SCHEDULER)
-    write_model_index(root, WAN_INDEX)
+    write_umt5(root, rng, **WAN["text_encoder"])
+    write_denoiser(root, TRANSFORMER, WAN["transformer"], rng)
+    write_wan_vae(root, WAN["vae"], rng)
+    write_scheduler(root, "UniPCMultistepScheduler", WAN["scheduler"])
+    write_model_index(root, WAN["model_index"])
 
 
 WRITERS = {"sd15": write_sd15, "sd35": write_sd35, "flux": write_flux, "wan": write_wan}
@@ -615,7 +423,6 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"error: unknown kind(s) {unknown}; choose from {', '.join(KINDS)}.")
-    sys.path.insert(0, str(ROOT))  # the package, when it is not installed
     out = pathlib.Path(args.out).expanduser()
     for kind in kinds:  # every refusal before anything is written
         folder = out / kind

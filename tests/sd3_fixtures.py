@@ -3,7 +3,8 @@
 The transformer (with dual-attention layers and RMS qk-norm, as SD3.5 has), the 16-channel
 VAE without quant convs, CLIP-L, CLIP-G, a sharded T5 and the flow-matching scheduler are
 diffusers' and transformers' PyTorch classes saved with `save_pretrained` (safetensors),
-exactly as stabilityai/stable-diffusion-3.5-medium holds them, only tiny.
+exactly as stabilityai/stable-diffusion-3.5-medium holds them, only tiny: the SD35 table of
+launch/tiny_architectures.py, the architecture launch/tiny_folders.py writes without torch.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from pathlib import Path
 import torch
 from sd_fixtures import MERGES, perturb
 
-T5_WIDTH = 128  # the tiny T5's d_model, standing in for SD3's joint_attention_dim 4096
+from launch.tiny_architectures import SD35, SD35_T5_WIDTH
 
+# Other tests size their inputs by these.
+T5_WIDTH = SD35_T5_WIDTH  # the tiny T5's d_model, standing in for SD3's joint_attention_dim
+TRANSFORMER_CONFIG = SD35["transformer"]
 
 WORDS = ("a", "photo", "of", "cat", "dog")
 
@@ -38,7 +42,10 @@ def _save_clip(root: Path, vocab, encoder: str, tokenizer: str, pad: str, genera
     (source / "vocab.json").write_text(json.dumps(vocab))
     (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
     CLIPTokenizer(
-        str(source / "vocab.json"), str(source / "merges.txt"), pad_token=pad, model_max_length=77
+        str(source / "vocab.json"),
+        str(source / "merges.txt"),
+        pad_token=pad,
+        model_max_length=config["max_position_embeddings"],
     ).save_pretrained(root / tokenizer)
     shutil.rmtree(source)
     model = CLIPTextModelWithProjection(
@@ -46,9 +53,6 @@ def _save_clip(root: Path, vocab, encoder: str, tokenizer: str, pad: str, genera
             vocab_size=len(vocab),
             bos_token_id=vocab["<|startoftext|>"],
             pad_token_id=vocab[pad],
-            max_position_embeddings=77,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             **config,
         )
     )
@@ -76,18 +80,7 @@ def _save_t5(root: Path, generator):
         extra_ids=0,
         model_max_length=512,
     ).save_pretrained(root / "tokenizer_3")
-    config = T5Config(
-        vocab_size=len(pieces) + 6,
-        d_model=T5_WIDTH,
-        d_kv=16,
-        d_ff=72,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        feed_forward_proj="gated-gelu",
-    )
-    model = T5EncoderModel(config)
+    model = T5EncoderModel(T5Config(vocab_size=len(pieces) + 6, **SD35["text_encoder_3"]))
     perturb(model, generator)
     with torch.no_grad():
         # T5's outputs at a few tenths rather than a few units: XLA's and PyTorch's float32
@@ -105,20 +98,9 @@ def make_tiny_sd3_text(root: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vocab = clip_vocab()
-    # CLIP-L as SD3 ships it (legacy eos_token_id 2: pooled at the highest id, quick_gelu,
-    # padded with <|endoftext|>); CLIP-G padded with "!" and pooled at its real eos id.
+    # CLIP-L padded with <|endoftext|>; CLIP-G padded with "!" and pooled at its real eos id.
     _save_clip(
-        root,
-        vocab,
-        "text_encoder",
-        "tokenizer",
-        "<|endoftext|>",
-        generator,
-        hidden_size=32,
-        intermediate_size=37,
-        projection_dim=16,
-        hidden_act="quick_gelu",
-        eos_token_id=2,
+        root, vocab, "text_encoder", "tokenizer", "<|endoftext|>", generator, **SD35["text_encoder"]
     )
     _save_clip(
         root,
@@ -127,62 +109,11 @@ def make_tiny_sd3_text(root: Path, seed: int = 0) -> Path:
         "tokenizer_2",
         "!",
         generator,
-        hidden_size=48,
-        intermediate_size=53,
-        projection_dim=24,
-        hidden_act="gelu",
         eos_token_id=vocab["<|endoftext|>"],
+        **SD35["text_encoder_2"],
     )
     _save_t5(root, generator)
     return root
-
-
-POOLED = 16 + 24  # the tiny CLIP-L and CLIP-G projections, concatenated
-TRANSFORMER_CONFIG = dict(
-    sample_size=8,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=3,
-    attention_head_dim=8,
-    num_attention_heads=2,
-    joint_attention_dim=T5_WIDTH,
-    caption_projection_dim=16,
-    pooled_projection_dim=POOLED,
-    pos_embed_max_size=12,
-    dual_attention_layers=(0, 1),
-    qk_norm="rms_norm",
-)
-VAE_CONFIG = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    block_out_channels=(32, 32),
-    layers_per_block=1,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=16,
-    scaling_factor=1.5305,
-    shift_factor=0.0609,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
-SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0)
-MODEL_INDEX = {
-    "_class_name": "StableDiffusion3Pipeline",
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_3": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "tokenizer_2": ["transformers", "CLIPTokenizer"],
-    "tokenizer_3": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "SD3Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-    "image_encoder": [None, None],
-    "feature_extractor": [None, None],
-}
 
 
 def make_tiny_sd3_folder(path, seed: int = 0) -> Path:
@@ -195,11 +126,11 @@ def make_tiny_sd3_folder(path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     for name, model in (
-        ("transformer", SD3Transformer2DModel(**TRANSFORMER_CONFIG)),
-        ("vae", AutoencoderKL(**VAE_CONFIG)),
+        ("transformer", SD3Transformer2DModel(**SD35["transformer"])),
+        ("vae", AutoencoderKL(**SD35["vae"])),
     ):
         perturb(model, generator)
         model.eval().save_pretrained(path / name, safe_serialization=True)
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(path / "scheduler")
-    (path / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
+    FlowMatchEulerDiscreteScheduler(**SD35["scheduler"]).save_pretrained(path / "scheduler")
+    (path / "model_index.json").write_text(json.dumps(SD35["model_index"], indent=2))
     return path

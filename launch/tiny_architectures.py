@@ -1,0 +1,276 @@
+"""The tiny random SD1.5, SD3.5, FLUX.1 and Wan2.1 architectures, one table per family.
+
+Each table maps a folder of the pipeline to the keyword arguments of the class it holds
+(diffusers' model or scheduler, transformers' text config), and "model_index" to the
+pipeline's model_index.json. launch/tiny_folders.py writes these models with numpy, no torch;
+the tests' fixtures (tests/sd_fixtures.py, tests/sd3_fixtures.py, tests/flux_fixtures.py,
+tests/wan_fixtures.py) build them with the PyTorch classes; tests/parity/ compares the two
+builds, so the one table keeps them the same architecture. Plain data, nothing imported: both
+the torch-free launcher and the tests read it. Sequences are tuples (a config.json holds them
+as lists); the vocabulary sizes and token ids come from the tokenizers, not from here.
+"""
+
+# ---------------------------------------------------------------------------------------------
+# Stable Diffusion 1.5: UNet, VAE, CLIP text encoder, DDIM scheduler.
+
+SD15 = {
+    "text_encoder": dict(  # CLIPTextConfig
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        hidden_act="quick_gelu",
+        projection_dim=32,
+    ),
+    "unet": dict(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=4,  # SD1.x semantics: the number of heads
+        norm_num_groups=32,
+    ),
+    "vae": dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=16,
+    ),
+    "scheduler": dict(  # Stable Diffusion 1.5's training schedule
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type="epsilon",
+    ),
+    "model_index": {
+        "_class_name": "StableDiffusionPipeline",
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", "DDIMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# The flow families' shared parts: the 16-channel VAE without quant convs (each family sets
+# its sample size and latent statistics), and the CLIP towers' 77-token length and depth.
+
+FLOW_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    block_out_channels=(32, 32),
+    layers_per_block=1,
+    latent_channels=16,
+    norm_num_groups=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+CLIP_77 = dict(max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=4)
+T5_BUCKETS = dict(relative_attention_num_buckets=8, relative_attention_max_distance=16)
+
+# ---------------------------------------------------------------------------------------------
+# Stable Diffusion 3.5: MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5,
+# flow-matching scheduler.
+
+SD35_T5_WIDTH = 128  # the T5's d_model, standing in for SD3's joint_attention_dim 4096
+SD35 = {
+    # CLIP-L as SD3 ships it: legacy eos_token_id 2 (pooled at the highest id), quick_gelu.
+    "text_encoder": dict(
+        **CLIP_77,
+        hidden_size=32,
+        intermediate_size=37,
+        projection_dim=16,
+        hidden_act="quick_gelu",
+        eos_token_id=2,
+    ),
+    # CLIP-G: pooled at its real eos id (the tokenizer's <|endoftext|>).
+    "text_encoder_2": dict(
+        **CLIP_77, hidden_size=48, intermediate_size=53, projection_dim=24, hidden_act="gelu"
+    ),
+    "text_encoder_3": dict(  # T5Config
+        d_model=SD35_T5_WIDTH,
+        d_kv=16,
+        d_ff=72,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        **T5_BUCKETS,
+    ),
+    "transformer": dict(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=SD35_T5_WIDTH,
+        caption_projection_dim=16,
+        pooled_projection_dim=16 + 24,  # the CLIP-L and CLIP-G projections, concatenated
+        pos_embed_max_size=12,
+        dual_attention_layers=(0, 1),
+        qk_norm="rms_norm",
+    ),
+    "vae": dict(**FLOW_VAE, sample_size=16, scaling_factor=1.5305, shift_factor=0.0609),
+    "scheduler": dict(num_train_timesteps=1000, shift=3.0),
+    "model_index": {
+        "_class_name": "StableDiffusion3Pipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_3": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "tokenizer_3": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "image_encoder": [None, None],
+        "feature_extractor": [None, None],
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# FLUX.1-dev: transformer with guidance embedding, 16-channel VAE, CLIP-L, T5, dynamically
+# shifted flow-matching scheduler.
+
+FLUX_T5_WIDTH = 32  # standing in for FLUX's joint_attention_dim 4096
+FLUX_CLIP_WIDTH = 24  # standing in for pooled_projection_dim 768
+FLUX = {
+    # CLIP-L as FLUX ships it: no projection, quick_gelu, legacy eos_token_id 2 (pooled at
+    # the highest id).
+    "text_encoder": dict(
+        **CLIP_77,
+        hidden_size=FLUX_CLIP_WIDTH,
+        intermediate_size=37,
+        hidden_act="quick_gelu",
+        eos_token_id=2,
+    ),
+    "text_encoder_2": dict(  # T5Config
+        d_model=FLUX_T5_WIDTH,
+        d_kv=8,
+        d_ff=40,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        **T5_BUCKETS,
+    ),
+    "transformer": dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=FLUX_T5_WIDTH,
+        pooled_projection_dim=FLUX_CLIP_WIDTH,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+    "vae": dict(**FLOW_VAE, sample_size=32, scaling_factor=0.3611, shift_factor=0.1159),
+    "scheduler": dict(  # FLUX.1-dev's scheduler_config.json
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+    ),
+    "model_index": {
+        "_class_name": "FluxPipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "image_encoder": [None, None],
+        "feature_extractor": [None, None],
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# Wan2.1 text-to-video: WanTransformer3DModel, the video VAE, umT5, UniPC flow scheduler.
+
+WAN_TEXT_WIDTH = 16  # standing in for Wan2.1's text_dim 4096
+WAN_LATENT_CHANNELS = 4  # standing in for its 16
+WAN = {
+    "text_encoder": dict(  # UMT5Config
+        d_model=WAN_TEXT_WIDTH,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        feed_forward_proj="gated-gelu",
+        **T5_BUCKETS,
+    ),
+    "transformer": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=WAN_LATENT_CHANNELS,
+        out_channels=WAN_LATENT_CHANNELS,
+        text_dim=WAN_TEXT_WIDTH,
+        freq_dim=8,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        image_dim=None,
+        added_kv_proj_dim=None,
+        rope_max_seq_len=32,
+    ),
+    # 4 pixels per latent, 4 frames per latent frame (the 4k + 1 rule holds).
+    "vae": dict(
+        base_dim=8,
+        z_dim=WAN_LATENT_CHANNELS,
+        dim_mult=(1, 2, 2),
+        num_res_blocks=1,
+        attn_scales=(),
+        temperal_downsample=(True, True),
+        dropout=0.0,
+        latents_mean=(0.3, -0.2, 0.1, 0.5),
+        latents_std=(1.5, 0.8, 2.0, 1.2),
+    ),
+    "scheduler": dict(  # the release's scheduler_config.json (flow_shift 3: the 480p value)
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        num_train_timesteps=1000,
+        flow_shift=3.0,
+        solver_order=2,
+        final_sigmas_type="zero",
+    ),
+    "model_index": {
+        "_class_name": "WanPipeline",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "boundary_ratio": None,
+        "expand_timesteps": False,
+    },
+}
