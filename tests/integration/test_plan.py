@@ -150,6 +150,7 @@ def test_diffusion_nft_plan_counts_the_old_policy():
     assert step["alias_bytes"] >= 16 * n  # all of the donated state
 
 
+@pytest.mark.slow
 def test_sd_plan_reads_only_the_folders_json(sd_folder, tmp_path):
     folder = json_only(sd_folder, tmp_path)
     plan = plan_json(

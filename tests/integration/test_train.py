@@ -123,6 +123,7 @@ def test_one_update_per_iteration_spans_every_minibatch(tmp_path):
         np.testing.assert_allclose(d, a, atol=1e-4 * change)
 
 
+@pytest.mark.slow
 def test_updates_per_iteration_counts_adam_steps(tmp_path):
     c = small_config("treegrpo")
     c.train.rows_per_minibatch = 2

@@ -208,6 +208,7 @@ def test_truncated_transformer_weights(folder, tmp_path):
         load_sd3(str(broken))
 
 
+@pytest.mark.slow
 def test_loading_and_sampling_run_without_torch(folder):
     """torch is a test-only dependency: the whole SD3 load never imports it."""
     import textwrap
