@@ -130,6 +130,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         ("no such prompt set", "is neither a built-in prompt set"),
         ("unwritable out", "cannot write to the output folder"),
         ("model path of a built-in model", "--model_path changes nothing here: the run's "),
+        ("too many steps", "num_steps must be in [1, 999], got 1000."),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
@@ -151,6 +152,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
         "no such prompt set": ["--prompts=no_such_set"],
         "unwritable out": [f"--out={in_the_way / 'pictures'}"],
         "model path of a built-in model": [f"--model_path={tmp_path}"],
+        "too many steps": ["--num_steps=1000"],  # the first timestep would be 1000 of 0..999
     }.get(case, [])
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={workdir}")

@@ -66,9 +66,22 @@ def test_flow_sde_log_prob_matches_scipy():
 
 
 def test_ddim_timesteps_match_diffusers():
-    for n in (1, 10, 20, 50):
+    for n in (1, 10, 20, 50, 998, 999):
         _, state = _diffusers_ddim(n)
         np.testing.assert_array_equal(sampling.make_ddim_schedule(n).timesteps, state.timesteps)
+
+
+def test_ddim_step_counts_stop_where_the_first_timestep_leaves_the_schedule():
+    """With SD1.5's offset of 1, 1000 steps would start at timestep 1000 (diffusers' own
+    scheduler sets it, and indexes past its 1000 alphas): the range ends at 999."""
+    _, state = _diffusers_ddim(1000)
+    assert int(state.timesteps[0]) == 1000 == len(state.common.alphas_cumprod)
+    with pytest.raises(ValueError, match=r"^num_steps must be in \[1, 999\], got 1000\.$"):
+        sampling.make_ddim_schedule(1000)
+    assert sampling.make_ddim_schedule(1000, steps_offset=0).timesteps[0] == 999
+    for offset in (0, 1, 7):  # brute force over every step count
+        fits = [n for n in range(1, 1001) if int(np.arange(n).max() * (1000 // n)) + offset < 1000]
+        assert sampling.largest_ddim_step_count(1000, offset) == max(fits)
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])

@@ -153,6 +153,15 @@ def _f32(values) -> jax.Array:
     return jnp.asarray(np.asarray(values, np.float64), jnp.float32)
 
 
+def largest_ddim_step_count(num_train_timesteps: int, steps_offset: int) -> int:
+    """The most DDIM steps whose first timestep, `(n - 1) * (T // n) + steps_offset`, is still
+    one of the T training timesteps: with SD1.5's offset of 1 that is 999, not 1000."""
+    for n in range(num_train_timesteps, 0, -1):
+        if (n - 1) * (num_train_timesteps // n) + steps_offset < num_train_timesteps:
+            return n
+    return 0
+
+
 def make_ddim_schedule(
     num_steps: int,
     *,
@@ -164,8 +173,9 @@ def make_ddim_schedule(
     set_alpha_to_one: bool = False,
     prediction_type: str = "epsilon",
 ) -> DDIMSchedule:
-    if num_steps < 1 or num_steps > num_train_timesteps:
-        raise ValueError(f"num_steps must be in [1, {num_train_timesteps}], got {num_steps}.")
+    most = largest_ddim_step_count(num_train_timesteps, steps_offset)
+    if num_steps < 1 or num_steps > most:
+        raise ValueError(f"num_steps must be in [1, {most}], got {num_steps}.")
     if not 0.0 <= float(eta) <= 1.0:
         # Above 1 the step's variance exceeds 1 - alpha_bar_prev and the direction term's
         # square root would have to be clamped: the step is no longer DDIM's.
