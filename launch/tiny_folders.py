@@ -37,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the package (when it is not installed) and the tables
 from launch.tiny_architectures import FLUX, SD15, SD35, WAN  # noqa: E402
+from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
 
 KINDS = ("sd15", "sd35", "flux", "wan")
 
@@ -409,7 +410,12 @@ def write_folder(kind: str, folder, seed: int = 0) -> pathlib.Path:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(
+        prog="launch/tiny_folders.py",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("--out", default="/tmp/tiny_sd", help="parent folder of sd15/, sd35/, ...")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -422,14 +428,18 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
-        raise SystemExit(f"error: unknown kind(s) {unknown}; choose from {', '.join(KINDS)}.")
+        fail(f"unknown kind(s) {unknown}; choose from {', '.join(KINDS)}.", 2)
+    if not kinds:
+        fail(f"--kinds names no kind; choose from {', '.join(KINDS)}.", 2)
     out = pathlib.Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file, not a folder; pass a folder.", 2)
     for kind in kinds:  # every refusal before anything is written
         folder = out / kind
         if folder.exists() and not folder.is_dir():
-            raise SystemExit(f"error: {folder} is a file; pass another --out.")
+            fail(f"{folder} is a file; pass another --out.", 2)
         if folder.is_dir() and any(folder.iterdir()) and not args.force:
-            raise SystemExit(f"error: {folder} exists and is not empty; --force replaces it.")
+            fail(f"{folder} exists and is not empty; --force replaces it.", 2)
     written = {}
     for kind in kinds:
         folder = out / kind

@@ -3,6 +3,7 @@ blocked, and the project's loaders read them and run (tests/parity/test_tiny_fol
 checks that diffusers' and transformers' PyTorch classes read the same folders; the Wan folder
 is tests/integration/test_wan.py's and tests/parity/test_wan_pipeline.py's)."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -52,5 +53,40 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
         [sys.executable, "launch/tiny_folders.py", f"--out={tmp_path}", "--kinds=flux"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert again.returncode != 0
+    assert again.returncode == 2
     assert "exists and is not empty; --force replaces it" in again.stderr
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("tiny_folders", ROOT / "launch/tiny_folders.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kinds="], "error: --kinds names no kind; choose from sd15, sd35, flux, wan."),
+        (["--kinds=sd15,sdxl"], "error: unknown kind(s) ['sdxl']; choose from sd15, sd35,"),
+        (["--out={file}"], "error: --out {file} is a file, not a folder; pass a folder."),
+        (["--out={tmp}", "--kinds=sd15"], "error: {tmp}/sd15 exists and is not empty; --force"),
+        (["--seed=x"], "error: argument --seed: invalid int value: 'x' (see launch/tiny_folders"),
+        (["--kind=sd15"], "error: unrecognized arguments: --kind=sd15 (see launch/tiny_folders"),
+    ],
+)
+def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, message):
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    (tmp_path / "sd15").mkdir()
+    (tmp_path / "sd15" / "keep").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = [a.format(file=file, tmp=tmp_path) for a in args]
+    if not any(a.startswith("--out") for a in args):
+        args.append(f"--out={tmp_path / 'new'}")
+    with pytest.raises(SystemExit) as stopped:
+        _launcher().main(args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(message.format(file=file, tmp=tmp_path)), err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
