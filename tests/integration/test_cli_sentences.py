@@ -111,16 +111,12 @@ def test_a_symlink_loop_workdir_is_named_as_such(tmp_path):
 @pytest.fixture(scope="module")
 def sd15_base(tmp_path_factory):
     """A tiny SD1.5 folder (written without torch) and its UNet params as a msgpack file."""
-    import importlib.util
-
     import jax.numpy as jnp
     from flax import serialization
 
+    from launch import tiny_folders as tiny
     from tree_grpo_jax.models.sd15.load import load_unet
 
-    spec = importlib.util.spec_from_file_location("tiny_folders", ROOT / "launch/tiny_folders.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
     root = tmp_path_factory.mktemp("sd15_base")
     base = tiny.write_folder("sd15", root / "sd15")
     params = root / "unet.msgpack"

@@ -3,13 +3,14 @@ blocked, and the project's loaders read them and run (tests/parity/test_tiny_fol
 checks that diffusers' and transformers' PyTorch classes read the same folders; the Wan folder
 is tests/integration/test_wan.py's and tests/parity/test_wan_pipeline.py's)."""
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from launch import tiny_folders
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,13 +58,6 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
     assert "exists and is not empty; --force replaces it" in again.stderr
 
 
-def _launcher():
-    spec = importlib.util.spec_from_file_location("tiny_folders", ROOT / "launch/tiny_folders.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -85,7 +79,7 @@ def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args,
     if not any(a.startswith("--out") for a in args):
         args.append(f"--out={tmp_path / 'new'}")
     with pytest.raises(SystemExit) as stopped:
-        _launcher().main(args)
+        tiny_folders.main(args)
     assert stopped.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(message.format(file=file, tmp=tmp_path)), err

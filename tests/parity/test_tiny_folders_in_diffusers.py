@@ -3,32 +3,23 @@ read: every component loads in its PyTorch class with no missing, unexpected or 
 key, with the architecture of the torch-built test fixtures, and the new conversion paths
 (the CLIP towers, the VAE's renamed attention, T5) compute what our Flax loaders compute."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from launch import tiny_folders
+
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys")
 # Config fields that say how a file was saved, not what it holds.
 NOT_ARCHITECTURE = ("dtype", "torch_dtype")
-
-
-def _tiny_folders():
-    spec = importlib.util.spec_from_file_location("tiny_folders", ROOT / "launch/tiny_folders.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_written")
     # The Wan folder is checked against its own fixture in tests/parity/test_wan_pipeline.py.
-    return _tiny_folders().main([f"--out={out}", "--kinds=sd15,sd35,flux"])
+    return tiny_folders.main([f"--out={out}", "--kinds=sd15,sd35,flux"])
 
 
 def _classes():

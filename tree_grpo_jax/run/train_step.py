@@ -127,7 +127,7 @@ def _apply(tx, state: TrainState, grads, lr, loss=0.0, *, one_vector=False):
     """The optimizer's update from `grads` at rate `lr`. A non-finite loss, gradient or result
     leaves the state as it was and is reported: the trainer stops, and nothing non-finite
     can reach a checkpoint. With `one_vector` (see `_one_vector_fits`) the update runs on the
-    parameters laid end to end: the same arithmetic, a tenth of the program."""
+    parameters laid end to end: the same arithmetic, a sixth of the program."""
     if one_vector and _one_vector_fits(state.params):
         return _apply_to_one_vector(tx, state, grads, lr, loss)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
