@@ -22,7 +22,6 @@ def _brute_force(embeddings):
 def test_per_prompt_matches_brute_force(k):
     e = np.random.default_rng(k).normal(size=(4, k, 7)) * 3.0
     np.testing.assert_allclose(diversity.per_prompt(e), _brute_force(e), rtol=1e-10)
-    assert diversity.mean_diversity(e) == pytest.approx(_brute_force(e).mean(), rel=1e-10)
 
 
 def test_collapsed_samples_have_no_diversity():
@@ -50,19 +49,31 @@ def test_sample_major_rows_go_back_to_their_prompts():
 
 
 def test_rows_are_grouped_by_their_prompts_text():
-    """Uneven groups (a prompt repeated in the eval list, another once): the mean over the
-    prompts with two samples or more of a brute-force pair loop."""
+    """Uneven groups (a prompt repeated in the eval list, another once): each prompt with two
+    samples or more against a brute-force pair loop over its rows."""
     rng = np.random.default_rng(4)
     prompts = ["one", "two", "one", "three", "two", "one"]
     e = rng.normal(size=(len(prompts), 3))
+    groups = diversity.groups_by_text(prompts)
+    assert [list(g) for g in groups] == [[0, 2, 5], [1, 4]]  # "three" has nothing to compare
     expected = []
-    for text in ("one", "two"):  # "three" has one sample: nothing to compare
+    for text in ("one", "two"):
         rows = [r for r, p in enumerate(prompts) if p == text]
         pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :]]
         expected.append(np.mean([np.linalg.norm(e[a] - e[b]) for a, b in pairs]))
-    assert diversity.mean_diversity_by_text(e, prompts) == pytest.approx(np.mean(expected))
-    assert diversity.mean_diversity_by_text(e[:2], prompts[:2]) is None
+    np.testing.assert_allclose(diversity.per_group(e, groups), expected, rtol=1e-12)
+    assert diversity.groups_by_text(prompts[:2]) == []
     assert diversity.repeats(prompts) and not diversity.repeats(["one", "two"])
+
+
+def test_a_groups_value_does_not_depend_on_the_others_in_the_call():
+    """The evaluate command measures its prompts in chunks: a prompt's diversity is the same
+    whichever prompts share its chunk."""
+    e = np.random.default_rng(5).normal(size=(40, 9)) * 7.0
+    groups = [np.arange(8 * g, 8 * g + 8) for g in range(5)]
+    alone = [diversity.per_group(e, [g])[0] for g in groups]
+    np.testing.assert_array_equal(diversity.per_group(e, groups), alone)
+    np.testing.assert_allclose(alone, _brute_force(e.reshape(5, 8, 9)), rtol=1e-10)
 
 
 def test_one_sample_per_prompt_is_refused():

@@ -124,19 +124,24 @@ class _Chunks:
         return sum(n.endswith(".npz") and ".tmp." not in n for n in os.listdir(self.folder))
 
 
-def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> dict:
+def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl) -> dict:
     """The results of prompts `ids` (one chunk): metric values (sample-major), each
     prompt's diversity, the KL of each sample, a video's temporal distance, and the grid's
     images among them."""
     import numpy as np
 
-    from tree_grpo_jax.evaluation import diversity, temporal
+    from tree_grpo_jax.evaluation import diversity
+    from tree_grpo_jax.run import eval_metrics
 
     n = len(prompts)
     # The last chunk is topped up to the others' size: one compiled sampler serves all.
     padded = np.resize(ids, min(size, n))
     rows = (np.arange(k)[:, None] * n + padded[None]).reshape(-1)  # sample-major
-    batch = trainer.eval_batch(params, [prompts[i] for i in rows % n], noise[rows], with_kl)
+    # each of the chunk's own prompts with its k noises (rows j * len(padded) + p)
+    groups = [p + len(padded) * np.arange(k) for p in range(len(ids))] if k > 1 else []
+    measured = eval_metrics.measure(
+        trainer, params, [prompts[i] for i in rows % n], noise[rows], groups, with_kl
+    )
 
     def per_prompt(values):  # [K * padded, ...] -> [chunk prompts, K, ...]
         return diversity.by_prompt(values, len(padded), k)[: len(ids)]
@@ -144,28 +149,23 @@ def _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl) -> d
     def flat(values):  # sample-major rows of the chunk's own prompts
         return np.swapaxes(per_prompt(values), 0, 1).reshape(-1, *np.shape(values)[1:])
 
-    done = {m: flat(batch.values(r)) for m, r in metrics.items()}
-    embedded = None
-    if trainer.frame_embed is not None:  # videos: each frame embedded once, for both figures
-        frames = batch.values(lambda videos, _: trainer.frame_embed(videos))
-        done[TEMPORAL] = flat(temporal.distances(frames))
-        embedded = diversity.flat_frames(frames)
-    if k > 1:
-        if embedded is None:
-            embedded = batch.values(lambda images, _: trainer.embed(images))
-        done["diversity"] = diversity.per_prompt(per_prompt(embedded))
+    done = {m: flat(v) for m, v in measured.metrics.items()}
+    if measured.temporal_distance is not None:
+        done[TEMPORAL] = flat(measured.temporal_distance)
+    if measured.diversity is not None:
+        done["diversity"] = measured.diversity
     if with_kl:
-        done["kl"] = flat(batch.kl)
+        done["kl"] = flat(measured.kl)
     shown = ids[ids < GRID_PROMPTS]
     if shown.size:
-        images = per_prompt(batch.all_images())[: shown.size]
+        images = per_prompt(measured.samples.all_images())[: shown.size]
         done["grid"] = np.swapaxes(images, 0, 1)  # [K, prompts shown, H, W, C]
     return done
 
 
-def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl):
-    """Every chunk of `prompts` for one model (chunks already saved are read back); the
-    model's row and its grid images (None on the processes that do not write)."""
+def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl):
+    """Every chunk of `size` prompts for one model (chunks already saved are read back);
+    the model's row and its grid images (None on the processes that do not write)."""
     import numpy as np
 
     from tree_grpo_jax import sharding
@@ -173,7 +173,6 @@ def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl
 
     n = len(prompts)
     noise = trainer_lib.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
-    size = CHUNK.value
     count = -(-n // size)
     parts = []
     for index in range(count):
@@ -182,7 +181,7 @@ def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl
         if sharding.agree(float(chunks is not None and done is None)) > 0:
             t0 = time.time()
             ids = np.arange(index * size, min(n, (index + 1) * size))
-            done = _chunk(trainer, params, prompts, ids, size, k, metrics, noise, with_kl)
+            done = _chunk(trainer, params, prompts, ids, size, k, noise, with_kl)
             if chunks is not None:
                 chunks.save(label, index, done)
                 print(
@@ -196,7 +195,7 @@ def _evaluate_model(trainer, params, label, prompts, k, metrics, chunks, with_kl
     row = {"label": label}
     video = trainer.frame_embed is not None
     figures = [*(["diversity"] if k > 1 else []), *([TEMPORAL] if video else [])]
-    for name in [*metrics, *figures, *(["kl"] if with_kl else [])]:
+    for name in [*trainer.eval_rewards, *figures, *(["kl"] if with_kl else [])]:
         values = np.concatenate([p[name] for p in parts])
         row[name] = {"mean": float(values.mean()), "std": float(values.std())}
     grid = np.concatenate([p["grid"] for p in parts if "grid" in p], axis=1)
@@ -237,57 +236,112 @@ def _check_run_config(config, ckpt, workdir: str) -> None:
         )
 
 
-def evaluate(config, workdir: str | None, out: str, given_config: bool = False) -> dict:
-    """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`.
-    `given_config`: `config` came from --config, not from the run's folder."""
-    from tree_grpo_jax import sharding
-    from tree_grpo_jax.run import loop as train
-    from tree_grpo_jax.run import reporting
-    from tree_grpo_jax.run.build import check_prompts, setup
-    from tree_grpo_jax.run.checkpoint import Checkpointer
+def _checked_flags(config) -> tuple[int, int, list[str], list[str] | None]:
+    """--samples_per_prompt, --prompts_per_chunk, the metrics' names and --prompts' list
+    (None: the run's eval prompts), each checked."""
     from tree_grpo_jax.run.prompts import load_prompts
 
-    k = SAMPLES.value
+    k, size = SAMPLES.value, CHUNK.value
     if k < 1:
         raise BadInput(f"--samples_per_prompt must be at least 1, got {k}.")
-    if CHUNK.value < 1:
-        raise BadInput(f"--prompts_per_chunk must be at least 1, got {CHUNK.value}.")
+    if size < 1:
+        raise BadInput(f"--prompts_per_chunk must be at least 1, got {size}.")
     names = _metric_names(config, METRICS.value)
     prompts = load_prompts(PROMPTS.value) if PROMPTS.value else None
-    ckpt, step = None, None
-    if workdir is not None:
-        ckpt = Checkpointer(train.checkpoint_dir(config, workdir), read_only=True)
-        steps = ckpt.all_steps()
-        if not steps:
-            raise BadInput(f"there is no checkpoint in {ckpt.directory}.")
-        # --step pins one; without it the newest readable is restored (a damaged newest one
-        # passed over with a warning, as training does).
-        step = STEP.value
-        if step is not None and step not in steps:
-            raise BadInput(f"there is no checkpoint {step} in {ckpt.directory}; it holds {steps}.")
-        if given_config:
-            _check_run_config(config, ckpt, workdir)
-    check_out(out)
+    return k, size, names, prompts
 
+
+def _open_run(config, workdir: str | None, given_config: bool):
+    """The run's checkpoints, opened read-only, and --step (None: the newest readable);
+    (None, None) without a run. A missing checkpoint or another run's config is refused."""
+    from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.run.checkpoint import Checkpointer
+
+    if workdir is None:
+        return None, None
+    ckpt = Checkpointer(train.checkpoint_dir(config, workdir), read_only=True)
+    steps = ckpt.all_steps()
+    if not steps:
+        raise BadInput(f"there is no checkpoint in {ckpt.directory}.")
+    # --step pins one; without it the newest readable is restored (a damaged newest one
+    # passed over with a warning, as training does).
+    step = STEP.value
+    if step is not None and step not in steps:
+        raise BadInput(f"there is no checkpoint {step} in {ckpt.directory}; it holds {steps}.")
+    if given_config:
+        _check_run_config(config, ckpt, workdir)
+    return ckpt, step
+
+
+def _evaluation_config(config, k: int, names: list[str], with_kl: bool):
+    """The run's config as the evaluation samples: `k` noises a prompt, `names` scored, the
+    KL with a checkpoint, and nothing that stops or prints progress."""
     config = config.copy_and_resolve_references()
     config.eval.samples_per_prompt = k
     config.eval.extra_rewards = tuple(names)
-    config.eval.kl = workdir is not None
+    config.eval.kl = with_kl
     if "guard" in config.eval:
         config.eval.guard.min_diversity_fraction = 0.0
         config.eval.guard.held_out_drop = 0.0
     config.log.progress = False
-    trainer, state = setup(config, out)
-    prompts = prompts or list(trainer.eval_prompts)
-    # Before anything is written in `out`: a prompt the model cannot read is one sentence.
-    check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
+    return config
+
+
+def _models(trainer, state, ckpt, step) -> tuple[list[tuple[str, object]], int | None]:
+    """("base", its params) and, with a run, ("step N", the checkpoint's params), with the
+    step restored (`step`, or the newest readable one when None)."""
+    from tree_grpo_jax.run import loop as train
+
     models = [("base", state.params)]
     if ckpt is not None:
         train.check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
         restored, _, step = ckpt.restore(state, step)
         models.append((f"step {step}", restored.params))
         ckpt.close()
+    return models, step
 
+
+def _start_chunks(out: str, arguments: dict) -> _Chunks:
+    """`out`'s saved chunks for `arguments`; a stop from now on says how to continue."""
+    chunks = _Chunks(out, arguments)
+    again = " ".join(["python -m tree_grpo_jax.evaluate", *map(shlex.quote, sys.argv[1:])])
+    interrupts.set_stop_line(
+        lambda name: (
+            f"{name} stopped the evaluation; {chunks.done()} chunk(s) of results "
+            f"are kept in {chunks.folder}, and the same command continues from them: {again}"
+        )
+    )
+    return chunks
+
+
+def _save_grid(out: str, row: dict, grid) -> None:
+    """The model's picture grid (and a video's animation), named in its `row`."""
+    from tree_grpo_jax.run import reporting
+
+    path = os.path.join(out, f"grid_{row['label'].replace(' ', '_')}.png")
+    with interrupts.critical():
+        reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=grid.shape[1])
+    row["grid"] = path
+    if reporting.is_video(grid[0]):
+        row["animation"] = reporting.animation_path(path)
+
+
+def evaluate(config, workdir: str | None, out: str, given_config: bool = False) -> dict:
+    """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`.
+    `given_config`: `config` came from --config, not from the run's folder."""
+    from tree_grpo_jax import sharding
+    from tree_grpo_jax.run.build import check_prompts, setup
+
+    k, size, names, prompts = _checked_flags(config)
+    ckpt, step = _open_run(config, workdir, given_config)
+    check_out(out)
+
+    config = _evaluation_config(config, k, names, with_kl=workdir is not None)
+    trainer, state = setup(config, out)
+    prompts = prompts or list(trainer.eval_prompts)
+    # Before anything is written in `out`: a prompt the model cannot read is one sentence.
+    check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
+    models, step = _models(trainer, state, ckpt, step)
     arguments = {
         "run": os.path.abspath(workdir) if workdir else None,
         "step": step,
@@ -297,34 +351,18 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
         "metrics": names,
         "seed": config.eval.seed,
         "num_steps": config.eval.num_steps or config.sampling.num_steps,
-        "prompts_per_chunk": CHUNK.value,
+        "prompts_per_chunk": size,
         "config": run_fingerprint.fingerprint(config),
     }
     primary = sharding.is_primary()
-    chunks = _Chunks(out, arguments) if primary else None
-    if chunks is not None:
-        again = " ".join(["python -m tree_grpo_jax.evaluate", *map(shlex.quote, sys.argv[1:])])
-        interrupts.set_stop_line(
-            lambda name: (
-                f"{name} stopped the evaluation; {chunks.done()} chunk(s) of results "
-                f"are kept in {chunks.folder}, and the same command continues from them: {again}"
-            )
-        )
+    chunks = _start_chunks(out, arguments) if primary else None
     rows = []
     for label, params in models:
         with_kl = label != "base"
-        row, grid = _evaluate_model(
-            trainer, params, label, prompts, k, trainer.eval_rewards, chunks, with_kl
-        )
+        row, grid = _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl)
         rows.append(row)
         if primary:
-            path = os.path.join(out, f"grid_{label.replace(' ', '_')}.png")
-            shown = grid.shape[1]
-            with interrupts.critical():
-                reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=shown)
-            row["grid"] = path
-            if reporting.is_video(grid[0]):
-                row["animation"] = reporting.animation_path(path)
+            _save_grid(out, row, grid)
     result = {
         "source": arguments["run"] or config.model.path or config.model.name,
         "prompts": len(prompts),

@@ -1,13 +1,15 @@
 """Sample diversity: how far apart a prompt's samples are, in an image embedding.
 
 Per prompt, the mean Euclidean distance over the K(K-1)/2 pairs of its K samples'
-embeddings; averaged over prompts. During training a prompt's samples are every eval row
-with its text: its repeats in the eval list (the tiny model's 100 eval rows are its 10
-digit prompts, 10 noises each) times `eval.samples_per_prompt`. A reward that collapses
-the samples of a prompt onto one image drives it towards 0. The embedding is, in order of
-preference: CLIP's image features (unit vectors, so a distance lies in [0, 2]) when a CLIP
-reward folder is configured, the model family's own image features (the tiny model: its
-digit classifier's hidden layer), or the pixels themselves.
+embeddings (`per_group`); averaged over prompts. During training a prompt's samples are
+every eval row with its text (`groups_by_text`): its repeats in the eval list (the tiny
+model's 100 eval rows are its 10 digit prompts, 10 noises each) times
+`eval.samples_per_prompt`; the evaluate command takes each prompt of its list apart, with
+its `--samples_per_prompt` noises. A reward that collapses the samples of a prompt onto one
+image drives it towards 0. The embedding is, in order of preference: CLIP's image features
+(unit vectors, so a distance lies in [0, 2]) when a CLIP reward folder is configured, the
+model family's own image features (the tiny model: its digit classifier's hidden layer), or
+the pixels themselves.
 """
 
 from __future__ import annotations
@@ -47,29 +49,21 @@ def per_prompt(embeddings) -> np.ndarray:
     return pairwise_distances(e)[:, upper].mean(axis=-1)
 
 
-def mean_diversity(embeddings) -> float:
-    """[P, K, D] -> the prompts' mean of `per_prompt`."""
-    return float(per_prompt(embeddings).mean())
-
-
-def by_text(embeddings, prompts) -> list[np.ndarray]:
-    """Rows grouped by their prompt's text, in order of first appearance: one [n, D] array per
-    distinct prompt (a prompt repeated in the eval list, or sampled with several noises, has
-    several rows)."""
+def per_group(embeddings, groups) -> np.ndarray:
+    """[N, D] rows and groups of row indices (two or more each) -> [G]: each group's mean
+    distance over its sample pairs. A group is measured on its own, so its value does not
+    depend on which other groups share the call (the evaluate command's chunks)."""
     e = np.asarray(embeddings, np.float64)
+    return np.asarray([per_prompt(e[np.asarray(rows)][None])[0] for rows in groups], np.float64)
+
+
+def groups_by_text(prompts) -> list[np.ndarray]:
+    """The rows of each prompt text that has two or more, in order of first appearance (a
+    prompt repeated in the eval list, or sampled with several noises, has several rows)."""
     groups: dict[str, list[int]] = {}
     for row, prompt in enumerate(prompts):
         groups.setdefault(prompt, []).append(row)
-    return [e[rows] for rows in groups.values()]
-
-
-def mean_diversity_by_text(embeddings, prompts) -> float | None:
-    """The mean over distinct prompts with two samples or more of their mean pairwise
-    distance; None when no prompt has two."""
-    groups = [g for g in by_text(embeddings, prompts) if len(g) >= 2]
-    if not groups:
-        return None
-    return float(np.mean([per_prompt(g[None])[0] for g in groups]))
+    return [np.asarray(rows) for rows in groups.values() if len(rows) >= 2]
 
 
 def repeats(prompts) -> bool:

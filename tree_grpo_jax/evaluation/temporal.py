@@ -23,8 +23,3 @@ def distances(frame_embeddings) -> np.ndarray:
     if e.ndim != 3 or e.shape[1] < 2:
         raise ValueError(f"temporal distance needs [videos, T >= 2, features], got {e.shape}.")
     return np.linalg.norm(np.diff(e, axis=1), axis=-1).mean(axis=1)
-
-
-def mean_distance(frame_embeddings) -> float:
-    """[B, T, D] -> the mean over videos of `distances`."""
-    return float(distances(frame_embeddings).mean())

@@ -35,9 +35,9 @@ from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.errors import UserError
-from tree_grpo_jax.evaluation import diversity, temporal
+from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
-from tree_grpo_jax.run import reporting
+from tree_grpo_jax.run import eval_metrics, reporting
 from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -526,31 +526,27 @@ class Trainer:
         return metrics, images
 
     def evaluate_samples(self, params) -> tuple[dict, np.ndarray, np.ndarray, list[str]]:
-        """`evaluate`, with each image's reward and prompt."""
+        """`evaluate`, with each image's reward and prompt. A prompt's samples, for the
+        diversity, are all the rows with its text (`eval_metrics.measure` measures them as
+        the evaluate command does)."""
         prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
-        batch = self.eval_batch(params, prompts, noise, with_kl=with_kl)
+        groups = diversity.groups_by_text(prompts)
+        measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl)
+        batch = measured.samples
         total, parts, frames = self.score(batch.images, batch.prompts, "in evaluation")
         total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
             metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
         metrics.update(reporting.frame_rewards(None if frames is None else frames[: batch.count]))
-        for name, reward in self.eval_rewards.items():
-            metrics[name] = float(np.mean(batch.values(reward)))
-        embeddings = None
-        if self.frame_embed is not None:  # videos: each frame embedded once, for both figures
-            frame_embeddings = batch.values(lambda videos, _: self.frame_embed(videos))
-            metrics["temporal_distance"] = temporal.mean_distance(frame_embeddings)
-            embeddings = diversity.flat_frames(frame_embeddings)
-        if self.embed is not None:
-            if embeddings is None:
-                embeddings = batch.values(lambda images, _: self.embed(images))
-            value = diversity.mean_diversity_by_text(embeddings, prompts)
-            if value is not None:
-                metrics["diversity"] = value
+        metrics.update({name: float(np.mean(v)) for name, v in measured.metrics.items()})
+        if measured.temporal_distance is not None:
+            metrics["temporal_distance"] = float(measured.temporal_distance.mean())
+        if measured.diversity is not None:
+            metrics["diversity"] = float(np.mean(measured.diversity))
         if with_kl:
-            metrics["kl"] = float(batch.kl.mean())
+            metrics["kl"] = float(measured.kl.mean())
         return metrics, batch.all_images(), total, prompts
 
     def _diverged(self, what: str) -> str:

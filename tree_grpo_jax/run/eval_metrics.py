@@ -1,0 +1,54 @@
+"""The evaluation's measures of one batch of fixed prompts and noises, for both of its
+callers: the run's evaluation (`Trainer.evaluate_samples`, every `eval.every` iterations)
+and `python -m tree_grpo_jax.evaluate` (chunk by chunk). Both sample with the deterministic
+sampler (`Trainer.eval_batch`) and measure with the same helpers, one a figure: each eval
+reward's value per sample, a video's temporal distance (`evaluation.temporal`), the
+diversity of each group of samples that share a prompt (`evaluation.diversity`) and the
+exact KL of each trajectory to the reference. The callers reduce them as they report: the
+run to means, the command to means and spreads over all of its chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tree_grpo_jax.evaluation import diversity, temporal
+
+
+@dataclasses.dataclass(frozen=True)
+class Measures:
+    """The figures of a batch of N samples, every process's rows in order."""
+
+    samples: Any  # trainer.EvalSamples: the decoded batch (this process's rows)
+    metrics: dict[str, np.ndarray]  # each eval reward's value per sample, [N]
+    temporal_distance: np.ndarray | None  # [N], videos only
+    embeddings: np.ndarray | None  # [N, D], the diversity's embedding; None without groups
+    diversity: np.ndarray | None  # [G], one per group; None without groups
+    kl: np.ndarray | None  # [N], with the KL only
+
+
+def measure(
+    trainer, params, prompts: Sequence[str], noise, groups: Sequence, with_kl: bool
+) -> Measures:
+    """Samples `prompts` from `noise` [N, *S] with `params` and measures them. `groups`: the
+    row indices of each prompt's samples (two or more each) whose diversity is measured;
+    empty, or a trainer without a diversity embedding, for none. `with_kl`: also the KL to
+    the trainer's `kl_reference`."""
+    batch = trainer.eval_batch(params, prompts, noise, with_kl)
+    metrics = {name: batch.values(reward) for name, reward in trainer.eval_rewards.items()}
+    distances = embeddings = spread = None
+    if trainer.frame_embed is not None:  # videos: each frame embedded once, for both figures
+        frames = batch.values(lambda videos, _: trainer.frame_embed(videos))
+        distances = temporal.distances(frames)
+        embeddings = diversity.flat_frames(frames)  # what `trainer.embed` gives a video
+    if len(groups) and trainer.embed is not None:
+        if embeddings is None:
+            embeddings = batch.values(lambda images, _: trainer.embed(images))
+        spread = diversity.per_group(embeddings, groups)
+    else:
+        embeddings = None
+    return Measures(batch, metrics, distances, embeddings, spread, batch.kl)
