@@ -122,6 +122,23 @@ def test_evaluate_agrees_with_the_runs_evaluations_and_continues(stopped_run, tm
     assert _read(out, "evaluation.json")["rows"][1:] == [{**table["rows"][1]}]
 
 
+def test_evaluate_prints_the_run_folder_as_given(stopped_run, tmp_path):
+    """A --workdir relative to the current folder is printed as given, as the other commands
+    print their folders; evaluation.json keeps the run's absolute path."""
+    from in_process import ROOT
+
+    workdir = os.path.relpath(stopped_run[0], ROOT)  # the commands run from ROOT
+    out = os.path.relpath(tmp_path / "eval", ROOT)
+    result = run_in_process(
+        _evaluate(), f"--workdir={workdir}", f"--out={out}", "--samples_per_prompt=1"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = f"evaluation of {workdir} -> {os.path.join(out, 'evaluation.md')}"
+    assert said in result.stdout.splitlines()
+    assert f" {stopped_run[0]}" not in result.stdout  # the relative path ends with it
+    assert _read(tmp_path, "eval", "evaluation.json")["source"] == stopped_run[0]
+
+
 @pytest.fixture
 def no_checkpoint_run(stopped_run, tmp_path):
     run = tmp_path / "fresh"

@@ -425,7 +425,9 @@ def main(argv) -> None:
     from tree_grpo_jax import sharding
 
     if sharding.is_primary():
-        print(f"evaluation of {result['source']} -> {os.path.join(out, 'evaluation.md')}")
+        print(
+            f"evaluation of {workdir or result['source']} -> {os.path.join(out, 'evaluation.md')}"
+        )
         with open(os.path.join(out, "evaluation.md")) as f:
             sys.stdout.write(f.read())
 
