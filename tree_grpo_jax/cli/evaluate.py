@@ -8,7 +8,8 @@
 A run is read as its `config.json` says (its base model, rewards and eval prompts) and its
 checkpoint (the latest, or `--step`; opened read-only). Every prompt gets K fixed noises
 (the run's `eval.seed`) and the deterministic sampler, as the training evaluation samples
-them, its batch split over the devices. Every metric (a registered reward's name; default:
+them, its batch split over the devices; the training evaluation's own function measures
+them (tree_grpo_jax/run/eval_metrics.py). Every metric (a registered reward's name; default:
 the run's rewards and `eval.extra_rewards`) is scored on every sample; the diversity of a
 prompt's K samples (tree_grpo_jax/evaluation/diversity.py) and, for a trained checkpoint, the
 exact KL of its trajectories to the base model are reported beside them; for a video model
