@@ -16,18 +16,24 @@ from tree_grpo_jax.run.checkpoint import Checkpointer
 from tree_grpo_jax.run.train_step import old_params
 
 
-def nft_config(method: str = "diffusion_nft"):
-    """A small DiffusionNFT run: a flow model, no guidance."""
+def flow_config(method: str):
+    """A small run on a flow model, no guidance."""
     c = small_config(method)
     c.model.name = "random_tiny_flow"
     c.sampling.guidance_scale = 1.0
+    return c
+
+
+def nft_config(method: str = "diffusion_nft"):
+    """A small DiffusionNFT run."""
+    c = flow_config(method)
     c.diffusion_nft.old_policy_rate = 0.25  # the old policy's decay moves within the run
     return c
 
 
 def awm_config(method: str = "awm"):
     """A small off-policy AWM run: the EMA copy samples, anchors the ratio and moves."""
-    c = nft_config(method)
+    c = flow_config(method)
     c.awm.train_timesteps = 2  # strata of [1, int(4 * 0.9)) = [1, 3)
     c.awm.off_policy = True
     c.awm.ema_decay_rate = 0.25
@@ -36,7 +42,7 @@ def awm_config(method: str = "awm"):
 
 def dgpo_config():
     """A small DGPO run that samples with its EMA copy from the second iteration on."""
-    c = nft_config("dgpo")
+    c = flow_config("dgpo")
     c.dgpo.trunc_steps = 2
     c.dgpo.train_timesteps = 2
     c.dgpo.switch_ema_ref = 1

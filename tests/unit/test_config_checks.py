@@ -603,3 +603,25 @@ def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_pat
     c.model.sd3 = ml_collections.ConfigDict({"use_t5": False})
     with pytest.raises(loop.CheckpointError, match="model.sd3.use_t5 was True, now False"):
         loop.check_resume(c, Saved())
+
+
+@pytest.mark.parametrize(
+    "method, field",
+    [("awm", "grpo_guard.enabled=True"), ("diffusion_nft", "grpo_guard.enabled=True"),
+     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0")],
+)  # fmt: skip
+def test_another_methods_section_is_refused_not_dropped(tmp_path, method, field):
+    result = run_in_process(
+        "--config=configs/tiny_flow.py",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.tree.method={method}",
+        f"--config.{field}",
+    )
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert (
+        f"{field.split('=')[0]} is set, but the {field.split('.')[0]} section applies only to"
+        in line
+    )
+    assert f"this run's tree.method is {method}" in line
+    assert not (tmp_path / "run").exists()
