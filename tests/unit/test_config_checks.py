@@ -625,3 +625,16 @@ def test_another_methods_section_is_refused_not_dropped(tmp_path, method, field)
     )
     assert f"this run's tree.method is {method}" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_an_accumulation_longer_than_the_run_is_refused(tmp_path):
+    # the demo's settings train one minibatch per iteration
+    args = ("--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}")
+    result = run_in_process(
+        *args, "--config.train.iterations=12", "--config.train.grad_accumulation=13"
+    )
+    assert result.returncode == 2
+    assert "whole run trains 12 (1 per iteration x 12 iterations)" in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+    fits = with_values(tiny.get_config(), train__iterations=12, train__grad_accumulation=12)
+    cfg.validate(fits, known_rewards=KNOWN)

@@ -275,11 +275,29 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
 
     _check_advantage(config.advantage, spec.num_steps)
     _check_train(config.train)
+    _check_accumulation_applies(config)
     rewards = _check_rewards(config, known_rewards)
     _check_lora(config.lora)
     _check_reward_options(config.reward_options)
     _check_outputs(config)
     return rewards
+
+
+def _check_accumulation_applies(config) -> None:
+    """An update that gathers more minibatches than the whole run trains would never apply."""
+    tr = config.train
+    if tr.grad_accumulation <= 1:
+        return
+    rows = methods.get(config.tree.method).training_counts(config)["train_rows"]
+    per_iteration = -(-rows * config.prompts.batch_size // tr.rows_per_minibatch) * tr.inner_epochs
+    in_all = per_iteration * tr.iterations
+    _require(
+        tr.grad_accumulation <= in_all,
+        f"train.grad_accumulation={tr.grad_accumulation} gathers that many minibatches per "
+        f"update, but the whole run trains {in_all} ({per_iteration} per iteration x "
+        f"{tr.iterations} iterations): no update would ever apply; lower it, or raise "
+        "train.iterations.",
+    )
 
 
 def _check_unused_sections(config) -> None:
