@@ -114,17 +114,26 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
     crashed = tmp_path / "crashed"
     real_iteration = train.Trainer.iteration
 
-    def dies_at_iteration_3(trainer, state, iteration):
-        if iteration == 3:
-            raise SystemExit("killed")  # like a kill: nothing is saved on the way out
-        return real_iteration(trainer, state, iteration)
+    def dies_at(killed_at):
+        def iteration_or_kill(trainer, state, iteration):
+            if iteration == killed_at:
+                raise SystemExit("killed")  # like a kill: nothing is saved on the way out
+            return real_iteration(trainer, state, iteration)
 
-    monkeypatch.setattr(train.Trainer, "iteration", dies_at_iteration_3)
+        return iteration_or_kill
+
+    # killed before the first checkpoint: the rerun starts afresh, its rows once
+    monkeypatch.setattr(train.Trainer, "iteration", dies_at(1))  # after step 1
+    with pytest.raises(SystemExit):
+        train.train(c, str(crashed))
+    assert Checkpointer(str(crashed / "checkpoints")).latest_step is None
+    monkeypatch.setattr(train.Trainer, "iteration", dies_at(3))
     with pytest.raises(SystemExit):
         train.train(c, str(crashed))
     assert Checkpointer(str(crashed / "checkpoints")).latest_step == 2
     monkeypatch.setattr(train.Trainer, "iteration", real_iteration)
     train.train(c, str(crashed))  # same command, same workdir: resumes after iteration 2
+    assert _logged(crashed) == _logged(straight)
 
     expected, meta_a = _final_params(c, straight)
     resumed, meta_b = _final_params(c, crashed)
@@ -139,6 +148,12 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
         )
     )
     assert max(moved) > 1e-5  # training changed the weights, so the comparison means something
+
+
+def _logged(workdir):
+    """Every row of metrics.jsonl but its timings."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if "/time_" not in k} for row in rows]
 
 
 def _initial_params(c):
