@@ -169,6 +169,17 @@ def test_a_damaged_newest_is_set_aside_and_the_older_restored(two_checkpoints, d
     assert kept[0] == "1" and kept[1].startswith("2.unreadable-") and len(kept) == 2
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_damaged_step_asked_for_names_the_intact_ones(two_checkpoints, read_only):
+    biggest = _biggest_array_file(two_checkpoints / "2")
+    biggest.write_bytes(biggest.read_bytes()[:10])
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(str(two_checkpoints), read_only=read_only).restore(make_state(0.0), step=2)
+    assert_one_sentence(info.value)
+    assert str(info.value).startswith(f"checkpoint 2 in {two_checkpoints} cannot be read (")
+    assert "; it also holds 1: ask for one of those." in str(info.value)
+
+
 def test_a_damaged_newest_in_a_read_only_folder_is_skipped_not_renamed(two_checkpoints):
     biggest = _biggest_array_file(two_checkpoints / "2")
     biggest.write_bytes(biggest.read_bytes()[:10])

@@ -479,6 +479,13 @@ class Checkpointer:
                 )
                 if not self.read_only:
                     self._set_aside(candidate)
+        if step is not None:  # one step was asked for: the others may still be intact
+            others = ", ".join(str(s) for s in self.all_steps() if s != step)
+            held = f"; it also holds {others}: ask for one of those" if others else ""
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} cannot be read "
+                f"({self.unreadable[step]}){held}."
+            )
         raise CheckpointError(
             f"no checkpoint in {self.directory} can be read (tried {len(steps)}); "
             "move the folder away to start over."
