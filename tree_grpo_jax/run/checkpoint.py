@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.errors import reason
 from tree_grpo_jax.run.digests import (
     DIGESTS_KEY,
@@ -344,8 +345,10 @@ class Checkpointer:
         quiet = _NoSaveErrors()
         absl_logger.addFilter(quiet)
         try:
-            self._manager.save(step, args=args)
-            self._manager.wait_until_finished()
+            # a second signal (which stops at once) waits for the checkpoint to be whole
+            with interrupts.critical():
+                self._manager.save(step, args=args)
+                self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - any failure: the earlier checkpoints stand
             # its abandoned writes report again, as asyncio collects them, up to the exit
             logging.getLogger("asyncio").addFilter(_NoSaveErrors())
