@@ -26,6 +26,7 @@ not what it learns.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import pathlib
@@ -37,7 +38,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the package (when it is not installed) and the tables
 from launch.tiny_architectures import FLUX, SD15, SD35, WAN  # noqa: E402
+from tree_grpo_jax import interrupts  # noqa: E402
 from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
+from tree_grpo_jax.weights.staging import write_staged  # noqa: E402
 
 KINDS = ("sd15", "sd35", "flux", "wan")
 
@@ -423,6 +426,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _stopped(name: str) -> str:
+    return f"{name} stopped launch/tiny_folders.py; the folders it listed are whole."
+
+
 def main(argv=None) -> dict[str, pathlib.Path]:
     args = parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -443,10 +450,10 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     written = {}
     for kind in kinds:
         folder = out / kind
-        if folder.is_dir():
-            shutil.rmtree(folder)
         start = time.perf_counter()
-        written[kind] = write_folder(kind, folder, seed=args.seed)
+        # built beside its place and moved in whole: a stop or a failure leaves no half folder
+        written[kind] = write_staged(folder, functools.partial(write_folder, kind, seed=args.seed))
+        interrupts.set_stop_line(_stopped)  # the staged write set its own
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         print(
             f"{kind}: {folder} ({size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)",
@@ -456,4 +463,8 @@ def main(argv=None) -> dict[str, pathlib.Path]:
 
 
 if __name__ == "__main__":
+    # Ctrl-C and SIGTERM: one line and exit 130 / 143 at any moment, the folder being built
+    # removed; the folders already moved into place are kept.
+    interrupts.install()
+    interrupts.set_stop_line(_stopped)
     main()

@@ -16,6 +16,8 @@ import sys
 import jax
 import pytest
 
+from tree_grpo_jax.cli.plan import SIMULATED
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAMS = {"rollout", "train_step", "evaluate", "decode"}
 # Small runs: a 4-step tree with a 2-step window, a few prompts and rows.
@@ -237,8 +239,9 @@ def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
     simulated = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     procs = {
         1: _plan_process(*four, "--config.mesh.fsdp=1", env=simulated),
-        # no XLA_FLAGS: the command starts itself again on 4 simulated devices
-        4: _plan_process(*four, "--config.mesh.fsdp=4", env=base),
+        # no XLA_FLAGS: the command starts itself again on 4 simulated devices (the marker of
+        # a restart, left set by hand, does not stop it)
+        4: _plan_process(*four, "--config.mesh.fsdp=4", env={**base, SIMULATED: "1"}),
     }
     plans = {}
     for fsdp, proc in procs.items():

@@ -84,3 +84,27 @@ def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args,
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(message.format(file=file, tmp=tmp_path)), err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_keeps_the_whole_folders_and_removes_the_half_one(tmp_path, signal_name):
+    import signal
+
+    out = tmp_path / "tiny"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "tiny_folders.py"), f"--out={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = proc.stdout.readline()  # "sd15: <folder> (...)": the first folder is in place
+    assert first.startswith("sd15: "), first
+    proc.send_signal(getattr(signal, signal_name))  # while the SD3.5 folder is being built
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == {"SIGINT": 130, "SIGTERM": 143}[signal_name], stderr
+    assert stderr.splitlines()[-1] == (
+        f"error: {signal_name} stopped launch/tiny_folders.py; the folders it listed are whole."
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["sd15"]  # no half-built folder beside it
+    assert (out / "sd15" / "model_index.json").is_file()

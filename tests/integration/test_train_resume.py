@@ -16,18 +16,24 @@ from tree_grpo_jax.run.checkpoint import Checkpointer
 from tree_grpo_jax.run.train_step import old_params
 
 
-def nft_config(method: str = "diffusion_nft"):
-    """A small DiffusionNFT run: a flow model, no guidance."""
+def flow_config(method: str):
+    """A small run on a flow model, no guidance."""
     c = small_config(method)
     c.model.name = "random_tiny_flow"
     c.sampling.guidance_scale = 1.0
+    return c
+
+
+def nft_config(method: str = "diffusion_nft"):
+    """A small DiffusionNFT run."""
+    c = flow_config(method)
     c.diffusion_nft.old_policy_rate = 0.25  # the old policy's decay moves within the run
     return c
 
 
 def awm_config(method: str = "awm"):
     """A small off-policy AWM run: the EMA copy samples, anchors the ratio and moves."""
-    c = nft_config(method)
+    c = flow_config(method)
     c.awm.train_timesteps = 2  # strata of [1, int(4 * 0.9)) = [1, 3)
     c.awm.off_policy = True
     c.awm.ema_decay_rate = 0.25
@@ -36,7 +42,7 @@ def awm_config(method: str = "awm"):
 
 def dgpo_config():
     """A small DGPO run that samples with its EMA copy from the second iteration on."""
-    c = nft_config("dgpo")
+    c = flow_config("dgpo")
     c.dgpo.trunc_steps = 2
     c.dgpo.train_timesteps = 2
     c.dgpo.switch_ema_ref = 1
@@ -108,17 +114,26 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
     crashed = tmp_path / "crashed"
     real_iteration = train.Trainer.iteration
 
-    def dies_at_iteration_3(trainer, state, iteration):
-        if iteration == 3:
-            raise SystemExit("killed")  # like a kill: nothing is saved on the way out
-        return real_iteration(trainer, state, iteration)
+    def dies_at(killed_at):
+        def iteration_or_kill(trainer, state, iteration):
+            if iteration == killed_at:
+                raise SystemExit("killed")  # like a kill: nothing is saved on the way out
+            return real_iteration(trainer, state, iteration)
 
-    monkeypatch.setattr(train.Trainer, "iteration", dies_at_iteration_3)
+        return iteration_or_kill
+
+    # killed before the first checkpoint: the rerun starts afresh, its rows once
+    monkeypatch.setattr(train.Trainer, "iteration", dies_at(1))  # after step 1
+    with pytest.raises(SystemExit):
+        train.train(c, str(crashed))
+    assert Checkpointer(str(crashed / "checkpoints")).latest_step is None
+    monkeypatch.setattr(train.Trainer, "iteration", dies_at(3))
     with pytest.raises(SystemExit):
         train.train(c, str(crashed))
     assert Checkpointer(str(crashed / "checkpoints")).latest_step == 2
     monkeypatch.setattr(train.Trainer, "iteration", real_iteration)
     train.train(c, str(crashed))  # same command, same workdir: resumes after iteration 2
+    assert _logged(crashed) == _logged(straight)
 
     expected, meta_a = _final_params(c, straight)
     resumed, meta_b = _final_params(c, crashed)
@@ -133,6 +148,12 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, method):
         )
     )
     assert max(moved) > 1e-5  # training changed the weights, so the comparison means something
+
+
+def _logged(workdir):
+    """Every row of metrics.jsonl but its timings."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if "/time_" not in k} for row in rows]
 
 
 def _initial_params(c):

@@ -169,6 +169,17 @@ def test_a_damaged_newest_is_set_aside_and_the_older_restored(two_checkpoints, d
     assert kept[0] == "1" and kept[1].startswith("2.unreadable-") and len(kept) == 2
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_damaged_step_asked_for_names_the_intact_ones(two_checkpoints, read_only):
+    biggest = _biggest_array_file(two_checkpoints / "2")
+    biggest.write_bytes(biggest.read_bytes()[:10])
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(str(two_checkpoints), read_only=read_only).restore(make_state(0.0), step=2)
+    assert_one_sentence(info.value)
+    assert str(info.value).startswith(f"checkpoint 2 in {two_checkpoints} cannot be read (")
+    assert "; it also holds 1: ask for one of those." in str(info.value)
+
+
 def test_a_damaged_newest_in_a_read_only_folder_is_skipped_not_renamed(two_checkpoints):
     biggest = _biggest_array_file(two_checkpoints / "2")
     biggest.write_bytes(biggest.read_bytes()[:10])
@@ -251,3 +262,44 @@ def test_files_storage_will_not_open_stop_the_restore(two_checkpoints, unreadabl
         assert names(two_checkpoints) == ["1", "2"]
     finally:
         path.chmod(mode)
+
+
+SIGNAL_IN_THE_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+from tree_grpo_jax import interrupts
+from tree_grpo_jax.run.checkpoint import Checkpointer
+
+interrupts.install()
+folder = sys.argv[1]
+interrupts.set_stop_line(lambda name: f"{name}: steps {Checkpointer(folder).all_steps()}")
+ckpt = Checkpointer(folder)
+real_wait = ckpt._manager.wait_until_finished
+
+def signalled_wait():  # the signal arrives while the checkpoint is being written
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.sigtimedwait([], 0.5)  # time for the watcher to take it
+    real_wait()
+
+ckpt._manager.wait_until_finished = signalled_wait
+ckpt.save(1, {"kernel": jnp.arange(4096.0)}, {"next_iteration": 1})
+print("the save returned", flush=True)
+"""
+
+
+def test_a_signal_in_the_save_waits_for_the_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "checkpoints"
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_IN_THE_SAVE, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "error: SIGTERM: steps [1]" in result.stderr
+    assert "the save returned" not in result.stdout  # it stopped at the save's end
+    assert names(folder) == ["1"]

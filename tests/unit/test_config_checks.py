@@ -603,3 +603,38 @@ def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_pat
     c.model.sd3 = ml_collections.ConfigDict({"use_t5": False})
     with pytest.raises(loop.CheckpointError, match="model.sd3.use_t5 was True, now False"):
         loop.check_resume(c, Saved())
+
+
+@pytest.mark.parametrize(
+    "method, field",
+    [("awm", "grpo_guard.enabled=True"), ("diffusion_nft", "grpo_guard.enabled=True"),
+     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0")],
+)  # fmt: skip
+def test_another_methods_section_is_refused_not_dropped(tmp_path, method, field):
+    result = run_in_process(
+        "--config=configs/tiny_flow.py",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.tree.method={method}",
+        f"--config.{field}",
+    )
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert (
+        f"{field.split('=')[0]} is set, but the {field.split('.')[0]} section applies only to"
+        in line
+    )
+    assert f"this run's tree.method is {method}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_accumulation_longer_than_the_run_is_refused(tmp_path):
+    # the demo's settings train one minibatch per iteration
+    args = ("--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}")
+    result = run_in_process(
+        *args, "--config.train.iterations=12", "--config.train.grad_accumulation=13"
+    )
+    assert result.returncode == 2
+    assert "whole run trains 12 (1 per iteration x 12 iterations)" in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+    fits = with_values(tiny.get_config(), train__iterations=12, train__grad_accumulation=12)
+    cfg.validate(fits, known_rewards=KNOWN)

@@ -93,13 +93,15 @@ def device_memory(values) -> list[float]:
 
 def simulate(count: int) -> None:
     """Starts this command again on `count` simulated CPU devices (never returns)."""
-    if os.environ.get(SIMULATED):
+    # The restarted command carries its count: the same count again means XLA made fewer
+    # devices than asked; any other value was left in the environment by hand, and is replaced.
+    if os.environ.get(SIMULATED) == str(count):
         _fail(f"XLA did not make {count} simulated CPU devices; plan with fewer --devices.")
     env = {
         **os.environ,
         "XLA_FLAGS": xla_flags(os.environ.get("XLA_FLAGS", ""), count),
         "JAX_PLATFORMS": "cpu",
-        SIMULATED: "1",
+        SIMULATED: str(count),
     }
     _progress(f"planning on {count} simulated CPU devices (this machine has fewer)")
     sys.stdout.flush()

@@ -218,7 +218,11 @@ def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str, list
     """One PNG per prompt and the grid (for videos, each PNG a strip of the frames, with an
     animated GIF beside it); on a failure the files written so far are removed."""
     with interrupts.critical():  # a signal waits for the pictures to be written
-        return _write_all(out, prompts, pictures)
+        written = _write_all(out, prompts, pictures)
+        interrupts.set_stop_line(
+            lambda name: f"{name} stopped the sampling; its pictures are written in {out}."
+        )
+        return written
 
 
 def _write_all(out: str, prompts: list[str], pictures):

@@ -263,6 +263,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     for objective in methods.objectives():  # every objective's own section, whichever is used
         sentence = objective.check_section(config)
         _require(sentence is None, sentence)
+    _check_unused_sections(config)
     sentence = methods.get(t.method).objective.check_run(config, spec)
     _require(sentence is None, sentence)
     _require(
@@ -274,11 +275,48 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
 
     _check_advantage(config.advantage, spec.num_steps)
     _check_train(config.train)
+    _check_accumulation_applies(config)
     rewards = _check_rewards(config, known_rewards)
     _check_lora(config.lora)
     _check_reward_options(config.reward_options)
     _check_outputs(config)
     return rewards
+
+
+def _check_accumulation_applies(config) -> None:
+    """An update that gathers more minibatches than the whole run trains would never apply."""
+    tr = config.train
+    if tr.grad_accumulation <= 1:
+        return
+    rows = methods.get(config.tree.method).training_counts(config)["train_rows"]
+    per_iteration = -(-rows * config.prompts.batch_size // tr.rows_per_minibatch) * tr.inner_epochs
+    in_all = per_iteration * tr.iterations
+    _require(
+        tr.grad_accumulation <= in_all,
+        f"train.grad_accumulation={tr.grad_accumulation} gathers that many minibatches per "
+        f"update, but the whole run trains {in_all} ({per_iteration} per iteration x "
+        f"{tr.iterations} iterations): no update would ever apply; lower it, or raise "
+        "train.iterations.",
+    )
+
+
+def _check_unused_sections(config) -> None:
+    """A field changed in another objective's section would be dropped without a word (GRPO-
+    Guard switched on for an awm run, say): it is refused, naming the methods it applies to."""
+    used = methods.get(config.tree.method).objective
+    for objective in methods.objectives():
+        if objective.section is None or objective.section == used.section:
+            continue
+        defaults = flatten(objective.options(), f"{objective.section}.", leaves_only=True)
+        given = flatten(config[objective.section], f"{objective.section}.", leaves_only=True)
+        changed = [path for path, value in given.items() if defaults.get(path) != value]
+        if changed:
+            users = ", ".join(n for n, m in methods.METHODS.items() if m.objective is objective)
+            raise ConfigError(
+                f"{changed[0]} is set, but the {objective.section} section applies only to "
+                f"tree.method {users}; this run's tree.method is {config.tree.method} "
+                f"(leave {objective.section} at its defaults, or change the method)."
+            )
 
 
 def _check_model(m) -> None:

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from tree_grpo_jax import interrupts
 from tree_grpo_jax.errors import reason
 from tree_grpo_jax.run.digests import (
     DIGESTS_KEY,
@@ -344,8 +345,10 @@ class Checkpointer:
         quiet = _NoSaveErrors()
         absl_logger.addFilter(quiet)
         try:
-            self._manager.save(step, args=args)
-            self._manager.wait_until_finished()
+            # a second signal (which stops at once) waits for the checkpoint to be whole
+            with interrupts.critical():
+                self._manager.save(step, args=args)
+                self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - any failure: the earlier checkpoints stand
             # its abandoned writes report again, as asyncio collects them, up to the exit
             logging.getLogger("asyncio").addFilter(_NoSaveErrors())
@@ -479,6 +482,13 @@ class Checkpointer:
                 )
                 if not self.read_only:
                     self._set_aside(candidate)
+        if step is not None:  # one step was asked for: the others may still be intact
+            others = ", ".join(str(s) for s in self.all_steps() if s != step)
+            held = f"; it also holds {others}: ask for one of those" if others else ""
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} cannot be read "
+                f"({self.unreadable[step]}){held}."
+            )
         raise CheckpointError(
             f"no checkpoint in {self.directory} can be read (tried {len(steps)}); "
             "move the folder away to start over."

@@ -426,7 +426,7 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     primary = sharding.is_primary()
     if primary:
         writer = reporting.MetricsWriter(
-            workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else None
+            workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else -1
         )
     else:
         writer = reporting.NullWriter()

@@ -85,6 +85,10 @@ def write_staged(out: Path, fill) -> Path:
             if out.is_dir():
                 shutil.rmtree(out)
             os.replace(staging, out)
+            # from here on a stop keeps the folder, and its line must say so
+            interrupts.set_stop_line(
+                lambda name: f"{name} stopped the command once {out} was written whole."
+            )
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
