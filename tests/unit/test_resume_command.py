@@ -27,6 +27,18 @@ def test_the_workdir_goes_after_the_config_and_replaces_a_given_one():
     ]
 
 
+def test_simulated_devices_go_with_the_command(monkeypatch):
+    argv = ["--config=configs/tiny.py"]
+    flags = "--xla_cpu_use_thunk_runtime=false --xla_force_host_platform_device_count=4"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert run_command("main", "w", argv) == (
+        "XLA_FLAGS=--xla_force_host_platform_device_count=4 "
+        "python -m tree_grpo_jax.main --config=configs/tiny.py --workdir=w"
+    )
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
+    assert run_command("main", "w", argv).startswith("python -m tree_grpo_jax.main ")
+
+
 def test_latest_checkpoint_counts_step_folders_only(tmp_path):
     assert latest_checkpoint(str(tmp_path / "missing")) is None
     for name in ("2", "10", "12.orbax-checkpoint-tmp", "3.unreadable-1700000000"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -79,7 +80,12 @@ def run_command(command: str, workdir: str, argv=None, **fields) -> str:
     if at == 0 and "--config" in kept:  # `--config FILE`
         at = kept.index("--config") + 2
     kept.insert(at, f"--workdir={workdir}")
-    return " ".join(["python", "-m", f"tree_grpo_jax.{command}", *map(shlex.quote, kept)])
+    line = " ".join(["python", "-m", f"tree_grpo_jax.{command}", *map(shlex.quote, kept)])
+    # Simulated CPU devices decide the run's mesh: the run goes on only on as many.
+    forced = re.search(
+        r"--xla_force_host_platform_device_count=\S+", os.environ.get("XLA_FLAGS", "")
+    )
+    return f"XLA_FLAGS={shlex.quote(forced.group())} {line}" if forced else line
 
 
 def latest_checkpoint(directory: str) -> int | None:
