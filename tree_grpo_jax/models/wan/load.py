@@ -193,7 +193,8 @@ def sample_shape(
 ) -> tuple[int, int, int, int]:
     """One video's latents, channels last: ((frames - 1) / t + 1, H / s, W / s, z_dim) for
     the VAE's spatial factor s and temporal factor t; the sides must be multiples of s times
-    the transformer's patch and the frames t k + 1 (one sentence otherwise)."""
+    the transformer's patch, the frames t k + 1, and the tokens along each axis at most the
+    rotary embedding's positions, `rope_max_seq_len` (one sentence otherwise)."""
     size = family.resolution_of(resolution)
     if size is None:
         raise ModelLoadError(f"model.wan.resolution must be (height, width), got {resolution!r}.")
@@ -210,6 +211,23 @@ def sample_shape(
         raise ModelLoadError(
             f"model.wan.num_frames {num_frames} must be {temporal}k + 1 (the VAE makes one "
             f"latent frame of every {temporal} frames after the first)."
+        )
+    # The transformer gives each token a rotary position per axis: past its table the
+    # tokens have none (and a long video's prompt check alone would not fit in memory).
+    positions = transformer_config.get("rope_max_seq_len", 1024)
+    most_frames = temporal * (positions * patch[0] - 1) + 1
+    if num_frames > most_frames:
+        raise ModelLoadError(
+            f"model.wan.num_frames {num_frames} is more than the {most_frames} this "
+            f"transformer can place ({positions} rotary positions along time, its "
+            f"rope_max_seq_len, of {patch[0]} latent frame each)."
+        )
+    most_side = positions * multiple
+    if max(size) > most_side:
+        raise ModelLoadError(
+            f"model.wan.resolution {size[0]}x{size[1]} is larger than the {most_side} pixels "
+            f"a side this transformer can place ({positions} rotary positions per axis, its "
+            f"rope_max_seq_len, of {multiple} pixels each)."
         )
     channels = vae_config.get("z_dim", 16)
     return ((num_frames - 1) // temporal + 1, size[0] // spatial, size[1] // spatial, channels)
