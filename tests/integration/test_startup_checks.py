@@ -104,6 +104,25 @@ def test_a_rollout_too_large_names_the_largest_batch_that_fits():
     precompile.check_fits(_config(), fits, 1, 10 * gib, "GPU memory")  # fits exactly
 
 
+def test_when_none_fits_a_video_model_names_the_settings_that_size_its_samples():
+    from configs import wan_branchgrpo
+
+    gib = 2**30
+    config = wan_branchgrpo.get_config()
+    config.prompts.batch_size, config.prompts.eval_count = 8, 10
+    for name in ("rollout", "evaluation", "train step"):
+        fits = {name: precompile.ProgramFit(name, 9 * gib, gib, gib, 1.0)}
+        with pytest.raises(cfg.ConfigError) as e:
+            precompile.check_fits(config, fits, 1, int(2.5 * gib), "GPU memory")
+        text = str(e.value)
+        assert "model.wan.resolution=(240, 416) or model.wan.num_frames=33" in text, text
+    # an image model has no such settings: the sentence keeps to the tree
+    fits = {"rollout": precompile.ProgramFit("rollout", 9 * gib, gib, gib, 1.0)}
+    with pytest.raises(cfg.ConfigError) as e:
+        precompile.check_fits(_config(), fits, 1, int(2.5 * gib), "GPU memory")
+    assert str(e.value).endswith("or tree.group_size."), str(e.value)
+
+
 def test_an_eval_or_train_step_too_large_names_its_own_setting():
     gib = 2**30
     evaluate = {"evaluation": precompile.ProgramFit("evaluation", 11 * gib, gib, 0, 1.0)}

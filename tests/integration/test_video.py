@@ -1,10 +1,10 @@
 """The model contract for videos, end to end: a toy video family registered from here (a tiny
-3-D convolutional denoiser on [C, T, H, W] samples, decoding to [B, T, H, W, C]) trains
-through the real loop with an image reward applied frame by frame and a reward declared for
-videos; the per-frame mean is checked against scoring the frames by hand (PIL's JPEG sizes,
-a prompt-reading reward), the pictures a run writes (a PNG strip of each video's frames and
-an animated GIF) are read back frame by frame, and a reward that cannot take the model's
-media is one sentence at build."""
+3-D convolutional denoiser on samples [T, H, W, C], channels last as every video's latents,
+decoding to [B, T, H, W, C]) trains through the real loop with an image reward applied frame
+by frame and a reward declared for videos; the per-frame mean is checked against scoring the
+frames by hand (PIL's JPEG sizes, a prompt-reading reward), the pictures a run writes (a PNG
+strip of each video's frames and an animated GIF) are read back frame by frame, and a reward
+that cannot take the model's media is one sentence at build."""
 
 import dataclasses
 import io
@@ -28,7 +28,7 @@ from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run import reporting
 
 FRAMES, SIDE, TOKENS, WIDTH = 4, 8, 2, 8
-SAMPLE_SHAPE = (1, FRAMES, SIDE, SIDE)  # channels first: [C, T, H, W]
+SAMPLE_SHAPE = (FRAMES, SIDE, SIDE, 1)  # channels last: [T, H, W, C], as the frames
 PROMPTS = ("a calm sea", "a flickering candle")
 
 
@@ -37,12 +37,10 @@ class ToyVideoDenoiser(nn.Module):
 
     @nn.compact
     def __call__(self, x, t, cond):
-        h = jnp.moveaxis(x, 1, -1)  # [B, C, T, H, W] -> [B, T, H, W, C]
-        h = nn.Conv(8, (3, 3, 3), padding="SAME")(h)
+        h = nn.Conv(8, (3, 3, 3), padding="SAME")(x)
         h = h + nn.Dense(8)(jnp.mean(cond, axis=1))[:, None, None, None]
         h = h + nn.Dense(8)(t.astype(jnp.float32)[:, None] / 1000.0)[:, None, None, None]
-        h = nn.Conv(1, (3, 3, 3), padding="SAME")(nn.silu(h))
-        return jnp.moveaxis(h, -1, 1)
+        return nn.Conv(1, (3, 3, 3), padding="SAME")(nn.silu(h))
 
 
 _NET = ToyVideoDenoiser()
@@ -62,8 +60,8 @@ def toy_encode(prompts):
 
 
 def toy_decode(x):
-    """[B, C, T, H, W] in [-1, 1] -> videos [B, T, H, W, C] in [0, 1]."""
-    return jnp.moveaxis(jnp.clip((x.astype(jnp.float32) + 1.0) / 2.0, 0.0, 1.0), 1, -1)
+    """[B, T, H, W, C] in [-1, 1] -> videos [B, T, H, W, C] in [0, 1]."""
+    return jnp.clip((x.astype(jnp.float32) + 1.0) / 2.0, 0.0, 1.0)
 
 
 def load_toy_video(request: model_registry.LoadRequest) -> TextToImageModel:

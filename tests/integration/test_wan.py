@@ -2,7 +2,9 @@
 launch/tiny_folders.py writes, torch blocked throughout: one BranchGRPO iteration of
 configs/wan_branchgrpo.py and one DiffusionNFT iteration of configs/wan_nft.py (shrunk by
 overrides), a killed-and-rerun run that ends where the straight run ends, and the export;
-bad options and folders are one sentence with exit status 2 and nothing written.
+bad options and folders, videos too long or too large for the transformer or the memory,
+and an export onto another family's folder are one sentence with exit status 2 and nothing
+written.
 (tests/parity/test_wan_pipeline.py checks the numbers against diffusers.)"""
 
 import json
@@ -165,3 +167,84 @@ def test_a_folder_missing_a_component_is_one_sentence_and_writes_nothing(runs, t
     args = [*BRANCH, *SHRINK, f"--config.model.path={broken}", f"--workdir={tmp_path}/r"]
     assert f"has no {remove}/" in one_error_line(run_main(*args))
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny Wan folder alone (no run): its transformer has 32 rotary positions an axis."""
+    from launch import tiny_folders
+
+    return tiny_folders.write_folder("wan", tmp_path_factory.mktemp("tiny") / "wan")
+
+
+def _run_on(folder, tmp_path, *overrides):
+    """The shrunk BranchGRPO run on `folder` with `overrides` in place of SHRINK's own."""
+    replaced = {o.split("=")[0] for o in overrides}
+    shrink = [a for a in SHRINK if a.split("=")[0] not in replaced]
+    args = [*BRANCH, *shrink, *overrides, f"--config.model.path={folder}"]
+    return run_main(*args, f"--workdir={tmp_path}/r")
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        # 1000001 frames once reached the prompt check, whose blank videos (57 GiB) did not
+        # fit, and left checkpoints/ behind: 32 positions of one latent frame are 125 frames
+        (
+            "--config.model.wan.num_frames=1000001",
+            "model.wan.num_frames 1000001 is more than the 125 this transformer can place",
+        ),
+        # 32 positions of 2x2 latents of 4 pixels: 256 pixels a side
+        (
+            "--config.model.wan.resolution=(16384,16384)",
+            "model.wan.resolution 16384x16384 is larger than the 256 pixels a side",
+        ),
+    ],
+)
+def test_a_video_the_transformer_cannot_place_is_one_sentence(folder, tmp_path, override, words):
+    line = one_error_line(_run_on(folder, tmp_path, override))
+    assert words in line and "rope_max_seq_len" in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_video_too_large_for_memory_names_its_size_not_the_batch(folder, tmp_path):
+    """With rotary tables long enough, 4093 frames of 8192x8192 pixels are 64 GiB of latents
+    a sample: not even one prompt's rollout fits, whatever the batch, and the sentence says
+    which settings size the sample (the batch is 1 here)."""
+    roomy = tmp_path / "roomy"
+    shutil.copytree(folder, roomy)
+    config = roomy / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_max_seq_len": 1024}))
+    result = _run_on(
+        roomy,
+        tmp_path,
+        "--config.model.wan.resolution=(8192,8192)",
+        "--config.model.wan.num_frames=4093",
+    )
+    line = one_error_line(result)
+    assert "one rollout stores about" in line and "even for one prompt" in line, line
+    assert "each sample 64 GiB of latents (1024, 2048, 2048, 4)" in line, line
+    assert "lower model.wan.resolution=(8192, 8192) or model.wan.num_frames=4093" in line, line
+    assert "prompts.batch_size" not in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_export_onto_another_familys_folder_names_the_family(runs, tmp_path, capsys):
+    """A Wan run exported onto an SD1.5 folder: once told to add --allow_other_base, which
+    then failed for want of transformer/; the folder is no Wan base at all, flag or not."""
+    from launch import tiny_folders
+    from tree_grpo_jax.cli import export
+
+    tmp, folder, _ = runs
+    sd15 = tiny_folders.write_folder("sd15", tmp_path / "sd15")
+    out = tmp_path / "exported"
+    args = [f"--workdir={tmp}/straight", f"--model_path={sd15}", f"--out={out}"]
+    for extra in ([], ["--allow_other_base"]):
+        assert export.main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+        assert "Traceback" not in err, err
+        assert f"{sd15} is a folder of the 'sd' model family (it has unet/)" in line, line
+        assert "trained one of the 'wan' family (transformer/)" in line, line
+        assert f"the run's own base, {folder}." in line and "--allow_other_base" not in line
+        assert not out.exists()

@@ -25,7 +25,7 @@ from tree_grpo_jax.models.wan.load import WanScheduleConfig, load_wan  # noqa: E
 LONG = " ".join(["a photo of a cat"] * 8)  # past the 12 tokens
 PROMPTS = ["a photo of a cat", "  a   dog &amp; a cat ", LONG]
 T5_TOKENS = 12
-LATENTS = (LATENT_CHANNELS, 3, RESOLUTION[0] // 4, RESOLUTION[1] // 4)
+LATENTS = (3, RESOLUTION[0] // 4, RESOLUTION[1] // 4, LATENT_CHANNELS)  # channels last
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +59,24 @@ def _velocity(model, params, x, t, context):
     return np.asarray(denoise(params, jnp.asarray(x), jnp.asarray(t), jnp.asarray(context)))
 
 
+def _channels_first(x):
+    """Our latents [B, F, h, w, C] as diffusers holds them, [B, C, F, h, w]."""
+    return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 4, 1, 2, 3)
+
+
+def _channels_last(x):
+    return x.permute(0, 2, 3, 4, 1).numpy()
+
+
 def _torch_velocity(transformer, x, t, context):
     with torch.no_grad():
-        return transformer(
-            hidden_states=torch.from_numpy(x),
-            timestep=torch.from_numpy(t),
-            encoder_hidden_states=torch.from_numpy(context),
-        ).sample.numpy()
+        return _channels_last(
+            transformer(
+                hidden_states=_channels_first(x),
+                timestep=torch.from_numpy(t),
+                encoder_hidden_states=torch.from_numpy(context),
+            ).sample
+        )
 
 
 def _inputs(seed):
@@ -142,10 +153,11 @@ def test_deterministic_sampler_equals_the_pipeline(model, pipe, guidance):
                 num_frames=NUM_FRAMES,
                 num_inference_steps=4,
                 guidance_scale=guidance,
-                latents=torch.from_numpy(noise),
+                latents=_channels_first(noise),
                 output_type="latent",
                 max_sequence_length=T5_TOKENS,
-            ).frames.numpy()
+            ).frames
+        expected = _channels_last(expected)
     finally:
         pipe.scheduler = original
     got = rollout.sample_deterministic(
@@ -168,7 +180,7 @@ def test_decode_equals_the_vae(model, pipe):
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     with torch.no_grad():  # as WanPipeline decodes
-        videos = vae.decode(torch.from_numpy(latents) / inverse_std + mean).sample
+        videos = vae.decode(_channels_first(latents) / inverse_std + mean).sample
     expected = (videos.clamp(-1, 1) / 2 + 0.5).permute(0, 2, 3, 4, 1).numpy()
     got = np.asarray(model.decode(jnp.asarray(latents)))
     assert got.shape == expected.shape == (2, NUM_FRAMES, *RESOLUTION, 3)
@@ -259,7 +271,7 @@ def test_the_family_plans_the_folder_and_the_releases(folder, model):
         )
         section.wan = registry.family_of("wan").options()
         planned = registry.abstract_model(section)
-        assert planned.sample_shape == (16, 21, 60, 104) and planned.cond_shape == (512, 4096)
+        assert planned.sample_shape == (21, 60, 104, 16) and planned.cond_shape == (512, 4096)
         counts[name] = sum(leaf.size for leaf in jax.tree_util.tree_leaves(planned.params))
     assert 1.40e9 < counts["wan-1.3b"] < 1.45e9  # Wan2.1-T2V-1.3B's 1.42B transformer
     assert 14.0e9 < counts["wan-14b"] < 14.5e9

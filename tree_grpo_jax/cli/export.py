@@ -181,6 +181,21 @@ def _checkpoint_dir(workdir: Path, run_config: dict) -> str:
     return configured or str(workdir / "checkpoints")
 
 
+def _check_same_family(family: ModelFamily, model_path: str, workdir: Path, run_path: str):
+    """A local base folder of another family than the run's is no base of it at all, which
+    --allow_other_base cannot mend: one sentence naming both (a hub id is not looked at)."""
+    if not Path(model_path).expanduser().is_dir():
+        return
+    found = family_of_folder(model_path)
+    if found is not family:
+        raise ValueError(
+            f"{model_path} is a folder of the {found.name!r} model family (it has "
+            f"{found.export.component}/), but the run in {workdir} trained one of the "
+            f"{family.name!r} family ({family.export.component}/); pass a {family.name!r} "
+            f"folder as --model_path, or leave it out for the run's own base, {run_path}."
+        )
+
+
 def _source(args) -> _Source:
     """The params and what they are, from --workdir or --params and --model_path.
 
@@ -206,6 +221,7 @@ def _source(args) -> _Source:
         _checkpoint_dir(workdir, run_config), args.step
     )
     model_path = args.model_path or run_path
+    _check_same_family(family, model_path, workdir, run_path)
     differs = identity.other_base(meta.get("identity"), model_path)
     if differs and not args.allow_other_base:
         raise ValueError(

@@ -29,7 +29,7 @@ class AbstractModel:
 
     name: str
     source: str  # where the shapes came from: a folder, or `builtin:<name>` (and its hub id)
-    sample_shape: tuple[int, ...]  # one sample, channels first
+    sample_shape: tuple[int, ...]  # one sample, as `TextToImageModel.sample_shape`
     params: PyTree  # the denoiser's params as ShapeDtypeStructs, in the compute dtype
     denoise: DenoiseFn  # the same function a loaded model's `denoise` is
     cond_shape: tuple[int, int]  # [L, D]: one prompt's conditioning (float32)

@@ -149,8 +149,8 @@ class TextToImageModel:
     """
 
     name: str
-    # one sample, channels first: (4, 64, 64) for an image, (16, 21, 60, 104) [C, T, H, W]
-    # for a video's latents
+    # one sample: an image's latents channels first, (4, 64, 64) [C, H, W]; a video's
+    # channels last, (21, 60, 104, 16) [T, H, W, C], as its decoded frames
     sample_shape: tuple[int, ...]
     params: PyTree
     denoise: DenoiseFn

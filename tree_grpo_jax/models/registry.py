@@ -89,6 +89,9 @@ class ModelFamily:
     # the config fields of the package's default run, when it is this family's (dotted path ->
     # value: the tiny family's model, prompts and reward); one family at most says them
     default_run: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # fields of `model.<name>` that size one sample (a video's sides and frames): the memory
+    # checks name them when even one prompt's samples cannot fit
+    sample_settings: tuple[str, ...] = ()
 
 
 def deferred(target: str) -> Callable[[], Any]:
@@ -238,6 +241,22 @@ def options_of(family: ModelFamily, model_config) -> Any:
     if section is None and family.options is not None:
         section = family.options()
     return section
+
+
+def sample_settings(model_config) -> str:
+    """The settings that size one sample of `model_config`'s family with their values
+    ("model.wan.resolution=(480, 832) or model.wan.num_frames=81"); "" when it has none."""
+    try:
+        family = family_of(model_config.name)
+    except ValueError:
+        return ""
+    section = options_of(family, model_config)
+    if section is None:
+        return ""
+    return " or ".join(
+        f"model.{family.name}.{field}={getattr(section, field)!r}"
+        for field in family.sample_settings
+    )
 
 
 def family_of_folder(path: str) -> ModelFamily:

@@ -58,27 +58,49 @@ def check_batches(config, mesh) -> None:
 def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_shape=None) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
     alone cannot fit in memory (float32 states of every trained step, and the leaves, and
-    what the objective's rows store beside them)."""
+    what the objective's rows store beside them, and the leaves' decoded pictures). When
+    not even one prompt's fit, the batch is not at fault: the sentence names the tree and
+    the settings that size a sample, the latter first when two samples (the least a group
+    compares) would not fit on their own."""
     sample_bytes = 4 * int(np.prod(sample_shape))
+    picture_bytes = 4 * int(np.prod(image_shape or sample_shape))
     prompts = config.prompts.batch_size
     states = spec.recorded_states + objective.row_samples(config, spec)
-    rollout_bytes = prompts * (states + spec.leaves) * sample_bytes
+    per_prompt = (states + spec.leaves) * sample_bytes + spec.leaves * picture_bytes
     eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
     # the fixed noise (drawn, then copied to the host), the samples and their pictures
-    eval_bytes = eval_rows * (3 * sample_bytes + 4 * int(np.prod(image_shape or sample_shape)))
+    per_eval = 3 * sample_bytes + picture_bytes
     limit, where = precompile.memory_limit()
     gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
-    if rollout_bytes > limit:
+    one = f"{gib(sample_bytes)} of latents {tuple(sample_shape)} and {gib(picture_bytes)} decoded"
+    sized_by = model_registry.sample_settings(config.model)
+    if per_prompt > limit:
+        lower = [sized_by, "the tree's size"] if sized_by else ["the tree's size"]
+        if 2 * (sample_bytes + picture_bytes) <= limit:
+            lower.reverse()
         raise cfg.ConfigError(
-            f"one rollout stores about {gib(rollout_bytes)} of samples ({prompts} prompts x "
-            f"{spec.leaves} leaves, {states} stored states or training rows per prompt), "
-            f"more than the {gib(limit)} of {where}; lower prompts.batch_size or the tree's "
-            "size."
+            f"one rollout stores about {gib(per_prompt)} of samples and pictures even for one "
+            f"prompt ({spec.leaves} leaves and {states} stored states or training rows, each "
+            f"sample {one}), more than the {gib(limit)} of {where}; lower {' or '.join(lower)}."
+        )
+    if prompts * per_prompt > limit:
+        raise cfg.ConfigError(
+            f"one rollout stores about {gib(prompts * per_prompt)} of samples and pictures "
+            f"({prompts} prompts x {spec.leaves} leaves, {states} stored states or training "
+            f"rows per prompt), more than the {gib(limit)} of {where}; lower "
+            f"prompts.batch_size (at most {limit // per_prompt} fit) or the tree's size."
         )
     # The eval set is held on the host as well: what is free there now bounds it too.
     free, free_where = _host_available(), "free host memory"
     if free is not None and free < limit:
         limit, where = free, free_where
+    if per_eval > limit:
+        raise cfg.ConfigError(
+            f"one eval sample alone needs about {gib(per_eval)} for its noise, latents and "
+            f"pictures (each sample {one}), more than the {gib(limit)} of {where}; lower "
+            f"{sized_by or 'the size of its samples'}."
+        )
+    eval_bytes = eval_rows * per_eval
     if eval_bytes > limit:
         raise cfg.ConfigError(
             f"prompts.eval_count={config.prompts.eval_count} ({eval_rows:,} samples) needs "
@@ -105,7 +127,9 @@ def check_media(model: TextToImageModel, rewards) -> None:
     sentence. A model whose `decode` gives latents (a benchmark's stand-in) scores nothing."""
     if model.media == media_kinds.LATENTS:
         return
-    decoded = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
+    decoded = jax.eval_shape(
+        model.decode, jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
+    )
     problem = media_kinds.shape_problem(model.media, decoded.shape)
     if problem:
         raise cfg.ConfigError(f"model {model.name!r} says it decodes {model.media}s but {problem}.")
@@ -114,24 +138,31 @@ def check_media(model: TextToImageModel, rewards) -> None:
             raise cfg.ConfigError(reward.refusal(model.media))
 
 
-def check_prompts(model: TextToImageModel, rewards, prompts, where: str) -> None:
+def check_prompts(model: TextToImageModel, rewards, prompts, where: str, chunk: int = 1) -> None:
     """Every distinct prompt through the model's text encoder and through each reward that
     reads no model, on blank images (or videos), before anything is written: a prompt the
     model or a reward cannot read, or a reward that does not give one score per sample, is
     one sentence (rewards that read a model are built here and their shape is checked when
-    they score). `check_media` has passed."""
+    they score). The blanks go `chunk` at a time, as many as a rollout decodes (which
+    `check_sizes` has seen fit): a prompt set's worth of videos may not. `check_media` has
+    passed."""
     distinct = list(dict.fromkeys(prompts))
     if not distinct:
         return
     try:
         model.encode_prompts(distinct)
-        if model.media == media_kinds.LATENTS:
-            return  # no pixels: nothing to score
-        decoded = jax.eval_shape(model.decode, jnp.zeros((1, *model.sample_shape), jnp.float32))
-        blank = np.zeros((len(distinct), *decoded.shape[1:]), np.float32)
-        for reward in rewards:
-            if not reward_registry.reads_model(reward.name):
-                reward(blank, distinct)
+        scored = [r for r in rewards if not reward_registry.reads_model(r.name)]
+        if model.media == media_kinds.LATENTS or not scored:
+            return  # no pixels, or no reward to score them here
+        decoded = jax.eval_shape(
+            model.decode, jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
+        )
+        chunk = max(1, min(chunk, len(distinct)))
+        blank = np.zeros((chunk, *decoded.shape[1:]), np.float32)
+        for start in range(0, len(distinct), chunk):
+            part = distinct[start : start + chunk]
+            for reward in scored:
+                reward(blank[: len(part)], part)
     except reward_registry.RewardShapeError as e:
         raise cfg.ConfigError(str(e)) from None
     except ValueError as e:
@@ -338,7 +369,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         raise cfg.ConfigError(sentence)
     image_shape = None
     if model.media != media_kinds.LATENTS:
-        one = jnp.zeros((1, *model.sample_shape), jnp.float32)
+        one = jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
         image_shape = jax.eval_shape(model.decode, one).shape[1:]
     check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
@@ -348,7 +379,8 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
             print(f"text encoders: {said}", flush=True)
     check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
     trained = list(dict.fromkeys(prompts.prompts))
-    check_prompts(model, reward.rewards.values(), trained, "prompts.source")
+    chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
+    check_prompts(model, reward.rewards.values(), trained, "prompts.source", chunk)
     # the eval's own prompts: through the training reward, and every prompt through the
     # held-out ones
     seen = set(trained)
@@ -357,8 +389,9 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         reward.rewards.values(),
         [p for p in eval_prompts if p not in seen],
         "the eval prompts",
+        chunk,
     )
-    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts")
+    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk)
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 

@@ -86,7 +86,7 @@ class MemoryPlan:
     training: str  # one line: full fine-tuning or LoRA, dtypes, remat
     parameters: int  # the denoiser's
     trained_parameters: int
-    sample_shape: tuple[int, ...]  # one sample, channels first
+    sample_shape: tuple[int, ...]  # one sample, as the model's `sample_shape`
     cond_shape: tuple[int, int]  # one prompt's conditioning [L, D]
     programs: tuple[ProgramMemory, ...]
     resident: dict[str, int]  # per-device bytes of what lives across programs

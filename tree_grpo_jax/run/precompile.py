@@ -21,6 +21,7 @@ import jax
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
+from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.run import memory
 from tree_grpo_jax.run.train_step import old_params
@@ -116,22 +117,25 @@ def check_fits(
     largest setting of its batch that would."""
     samples = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
     remat = "" if remat_mode(config.model.remat) != "none" else " (or set model.remat=True)"
+    # when not even one fits, the sample's own size may be what to lower
+    sized_by = model_registry.sample_settings(config.model)
+    sample = f", or {sized_by}" if sized_by else ""
     sizes = {  # program -> (its rows per device, the setting that sizes them, when none fit)
         "rollout": (
             config.prompts.batch_size // per_device,
             "prompts.batch_size={}",
             "even one prompt's tree does not fit: lower tree.k, tree.window, tree.num_trees "
-            "or tree.group_size",
+            f"or tree.group_size{sample}",
         ),
         "evaluation": (
             -(-samples // per_device),
             "at most {} eval samples (prompts.eval_count x eval.samples_per_prompt)",
-            "even one eval sample does not fit",
+            f"even one eval sample does not fit{': lower ' + sized_by if sized_by else ''}",
         ),
         "train step": (
             config.train.rows_per_minibatch // per_device,
             "train.rows_per_minibatch={}",
-            f"even one row does not fit{remat}",
+            f"even one row does not fit{remat}{sample}",
         ),
     }
     for name, (rows, setting, none_fit) in sizes.items():

@@ -3,8 +3,8 @@ own (`builtin:wan-1.3b`, `builtin:wan-14b`), through the loader's config checks 
 builders.
 
 The conditioning is umT5's states: `t5_max_length` tokens as wide as the transformer's
-`text_dim`. A sample is one video's latents [16, F, h, w]; the decoder planned is the Wan
-VAE's, giving [B, T, H, W, 3].
+`text_dim`. A sample is one video's latents [F, h, w, 16], channels last; the decoder
+planned is the Wan VAE's, giving [B, T, H, W, 3].
 """
 
 from __future__ import annotations

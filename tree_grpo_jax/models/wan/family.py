@@ -90,6 +90,7 @@ FAMILY = registry.register(
         # `lora.targets` can name those too ("ffn/net_0/proj", "ffn/net_2").
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
+        sample_settings=("resolution", "num_frames"),
         export=registry.deferred_export("transformer", "tree_grpo_jax.models.wan.export"),
         abstract=registry.path_loader(
             "tree_grpo_jax.models.wan.abstract:abstract_wan", LOADER_OPTIONS, remat=True

@@ -7,13 +7,13 @@ sharded), `tokenizer/` and `scheduler/`. Weights are read in numpy (torch is nev
 Only the transformer's weights are trainable `params`; umT5 and the VAE decoder are frozen
 and closed over by `encode_prompts` and `decode`.
 
-A sample is one video's latents, channels first as WanPipeline holds them: [16, F, h, w] with
-F = (frames - 1) / 4 + 1 latent frames and h, w the pixel sides / 8. The denoiser moves the
-channels last for the transformer and back. Its timestep is `1000 * sigma`, as the pipeline
-passes its scheduler's timesteps. A prompt's conditioning is umT5's last hidden states over
-`t5_max_length` tokens, zero past the prompt's own tokens (as `WanPipeline.encode_prompt`
-gives them); prompts are encoded once and cached, so umT5 (5.7B parameters) can be released
-before training (`prepare_prompts`).
+A sample is one video's latents channels last, [F, h, w, 16], the layout the transformer,
+the VAE and the decoded videos share (WanPipeline holds them channels first, [16, F, h, w]),
+with F = (frames - 1) / 4 + 1 latent frames and h, w the pixel sides / 8. The denoiser's
+timestep is `1000 * sigma`, as the pipeline passes its scheduler's timesteps. A prompt's
+conditioning is umT5's last hidden states over `t5_max_length` tokens, zero past the
+prompt's own tokens (as `WanPipeline.encode_prompt` gives them); prompts are encoded once
+and cached, so umT5 (5.7B parameters) can be released before training (`prepare_prompts`).
 
 The schedule's sigmas are the folder's scheduler's: the release's `UniPCMultistepScheduler`
 with `use_flow_sigmas` spaces N sigmas from 1 down to `1 / T` and shifts them by its
@@ -191,9 +191,10 @@ def check_channels(transformer_config: dict, vae_config: dict, where: Path) -> N
 def sample_shape(
     transformer_config: dict, vae_config: dict, resolution, num_frames: int
 ) -> tuple[int, int, int, int]:
-    """One video's latents, channels first: (z_dim, (frames - 1) / t + 1, H / s, W / s) for
+    """One video's latents, channels last: ((frames - 1) / t + 1, H / s, W / s, z_dim) for
     the VAE's spatial factor s and temporal factor t; the sides must be multiples of s times
-    the transformer's patch and the frames t k + 1 (one sentence otherwise)."""
+    the transformer's patch, the frames t k + 1, and the tokens along each axis at most the
+    rotary embedding's positions, `rope_max_seq_len` (one sentence otherwise)."""
     size = family.resolution_of(resolution)
     if size is None:
         raise ModelLoadError(f"model.wan.resolution must be (height, width), got {resolution!r}.")
@@ -211,43 +212,49 @@ def sample_shape(
             f"model.wan.num_frames {num_frames} must be {temporal}k + 1 (the VAE makes one "
             f"latent frame of every {temporal} frames after the first)."
         )
+    # The transformer gives each token a rotary position per axis: past its table the
+    # tokens have none (and a long video's prompt check alone would not fit in memory).
+    positions = transformer_config.get("rope_max_seq_len", 1024)
+    most_frames = temporal * (positions * patch[0] - 1) + 1
+    if num_frames > most_frames:
+        raise ModelLoadError(
+            f"model.wan.num_frames {num_frames} is more than the {most_frames} this "
+            f"transformer can place ({positions} rotary positions along time, its "
+            f"rope_max_seq_len, of {patch[0]} latent frame each)."
+        )
+    most_side = positions * multiple
+    if max(size) > most_side:
+        raise ModelLoadError(
+            f"model.wan.resolution {size[0]}x{size[1]} is larger than the {most_side} pixels "
+            f"a side this transformer can place ({positions} rotary positions per axis, its "
+            f"rope_max_seq_len, of {multiple} pixels each)."
+        )
     channels = vae_config.get("z_dim", 16)
-    return (channels, (num_frames - 1) // temporal + 1, size[0] // spatial, size[1] // spatial)
+    return ((num_frames - 1) // temporal + 1, size[0] // spatial, size[1] // spatial, channels)
 
 
 def make_denoise(module):
-    """`(params, x [B, C, F, h, w], t [B] (1000 sigma), cond [B, L, text_dim]) -> velocity
-    [B, C, F, h, w]`, as WanPipeline calls its transformer."""
+    """`(params, x [B, F, h, w, C], t [B] (1000 sigma), cond [B, L, text_dim]) -> velocity
+    [B, F, h, w, C]`, as WanPipeline calls its transformer (there channels first)."""
 
     def denoise(params, x, t, cond):
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
-        latents = jnp.moveaxis(x, 1, -1).astype(module.dtype)
-        out = module.apply({"params": params}, latents, t, cond.astype(module.dtype))
-        return jnp.moveaxis(out, -1, 1).astype(x.dtype)
+        out = module.apply({"params": params}, x.astype(module.dtype), t, cond.astype(module.dtype))
+        return out.astype(x.dtype)
 
     return denoise
 
 
-def make_decode(decode_latents: Callable) -> Callable:
-    """`(decoder params, latents [B, C, F, h, w]) -> videos [B, T, H, W, 3]` in [0, 1];
-    `decode_latents` is the VAE's `decode_fn`, which takes the latents channels last."""
-
-    @jax.jit
-    def decode(params, latents):
-        return decode_latents(params, jnp.moveaxis(latents, 1, -1))
-
-    return decode
-
-
 def abstract_decoder(vae_config: dict, where: Path, dtype, batch_size: int):
     """`(decode, decoder params as ShapeDtypeStructs in dtype)` of a `vae/config.json`, for
-    the plan; nothing is computed."""
+    the plan; nothing is computed. `decode` is the VAE's `decode_fn`: latents [B, F, h, w, C]
+    (the samples' own layout) -> videos [B, T, H, W, 3]."""
     try:
         module = vae.decoder_module(vae_config, dtype)
     except ValueError as e:
         raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
     shapes = jax.eval_shape(lambda p: cast_floats(p, dtype), vae.decoder_shapes(module))
-    return make_decode(vae.decode_fn(module, vae_config, dtype, batch_size)), shapes
+    return vae.decode_fn(module, vae_config, dtype, batch_size), shapes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,9 +322,7 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
         folders["transformer"], dtype, **components.module_options(options)
     )
     decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
-    decode_latents = make_decode(
-        vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
-    )
+    decode_latents = vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
     encoder = load_text_encoder(
         root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
     )
