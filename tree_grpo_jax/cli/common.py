@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -50,6 +51,11 @@ def starting(command: str, torch_free: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def quiet_orbax() -> None:
+    """orbax logs every file it writes at INFO, through absl's logger: warnings only."""
+    logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 def fail(message: str, status: int) -> None:
