@@ -20,7 +20,13 @@ import re
 import sys
 import traceback
 
-from tree_grpo_jax.cli.common import EXIT_BAD_INPUT, EXIT_SIGNAL, command_parser, fail
+from tree_grpo_jax.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_SIGNAL,
+    command_parser,
+    fail,
+    print_out,
+)
 from tree_grpo_jax.errors import first_line
 
 
@@ -399,11 +405,7 @@ def _config_text(config) -> str:
 
 
 def _print_and_exit(text: str) -> None:
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:  # `| head` has what it asked for; no traceback at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print_out(text.rstrip("\n"))
     sys.exit(0)
 
 

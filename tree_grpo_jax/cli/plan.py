@@ -15,7 +15,8 @@ family keeps as data (the hub id of such a release needs no download either).
 again on N simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N,
 JAX_PLATFORMS=cpu): a CPU compile, whose buffer sizes approximate an accelerator's.
 
-Exit status: 0 planned; 2 bad input (one `error:` sentence on stderr).
+Exit status: 0 planned; 2 bad input (one `error:` sentence on stderr); 1 the plan could not
+be printed (stdout refused it: a full disk).
 """
 
 from __future__ import annotations
