@@ -41,7 +41,11 @@ from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F4
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
-PARSER = cli.config_parser("evaluate", __doc__)
+PARSER = cli.config_parser(
+    "evaluate",
+    __doc__,
+    workdir_help="A training run's folder: its config.json and checkpoints, read-only.",
+)
 STEP = cli.define(
     PARSER, "step", None, "The run's checkpoint to evaluate (default: latest).", type=int
 )
