@@ -502,7 +502,8 @@ def test_an_override_is_given_once_and_typed_by_its_field(tmp_path, args, messag
 
 def test_overrides_take_the_fields_types(tmp_path):
     """Each value is read as its field's type: an int for a float field, a bare bool flag,
-    `--noconfig.` for False, a tuple literal and a bare word as a one-entry tuple."""
+    `--noconfig.` for False, a tuple literal and a bare word as a one-entry tuple, a value
+    after a space."""
     result = run_in_process(
         "--config=configs/tiny.py",
         "--config.train.learning_rate=3",
@@ -512,6 +513,8 @@ def test_overrides_take_the_fields_types(tmp_path):
         "--config.tree.split_steps=0,3",
         "--config.eval.extra_rewards=digit_accuracy",
         "--config.name=1e3",
+        "--config.train.rows_per_minibatch",  # a value after a space, for a field no bool
+        "8",
         "--print_config",
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -524,6 +527,7 @@ def test_overrides_take_the_fields_types(tmp_path):
         "tree.split_steps: (0, 3)",
         "eval.extra_rewards: ('digit_accuracy',)",
         "name: '1e3'",
+        "train.rows_per_minibatch: 8",
     ):
         assert line in lines
 

@@ -203,11 +203,27 @@ def load_config(path: str):
 # Overrides: `--config.<field>=<value>`, each typed by the field's value in the config.
 
 
-def _split_overrides(words: list[str]) -> tuple[list[tuple[str, str, str | None]], list[str]]:
+def _kind(config, field: str):
+    """The type of `field` in `config` (None: no such field, or no config)."""
+    import ml_collections
+
+    parent, _, key = field.rpartition(".")
+    node = config
+    for part in parent.split(".") if parent else ():
+        node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        return None
+    return node.get_type(key)
+
+
+def _split_overrides(words: list[str], config=None):
     """The overrides, (flag as typed, field, value or None for a bare `--config.f`), and the
-    other words; `--noconfig.f` is `--config.f=false`, as before."""
+    other words; `--noconfig.f` is `--config.f=false`, and, with `config`, the word after a
+    bare `--config.f` of a field that is no bool is its value (`--config.f 3`), as before."""
     overrides, others = [], []
-    for word in words:
+    words = list(words)
+    while words:
+        word = words.pop(0)
         match = re.match(r"--(no)?config\.([^=]*)(=(.*))?$", word, re.DOTALL)
         if match is None:
             others.append(word)
@@ -215,6 +231,11 @@ def _split_overrides(words: list[str]) -> tuple[list[tuple[str, str, str | None]
         negated, field, value = match.group(1), match.group(2), match.group(4)
         if negated:
             value = "false" if value is None else None  # `--noconfig.f=x` is no bool
+        elif value is None and words and not words[0].startswith("-"):
+            kind = _kind(config, field) if config is not None else None
+            if kind is not None and kind is not bool:
+                value = words.pop(0)
+                word = f"{word} {value}"
         overrides.append((word, field, value))
     return overrides, others
 
@@ -419,9 +440,11 @@ def _parse(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     if any(w.split("=", 1)[0] in HELP_FLAGS for w in words):
         _print_and_exit(parser.format_help())
     overrides, others = _split_overrides(words)
-    args, extras = parser.parse_known_args(others)
-    path = args.config
+    path = parser.parse_known_args(others)[0].config
     config = load_config(path) if path is not None else None
+    if config is not None:  # now the fields' types tell `--config.f 3` from a bare bool
+        overrides, others = _split_overrides(words, config)
+    args, extras = parser.parse_known_args(others)
     for word in [*extras, *after]:
         if word.startswith("-") and word != "-":
             raise BadCommandLine(_unknown_flag(word, parser, config))
