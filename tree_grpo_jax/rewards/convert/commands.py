@@ -178,7 +178,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="command", required=True, metavar="{hpsv2,aesthetic,imagereward}"
     )
     hps = commands.add_parser(
-        "hpsv2", help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder"
+        "hpsv2",
+        help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder",
+        allow_abbrev=False,
     )
     hps.add_argument(
         "--checkpoint", required=True, help="the release file, e.g. HPS_v2.1_compressed.pt"
@@ -188,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     hps.add_argument("--tokenizer", help="a Hugging Face CLIP folder to copy the tokenizer from")
     aes = commands.add_parser(
-        "aesthetic", help="LAION aesthetic predictor v2 + its CLIP image tower"
+        "aesthetic", help="LAION aesthetic predictor v2 + its CLIP image tower", allow_abbrev=False
     )
     aes.add_argument(
         "--checkpoint",
@@ -199,7 +201,9 @@ def _parser() -> argparse.ArgumentParser:
         "--clip", required=True, help="a transformers CLIP folder (openai/clip-vit-large-patch14)"
     )
     ir = commands.add_parser(
-        "imagereward", help="ImageReward v1.0 (BLIP) -> a folder of safetensors and JSON"
+        "imagereward",
+        help="ImageReward v1.0 (BLIP) -> a folder of safetensors and JSON",
+        allow_abbrev=False,
     )
     ir.add_argument("--checkpoint", required=True, help="the release file, ImageReward.pt")
     ir.add_argument("--tokenizer", required=True, help="a bert-base-uncased folder (vocab.txt)")
