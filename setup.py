@@ -29,7 +29,6 @@ setup(
         "optax>=0.2.4",
         "orbax-checkpoint>=0.11",
         "ml_collections>=1.0",
-        "absl-py>=2.0",
         "chex>=0.1.89",
         # The Flax model classes live only in these ranges (see README, "Dependencies").
         "diffusers>=0.36,<0.40",

@@ -55,6 +55,7 @@ import numpy as np
 
 from benchmarks import random_models
 from benchmarks.common import PRESETS, default_out, markdown_table
+from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.run import memory
 
@@ -71,7 +72,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "T
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     built = [a.name for a in random_models.ARCHITECTURES if a.build]
     p.add_argument("--smoke", action="store_true", help="tiny models, few steps: runs on CPU")
     p.add_argument(

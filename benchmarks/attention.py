@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import default_out
+from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.models import attention as attn
 
 # (name, tokens, heads, head_dim): SD3.5-M at 512 px (1024 image + 333 text tokens), FLUX at
@@ -56,7 +57,7 @@ def measure(tokens: int, heads: int, head_dim: int, backend: str, dtype) -> dict
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=default_out("attention"), help="results folder")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)

@@ -21,7 +21,6 @@ says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -35,6 +34,7 @@ import tempfile
 import time
 
 from benchmarks.common import default_out
+from tree_grpo_jax.errors import OneLineErrors
 
 COMMAND = [sys.executable, "-m", "tree_grpo_jax.main", "--config=configs/tiny.py"]
 MARKS = {  # progress line -> the name of the moment it arrives
@@ -96,7 +96,7 @@ def _median(runs: list[dict], key: str) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrors(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--checkout",
         action="append",

@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax import lora
+from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.models.registry import family_of
 
 RANKS = (4, 32, 128)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=20, help="timed train steps of each kind")
     p.add_argument("--smoke", action="store_true", help="3 timed steps: checks the code")
     p.add_argument(

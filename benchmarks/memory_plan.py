@@ -28,6 +28,7 @@ import sys
 import time
 
 from benchmarks.common import default_out
+from tree_grpo_jax.errors import OneLineErrors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = {
@@ -39,7 +40,7 @@ GB = 1e9
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", default="sd15,sd35m", help="configs/<name>.py, comma-separated")
     p.add_argument("--fsdp", default="1,2,4,8", help="mesh.fsdp values")
     p.add_argument("--lora", default="0,32", help="lora.rank values (0: full fine-tuning)")

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.errors import OneLineErrors
+
 # The two architectures the preference rewards use (transformers CLIPConfig fields).
 ARCHITECTURES = {
     "vit_l14": dict(  # openai/clip-vit-large-patch14: aesthetic, clip_score
@@ -59,7 +61,7 @@ SMOKE = dict(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="vit_l14,vit_h14", help="comma-separated architectures")
     p.add_argument("--batch", type=int, default=4, help="images per call")
     p.add_argument("--image-size", type=int, default=512, help="decoded image side")

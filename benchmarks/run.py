@@ -51,6 +51,7 @@ from benchmarks.common import (
 )
 from benchmarks.presets import Settings, load_model, make_config
 from tree_grpo_jax import methods
+from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run.prompts import load_prompts
 
@@ -95,7 +96,7 @@ ENGINE_GUIDANCE = 3.0  # the tiny demo's guidance scale: the node loop runs a ba
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="about 3 minutes on 2 CPU cores")
     mode.add_argument("--smoke", action="store_true", help="a stand-in model; checks the code")

@@ -58,6 +58,7 @@ from benchmarks import training
 from benchmarks.common import _plain, default_out, fmt_stats, machine, pyplot, smoke_rng, stats
 from benchmarks.presets import Settings, load_model, make_config, minibatches_per_iteration
 from tree_grpo_jax import methods
+from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.run import compile_cache
 from tree_grpo_jax.run import loop as train
 
@@ -782,7 +783,7 @@ def report(payload: dict, out: str, group: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a stand-in model; checks the code")
     p.add_argument("--group", default=None, choices=tuple(GROUPS), help="which settings")
     p.add_argument("--settings", default=None, help="comma-separated settings (overrides --group)")

@@ -15,27 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_in_process(module, *args, prog: str | None = None) -> subprocess.CompletedProcess:
     """`module.main` on `args` parsed as its command line parses them, from the repository
     root; stdout, stderr and the exit status as `subprocess.run` would give them."""
-    from absl import flags
+    from tree_grpo_jax.cli import config_flag
 
-    from tree_grpo_jax.cli import main as cli
-
-    flags.FLAGS.unparse_flags()
     out, err = io.StringIO(), io.StringIO()
     cwd, argv = os.getcwd(), sys.argv
     code = 0
     try:
         os.chdir(ROOT)
-        sys.argv = [prog or module.__name__, *args]  # the config flag reads its overrides here
+        sys.argv = [prog or module.__name__, *args]  # a run's printed command reads them here
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            module.main(cli.parse_flags(sys.argv))
+            module.main(config_flag.parse_flags(sys.argv, module.PARSER))
     except SystemExit as e:
         code = e.code
     finally:
         os.chdir(cwd)
         sys.argv = argv
-        flags.FLAGS.unparse_flags()
-        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-            delattr(flags.FLAGS, name)  # the overrides' flags, registered per parse
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

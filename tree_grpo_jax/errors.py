@@ -8,6 +8,8 @@ sentence. This module imports nothing of the package, so every layer may use it.
 
 from __future__ import annotations
 
+import argparse
+
 
 class UserError(ValueError):
     """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
@@ -44,3 +46,11 @@ def reason(error: BaseException, limit: int = 200) -> str:
     `limit` characters of the message; the class name alone when the message is empty."""
     text = first_line(error, default="").rstrip(".")[:limit]
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, with a command line it cannot parse said in one `error:` line (exit 2): the
+    parser of every command."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {first_line(message).rstrip('.')} (see {self.prog} --help).\n")

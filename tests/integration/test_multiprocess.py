@@ -57,6 +57,8 @@ def _free_port() -> int:
 def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
     """`processes` CLI processes (one CPU device each) training into one workdir."""
     port = _free_port()
+    given = {e.split("=")[0] for e in extra}  # a field is given once: `extra` replaces COMMON's
+    common = [a for a in COMMON if a.split("=")[0] not in given]
     procs = []
     for index in range(processes):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
@@ -73,7 +75,7 @@ def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]
                     sys.executable,
                     "-m",
                     "tree_grpo_jax.main",
-                    *COMMON,
+                    *common,
                     f"--config.prompts.batch_size={GLOBAL_PROMPTS // processes}",
                     f"--workdir={workdir}",
                     *extra,

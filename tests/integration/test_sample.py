@@ -3,6 +3,7 @@ eval pictures bit for bit, the same arguments draw the same bytes, a damaged new
 checkpoint is passed over and named, and bad input is one `error:` line, exit status 2,
 nothing written."""
 
+import json
 import os
 import shutil
 
@@ -208,3 +209,22 @@ def test_a_signal_in_the_write_waits_for_the_pictures_and_says_so(tmp_path):
     )
     assert "the write returned" not in result.stdout
     assert sorted(p.name for p in out.iterdir()) == ["000_a_0.png", "001_a_1.png", "grid.png"]
+
+
+def test_a_missing_model_path_is_named_by_the_flag_typed(run, tmp_path, capsys):
+    """The run is an SD1.5 one as far as its config.json says, so `--model_path` matters:
+    the loader's sentence about the folder names `--model_path`, not training's flag."""
+    workdir = tmp_path / "sd_run"
+    shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("samples"))
+    saved = json.loads((workdir / "config.json").read_text())
+    saved["model"]["name"] = "sd"
+    (workdir / "config.json").write_text(json.dumps(saved))
+    missing = tmp_path / "no_such_sd15"
+    before = _listing(workdir)
+    code = sample.main([f"--workdir={workdir}", f"--model_path={missing}", "--prompt=a 1"])
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, err
+    assert str(missing) in errors[0] and "--model_path" in errors[0], errors[0]
+    assert "--config." not in errors[0], errors[0]
+    assert _listing(workdir) == before

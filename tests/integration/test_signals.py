@@ -145,9 +145,27 @@ def test_other_commands_stop_with_one_line_and_exit_130(tmp_path):
         "convert": ["tree_grpo_jax.rewards.convert", "hpsv2", f"--checkpoint={fifo}"]
         + [f"--out={tmp_path / 'out'}"],
     }
+    # the converter's read of the release: its `reading` line comes just before it
+    prefixes = {"convert": "reading "}
     for name, args in commands.items():
         proc = _start([sys.executable, "-m", *args])
-        lines, _ = _signal_at(proc, "tree_grpo_jax.", signal.SIGINT)
+        lines, _ = _signal_at(proc, prefixes.get(name, "tree_grpo_jax."), signal.SIGINT)
         assert proc.returncode == 130, (name, lines[-10:])
         assert "stopped" in _error_line(lines), (name, lines)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_converter_stops_while_jax_imports(tmp_path, signum, status):
+    """`python -m tree_grpo_jax.rewards.convert` imports the rewards package, JAX with it,
+    before its own `__main__` runs: a signal then is the converter's one line and status,
+    not a KeyboardInterrupt swallowed by JAX's import (the run going on, exit 0) or a silent
+    death by SIGTERM."""
+    out = tmp_path / "out"
+    args = ["aesthetic", f"--checkpoint={tmp_path / 'x.pth'}", f"--clip={tmp_path}", f"--out={out}"]
+    proc = _start([sys.executable, "-m", "tree_grpo_jax.rewards.convert", *args])
+    lines, seconds = _signal_at(proc, "tree_grpo_jax.rewards.convert: starting", signum)
+    assert proc.returncode == status, lines[-10:]
+    line = _error_line(lines)
+    assert line.startswith(f"error: {signal.Signals(signum).name} stopped the conversion;"), line
+    assert seconds < STOP_WITHIN_S and not out.exists()

@@ -8,6 +8,7 @@ CLIP's tensors and image features for `aesthetic`.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -365,3 +366,34 @@ def test_command_line_usage_error_exits_2(tmp_path):
     )
     assert result.returncode == 2, result.stderr
     assert "invalid choice" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_writing_leaves_the_folder_whole_or_nothing(
+    aesthetic_release, tmp_path, signum, status
+):
+    """Ctrl-C or SIGTERM as the converter says it writes: one line, exit 130 / 143, and
+    either no folder (and no staging folder) or the whole one, as the line says."""
+    checkpoint, clip_dir, _, _ = aesthetic_release
+    out = tmp_path / "aesthetic"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tree_grpo_jax.rewards.convert", "aesthetic",
+         f"--checkpoint={checkpoint}", f"--clip={clip_dir}", f"--out={out}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("writing "):
+            proc.send_signal(signum)
+    assert proc.wait(timeout=300) == status, lines[-10:]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines[-10:]
+    assert _no_staging_left(tmp_path)
+    if "written whole" in errors[0]:
+        written = ["config.json", "model.safetensors", "aesthetic_mlp.safetensors"]
+        assert sorted(p.name for p in out.iterdir()) == sorted([*written, "reward_config.json"])
+    else:
+        assert "nothing was written" in errors[0] and not out.exists(), errors[0]

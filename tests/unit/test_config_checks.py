@@ -475,6 +475,63 @@ def test_a_bad_command_line_is_one_sentence_and_writes_nothing(tmp_path, args, m
     assert not (tmp_path / "run").exists() and not cache.exists()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.tree.split_steps=(0,3)", "--config.tree.split_steps=(1,2)"],
+         "--config.tree.split_steps is given twice (--config.tree.split_steps=(0,3) and "
+         "--config.tree.split_steps=(1,2)); give each field once."),
+        (["--config.train.iterations=3", "--noconfig.train.iterations"],
+         "--config.train.iterations is given twice"),
+        (["--noconfig.train.iterations"],
+         "--noconfig.train.iterations has the wrong type for that field (an integer is expected)."),
+        (["--config.log.tensorboard=False", "--config.log.tensorboard"],
+         "--config.log.tensorboard is given twice"),
+        (["--config.train.iterations"], "--config.train.iterations needs a value"),
+        (["--config.log.tensorboard=maybe"], "(true or false is expected)."),
+        (["--config.tree=3"], "--config.tree is a section of the config"),
+        (["--config.tree.split_steps=a b,c"], "quote each entry"),
+    ],
+)  # fmt: skip
+def test_an_override_is_given_once_and_typed_by_its_field(tmp_path, args, message):
+    result = run_in_process("--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}", *args)
+    assert result.returncode == 2
+    assert message in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+
+
+def test_overrides_take_the_fields_types(tmp_path):
+    """Each value is read as its field's type: an int for a float field, a bare bool flag,
+    `--noconfig.` for False, a tuple literal and a bare word as a one-entry tuple, a value
+    after a space."""
+    result = run_in_process(
+        "--config=configs/tiny.py",
+        "--config.train.learning_rate=3",
+        "--config.train.iterations=0x10",
+        "--noconfig.log.tensorboard",
+        "--config.log.progress",
+        "--config.tree.split_steps=0,3",
+        "--config.eval.extra_rewards=digit_accuracy",
+        "--config.name=1e3",
+        "--config.train.rows_per_minibatch",  # a value after a space, for a field no bool
+        "8",
+        "--print_config",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    for line in (
+        "train.learning_rate: 3.0",
+        "train.iterations: 16",
+        "log.tensorboard: False",
+        "log.progress: True",
+        "tree.split_steps: (0, 3)",
+        "eval.extra_rewards: ('digit_accuracy',)",
+        "name: '1e3'",
+        "train.rows_per_minibatch: 8",
+    ):
+        assert line in lines
+
+
 def test_no_default_workdir_for_a_bad_value():
     name = f"config_checks_{uuid.uuid4().hex[:8]}"
     result = run_in_process(

@@ -8,9 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 from flax import struct
-from ml_collections import config_flags
 from scipy import stats
 
 from configs import base
@@ -328,11 +326,10 @@ def test_bad_flow_sde_is_one_sentence():
 
 def with_flags(config, *overrides):
     """`config` with command-line overrides applied as the trainer's flag applies them."""
-    argv = ["train", *overrides]
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_dict("config", config, flag_values=values, sys_argv=argv)
-    values(argv)
-    return values.config
+    from tree_grpo_jax.cli import config_flag
+
+    parsed, _ = config_flag._split_overrides(list(overrides))
+    return config_flag.apply_overrides(config, parsed)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shlex
@@ -16,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import UserError
+from tree_grpo_jax.errors import OneLineErrors, UserError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -51,6 +52,11 @@ def starting(command: str, torch_free: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def quiet_orbax() -> None:
+    """orbax logs every file it writes at INFO, through absl's logger: warnings only."""
+    logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 def fail(message: str, status: int) -> None:
@@ -97,12 +103,21 @@ def latest_checkpoint(directory: str) -> int | None:
 
 
 def print_out(text: str) -> None:
-    """`print(text)` to stdout; a reader that closed the pipe (`| head`) already has what it
-    wanted: no BrokenPipeError traceback, now or when Python flushes stdout at exit."""
+    """`print(text)` to stdout. A reader that closed the pipe (`| head`) already has what it
+    wanted: no BrokenPipeError traceback, now or when Python flushes stdout at exit. Any
+    other failure to write (`> /dev/full`: no space left) is one `error:` line, exit 1."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
+    except OSError as e:
+        _drop_stdout()  # or the flush at exit fails again, with a traceback
+        fail(f"could not write the output to stdout: {e.strerror or e}.", EXIT_FAILED)
+
+
+def _drop_stdout() -> None:
+    """What is still buffered for stdout goes nowhere."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def remove_if_empty(workdir: str) -> None:
@@ -113,13 +128,6 @@ def remove_if_empty(workdir: str) -> None:
         if files:
             return
     shutil.rmtree(workdir, ignore_errors=True)
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse, with a command line it cannot parse said in one `error:` line (exit 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help).\n")
 
 
 def command_parser(command: str, description: str, epilog: str) -> OneLineErrors:

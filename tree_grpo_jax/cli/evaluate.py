@@ -35,8 +35,6 @@ import shlex
 import sys
 import time
 
-from absl import app, flags, logging
-
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
@@ -44,16 +42,30 @@ from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F4
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
-STEP = flags.DEFINE_integer("step", None, "The run's checkpoint to evaluate (default: latest).")
-PROMPTS = flags.DEFINE_string(
-    "prompts", None, "A prompt file or built-in set (default: the run's eval prompts)."
+PARSER = cli.config_parser(
+    "evaluate",
+    __doc__,
+    workdir_help="A training run's folder: its config.json and checkpoints, read-only.",
 )
-SAMPLES = flags.DEFINE_integer("samples_per_prompt", 4, "Fixed noises (samples) per prompt.")
-METRICS = flags.DEFINE_string(
-    "metrics", None, "Comma-separated reward names (default: the run's rewards and extras)."
+STEP = cli.define(
+    PARSER, "step", None, "The run's checkpoint to evaluate (default: latest).", type=int
 )
-OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/evaluation).")
-CHUNK = flags.DEFINE_integer("prompts_per_chunk", 32, "Prompts per saved chunk of results.")
+PROMPTS = cli.define(
+    PARSER, "prompts", None, "A prompt file or built-in set (default: the run's eval prompts)."
+)
+SAMPLES = cli.define(
+    PARSER, "samples_per_prompt", 4, "Fixed noises (samples) per prompt.", type=int, metavar="K"
+)
+METRICS = cli.define(
+    PARSER,
+    "metrics",
+    None,
+    "Comma-separated reward names (default: the run's rewards and extras).",
+)
+OUT = cli.define(PARSER, "out", None, "Output folder (default: <workdir>/evaluation).")
+CHUNK = cli.define(
+    PARSER, "prompts_per_chunk", 32, "Prompts per saved chunk of results.", type=int, metavar="N"
+)
 
 GRID_PROMPTS = 10
 TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py)
@@ -394,9 +406,9 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
             f.write(head + _table(rows, columns))
 
 
-def main(argv) -> None:
+def main(argv=None) -> None:
     del argv
-    logging.set_verbosity(logging.WARNING)
+    common.quiet_orbax()
     from tree_grpo_jax.run import loop as train
 
     workdir = cli.WORKDIR.value
@@ -435,7 +447,7 @@ def main(argv) -> None:
 
 def run() -> None:
     common.starting("evaluate")
-    app.run(main, flags_parser=cli.parse_flags)
+    main(cli.parse_flags(sys.argv, PARSER))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ import datetime
 import os
 import sys
 
-from absl import app, logging
-
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli.common import (  # noqa: F401 - the commands' shared names, re-exported
     EXIT_BAD_INPUT,
@@ -31,6 +29,7 @@ from tree_grpo_jax.cli.common import (  # noqa: F401 - the commands' shared name
     EXIT_SIGNAL,
     fail,
     latest_checkpoint,
+    quiet_orbax,
     remove_if_empty,
     run_command,
     starting,
@@ -39,9 +38,12 @@ from tree_grpo_jax.cli.config_flag import (  # noqa: F401 - re-exported
     CONFIG,
     PRINT_CONFIG,
     WORKDIR,
+    config_parser,
     parse_flags,
 )
 from tree_grpo_jax.errors import first_line
+
+PARSER = config_parser("main", __doc__)
 
 
 def default_workdir(name: str) -> str:
@@ -58,51 +60,58 @@ def default_workdir(name: str) -> str:
 # The run.
 
 
-def main(argv) -> None:
-    del argv
-    logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
-    # Imported here so that `--help` and flag errors answer before JAX starts.
+def _checked_config():
+    """The config of the command line, validated before the compilation cache's folder, or
+    the workdir, is made."""
+    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.rewards import registry as reward_registry
     from tree_grpo_jax.run import loop as train
-    from tree_grpo_jax.run import reporting
-
-    reporting.survive_closed_streams()  # a closed `| tee` must not lose an iteration
 
     config = CONFIG.value
     if config is None:
         fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
-    # Checked before the compilation cache's folder, or the workdir, is made.
-    from tree_grpo_jax import config as cfg
-    from tree_grpo_jax.rewards import registry as reward_registry
-
     try:
         cfg.validate(config, known_rewards=reward_registry.available_rewards())
     except train.BAD_INPUT as e:
         fail(first_line(e), EXIT_BAD_INPUT)
-    workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
+    return config
+
+
+def _kept(checkpoints: str, command: str) -> str:
+    """Where the run stands now, and the command that goes on from there."""
+    step = latest_checkpoint(checkpoints)
+    if "://" in checkpoints:
+        return f"resume it from its last checkpoint in {checkpoints} with: {command}"
+    if step is None:
+        return f"nothing was trained yet; start it again with: {command}"
+    return f"its checkpoint after iteration {step} is kept; resume it with: {command}"
+
+
+def _enable_compile_cache(config) -> None:
+    cache = config.get("compile_cache")
+    if cache is None or not cache.enabled:
+        return
+    from tree_grpo_jax.run import compile_cache
+
+    try:
+        compile_cache.enable(cache.dir or None)
+    except OSError as e:  # a cold start, not a failure
+        print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
+
+
+def _train(config, workdir: str) -> dict:
+    """`train.train`, every way it can stop told in one line with the command that goes on."""
+    from tree_grpo_jax.run import loop as train
+
     existed = os.path.exists(workdir)
     command = run_command("main", workdir)
     checkpoints = train.checkpoint_dir(config, workdir)
-
-    def kept() -> str:
-        """Where the run stands now, and the command that goes on from there."""
-        step = latest_checkpoint(checkpoints)
-        if "://" in checkpoints:
-            return f"resume it from its last checkpoint in {checkpoints} with: {command}"
-        if step is None:
-            return f"nothing was trained yet; start it again with: {command}"
-        return f"its checkpoint after iteration {step} is kept; resume it with: {command}"
-
-    interrupts.set_stop_line(lambda name: f"{name} stopped the run at once; {kept()}")
-    cache = config.get("compile_cache")
-    if cache is not None and cache.enabled:
-        from tree_grpo_jax.run import compile_cache
-
-        try:
-            compile_cache.enable(cache.dir or None)
-        except OSError as e:  # a cold start, not a failure
-            print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
+    interrupts.set_stop_line(
+        lambda name: f"{name} stopped the run at once; {_kept(checkpoints, command)}"
+    )
+    _enable_compile_cache(config)
     try:
-        summary = train.train(config, workdir)
+        return train.train(config, workdir)
     except train.BAD_INPUT as e:  # what the run created is gone already
         fail(first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
@@ -119,7 +128,7 @@ def main(argv) -> None:
         if not existed:
             remove_if_empty(workdir)
         fail(
-            f"{e.signal_name} stopped the run at once; {kept()}",
+            f"{e.signal_name} stopped the run at once; {_kept(checkpoints, command)}",
             EXIT_SIGNAL.get(e.signal_name, 130),
         )
     except (train.RewardError, train.DivergenceError, train.OutOfMemory, train.SaveError) as e:
@@ -129,18 +138,17 @@ def main(argv) -> None:
             after = f" To resume from the checkpoint after iteration {step}: {command}"
         fail(f"{e}{after}", EXIT_FAILED)
 
-    from tree_grpo_jax import sharding
 
-    if not sharding.is_primary():  # the primary process reports for all
-        return
+def _report(summary: dict, workdir: str) -> None:
+    """The last lines: the run's outcome and the command that trains it further."""
     if summary.get("guard_stop"):  # the loop printed why, and which checkpoint is best
         return
+    further = run_command("main", workdir, train__iterations=2 * summary["iterations"])
     if summary.get("already_finished"):
         print(
             f"already finished: {workdir} holds all {summary['iterations']} iterations "
             f"(eval reward {summary['last_eval_reward']:.4g}); to train further, raise "
-            "--config.train.iterations: "
-            f"{run_command('main', workdir, train__iterations=2 * summary['iterations'])}",
+            f"--config.train.iterations: {further}",
             flush=True,
         )
         return
@@ -154,15 +162,31 @@ def main(argv) -> None:
         f"  samples after:  {summary['last_grid']}\n"
         f"  reward curve:   {summary['reward_curve']}\n"
         f"  metrics:        {os.path.join(workdir, 'metrics.jsonl')}\n"
-        f"  train further:  "
-        f"{run_command('main', workdir, train__iterations=2 * summary['iterations'])}",
+        f"  train further:  {further}",
         flush=True,
     )
 
 
+def main(argv=None) -> None:
+    del argv
+    quiet_orbax()
+    # Imported here so that `--help` and flag errors answer before JAX starts.
+    from tree_grpo_jax.run import reporting
+
+    reporting.survive_closed_streams()  # a closed `| tee` must not lose an iteration
+    config = _checked_config()
+    workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
+    summary = _train(config, workdir)
+
+    from tree_grpo_jax import sharding
+
+    if sharding.is_primary():  # the primary process reports for all
+        _report(summary, workdir)
+
+
 def run() -> None:
     starting("main")
-    app.run(main, flags_parser=parse_flags)
+    main(parse_flags(sys.argv, PARSER))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ family keeps as data (the hub id of such a release needs no download either).
 again on N simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N,
 JAX_PLATFORMS=cpu): a CPU compile, whose buffer sizes approximate an accelerator's.
 
-Exit status: 0 planned; 2 bad input (one `error:` sentence on stderr).
+Exit status: 0 planned; 2 bad input (one `error:` sentence on stderr); 1 the plan could not
+be printed (stdout refused it: a full disk).
 """
 
 from __future__ import annotations
@@ -25,28 +26,43 @@ import os
 import re
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
 
-DEVICES = flags.DEFINE_integer(
+PARSER = cli.config_parser("plan", __doc__)
+DEVICES = cli.define(
+    PARSER,
     "devices",
     0,
     "Plan for this many devices (0: this machine's); more than it has are simulated on CPU.",
+    type=int,
+    metavar="N",
 )
-DEVICE_MEMORY = flags.DEFINE_list(
-    "device_memory", ["80", "141"], "Device memory sizes in GB (10^9 bytes) to compare with."
+DEVICE_MEMORY = cli.define(
+    PARSER,
+    "device_memory",
+    ["80", "141"],
+    "Device memory sizes in GB (10^9 bytes) to compare with (default: 80,141).",
+    type=cli.comma_list,
+    metavar="GB,GB",
 )
-PROGRAMS = flags.DEFINE_list(
+PROGRAMS = cli.define(
+    PARSER,
     "programs",
     ["rollout", "train_step", "evaluate", "decode"],
     "The programs to compile (default: all of them).",
+    type=cli.comma_list,
+    metavar="NAME,NAME",
 )
-JSON = flags.DEFINE_bool("json", False, "Print one JSON object (byte counts) instead of a table.")
+JSON = cli.define(
+    PARSER,
+    "json",
+    False,
+    "Print one JSON object (byte counts) instead of a table.",
+    action="store_true",
+)
 
 MAX_DEVICES = 4096
 GPU_DEFAULT_SHARE = 0.75  # of a GPU's memory JAX preallocates for its arrays
@@ -229,9 +245,9 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
 # The command.
 
 
-def main(argv) -> None:
+def main(argv=None) -> None:
     del argv
-    logging.set_verbosity(logging.WARNING)
+    common.quiet_orbax()
     # Compiling needs no device memory: take none on an accelerator another job may be using.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     config = cli.CONFIG.value
@@ -265,7 +281,7 @@ def main(argv) -> None:
         )
     except bad_input as e:
         _fail(first_line(e))
-    config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+    config_path = cli.CONFIG.path
     if JSON.value:
         common.print_out(json.dumps(as_json(plan, config_path, sizes_gb), indent=2))
     else:
@@ -279,7 +295,7 @@ def run() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     common.starting("plan")
     interrupts.set_stop_line(lambda name: f"{name} stopped the plan; nothing was written.")
-    app.run(main, flags_parser=cli.parse_flags)
+    main(cli.parse_flags(sys.argv, PARSER))
 
 
 if __name__ == "__main__":

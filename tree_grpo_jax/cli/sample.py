@@ -304,6 +304,12 @@ def sample(args) -> Drawn:
     return Drawn(step, out, images, grid, animations)
 
 
+def _our_flags(sentence: str) -> str:
+    """A sentence of the model's loader, which names training's flag for the base folder,
+    with this command's own (`--model_path`): the flag the user typed, or would type."""
+    return sentence.replace("--config.model.path", "--model_path")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from tree_grpo_jax.run import loop as train
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
     try:
         sample(args)
     except (BadInput, *train.BAD_INPUT) as e:
-        print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
+        print(f"error: {_our_flags(first_line(e))}", file=sys.stderr, flush=True)
         return 2
     except (train.RewardError, train.DivergenceError) as e:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)

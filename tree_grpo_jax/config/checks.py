@@ -27,7 +27,7 @@ LR_SCHEDULES = ("constant", "cosine")
 # jax.random.PRNGKey keeps 32 bits without x64: 2**32 would be seed 0 again, 2**64 overflows.
 SEED_LIMIT = 2**32
 # Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
-# (config_flags reads the text as a Python literal; a bare word is a one-entry tuple).
+# (the command line reads the text as a Python literal; a bare word is a one-entry tuple).
 TUPLE_FIELDS = {
     "tree.split_steps": (int, "'(0,3,6,9)'"),
     "advantage.depth_pruning": (int, "'(2,3)'"),

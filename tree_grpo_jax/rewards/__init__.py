@@ -19,8 +19,38 @@ imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Fl
 convert     the pickled HPS-v2.1, aesthetic and ImageReward releases -> folders these load
 """
 
-from tree_grpo_jax.rewards import imagereward, jpeg, preference
-from tree_grpo_jax.rewards.registry import (
+import sys
+
+from tree_grpo_jax import interrupts
+
+CONVERTER = "tree_grpo_jax.rewards.convert"
+
+
+def starting_converter() -> None:
+    """What `python -m tree_grpo_jax.rewards.convert` does first, as every command does:
+    Ctrl-C and SIGTERM taken over (one line, exit 130 / 143, nothing half-written) and a
+    line on stderr saying it started."""
+    if interrupts.installed():
+        return
+    interrupts.install()
+    interrupts.set_stop_line(
+        lambda name: (
+            f"{name} stopped the conversion; nothing was written (the output folder is as it was)."
+        )
+    )
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        print(f"{CONVERTER}: starting...", file=sys.stderr, flush=True)
+
+
+# `python -m` imports the converter's parent packages, this one and JAX with it (seconds),
+# before the converter's own `__main__` runs (sys.argv[0] is "-m" meanwhile): a signal then
+# would meet Python's defaults (a KeyboardInterrupt swallowed inside JAX's import, a silent
+# death by SIGTERM), so the converter starts here.
+if sys.argv[:1] == ["-m"] and CONVERTER in getattr(sys, "orig_argv", ()):
+    starting_converter()
+
+from tree_grpo_jax.rewards import imagereward, jpeg, preference  # noqa: E402
+from tree_grpo_jax.rewards.registry import (  # noqa: E402
     CombinedReward,
     Reward,
     available_rewards,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax import interrupts
+from tree_grpo_jax.errors import OneLineErrors, first_line
 from tree_grpo_jax.rewards.convert.aesthetic import check_aesthetic_mlp, convert_aesthetic
 from tree_grpo_jax.rewards.convert.clip_configs import hf_clip_config, read_open_clip_config
 from tree_grpo_jax.rewards.convert.dtypes import (
@@ -165,24 +167,20 @@ def run_imagereward(args) -> Path:
 _COMMANDS = {"hpsv2": run_hpsv2, "aesthetic": run_aesthetic, "imagereward": run_imagereward}
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one `error:` line (exit status 2), like every other failure."""
-
-    def error(self, message):
-        self.exit(2, f"error: {first_line(message).rstrip('.')}; see {self.prog} --help.\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrors(
         prog="python -m tree_grpo_jax.rewards.convert",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="{hpsv2,aesthetic,imagereward}"
     )
     hps = commands.add_parser(
-        "hpsv2", help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder"
+        "hpsv2",
+        help="HPS-v2.1 (an open_clip ViT CLIP) -> a transformers CLIP folder",
+        allow_abbrev=False,
     )
     hps.add_argument(
         "--checkpoint", required=True, help="the release file, e.g. HPS_v2.1_compressed.pt"
@@ -192,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     hps.add_argument("--tokenizer", help="a Hugging Face CLIP folder to copy the tokenizer from")
     aes = commands.add_parser(
-        "aesthetic", help="LAION aesthetic predictor v2 + its CLIP image tower"
+        "aesthetic", help="LAION aesthetic predictor v2 + its CLIP image tower", allow_abbrev=False
     )
     aes.add_argument(
         "--checkpoint",
@@ -203,7 +201,9 @@ def _parser() -> argparse.ArgumentParser:
         "--clip", required=True, help="a transformers CLIP folder (openai/clip-vit-large-patch14)"
     )
     ir = commands.add_parser(
-        "imagereward", help="ImageReward v1.0 (BLIP) -> a folder of safetensors and JSON"
+        "imagereward",
+        help="ImageReward v1.0 (BLIP) -> a folder of safetensors and JSON",
+        allow_abbrev=False,
     )
     ir.add_argument("--checkpoint", required=True, help="the release file, ImageReward.pt")
     ir.add_argument("--tokenizer", required=True, help="a bert-base-uncased folder (vocab.txt)")
@@ -219,11 +219,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_line(out: Path, started: float):
+    """The line of a Ctrl-C or SIGTERM: the staged folder is either not in place yet (it is
+    removed) or was moved into place whole before the stop (the swap is never cut)."""
+
+    def line(name: str) -> str:
+        try:  # a reward_config.json newer than this run: the new folder is in place
+            whole = (out / "reward_config.json").stat().st_mtime >= started
+        except OSError:
+            whole = False
+        if whole:
+            return f"{name} stopped the conversion after {out} was written whole."
+        return (
+            f"{name} stopped the conversion; nothing was written (the output folder is as it was)."
+        )
+
+    return line
+
+
 def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # argparse: usage errors exit 2, --help 0
         return e.code if isinstance(e.code, int) else 2
+    interrupts.set_stop_line(_stop_line(Path(args.out).expanduser(), time.time()))
     try:
         out = _COMMANDS[args.command](args)
     except ConversionError as e:
