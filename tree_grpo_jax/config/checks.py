@@ -303,19 +303,16 @@ def _check_accumulation_applies(config) -> None:
 def _check_unused_sections(config) -> None:
     """A field changed in another objective's section would be dropped without a word (GRPO-
     Guard switched on for an awm run, say): it is refused, naming the methods it applies to."""
-    used = methods.get(config.tree.method).objective
-    for objective in methods.objectives():
-        if objective.section is None or objective.section == used.section:
-            continue
-        defaults = flatten(objective.options(), f"{objective.section}.", leaves_only=True)
-        given = flatten(config[objective.section], f"{objective.section}.", leaves_only=True)
+    for section, objective in methods.other_sections(config.tree.method).items():
+        defaults = flatten(objective.options(), f"{section}.", leaves_only=True)
+        given = flatten(config[section], f"{section}.", leaves_only=True)
         changed = [path for path, value in given.items() if defaults.get(path) != value]
         if changed:
-            users = ", ".join(n for n, m in methods.METHODS.items() if m.objective is objective)
+            users = ", ".join(methods.methods_of(objective))
             raise ConfigError(
-                f"{changed[0]} is set, but the {objective.section} section applies only to "
+                f"{changed[0]} is set, but the {section} section applies only to "
                 f"tree.method {users}; this run's tree.method is {config.tree.method} "
-                f"(leave {objective.section} at its defaults, or change the method)."
+                f"(leave {section} at its defaults, or change the method)."
             )
 
 

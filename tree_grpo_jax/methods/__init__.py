@@ -21,7 +21,9 @@ from tree_grpo_jax.methods.table import (
     build_spec,
     compute_advantages,
     get,
+    methods_of,
     objectives,
+    other_sections,
     spec_at,
     window_start,
 )
@@ -39,7 +41,9 @@ __all__ = [
     "build_spec",
     "compute_advantages",
     "get",
+    "methods_of",
     "objectives",
+    "other_sections",
     "spec_at",
     "window_start",
 ]

@@ -268,6 +268,20 @@ def objectives() -> tuple[Objective, ...]:
     return tuple(dict.fromkeys(m.objective for m in METHODS.values()))
 
 
+def other_sections(method: str) -> dict[str, Objective]:
+    """The config sections of the objectives `method` does not train through, each with its
+    objective (whose `options()` are the section's defaults)."""
+    used = get(method).objective
+    return {
+        o.section: o for o in objectives() if o.section is not None and o.section != used.section
+    }
+
+
+def methods_of(objective: Objective) -> tuple[str, ...]:
+    """The methods that train through `objective`, in table order."""
+    return tuple(name for name, m in METHODS.items() if m.objective is objective)
+
+
 # Look-ups by config, for the callers that hold no method (config checks, benchmarks, tests).
 
 
