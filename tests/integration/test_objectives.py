@@ -17,10 +17,10 @@ from tree_grpo_jax.run.train_step import OldPolicyState
 CALLS = []
 
 
-def _frozen_loss(params, batch, *, old_params, **kwargs):
+def _frozen_loss(params, batch, settings, *, old_params, **kwargs):
     """PPO's loss times zero: no gradient, so weights without weight decay cannot move. The
     old policy reaches it (a required argument) because the objective keeps one."""
-    loss, metrics = ppo_loss(params, batch, **kwargs)
+    loss, metrics = ppo_loss(params, batch, settings, **kwargs)
     return 0.0 * loss, metrics
 
 

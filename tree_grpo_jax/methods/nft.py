@@ -23,6 +23,7 @@ Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -33,8 +34,8 @@ import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
-from tree_grpo_jax.core.loss import masked_mean
+from tree_grpo_jax.core.guidance import PyTree
+from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -139,17 +140,22 @@ def _weighted_error(x0_hat: jax.Array, x0: jax.Array) -> jax.Array:
     return row_mean(error**2) / weight
 
 
+@dataclasses.dataclass(frozen=True)
+class NFTSettings(LossSettings):
+    """`nft_loss`'s settings: the implicit policies' step and the advantages' clip."""
+
+    beta: float = 1.0
+    clip: float = 5.0
+
+
 def nft_loss(
     params: PyTree,
     batch: NFTRows,
+    settings: NFTSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.FlowSchedule,
     cond: jax.Array,
     old_params: PyTree,
-    beta: jax.Array | float = 1.0,
-    clip: jax.Array | float = 5.0,
-    kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     uncond: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -160,8 +166,8 @@ def nft_loss(
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.step, batch.prompt, batch.optimality, batch.mask])
-    if ref_params is None and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
-        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    check_kl_reference(settings.kl_beta, ref_params)
+    beta, clip = settings.beta, settings.clip
     mask = batch.mask.astype(bool)
     x0 = batch.x0.astype(jnp.float32)
     sigma = schedule.sigmas[batch.step].reshape(-1, *([1] * (x0.ndim - 1)))
@@ -170,7 +176,7 @@ def nft_loss(
     row_cond = cond[batch.prompt]
 
     def velocity(p):
-        return denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
+        return settings.denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
 
     v = velocity(params)
     v_old = jax.lax.stop_gradient(velocity(old_params))
@@ -193,7 +199,7 @@ def nft_loss(
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
     }
-    return policy_loss + kl_beta * kl, metrics
+    return policy_loss + settings.kl_beta * kl, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,9 +311,12 @@ class NFTObjective(Objective):
         return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
 
     def loss(self, config, denoise_fn):
-        c = config
-        settings = dict(beta=c.diffusion_nft.beta, clip=c.advantage.clip)
-        return nft_loss, dict(denoise_fn=denoise_fn, kl_beta=c.train.kl_beta, **settings)
+        return nft_loss, NFTSettings(
+            denoise_fn=denoise_fn,
+            kl_beta=float(config.train.kl_beta),
+            beta=float(config.diffusion_nft.beta),
+            clip=float(config.advantage.clip),
+        )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
         return zero_rows(rows, sample_shape, dtype, make)

@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax.core import tree_spec
+from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.core.rollout import Tree
 
 
@@ -99,9 +100,10 @@ class Objective(abc.ABC):
         when `draws_rows`."""
 
     @abc.abstractmethod
-    def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, dict]:
-        """The loss function `(params, batch, *, schedule, cond, uncond, ref_params, ...)` and
-        its static settings, for the train step."""
+    def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, LossSettings]:
+        """The loss function `(params, batch, settings, *, schedule, cond, uncond, ref_params,
+        [old_params])` and its settings record, built from `config` here alone: the train
+        step closes over it, so its fields are constants of the compiled step."""
 
     @abc.abstractmethod
     def zero_rows(

@@ -16,6 +16,7 @@ import numpy as np
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models import media as media_kinds
@@ -178,11 +179,11 @@ def trained_params(config, model_params, base=None, paths=None):
     return cast_floats(factors, DTYPES[config.model.param_dtype])
 
 
-def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[dict, dict]:
-    """(the loss's static settings, the train step's layout: its loss function and, under
+def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[LossSettings, dict]:
+    """(the loss's settings record, the train step's layout: its loss function and, under
     LoRA, the merge and where the frozen base and the KL reference lie)."""
     denoise = denoiser.training_denoise(model, config, mesh)
-    loss_fn, loss_kwargs = objective.loss(config, denoise)
+    loss_fn, loss_settings = objective.loss(config, denoise)
     layout = {"loss_fn": loss_fn}
     if base_shardings is not None:
         rank = int(config.lora.rank)
@@ -191,7 +192,7 @@ def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[di
             frozen_shardings=base_shardings,
             ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
         )
-    return loss_kwargs, layout
+    return loss_settings, layout
 
 
 def references(config, params, base):
@@ -215,21 +216,21 @@ def programs(config, model, mesh, objective, state_shardings, base_shardings=Non
     run built again in this process with equal settings gets the same programs back, so
     nothing is traced or compiled twice."""
     tx = make_optimizer(config.train)
-    loss_kwargs, layout = step_layout(config, objective, model, mesh, base_shardings)
+    loss_settings, layout = step_layout(config, objective, model, mesh, base_shardings)
     old_policy = objective.keeps_old_policy
 
     def build_steps():
         return {
-            "train_step": make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout),
+            "train_step": make_train_step(tx, loss_settings, mesh, state_shardings, **layout),
             "accumulating": make_accumulating_step(
-                tx, loss_kwargs, mesh, state_shardings, **layout
+                tx, loss_settings, mesh, state_shardings, **layout
             ),
             "init_state": jax.jit(
                 lambda p: initial_state(tx, p, old_policy), out_shardings=state_shardings
             ),
         }
 
-    settings = (tx, loss_kwargs, layout, mesh, state_shardings, old_policy)
+    settings = (tx, loss_settings, layout, mesh, state_shardings, old_policy)
     steps = _kept_steps.get(settings, build_steps)
     return {**steps, "sampling_denoise": denoiser.sampling_denoise(model, config, mesh)}
 
