@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import methods
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.core.loss import ppo_loss
 from tree_grpo_jax.methods.ppo import PPOObjective
 from tree_grpo_jax.run import loop as train
@@ -65,7 +65,7 @@ def frozen_method(monkeypatch):
 
 
 def small_config():
-    c = base.get_config()
+    c = base_config()
     c.model.name = "random_tiny"
     c.prompts.batch_size = 2
     c.prompts.eval_count = 2

@@ -123,7 +123,7 @@ def _unknown_field(argv) -> str:
             if field in _schema_fields():
                 return (
                     f"{_config_path(argv)}'s get_config() lacks {field} (from {flag}); start it "
-                    "from configs/base.py's get_config()."
+                    "from tree_grpo_jax.config.base_config()."
                 )
             close = difflib.get_close_matches(field, known, n=1)
             hint = f"; did you mean --config.{close[0]}?" if close else "."
@@ -203,7 +203,7 @@ def _not_a_config(path: str | None) -> str | None:
     what = "None (a missing return?)" if config is None else f"a {type(config).__name__}"
     return (
         f"{path}'s get_config() returned {what}, not an ml_collections ConfigDict; start it "
-        "from configs/base.py's get_config()."
+        "from tree_grpo_jax.config.base_config()."
     )
 
 
@@ -308,7 +308,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         if path is not None and not flags.FLAGS["config"].present and "get_config" in str(e):
             fail(
                 f"the config file {path!r} defines no get_config(); start it from "
-                "configs/base.py's get_config().",
+                "tree_grpo_jax.config.base_config().",
                 EXIT_BAD_INPUT,
             )
         fail(_not_a_config(path) or _unknown_field(argv), EXIT_BAD_INPUT)
