@@ -313,6 +313,61 @@ def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
     )
 
 
+def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts):
+    """The checks that need the loaded model: its kind for the objective, the sizes of the
+    run's rows, the media its rewards score, and every prompt it will be given (the text
+    encoders prepared for them first)."""
+    objective = method.objective
+    sentence = objective.check_model(config, model)
+    if sentence is not None:
+        raise cfg.ConfigError(sentence)
+    image_shape = None
+    if model.media != media_kinds.LATENTS:
+        one = jnp.zeros((1, *model.sample_shape), jnp.float32)
+        image_shape = jax.eval_shape(model.decode, one).shape[1:]
+    check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
+    if model.prepare_prompts is not None:
+        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
+        if jax.process_index() == 0 and config.log.progress:
+            print(f"text encoders: {said}", flush=True)
+    check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
+    trained = list(dict.fromkeys(prompts.prompts))
+    check_prompts(model, reward.rewards.values(), trained, "prompts.source")
+    # the eval's own prompts: through the training reward, and every prompt through the
+    # held-out ones
+    seen = set(trained)
+    check_prompts(
+        model,
+        reward.rewards.values(),
+        [p for p in eval_prompts if p not in seen],
+        "the eval prompts",
+    )
+    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts")
+
+
+def _initial_state(config, model, mesh, objective, adapter):
+    """(the train state at step 0, the run's programs (`programs`), (the train step's KL
+    reference, the evaluation's)) for `model`, trained whole or through `adapter`."""
+    if adapter is None:
+        params = trained_params(config, model.params)
+    else:
+        params = trained_params(config, model.params, adapter.base, adapter.paths)
+    tx = make_optimizer(config.train)
+    fresh = jax.eval_shape(lambda p: initial_state(tx, p, objective.keeps_old_policy), params)
+    state_shardings = sharding.param_shardings(mesh, fresh)
+    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
+    built = programs(config, model, mesh, objective, state_shardings, base_shardings)
+    state = built["init_state"](params)
+
+    if adapter is None:  # a copy of the initial weights: the state's are donated
+        kept = references(config, state.params, None)
+        initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
+        references_kept = tuple(None if r is None else initial for r in kept)
+    else:  # the KL reference is the base itself: no second copy
+        references_kept = references(config, state.params, adapter.base)
+    return state, built, references_kept
+
+
 def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainState]:
     """`setup` on a config already checked (`reward_weights`: what `config.validate` parsed)."""
     sharding.maybe_initialize_distributed()
@@ -334,53 +389,15 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
     objective = method.objective
-    sentence = objective.check_model(config, model)
-    if sentence is not None:
-        raise cfg.ConfigError(sentence)
-    image_shape = None
-    if model.media != media_kinds.LATENTS:
-        one = jnp.zeros((1, *model.sample_shape), jnp.float32)
-        image_shape = jax.eval_shape(model.decode, one).shape[1:]
-    check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
-    if model.prepare_prompts is not None:
-        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
-        if jax.process_index() == 0 and config.log.progress:
-            print(f"text encoders: {said}", flush=True)
-    check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
-    trained = list(dict.fromkeys(prompts.prompts))
-    check_prompts(model, reward.rewards.values(), trained, "prompts.source")
-    # the eval's own prompts: through the training reward, and every prompt through the
-    # held-out ones
-    seen = set(trained)
-    check_prompts(
-        model,
-        reward.rewards.values(),
-        [p for p in eval_prompts if p not in seen],
-        "the eval prompts",
-    )
-    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts")
+    _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts)
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 
     adapter = _make_adapter(config, model, mesh)
-    if adapter is None:
-        params = trained_params(config, model.params)
-    else:
-        params = trained_params(config, model.params, adapter.base, adapter.paths)
-    tx = make_optimizer(config.train)
-    fresh = jax.eval_shape(lambda p: initial_state(tx, p, objective.keeps_old_policy), params)
-    state_shardings = sharding.param_shardings(mesh, fresh)
-    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
-    built = programs(config, model, mesh, objective, state_shardings, base_shardings)
-    state = built["init_state"](params)
-
-    if adapter is None:  # a copy of the initial weights: the state's are donated
-        kept = references(config, state.params, None)
-        initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
-        ref_params, kl_reference = (None if r is None else initial for r in kept)
-    else:  # the KL reference is the base itself: no second copy
-        ref_params, kl_reference = references(config, state.params, adapter.base)
+    state, built, (ref_params, kl_reference) = _initial_state(
+        config, model, mesh, objective, adapter
+    )
     trainer = Trainer(
         config=config,
         workdir=workdir,
