@@ -374,7 +374,7 @@ class AWMObjective(Objective):
             a.time_shift,
         )
         rows = gather_rows(source.tree.leaves, adv, times, noise_key)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         a = config.awm
@@ -405,17 +405,8 @@ class AWMObjective(Objective):
         """Every leaf at its train_timesteps times, one row each; a row runs the trained
         policy, the EMA copy (its KL or the off-policy ratio) and the KL reference."""
         a = config.awm
-        rows = spec.leaves * a.train_timesteps
         forwards = 1 + (config.train.kl_beta > 0) + (a.ema_beta > 0 or bool(a.off_policy))
-        return {
-            "guidance": False,
-            "rollout_rows": spec.rollout_denoiser_calls(False),
-            "trained_edges": rows,
-            "train_rows": rows,
-            "train_forward_rows": rows * forwards,
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return nft.leaf_row_counts(spec, spec.leaves * a.train_timesteps, forwards)
 
 
 AWM = AWMObjective()

@@ -73,10 +73,7 @@ def advantages(rewards: np.ndarray, global_std: bool) -> np.ndarray:
     if global_std:
         return nft.advantages(rewards)
     rewards = np.asarray(rewards, np.float64)
-    chex.assert_rank(rewards, 2)
-    shifted = rewards - rewards[:, :1]  # a constant prompt gives exact zeros
-    centred = shifted - shifted.mean(axis=1, keepdims=True)
-    return centred / (rewards.std(axis=1, keepdims=True) + STD_EPS)
+    return nft.centred_per_prompt(rewards) / (rewards.std(axis=1, keepdims=True) + STD_EPS)
 
 
 def gather_rows(
@@ -293,7 +290,7 @@ class DGPOObjective(Objective):
         rows = gather_rows(
             source.tree.leaves, adv, key, d.trunc_steps + 1, d.train_timesteps, d.shared_noise
         )
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         c, d = config, config.dgpo

@@ -71,15 +71,20 @@ def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> NFTRo
 # Credit: rewards -> advantages -> optimality probabilities.
 
 
-def advantages(rewards: np.ndarray) -> np.ndarray:
-    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
-    the whole batch (the released code's per-prompt tracker with `global_std`)."""
+def centred_per_prompt(rewards: np.ndarray) -> np.ndarray:
+    """[P, L] rewards less each prompt's mean, in float64."""
     rewards = np.asarray(rewards, np.float64)
     chex.assert_rank(rewards, 2)
     # less each prompt's first reward before the mean: a constant prompt gives exact zeros
     shifted = rewards - rewards[:, :1]
-    centred = shifted - shifted.mean(axis=1, keepdims=True)
-    return centred / (rewards.std() + STD_EPS)
+    return shifted - shifted.mean(axis=1, keepdims=True)
+
+
+def advantages(rewards: np.ndarray) -> np.ndarray:
+    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
+    the whole batch (the released code's per-prompt tracker with `global_std`)."""
+    rewards = np.asarray(rewards, np.float64)
+    return centred_per_prompt(rewards) / (rewards.std() + STD_EPS)
 
 
 def optimality(advantages: np.ndarray, clip: float) -> np.ndarray:
@@ -230,6 +235,21 @@ def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
 # The objective as the method table holds it.
 
 
+def leaf_row_counts(spec, rows: int, forwards: int) -> dict:
+    """`Objective.training_counts` of an objective that trains `rows` rows of the rollout's
+    final samples per prompt (no edge of the tree), each through `forwards` denoiser calls;
+    the rollout samples without guidance."""
+    return {
+        "guidance": False,
+        "rollout_rows": spec.rollout_denoiser_calls(False),
+        "trained_edges": rows,
+        "train_rows": rows,
+        "train_forward_rows": rows * forwards,
+        "spec_trainable_edges": 0,
+        "spec_train_rows": 0,
+    }
+
+
 class NFTObjective(Objective):
     name = "nft"
     keeps_old_policy = True
@@ -308,7 +328,7 @@ class NFTObjective(Objective):
         per_sample = steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
         key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
         rows = gather_rows(source.tree.leaves, r, key, num_steps, per_sample)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         return nft_loss, NFTSettings(
@@ -339,17 +359,8 @@ class NFTObjective(Objective):
     def training_counts(self, config, spec, prunes):
         """Every leaf at its share of the sampling steps, one row each; a row runs the
         trained and the old policy (and the reference with a KL term)."""
-        rows = spec.leaves * self._per_sample(config)
         forwards = 3 if config.train.kl_beta > 0 else 2
-        return {
-            "guidance": False,
-            "rollout_rows": spec.rollout_denoiser_calls(False),
-            "trained_edges": rows,
-            "train_rows": rows,
-            "train_forward_rows": rows * forwards,
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return leaf_row_counts(spec, spec.leaves * self._per_sample(config), forwards)
 
 
 NFT = NFTObjective()

@@ -45,6 +45,10 @@ class RowSource:
     tracker: Any = None
     schedule: Any = None  # the sampler's schedule (its sigmas: forward-process rows' times)
 
+    def in_global_batch(self, rows):
+        """`rows` made from `tree` with their `prompt` indexing the global batch."""
+        return rows.replace(prompt=rows.prompt + np.int32(self.rows.start))
+
 
 class Objective(abc.ABC):
     """A training objective; subclasses are stateless and one instance serves every run."""

@@ -95,7 +95,7 @@ class PPOObjective(Objective):
             config, source.spec, source.tree, advantages, source.iteration, source.window_start
         )
         rows = transitions.gather_transitions(source.tree, advantages, masks)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         c = config
