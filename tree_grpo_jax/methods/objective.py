@@ -2,7 +2,7 @@
 by each method-table entry that trains through it (`Method.objective`).
 
 An objective says which rows an iteration trains on (from the rollout, its rewards and a
-key), the loss over a minibatch of them with its static settings, zero rows of its kind (the
+key), the loss over a minibatch of them with its settings record, zero rows of its kind (the
 precompiled and planned programs' arguments), whether the state keeps an old copy of the
 policy and what becomes of it after an update, what its rows store (the size check), its own
 config checks, and the per-prompt training counts the benchmarks derive. The trainer, the
