@@ -93,13 +93,13 @@ def counts(family: str, flat_shapes: dict) -> dict:
 
 def step_times(reps: int) -> dict:
     """The tiny model's train step, full and LoRA rank 4, alternating on one minibatch."""
-    from configs import base
     from tree_grpo_jax import sharding
+    from tree_grpo_jax.config import base_config
     from tree_grpo_jax.core import transitions
     from tree_grpo_jax.run import loop as train
 
     def setup(rank):
-        c = base.get_config()
+        c = base_config()
         c.model.name = "random_tiny"
         c.prompts.batch_size = 2
         c.train.rows_per_minibatch = 16

@@ -170,23 +170,23 @@ def test_broken_config_file_is_one_sentence(tmp_path, broken_configs, which, mes
 def test_configs_load_from_any_working_directory(tmp_path):
     """An absolute --config path from another folder, a user's own config file outside the
     repository that starts from the package's schema, and, run from the repository's root,
-    one that starts from `configs.base` as older files do, load (the run then stops on a bad
-    value)."""
+    one that starts from one of the repository's configs (`configs.tiny`), load (the run
+    then stops on a bad value)."""
     own = tmp_path / "my_config.py"
     own.write_text(
         "from tree_grpo_jax.config import base_config\n\n\ndef get_config():\n"
         "    c = base_config()\n    c.tree.method = 'bogus_from_my_config'\n    return c\n"
     )
-    older = tmp_path / "my_older_config.py"
-    older.write_text(
-        "from configs import base\n\n\ndef get_config():\n"
-        "    c = base.get_config()\n    c.tree.method = 'bogus_from_base'\n    return c\n"
+    derived = tmp_path / "my_derived_config.py"
+    derived.write_text(
+        "from configs import tiny\n\n\ndef get_config():\n"
+        "    c = tiny.get_config()\n    c.tree.method = 'bogus_from_tiny'\n    return c\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for config, cwd, message in (
         (os.path.join(ROOT, "configs", "tiny.py"), tmp_path, "unknown tree.method 'bogus'"),
         (str(own), tmp_path, "unknown tree.method 'bogus_from_my_config'"),
-        (str(older), ROOT, "unknown tree.method 'bogus_from_base'"),
+        (str(derived), ROOT, "unknown tree.method 'bogus_from_tiny'"),
     ):
         result = subprocess.run(
             [sys.executable, "-m", "tree_grpo_jax.main", f"--config={config}",

@@ -13,7 +13,7 @@ from in_process import run_in_process
 # test_train.py's small_config("treegrpo") (its programs come from the session's compile
 # cache), with a held-out metric and the guard on
 RUN = [
-    "--config=configs/base.py",
+    "--config=tests/defaults_config.py",
     "--config.model.name=random_tiny",
     "--config.prompts.batch_size=2",
     "--config.prompts.eval_count=4",

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import methods
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.core.loss import ppo_loss
 from tree_grpo_jax.methods.ppo import PPOObjective
 from tree_grpo_jax.run import loop as train
@@ -17,10 +17,10 @@ from tree_grpo_jax.run.train_step import OldPolicyState
 CALLS = []
 
 
-def _frozen_loss(params, batch, *, old_params, **kwargs):
+def _frozen_loss(params, batch, settings, *, old_params, **kwargs):
     """PPO's loss times zero: no gradient, so weights without weight decay cannot move. The
     old policy reaches it (a required argument) because the objective keeps one."""
-    loss, metrics = ppo_loss(params, batch, **kwargs)
+    loss, metrics = ppo_loss(params, batch, settings, **kwargs)
     return 0.0 * loss, metrics
 
 
@@ -65,7 +65,7 @@ def frozen_method(monkeypatch):
 
 
 def small_config():
-    c = base.get_config()
+    c = base_config()
     c.model.name = "random_tiny"
     c.prompts.batch_size = 2
     c.prompts.eval_count = 2

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from configs import base
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -125,7 +125,7 @@ def toy_video():
 
 
 def video_config(rewards: str = "frame_brightness:1.0,steadiness:0.5") -> ml_collections.ConfigDict:
-    c = base.get_config()
+    c = base_config()
     c.name = "toy_video"
     c.model.name = "toy_video"
     c.prompts.source = "toy_video_prompts"
@@ -247,7 +247,7 @@ def test_a_reward_that_cannot_take_the_model_media_is_one_sentence_at_build(toy_
         "reward 'still_only' scores still images only [B, H, W, C], not videos; choose a reward "
         "for videos."
     )
-    tiny = base.get_config()
+    tiny = base_config()
     tiny.model.name = "random_tiny"
     tiny.rewards = "steadiness"
     tiny.prompts.batch_size = 2

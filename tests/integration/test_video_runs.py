@@ -25,7 +25,7 @@ K = 2  # eval.samples_per_prompt, and evaluate's
 # test_sample's one-iteration run of small_config("grpo") (its rollout and train step come
 # from the session's compile cache) on the toy video model, two samples per eval prompt
 RUN = [
-    "--config=configs/base.py",
+    "--config=tests/defaults_config.py",
     f"--config.model.name={MODEL}",
     "--config.prompts.source=digits",
     "--config.prompts.batch_size=2",

@@ -230,9 +230,9 @@ def test_loading_refuses_other_folders_in_one_sentence(release, tmp_path):
 
 def test_registered_and_configured():
     assert "imagereward" in rewards.available_rewards() and rewards.needs_weights("imagereward")
-    import configs.base
+    from tree_grpo_jax.config import base_config
 
-    c = configs.base.get_config()
+    c = base_config()
     c.rewards = "imagereward"
     with pytest.raises(cfg.ConfigError, match="reward_models.imagereward=/path"):
         cfg.validate(c, known_rewards=rewards.available_rewards())

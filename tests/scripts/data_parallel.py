@@ -15,12 +15,12 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from configs import base
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.run import loop as train
 
 
 def config(kind: str, data: int, fsdp: int):
-    c = base.get_config()
+    c = base_config()
     c.model.name = "random_tiny"
     c.prompts.source = "digits"
     c.prompts.batch_size = 8

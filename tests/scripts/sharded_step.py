@@ -14,6 +14,7 @@ import numpy as np
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.core import sampling
+from tree_grpo_jax.core.loss import PPOSettings
 from tree_grpo_jax.core.transitions import Transitions
 from tree_grpo_jax.models.base import constrain_rows
 from tree_grpo_jax.run import denoiser
@@ -86,14 +87,14 @@ def one_step(mesh, params, batch, cond, schedule):
     init = lambda p: TrainState(p, tx.init(p))
     shardings = sharding.param_shardings(mesh, jax.eval_shape(init, params))
     state = jax.jit(init, out_shardings=shardings)(params)
-    loss_kwargs = dict(
+    settings = PPOSettings(
         denoise_fn=denoiser.laid_out(denoise, mesh),  # rows over the mesh where fsdp > 1
         reduce="mean",
         guidance_scale=1.0,
         clip_range=0.2,
         kl_beta=0.0,
     )
-    step = make_train_step(tx, loss_kwargs, mesh, shardings)
+    step = make_train_step(tx, settings, mesh, shardings)
     state, metrics = step(
         state, sharding.shard_batch(mesh, batch), cond, schedule, None, None, jnp.float32(1e-2)
     )

@@ -91,16 +91,18 @@ def _run(params, rows, cond, old, ref, s):
     return awm.awm_loss(
         params,
         rows,
-        denoise_fn=linear_denoiser,
+        awm.AWMSettings(
+            linear_denoiser,
+            kl_beta=s["kl_beta"],
+            clip_range=s["clip"],
+            weighting=s["weighting"],
+            power=s["power"],
+            off_policy=s["off_policy"],
+            ema_beta=s["ema_beta"],
+        ),
         schedule=make_flow_schedule(NUM_STEPS),
         cond=cond,
         old_params=old,
-        clip_range=s["clip"],
-        weighting=s["weighting"],
-        power=s["power"],
-        off_policy=s["off_policy"],
-        kl_beta=s["kl_beta"],
-        ema_beta=s["ema_beta"],
         ref_params=ref if s["kl_beta"] else None,
     )
 
@@ -174,11 +176,10 @@ def test_a_winner_is_pulled_to_the_data_s_velocity_a_loser_pushed_and_zero_is_st
         loss = lambda p: awm.awm_loss(  # noqa: E731
             p,
             rows,
-            denoise_fn=_free_velocity,
+            awm.AWMSettings(_free_velocity, weighting=weighting),
             schedule=make_flow_schedule(NUM_STEPS),
             cond=jnp.zeros((1, 1, 1)),
             old_params={"v": v0},
-            weighting=weighting,
         )[0]
         g = np.asarray(jax.grad(loss)({"v": jnp.asarray(v0)})["v"])
         return g, rows.noise - rows.x0

@@ -14,8 +14,9 @@ import jax
 import ml_collections
 import pytest
 
-from configs import base, tiny
+from configs import tiny
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as rewards
 from tree_grpo_jax.run import fingerprint as run_fingerprint
@@ -52,14 +53,14 @@ def test_a_rebuilt_config_still_validates():
 
 
 # ---------------------------------------------------------------------------------------------
-# Shape: a ConfigDict with every section and field of configs/base.py, and no other.
+# Shape: a ConfigDict with every section and field of the schema, and no other.
 
 
 def test_shipped_configs_add_no_field_to_the_base():
     """Why an unknown field is refused: no shipped config holds one."""
-    fields = set(cfg.flatten(base.get_config()))
+    fields = set(cfg.flatten(base_config()))
     for path in sorted((ROOT / "configs").glob("*.py")):
-        if path.stem in ("__init__", "base"):
+        if path.stem == "__init__":
             continue
         module = __import__(f"configs.{path.stem}", fromlist=["get_config"])
         assert set(cfg.flatten(module.get_config())) == fields, path.stem
@@ -78,7 +79,7 @@ def test_a_missing_field_or_section_is_named(section, field, missing):
     c = tiny.get_config()
     del (c[section] if section else c)[field]
     assert sentence(c) == (
-        f"the config lacks {missing}; start it from configs/base.py's get_config()."
+        f"the config lacks {missing}; start it from tree_grpo_jax.config.base_config()."
     )
     with pytest.raises(cfg.ConfigError, match=f"^configs/x.py's get_config\\(\\) lacks {missing};"):
         cfg.check_shape(c, source="configs/x.py's get_config()")
@@ -102,7 +103,7 @@ def test_an_unknown_field_is_refused_with_a_suggestion(path, suggestion):
 
 
 def test_a_moved_field_still_names_its_new_place():
-    c = base.get_config()
+    c = base_config()
     c.model.use_t5 = False
     assert "sets model.use_t5, which moved to model.sd3.use_t5" in sentence(c)
 
@@ -131,7 +132,6 @@ def test_a_registered_family_may_add_its_section():
 def test_the_schema_needs_no_configs_folder(monkeypatch):
     """The package holds the schema: with no `configs` importable, the shape is still checked."""
     monkeypatch.setitem(sys.modules, "configs", None)
-    monkeypatch.setitem(sys.modules, "configs.base", None)
     assert cfg.base_config().model.name == "tiny"
     c = tiny.get_config()
     c.trian = 3
@@ -157,7 +157,7 @@ def test_a_registered_section_may_be_left_out_but_not_mistyped():
 
 
 def test_every_tuple_field_has_an_element_type():
-    for path, default in cfg.flatten(base.get_config()).items():
+    for path, default in cfg.flatten(base_config()).items():
         if isinstance(default, tuple):
             kind, _ = cfg.TUPLE_FIELDS[path]
             assert all(type(v) is kind for v in default), path
@@ -222,7 +222,7 @@ def test_lists_for_tuples_and_ints_for_floats_pass():
 
 
 # ---------------------------------------------------------------------------------------------
-# Ranges: every number of configs/base.py.
+# Ranges: every number of the schema.
 
 
 RANGE_CASES = [
@@ -350,7 +350,7 @@ def test_a_value_out_of_range_is_one_sentence(path, value, message):
 def test_every_number_of_the_base_has_a_range_case():
     numbers = {
         path
-        for path, v in cfg.flatten(base.get_config()).items()
+        for path, v in cfg.flatten(base_config()).items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     assert numbers <= {path for path, _, _ in RANGE_CASES}, numbers - {p for p, _, _ in RANGE_CASES}
@@ -419,18 +419,18 @@ def one_error_line(result) -> str:
 
 
 CONFIG_FILES = {
-    "returns_a_dict": "    return base.get_config().to_dict()\n",
+    "returns_a_dict": "    return base_config().to_dict()\n",
     "calls_exit": "    import sys\n    sys.exit(0)\n",
-    "lacks_a_field": "    c = base.get_config()\n    del c.train['clip_range']\n    return c\n",
-    "lacks_a_section": "    c = base.get_config()\n    del c['advantage']\n    return c\n",
-    "has_a_typo": "    c = base.get_config()\n    c.trian = 3\n    return c\n",
-    "wrong_type": "    c = base.get_config()\n    c.tree.split_steps = '0,3'\n    return c\n",
+    "lacks_a_field": "    c = base_config()\n    del c.train['clip_range']\n    return c\n",
+    "lacks_a_section": "    c = base_config()\n    del c['advantage']\n    return c\n",
+    "has_a_typo": "    c = base_config()\n    c.trian = 3\n    return c\n",
+    "wrong_type": "    c = base_config()\n    c.tree.split_steps = '0,3'\n    return c\n",
 }
 FILE_MESSAGES = {
     "returns_a_dict": "get_config() returned a dict, not an ml_collections ConfigDict",
     "calls_exit": "called sys.exit(0) while loading",
-    "lacks_a_field": "get_config() lacks train.clip_range; start it from configs/base.py's",
-    "lacks_a_section": "get_config() lacks advantage; start it from configs/base.py's",
+    "lacks_a_field": "get_config() lacks train.clip_range; start it from tree_grpo_jax.config",
+    "lacks_a_section": "get_config() lacks advantage; start it from tree_grpo_jax.config",
     "has_a_typo": "get_config() sets trian, which is not a config field; did you mean train?",
     "wrong_type": "could not be loaded (line 6): TypeError: Could not override field 'split_steps'",
 }
@@ -439,7 +439,8 @@ FILE_MESSAGES = {
 @pytest.mark.parametrize("which", list(CONFIG_FILES))
 def test_a_bad_config_file_is_one_sentence_and_writes_nothing(tmp_path, which):
     path = tmp_path / f"{which}.py"
-    path.write_text(f"from configs import base\n\n\ndef get_config():\n{CONFIG_FILES[which]}")
+    header = "from tree_grpo_jax.config import base_config\n\n\ndef get_config():\n"
+    path.write_text(header + CONFIG_FILES[which])
     result = run_in_process(f"--config={path}", f"--workdir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert FILE_MESSAGES[which] in one_error_line(result)
@@ -553,7 +554,7 @@ def test_print_config_lists_every_field_with_the_overrides(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    fields = [path for path, v in cfg.flatten(base.get_config()).items() if not hasattr(v, "items")]
+    fields = [path for path, v in cfg.flatten(base_config()).items() if not hasattr(v, "items")]
     assert sorted(line.split(":")[0] for line in lines) == sorted(fields)
     for line in (
         "train.iterations: 7",
@@ -605,8 +606,9 @@ def test_a_run_older_than_a_field_resumes_at_its_default():
     assert differs == "diffusion_nft.beta was 1.0, now 0.5"
 
 
-# A run saved before the schema moved from configs/base.py into the package: base.py's
-# get_config(), and tiny.py's config.json and checkpoint fingerprint, written by that code.
+# A run saved before the schema moved into the package (from the configs folder): the old
+# base config's get_config(), and tiny.py's config.json and checkpoint fingerprint, written
+# by that code.
 SAVED = json.loads((ROOT / "tests" / "data" / "saved_before_the_schema_moved.json").read_text())
 
 

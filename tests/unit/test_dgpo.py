@@ -87,16 +87,18 @@ def _loss(params, rows, cond, old, init, s, clip_range=1e-2):
     return dgpo.dgpo_loss(
         params,
         rows,
-        denoise_fn=linear_denoiser,
+        dgpo.DGPOSettings(
+            linear_denoiser,
+            kl_beta=s["kl_beta"],
+            beta_dpo=s["beta_dpo"],
+            group_size=s["group_size"],
+            reference=s["reference"],
+            clip_dsm=s["clip"],
+            clip_range=clip_range,
+        ),
         schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
         cond=cond,
         old_params=old,
-        beta_dpo=s["beta_dpo"],
-        group_size=s["group_size"],
-        reference=s["reference"],
-        clip_dsm=s["clip"],
-        clip_range=clip_range,
-        kl_beta=s["kl_beta"],
         ref_params=init if (s["reference"] == "initial" or s["kl_beta"]) else None,
     )
 
@@ -151,14 +153,16 @@ def test_winners_are_pulled_losers_pushed_and_the_reference_weighs_one_half():
     loss = lambda q: dgpo.dgpo_loss(  # noqa: E731
         q,
         rows,
-        denoise_fn=per_sample_velocity,
+        dgpo.DGPOSettings(
+            per_sample_velocity,
+            beta_dpo=s["beta_dpo"],
+            group_size=GROUP,
+            reference="ema",
+            clip_dsm=True,
+        ),
         schedule=schedule,
         cond=jnp.zeros((1, 1, 1)),
         old_params=p,
-        beta_dpo=s["beta_dpo"],
-        group_size=GROUP,
-        reference="ema",
-        clip_dsm=True,
     )
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
     assert float(metrics["group_weight"]) == pytest.approx(0.5)
@@ -188,14 +192,12 @@ def test_the_clip_holds_a_sample_that_has_moved_too_far_its_way():
     loss = lambda q: dgpo.dgpo_loss(  # noqa: E731
         q,
         rows,
-        denoise_fn=_free_velocity,
+        dgpo.DGPOSettings(
+            _free_velocity, group_size=GROUP, reference="ema", clip_dsm=True, clip_range=0.1
+        ),
         schedule=schedule,
         cond=jnp.zeros((1, 1, 1)),
         old_params={"v": jnp.asarray(old)},
-        group_size=GROUP,
-        reference="ema",
-        clip_dsm=True,
-        clip_range=0.1,
     )
     (_, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
     g = np.asarray(grad["v"])

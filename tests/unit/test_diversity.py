@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from configs import base
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.evaluation import diversity
 
 
@@ -82,7 +82,7 @@ def test_one_sample_per_prompt_is_refused():
 
 
 def test_the_embedding_a_run_uses():
-    c = base.get_config()
+    c = base_config()
     c.model.name = "random_tiny"
     _, kind = diversity.make_embed(c)
     assert kind == "features"  # the tiny family brings its classifier's features

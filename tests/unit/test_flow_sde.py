@@ -11,9 +11,9 @@ import pytest
 from flax import struct
 from scipy import stats
 
-from configs import base
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core import tree_spec as ts
 from tree_grpo_jax.core.rollout import noise_by_step, rollout
@@ -300,7 +300,7 @@ def test_schedule_configs_read_the_options():
         False,
         np.float32(0.3),
     )
-    c = base.get_config()
+    c = base_config()
     c.sampling.flow_sde = "dancegrpo"
     assert FlowScheduleConfig().make_schedule(6, c.sampling).sde == "dancegrpo"
     # so does SD3's scheduler, over its own sigmas
@@ -318,7 +318,7 @@ def test_schedule_configs_read_the_options():
 def test_bad_flow_sde_is_one_sentence():
     with pytest.raises(ValueError, match="the flow SDE must be one of"):
         sampling.make_flow_schedule(4, sde="flux")
-    c = base.get_config()
+    c = base_config()
     c.sampling.flow_sde = "flux"
     with pytest.raises(cfg.ConfigError, match=r"^sampling.flow_sde must be one of .*'flux'\.$"):
         cfg.validate(c, known_rewards=rewards.available_rewards())
@@ -338,7 +338,7 @@ def test_training_iteration_with_the_dancegrpo_sde_starts_at_ratio_one(tmp_path,
     """The first update's ratios are 1 to float32 rounding: the rollout and the train step
     are two compiled programs, which may round the denoiser differently (the Flow-GRPO SDE's
     deviation here is of the same few 1e-7); far inside the clip range."""
-    c = base.get_config()
+    c = base_config()
     c.name = "test_dancegrpo"
     c.model.name = "random_tiny_flow"
     c.prompts.batch_size = 2

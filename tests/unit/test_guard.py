@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import base
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.rollout import sample_with_kl
 from tree_grpo_jax.evaluation import guard
@@ -15,7 +15,7 @@ from tree_grpo_jax.run.checkpoint import Checkpointer
 
 
 def _config(fraction=0.0, drop=0.0):
-    c = base.get_config()
+    c = base_config()
     c.eval.extra_rewards = ("held",)
     c.eval.guard.min_diversity_fraction = fraction
     c.eval.guard.held_out_drop = drop
@@ -72,7 +72,7 @@ def test_best_is_the_highest_eval_reward_earliest_first():
     ],
 )
 def test_bad_guard_settings_are_one_sentence(field, value, message):
-    c = base.get_config()
+    c = base_config()
     section = c.eval
     *parents, name = field.split(".")
     for p in parents:
@@ -85,7 +85,7 @@ def test_bad_guard_settings_are_one_sentence(field, value, message):
 def test_the_guard_needs_what_it_watches():
     from tree_grpo_jax.run import build
 
-    c = base.get_config()
+    c = base_config()
     c.model.name = "random_tiny"
     c.eval.samples_per_prompt = 1
     assert build.diversity_embed(c, ["a", "b"], None) is None  # nothing to compare: no figure
@@ -95,7 +95,7 @@ def test_the_guard_needs_what_it_watches():
         build.diversity_embed(c, ["a", "b"], None)
     c.eval.samples_per_prompt = 2
     assert build.diversity_embed(c, ["a", "b"], None) is not None
-    c = base.get_config()
+    c = base_config()
     c.eval.guard.held_out_drop = 0.1
     with pytest.raises(cfg.ConfigError, match="name them in eval.extra_rewards"):
         cfg.validate(c)

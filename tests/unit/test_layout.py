@@ -1,8 +1,9 @@
 """The package's import graph, read from its source: no cycles, every arrow pointing down the
 layers, no module outside a family's sub-package naming it, few modules at the top, one way
 to cut an error to its first line, no library module reading the experiment files of
-configs/, and no branch on a method's objective outside the methods package. Each rule is
-also run on an injected violation."""
+configs/, no module serving names through a module-level `__getattr__`, and no branch on a
+method's objective outside the methods package. Each rule is also run on an injected
+violation."""
 
 import ast
 import pathlib
@@ -238,7 +239,7 @@ def configs_imports(sources: dict[str, str]) -> list[str]:
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module]
             elif isinstance(node, ast.Constant):
-                names = [node.value]  # import_module("configs.base"), root / "configs"
+                names = [node.value]  # import_module("configs.tiny"), root / "configs"
             else:
                 continue
             if any(names_configs(n) for n in names):
@@ -249,10 +250,10 @@ def configs_imports(sources: dict[str, str]) -> list[str]:
 def test_no_library_module_reads_configs():
     assert not configs_imports(SOURCES)
     for injected in (
-        "from configs import base\n",
-        "import configs.base\n",
-        "def f():\n    from configs.base import get_config\n",
-        "import importlib\nimportlib.import_module('configs.base')\n",
+        "from configs import tiny\n",
+        "import configs.tiny\n",
+        "def f():\n    from configs.tiny import get_config\n",
+        "import importlib\nimportlib.import_module('configs.tiny')\n",
         "import pathlib\nBASE = pathlib.Path(__file__).parents[1] / 'configs' / 'base.py'\n",
     ):
         assert configs_imports({**SOURCES, "tree_grpo_jax.run.x": injected}) == [
@@ -261,6 +262,35 @@ def test_no_library_module_reads_configs():
     # the package's own config modules and relative imports are not the folder
     own = "from tree_grpo_jax.config import schema\nfrom . import configs\nx = 'my_configs'\n"
     assert not configs_imports({"tree_grpo_jax.run.x": own})
+
+
+def module_getattr_hooks(sources: dict[str, str]) -> list[str]:
+    """Modules that define a module-level `__getattr__` (PEP 562): the hook that serves old
+    names from a map of aliases, so that a moved module is found where it no longer is. A
+    name lives in one place; code imports it from there."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and (
+                node.name == "__getattr__"
+            ):
+                found.append(f"{module}:{node.lineno} defines a module __getattr__")
+    return found
+
+
+def test_no_module_serves_names_through_a_module_getattr():
+    assert not module_getattr_hooks(SOURCES)
+    injected = (
+        "import importlib\n\n_MOVED = {'rollout': 'core.rollout'}\n\n\n"
+        "def __getattr__(name):\n"
+        "    return importlib.import_module(f'{__name__}.{_MOVED[name]}')\n"
+    )
+    assert module_getattr_hooks({**SOURCES, "tree_grpo_jax": injected}) == [
+        "tree_grpo_jax:6 defines a module __getattr__"
+    ]
+    # a class's own __getattr__ is no module hook
+    own = "class Lazy:\n    def __getattr__(self, name):\n        return name\n"
+    assert not module_getattr_hooks({"tree_grpo_jax.run.x": own})
 
 
 # The objectives' names and classes, read from the methods table: one added there is guarded

@@ -14,7 +14,7 @@ import pytest
 
 from tree_grpo_jax.core import pruning, sampling
 from tree_grpo_jax.core import tree_spec as ts
-from tree_grpo_jax.core.loss import ppo_loss, score_actions
+from tree_grpo_jax.core.loss import PPOSettings, ppo_loss, score_actions
 from tree_grpo_jax.core.rollout import rollout
 from tree_grpo_jax.core.transitions import Transitions, gather_transitions, minibatches
 
@@ -55,19 +55,20 @@ def rolled_out(spec, split_log_prob="sampled", window_start=0):
     return schedule, jax.tree_util.tree_map(np.asarray, tree)
 
 
-@functools.partial(jax.jit, static_argnames="kl")
+@functools.partial(jax.jit, static_argnames=("clip_range", "kl"))
 def loss_and_grad(params, batch, schedule, clip_range, ref_params=None, kl=False):
+    settings = PPOSettings(
+        denoiser, kl_beta=0.1 if kl else 0.0, guidance_scale=GUIDANCE, clip_range=clip_range
+    )
+
     def loss(p):
         return ppo_loss(
             p,
             batch,
-            denoise_fn=denoiser,
+            settings,
             schedule=schedule,
             cond=COND,
             uncond=UNCOND,
-            guidance_scale=GUIDANCE,
-            clip_range=clip_range,
-            kl_beta=0.1 if kl else 0.0,
             ref_params=ref_params if kl else None,
         )
 
@@ -161,11 +162,10 @@ def rescored(rows, schedule):
     return score_actions(
         PARAMS,
         rows,
-        denoise_fn=denoiser,
+        PPOSettings(denoiser, guidance_scale=GUIDANCE),
         schedule=schedule,
         cond=COND,
         uncond=UNCOND,
-        guidance_scale=GUIDANCE,
     )
 
 
@@ -309,12 +309,10 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
         return ppo_loss(
             p,
             batch,
-            denoise_fn=fresh_denoiser,
+            PPOSettings(fresh_denoiser, guidance_scale=GUIDANCE, clip_range=CLIP),
             schedule=schedule,
             cond=COND,
             uncond=UNCOND,
-            guidance_scale=GUIDANCE,
-            clip_range=CLIP,
         )
 
     ROWS_SEEN.clear()
@@ -333,11 +331,10 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
         lambda p: score_actions(
             p,
             batch,
-            denoise_fn=denoiser,
+            PPOSettings(denoiser, guidance_scale=GUIDANCE),
             schedule=schedule,
             cond=COND,
             uncond=UNCOND,
-            guidance_scale=GUIDANCE,
         )
     )(params)
     # Equal up to float32 rounding, which 1 / std amplifies at the low-noise steps.
@@ -407,7 +404,7 @@ def test_kl_to_the_reference_model():
     np.testing.assert_allclose(metrics["kl"], np.mean(kls), rtol=1e-4)
     np.testing.assert_allclose(loss, metrics["policy_loss"] + 0.1 * metrics["kl"], rtol=1e-6)
     with pytest.raises(ValueError, match="ref_params"):
-        ppo_loss(PARAMS, batch, denoise_fn=denoiser, schedule=schedule, cond=COND, kl_beta=0.1)
+        ppo_loss(PARAMS, batch, PPOSettings(denoiser, kl_beta=0.1), schedule=schedule, cond=COND)
 
 
 def test_one_step_on_a_toy_gaussian_policy_follows_the_advantages():
@@ -438,12 +435,12 @@ def test_one_step_on_a_toy_gaussian_policy_follows_the_advantages():
     )
 
     def log_probs(params):
-        return score_actions(params, batch, denoise_fn=policy, schedule=schedule, cond=cond)
+        return score_actions(params, batch, PPOSettings(policy), schedule=schedule, cond=cond)
 
     batch = batch.replace(old_log_probs=np.asarray(log_probs(table)))
 
     def loss(params):
-        return ppo_loss(params, batch, denoise_fn=policy, schedule=schedule, cond=cond)[0]
+        return ppo_loss(params, batch, PPOSettings(policy), schedule=schedule, cond=cond)[0]
 
     updated = table - 0.05 * jax.jit(jax.grad(loss))(table)
     log_probs = jax.jit(log_probs)

@@ -80,13 +80,10 @@ def test_the_loss_matches_a_per_sample_reference(beta, kl_beta):
     loss, metrics = nft.nft_loss(
         params,
         rows,
-        denoise_fn=linear_denoiser,
+        nft.NFTSettings(linear_denoiser, kl_beta=kl_beta, beta=beta, clip=5.0),
         schedule=schedule,
         cond=cond,
         old_params=old,
-        beta=beta,
-        clip=5.0,
-        kl_beta=kl_beta,
         ref_params=ref if kl_beta else None,
     )
     expected = reference_loss(params, old, ref, rows, schedule, cond, beta, 5.0, kl_beta)
@@ -118,14 +115,9 @@ def test_a_sure_winner_is_learned_at_the_known_optimum(beta):
     rows = _one_row(1.0)
     v_old = np.random.default_rng(8).normal(size=(1, *SHAPE)).astype(np.float32)
     v_data = rows.noise - rows.x0
-    kwargs = dict(
-        denoise_fn=_free_velocity,
-        schedule=schedule,
-        cond=jnp.zeros((1, 1, 1)),
-        old_params={"v": v_old},
-        beta=beta,
-    )
-    loss = jax.jit(lambda p: nft.nft_loss(p, rows, **kwargs)[0])
+    settings = nft.NFTSettings(_free_velocity, beta=beta)
+    kwargs = dict(schedule=schedule, cond=jnp.zeros((1, 1, 1)), old_params={"v": v_old})
+    loss = jax.jit(lambda p: nft.nft_loss(p, rows, settings, **kwargs)[0])
     grad = jax.jit(jax.grad(loss))
     optimum = v_old + (v_data - v_old) / beta
     assert float(loss({"v": jnp.asarray(optimum)})) == pytest.approx(0.0, abs=1e-6)
@@ -142,11 +134,12 @@ def test_a_sure_winner_is_learned_at_the_known_optimum(beta):
 def test_a_sure_loser_pushes_away_and_the_mean_sample_does_not_move():
     schedule = make_flow_schedule(NUM_STEPS)
     v_old = np.random.default_rng(9).normal(size=(1, *SHAPE)).astype(np.float32)
-    kwargs = dict(denoise_fn=_free_velocity, schedule=schedule, cond=jnp.zeros((1, 1, 1)), beta=1.0)
+    settings = nft.NFTSettings(_free_velocity, beta=1.0)
+    kwargs = dict(schedule=schedule, cond=jnp.zeros((1, 1, 1)), old_params={"v": v_old})
 
     def gradient(r):
         rows = _one_row(r)
-        loss = lambda p: nft.nft_loss(p, rows, old_params={"v": v_old}, **kwargs)[0]  # noqa: E731
+        loss = lambda p: nft.nft_loss(p, rows, settings, **kwargs)[0]  # noqa: E731
         return np.asarray(jax.grad(loss)({"v": jnp.asarray(v_old)})["v"]), rows
 
     loser, rows = gradient(0.0)

@@ -13,9 +13,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import base
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
+from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.tiny import build_tiny
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -78,7 +78,7 @@ def toys(tmp_path):
 
 
 def toy_config() -> ml_collections.ConfigDict:
-    c = base.get_config()
+    c = base_config()
     c.name = "toy"
     c.model.name = "toy_digits"
     c.model.toy = toy_options()
@@ -148,7 +148,7 @@ def test_registering_a_taken_name_needs_overwrite(toys):
 
 
 def test_unknown_model_names_the_registered_ones():
-    c = base.get_config()
+    c = base_config()
     c.model.name = "sd4"
     with pytest.raises(cfg.ConfigError) as info:
         cfg.validate(c)
@@ -166,7 +166,7 @@ def test_unknown_model_names_the_registered_ones():
     ],
 )
 def test_a_moved_field_names_its_new_place(old, value, new):
-    c = base.get_config()
+    c = base_config()
     section, field = old.rsplit(".", 1)
     c[section][field] = value
     with pytest.raises(cfg.ConfigError, match=f"sets {old}, which moved to {new}"):

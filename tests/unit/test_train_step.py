@@ -2,6 +2,8 @@
 end as one vector, against optax applied array by array: the same AdamW, clipping, weight
 decay and gradient accumulation, and the same refusal of a non-finite step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -25,13 +27,18 @@ def _params(key):
     }
 
 
-def _loss(params, batch, *, schedule, cond, uncond, ref_params, poison=0.0):
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    poison: float = 0.0  # added to the loss
+
+
+def _loss(params, batch, settings=_Settings(), *, schedule, cond, uncond, ref_params):
     """A loss whose gradient differs across the arrays (and across the batches fed)."""
     del schedule, cond, uncond, ref_params
     x = batch @ params["dense"]["kernel"] + params["dense"]["bias"]
     x = x * params["norm"]["scale"]
     loss = jnp.mean(jnp.sin(x) ** 2) + jnp.sum(params["embedding"] ** 3) * 0.1
-    return loss + poison, {}
+    return loss + settings.poison, {}
 
 
 def _reference_grads(params, batch):
@@ -52,12 +59,12 @@ def _train_config(max_grad_norm: float, grad_accumulation: int) -> ml_collection
     )
 
 
-def _step(train_cfg, params, **loss_kwargs):
+def _step(train_cfg, params, settings=_Settings()):
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     tx = make_optimizer(train_cfg)
     state = TrainState(jax.tree_util.tree_map(jnp.copy, params), tx.init(params))  # donated
     shardings = sharding.param_shardings(mesh, jax.eval_shape(lambda s: s, state))
-    step = make_train_step(tx, loss_kwargs, mesh, shardings, loss_fn=_loss)
+    step = make_train_step(tx, settings, mesh, shardings, loss_fn=_loss)
     return tx, state, step
 
 
@@ -103,7 +110,7 @@ def test_one_vector_update_is_optax_array_by_array(max_grad_norm, grad_accumulat
 
 def test_a_non_finite_loss_leaves_the_state_as_it_was():
     params = _params(jax.random.key(1))
-    _, state, step = _step(_train_config(1.0, 1), params, poison=jnp.nan)
+    _, state, step = _step(_train_config(1.0, 1), params, _Settings(poison=float("nan")))
     before = jax.tree_util.tree_map(np.asarray, state)
     state, metrics = step(state, jnp.ones((8, 3)), None, None, None, None, jnp.float32(LR))
     assert not bool(metrics["finite"])

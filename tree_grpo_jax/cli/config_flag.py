@@ -161,7 +161,7 @@ def load_config(path: str):
         if not hasattr(module, "get_config"):
             raise BadCommandLine(
                 f"the config file {path!r} defines no get_config(); start it from "
-                "configs/base.py's get_config()."
+                "tree_grpo_jax.config.base_config()."
             )
         config = module.get_config(argument) if argument else module.get_config()
     except BadCommandLine:
@@ -194,7 +194,7 @@ def load_config(path: str):
         what = "None (a missing return?)" if config is None else f"a {type(config).__name__}"
         raise BadCommandLine(
             f"{path}'s get_config() returned {what}, not an ml_collections ConfigDict; start it "
-            "from configs/base.py's get_config()."
+            "from tree_grpo_jax.config.base_config()."
         )
     return config
 
@@ -301,7 +301,7 @@ def _field_sentence(config, field: str, flag: str, path: str | None) -> str:
     if field in _schema_fields():
         return (
             f"{path}'s get_config() lacks {field} (from {flag}); start it "
-            "from configs/base.py's get_config()."
+            "from tree_grpo_jax.config.base_config()."
         )
     close = difflib.get_close_matches(field, _known_fields(config), n=1)
     hint = f"; did you mean --config.{close[0]}?" if close else "."

@@ -134,14 +134,14 @@ def _known_fields() -> tuple[dict, dict, tuple[str, ...]]:
 
 def check_shape(config, source: str = "the config") -> None:
     """Refuses, in one sentence, a config that is not a ConfigDict holding every shared
-    section and field of the schema (`base_config()`, which configs/base.py returns), or that
+    section and field of the schema (`base_config()`), or that
     sets a field nothing reads (a typo). `source` names the config in the sentence (the
     command line: its file's get_config())."""
     what = "None" if config is None else f"a {type(config).__name__}"
     _require(
         isinstance(config, ml_collections.ConfigDict),
-        f"{source} is {what}, not an ml_collections ConfigDict; start it from configs/base.py's "
-        "get_config().",
+        f"{source} is {what}, not an ml_collections ConfigDict; start it from "
+        "tree_grpo_jax.config.base_config().",
     )
     _check_moved(config, source)
     shared, fields, open_sections = _known_fields()
@@ -149,19 +149,23 @@ def check_shape(config, source: str = "the config") -> None:
     for path, default in shared.items():
         _require(
             path in have,
-            f"{source} lacks {path}; start it from configs/base.py's get_config().",
+            f"{source} lacks {path}; start it from tree_grpo_jax.config.base_config().",
         )
         if isinstance(default, ml_collections.ConfigDict):  # its fields are checked next
             _require(
                 isinstance(have[path], ml_collections.ConfigDict),
-                f"{path} must be a section (a ConfigDict, as in configs/base.py), got "
-                f"{_describe(have[path])}.",
+                f"{path} must be a section (a ConfigDict, as in "
+                f"tree_grpo_jax.config.base_config()), got {_describe(have[path])}.",
             )
     for path in have:
         if path in fields or any(path.startswith(f"{s}.") for s in open_sections):
             continue
         close = difflib.get_close_matches(path, list(fields), n=1)
-        hint = f"; did you mean {close[0]}?" if close else " (configs/base.py holds them all)."
+        hint = (
+            f"; did you mean {close[0]}?"
+            if close
+            else " (tree_grpo_jax.config.base_config() holds them all)."
+        )
         raise ConfigError(f"{source} sets {path}, which is not a config field{hint}")
 
 
@@ -189,7 +193,10 @@ def _type_sentence(path: str, default, value) -> str | None:
     if isinstance(default, ml_collections.ConfigDict):
         if isinstance(value, ml_collections.ConfigDict):
             return None
-        return f"{path} must be a section (a ConfigDict, as in configs/base.py), got {got}."
+        return (
+            f"{path} must be a section (a ConfigDict, as in "
+            f"tree_grpo_jax.config.base_config()), got {got}."
+        )
     if isinstance(default, bool):
         if isinstance(value, bool):
             return None

@@ -18,10 +18,14 @@ one scale at every step, where the plain log-ratio is biased below 0 and grows a
 `guard_reweight="dt"` then divides each edge's term by its step's |dt| (the released
 trainers' `policy_loss / sqrt_dt**2`), which evens the steps' gradients.
 
-Jit it with `denoise_fn` static (functools.partial, or `static_argnames`).
+Every loss takes its settings as one record (`PPOSettings` here, each method's own beside
+its loss), built once from the config by the method's objective. The train step closes over
+it, so its fields are constants of the compiled program: jit a loss with the record static.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -43,12 +47,39 @@ def _per_row(values: jax.Array, ndim: int) -> jax.Array:
     return values.reshape(values.shape[0], *([1] * ndim))
 
 
-def _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale):
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """What every loss is built with; each loss extends it with its own fields."""
+
+    denoise_fn: DenoiseFn
+    kl_beta: float = 0.0  # weight of the KL term to the reference (`ref_params`)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOSettings(LossSettings):
+    """`ppo_loss`'s settings. `reduce` must match the rollout's; `guard`: GRPO-Guard's
+    ratio and, with `guard_reweight="dt"`, its per-step weights (module docstring)."""
+
+    guidance_scale: float = 1.0
+    clip_range: float = 1e-4
+    reduce: str = "mean"
+    guard: bool = False
+    guard_reweight: str = "dt"
+
+
+def check_kl_reference(kl_beta: float, ref_params) -> None:
+    """A KL term needs its reference."""
+    if ref_params is None and kl_beta != 0:
+        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+
+
+def _row_gaussian(settings: PPOSettings, params, batch, schedule, cond, uncond):
     """The step Gaussian of every row: (mean [R, 1, *S], std broadcastable to it)."""
     event_ndim = batch.x.ndim - 1
     t = schedule.timesteps[batch.step]
+    denoise = traced_once(settings.denoise_fn)
     pred = guided_prediction(
-        traced_once(denoise_fn), params, batch.x, t, cond[batch.prompt], uncond, guidance_scale
+        denoise, params, batch.x, t, cond[batch.prompt], uncond, settings.guidance_scale
     )
     # Each row has its own step index: gather the schedule per row, broadcasting over
     # the child axis and the sample axes.
@@ -60,18 +91,16 @@ def _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_sc
 def score_actions(
     params: PyTree,
     batch: Transitions,
+    settings: PPOSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.Schedule,
     cond: jax.Array,
     uncond: jax.Array | None = None,
-    guidance_scale: jax.Array | float = 1.0,
-    reduce: str = "mean",
 ) -> jax.Array:
     """Log-probs [R, K] of the batch's actions under `params`: one forward per row."""
-    mean, std = _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale)
+    mean, std = _row_gaussian(settings, params, batch, schedule, cond, uncond)
     event_ndim = batch.x.ndim - 1
-    return sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, reduce)
+    return sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, settings.reduce)
 
 
 GUARD_REWEIGHTS = ("dt", "none")
@@ -94,21 +123,53 @@ def guard_log_ratio(
     return (log_ratio + gap[:, None] / (2.0 * scale**2)) * scale
 
 
+def clipped_surrogate(advantages: jax.Array, ratio: jax.Array, clip_range: float) -> jax.Array:
+    """PPO's per-term loss max(-A * r, -A * clip(r, 1 - eps, 1 + eps))."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return jnp.maximum(unclipped, clipped)
+
+
+def ratio_metrics(ratio: jax.Array, mask: jax.Array, clip_range: float) -> dict[str, jax.Array]:
+    """The clipped share and the mean, least and greatest ratio over the True entries of
+    `mask` (1 for the ratios when there are none)."""
+    big = jnp.finfo(jnp.float32).max
+    any_live = jnp.any(mask)
+    return {
+        "clip_fraction": masked_mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask),
+        "ratio_mean": jnp.where(any_live, masked_mean(ratio, mask), 1.0),
+        "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
+        "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
+    }
+
+
+def _log_ratio(settings: PPOSettings, batch: Transitions, mean, std, mask) -> jax.Array:
+    """log r [R, K] of every edge (0 at masked slots), GRPO-Guard's with `guard`."""
+    event_ndim = batch.x.ndim - 1
+    new_log_probs = sampling.gaussian_log_prob(
+        batch.actions, mean, std, event_ndim, settings.reduce
+    )
+    # Masked slots may hold anything: zero their log-ratio before exp so they stay finite.
+    log_ratio = jnp.where(mask, new_log_probs - batch.old_log_probs, 0.0)
+    if settings.guard:
+        if batch.old_means is None:
+            raise ValueError("guard needs the rollout's step means (record_means=True).")
+        guarded = guard_log_ratio(
+            log_ratio, mean, batch.old_means, std, event_ndim, settings.reduce
+        )
+        log_ratio = jnp.where(mask, guarded, 0.0)
+    return log_ratio
+
+
 def ppo_loss(
     params: PyTree,
     batch: Transitions,
+    settings: PPOSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.Schedule,
     cond: jax.Array,
     uncond: jax.Array | None = None,
-    guidance_scale: jax.Array | float = 1.0,
-    clip_range: jax.Array | float = 1e-4,
-    kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
-    reduce: str = "mean",
-    guard: bool = False,
-    guard_reweight: str = "dt",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
 
@@ -117,65 +178,41 @@ def ppo_loss(
     is the KL between the step Gaussians of the policy and the frozen reference, which
     share the policy's std (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2),
     Flow-GRPO's form; it is averaged over the rows that have a trained edge and costs one
-    more forward per row. `reduce` must match the rollout's. `guard`: GRPO-Guard's ratio
-    and, with `guard_reweight="dt"`, its per-step weights (module docstring).
+    more forward per row.
     """
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape_prefix([batch.x, batch.actions, batch.mask], 1)
     chex.assert_equal_shape([batch.old_log_probs, batch.advantages, batch.mask])
-    use_kl = ref_params is not None
-    if not use_kl and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
-        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    check_kl_reference(settings.kl_beta, ref_params)
 
-    event_ndim = batch.x.ndim - 1
     mask = batch.mask.astype(bool)
-    mean, std = _row_gaussian(denoise_fn, params, batch, schedule, cond, uncond, guidance_scale)
-    new_log_probs = sampling.gaussian_log_prob(batch.actions, mean, std, event_ndim, reduce)
-
-    # Masked slots may hold anything: zero their log-ratio before exp so they stay finite.
-    log_ratio = jnp.where(mask, new_log_probs - batch.old_log_probs, 0.0)
-    if guard:
-        if batch.old_means is None:
-            raise ValueError("guard needs the rollout's step means (record_means=True).")
-        guarded = guard_log_ratio(log_ratio, mean, batch.old_means, std, event_ndim, reduce)
-        log_ratio = jnp.where(mask, guarded, 0.0)
+    mean, std = _row_gaussian(settings, params, batch, schedule, cond, uncond)
+    log_ratio = _log_ratio(settings, batch, mean, std, mask)
     ratio = jnp.exp(log_ratio)
     advantages = batch.advantages.astype(jnp.float32)  # clipped once, by the method table
-    unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    per_edge = jnp.maximum(unclipped, clipped)
-    if guard and guard_reweight == "dt":
+    per_edge = clipped_surrogate(advantages, ratio, settings.clip_range)
+    if settings.guard and settings.guard_reweight == "dt":
         per_edge = per_edge / -schedule.dt[batch.step][:, None]
     policy_loss = masked_mean(per_edge, mask)
 
     live_rows = mask.any(axis=1)
-    if use_kl:
+    if ref_params is not None:
         ref_mean, _ = _row_gaussian(
-            denoise_fn,
-            jax.lax.stop_gradient(ref_params),
-            batch,
-            schedule,
-            cond,
-            uncond,
-            guidance_scale,
+            settings, jax.lax.stop_gradient(ref_params), batch, schedule, cond, uncond
         )
-        row_kl = sampling.gaussian_kl(mean, ref_mean, std, event_ndim, reduce)[:, 0]
+        event_ndim = batch.x.ndim - 1
+        row_kl = sampling.gaussian_kl(mean, ref_mean, std, event_ndim, settings.reduce)[:, 0]
         kl = masked_mean(row_kl, live_rows)
     else:
         kl = jnp.zeros((), jnp.float32)
-    loss = policy_loss + kl_beta * kl
+    loss = policy_loss + settings.kl_beta * kl
 
-    big = jnp.finfo(jnp.float32).max
-    any_live = jnp.any(mask)
     adv_mean = masked_mean(advantages, mask)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         "approx_kl": 0.5 * masked_mean(log_ratio**2, mask),
-        "clip_fraction": masked_mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask),
-        "ratio_mean": jnp.where(any_live, masked_mean(ratio, mask), 1.0),
-        "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
-        "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
+        **ratio_metrics(ratio, mask, settings.clip_range),
         "advantage_mean": adv_mean,
         "advantage_std": jnp.sqrt(masked_mean((advantages - adv_mean) ** 2, mask)),
         "trained_edges": jnp.sum(mask),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import chex
 import jax
@@ -199,6 +200,15 @@ def _window_flags(block: Block, spec: TreeSpec, steps: jax.Array, start: jax.Arr
     return inside | jnp.asarray(block.always_stochastic, bool)
 
 
+class RolloutOptions(NamedTuple):
+    """The rollout's static settings besides its spec and denoiser (`rollout`'s keywords)."""
+
+    sample_shape: tuple[int, ...]
+    reduce: str
+    split_log_prob: str
+    record_means: bool
+
+
 def rollout(
     denoise_fn: DenoiseFn,
     params: PyTree,
@@ -241,6 +251,7 @@ def rollout(
     if spec.sliding and not isinstance(window_start, jax.core.Tracer):
         spec.at(int(window_start))  # raises SpecError for a window that does not fit
     fn = _rollout.lower if lower else _rollout
+    options = RolloutOptions(tuple(sample_shape), reduce, split_log_prob, record_means)
     return fn(
         denoise_fn,
         params,
@@ -251,24 +262,11 @@ def rollout(
         uncond,
         guidance_scale,
         spec=spec,
-        sample_shape=tuple(sample_shape),
-        reduce=reduce,
-        split_log_prob=split_log_prob,
-        record_means=record_means,
+        options=options,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "denoise_fn",
-        "spec",
-        "sample_shape",
-        "reduce",
-        "split_log_prob",
-        "record_means",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("denoise_fn", "spec", "options"))
 def _rollout(
     denoise_fn,
     params,
@@ -280,16 +278,12 @@ def _rollout(
     guidance_scale,
     *,
     spec: TreeSpec,
-    sample_shape: tuple[int, ...],
-    reduce: str,
-    split_log_prob: str,
-    record_means: bool = False,
+    options: RolloutOptions,
 ) -> Tree:
     num_prompts = cond.shape[0]
-    event_ndim = len(sample_shape)
     start = jnp.clip(window_start, 0, spec.window_positions - 1)
     init_key, noise_key = split_rollout_key(key)
-    noises = segment_noise(noise_key, spec, num_prompts, sample_shape)
+    noises = segment_noise(noise_key, spec, num_prompts, options.sample_shape)
     predict = functools.partial(_level_prediction, denoise_fn, params, schedule)
 
     def level_predict(i, x):
@@ -298,11 +292,7 @@ def _rollout(
     def ode_body(i, x):
         return schedule.deterministic_step(i, x, level_predict(i, x))
 
-    def step_mean(i, x, pred):
-        """The parents' step mean (XLA shares it with the draw's), or None unrecorded."""
-        return schedule.transition(i, x, pred)[0] if record_means else None
-
-    x = initial_noise(init_key, num_prompts, spec, sample_shape)
+    x = initial_noise(init_key, num_prompts, spec, options.sample_shape)
     segments = []
     for block in spec.blocks:
         begin, end = block.bounds(start)
@@ -311,63 +301,74 @@ def _rollout(
             if not (static and begin >= end):
                 x = jax.lax.fori_loop(begin, end, ode_body, x)
             continue
+        noise = noises[len(segments)]
+        x, segment = _segment(block, spec, begin, start, x, noise, level_predict, schedule, options)
+        segments.append(segment)
 
-        step = block.step
-        score_scale = step.noise_scale if split_log_prob == "sampled" else 1.0
-        steps = begin + jnp.arange(block.num_steps, dtype=jnp.int32)
-        draw = functools.partial(
-            _draw,
-            schedule,
-            k=step.k,
-            noise_scale=step.noise_scale,
-            score_scale=score_scale,
-            event_ndim=event_ndim,
-            reduce=reduce,
-        )
-        if block.kind == "stochastic":
-            active = jnp.ones((block.num_steps,), bool)
-
-            def body(x, inputs, draw=draw):
-                i, noise, _ = inputs
-                pred = level_predict(i, x)
-                children, log_probs = draw(i, x, pred, noise)
-                return children, (x, children, log_probs, step_mean(i, x, pred))
-
-        else:  # mixed: stochastic inside the window, deterministic outside
-            active = _window_flags(block, spec, steps, start)
-
-            def body(x, inputs, draw=draw):
-                i, noise, stochastic = inputs
-                pred = level_predict(i, x)
-                drawn, log_probs = draw(i, x, pred, noise)
-                children = jnp.where(stochastic, drawn, schedule.deterministic_step(i, x, pred))
-                record = (x, children, jnp.where(stochastic, log_probs, 0.0))
-                return children, (*record, step_mean(i, x, pred))
-
-        inputs = (steps, noises[len(segments)], active)
-        if block.num_steps == 1:  # a BRANCH step changes the level's size: no scan
-            x, record = body(x, jax.tree_util.tree_map(lambda a: a[0], inputs))
-            record = jax.tree_util.tree_map(lambda a: a[None], record)
-        else:
-            x, record = jax.lax.scan(body, x, inputs)
-        parents, children, log_probs, means = record
-        segments.append(
-            Segment(
-                parents,
-                children,
-                log_probs,
-                steps,
-                active,
-                k=step.k,
-                noise_scale=step.noise_scale,
-                score_scale=score_scale,
-                level=block.level,
-                means=means,
-            )
-        )
-
-    chex.assert_shape(x, (num_prompts, spec.leaves, *sample_shape))
+    chex.assert_shape(x, (num_prompts, spec.leaves, *options.sample_shape))
     return Tree(segments=tuple(segments), leaves=x)
+
+
+def _segment(block, spec, begin, start, x, noise, level_predict, schedule, options):
+    """One stochastic block from the level `x`, its first step at `begin`: (the level after
+    it, its `Segment`). `level_predict(i, x)` is the denoiser's prediction of a level."""
+    step = block.step
+    score_scale = step.noise_scale if options.split_log_prob == "sampled" else 1.0
+    steps = begin + jnp.arange(block.num_steps, dtype=jnp.int32)
+    draw = functools.partial(
+        _draw,
+        schedule,
+        k=step.k,
+        noise_scale=step.noise_scale,
+        score_scale=score_scale,
+        event_ndim=len(options.sample_shape),
+        reduce=options.reduce,
+    )
+
+    def step_mean(i, x, pred):
+        """The parents' step mean (XLA shares it with the draw's), or None unrecorded."""
+        return schedule.transition(i, x, pred)[0] if options.record_means else None
+
+    if block.kind == "stochastic":
+        active = jnp.ones((block.num_steps,), bool)
+
+        def body(x, inputs):
+            i, noise, _ = inputs
+            pred = level_predict(i, x)
+            children, log_probs = draw(i, x, pred, noise)
+            return children, (x, children, log_probs, step_mean(i, x, pred))
+
+    else:  # mixed: stochastic inside the window, deterministic outside
+        active = _window_flags(block, spec, steps, start)
+
+        def body(x, inputs):
+            i, noise, stochastic = inputs
+            pred = level_predict(i, x)
+            drawn, log_probs = draw(i, x, pred, noise)
+            children = jnp.where(stochastic, drawn, schedule.deterministic_step(i, x, pred))
+            record = (x, children, jnp.where(stochastic, log_probs, 0.0))
+            return children, (*record, step_mean(i, x, pred))
+
+    inputs = (steps, noise, active)
+    if block.num_steps == 1:  # a BRANCH step changes the level's size: no scan
+        x, record = body(x, jax.tree_util.tree_map(lambda a: a[0], inputs))
+        record = jax.tree_util.tree_map(lambda a: a[None], record)
+    else:
+        x, record = jax.lax.scan(body, x, inputs)
+    parents, children, log_probs, means = record
+    segment = Segment(
+        parents,
+        children,
+        log_probs,
+        steps,
+        active,
+        k=step.k,
+        noise_scale=step.noise_scale,
+        score_scale=score_scale,
+        level=block.level,
+        means=means,
+    )
+    return x, segment
 
 
 def sample_deterministic(

@@ -28,6 +28,8 @@ config/dgx_awm.py (SD3.5-M settings); Flow-Factory src/flow_factory/trainers/awm
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -36,8 +38,14 @@ import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
-from tree_grpo_jax.core.loss import masked_mean
+from tree_grpo_jax.core.guidance import PyTree
+from tree_grpo_jax.core.loss import (
+    LossSettings,
+    check_kl_reference,
+    clipped_surrogate,
+    masked_mean,
+    ratio_metrics,
+)
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -173,20 +181,26 @@ def weighted_log_prob(error: jax.Array, t: jax.Array, weighting: str, power: flo
     raise ValueError(f"unknown AWM weighting {weighting!r}; choose one of {WEIGHTINGS}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class AWMSettings(LossSettings):
+    """`awm_loss`'s settings: the ratio's clip, the log-likelihood's weighting (and the
+    ghuber power), the off-policy ratio and the EMA term's weight."""
+
+    clip_range: float = 1.0
+    weighting: str = "ghuber"
+    power: float = 0.25
+    off_policy: bool = False
+    ema_beta: float = 0.0
+
+
 def awm_loss(
     params: PyTree,
     batch: AWMRows,
+    settings: AWMSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.FlowSchedule,
     cond: jax.Array,
     old_params: PyTree,
-    clip_range: jax.Array | float = 1.0,
-    weighting: str = "ghuber",
-    power: jax.Array | float = 0.25,
-    off_policy: bool = False,
-    kl_beta: jax.Array | float = 0.0,
-    ema_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     uncond: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -196,8 +210,8 @@ def awm_loss(
     conditional velocity is sampled and trained (the config refuses guidance)."""
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
-    if ref_params is None and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
-        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    check_kl_reference(settings.kl_beta, ref_params)
+    weighting, power = settings.weighting, settings.power
     mask = batch.mask.astype(bool)
     x0 = batch.x0.astype(jnp.float32)
     noise = batch.noise.astype(jnp.float32)
@@ -208,20 +222,20 @@ def awm_loss(
     row_cond = cond[batch.prompt]
 
     def velocity(p):
-        return denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
+        return settings.denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
 
     v = velocity(params)
     log_prob = weighted_log_prob(nft.row_mean((v - target) ** 2), t, weighting, power)
-    use_ema = off_policy or not (isinstance(ema_beta, (int, float)) and ema_beta == 0)
+    use_ema = settings.off_policy or settings.ema_beta != 0
     v_ema = jax.lax.stop_gradient(velocity(old_params)) if use_ema else None
-    if off_policy:
+    if settings.off_policy:
         old = weighted_log_prob(nft.row_mean((v_ema - target) ** 2), t, weighting, power)
     else:
         old = jax.lax.stop_gradient(log_prob)
     log_ratio = jnp.where(mask, log_prob - old, 0.0)
     ratio = jnp.exp(log_ratio)
     a = batch.advantage.astype(jnp.float32)
-    per_row = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    per_row = clipped_surrogate(a, ratio, settings.clip_range)
     policy_loss = masked_mean(per_row, mask)
     zero = jnp.zeros((), jnp.float32)
     kl = zero
@@ -229,21 +243,16 @@ def awm_loss(
         v_ref = jax.lax.stop_gradient(velocity(ref_params))
         kl = masked_mean(nft.row_mean((v - v_ref) ** 2), mask)
     ema_kl = zero if v_ema is None else masked_mean(nft.row_mean((v - v_ema) ** 2), mask)
-    big = jnp.finfo(jnp.float32).max
-    any_live = jnp.any(mask)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         "ema_kl": ema_kl,
         "matching_error": masked_mean(nft.row_mean((v - target) ** 2), mask),
-        "clip_fraction": masked_mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32), mask),
-        "ratio_mean": jnp.where(any_live, masked_mean(ratio, mask), 1.0),
-        "ratio_min": jnp.where(any_live, jnp.min(jnp.where(mask, ratio, big)), 1.0),
-        "ratio_max": jnp.where(any_live, jnp.max(jnp.where(mask, ratio, -big)), 1.0),
+        **ratio_metrics(ratio, mask, settings.clip_range),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
     }
-    return policy_loss + kl_beta * kl + ema_beta * ema_kl, metrics
+    return policy_loss + settings.kl_beta * kl + settings.ema_beta * ema_kl, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,18 +374,18 @@ class AWMObjective(Objective):
             a.time_shift,
         )
         rows = gather_rows(source.tree.leaves, adv, times, noise_key)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         a = config.awm
-        return awm_loss, dict(
+        return awm_loss, AWMSettings(
             denoise_fn=denoise_fn,
-            clip_range=config.train.clip_range,
-            weighting=a.weighting,
-            power=a.ghuber_power,
+            kl_beta=float(config.train.kl_beta),
+            clip_range=float(config.train.clip_range),
+            weighting=str(a.weighting),
+            power=float(a.ghuber_power),
             off_policy=bool(a.off_policy),
-            kl_beta=config.train.kl_beta,
-            ema_beta=a.ema_beta,
+            ema_beta=float(a.ema_beta),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
@@ -396,17 +405,8 @@ class AWMObjective(Objective):
         """Every leaf at its train_timesteps times, one row each; a row runs the trained
         policy, the EMA copy (its KL or the off-policy ratio) and the KL reference."""
         a = config.awm
-        rows = spec.leaves * a.train_timesteps
         forwards = 1 + (config.train.kl_beta > 0) + (a.ema_beta > 0 or bool(a.off_policy))
-        return {
-            "guidance": False,
-            "rollout_rows": spec.rollout_denoiser_calls(False),
-            "trained_edges": rows,
-            "train_rows": rows,
-            "train_forward_rows": rows * forwards,
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return nft.leaf_row_counts(spec, spec.leaves * a.train_timesteps, forwards)
 
 
 AWM = AWMObjective()

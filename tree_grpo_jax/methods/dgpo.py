@@ -26,6 +26,8 @@ src/flow_factory/trainers/dgpo.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -34,8 +36,8 @@ import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
-from tree_grpo_jax.core.loss import masked_mean
+from tree_grpo_jax.core.guidance import PyTree
+from tree_grpo_jax.core.loss import LossSettings, masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -71,10 +73,7 @@ def advantages(rewards: np.ndarray, global_std: bool) -> np.ndarray:
     if global_std:
         return nft.advantages(rewards)
     rewards = np.asarray(rewards, np.float64)
-    chex.assert_rank(rewards, 2)
-    shifted = rewards - rewards[:, :1]  # a constant prompt gives exact zeros
-    centred = shifted - shifted.mean(axis=1, keepdims=True)
-    return centred / (rewards.std(axis=1, keepdims=True) + STD_EPS)
+    return nft.centred_per_prompt(rewards) / (rewards.std(axis=1, keepdims=True) + STD_EPS)
 
 
 def gather_rows(
@@ -112,20 +111,26 @@ def _sample_mean(values: jax.Array) -> jax.Array:
     return jnp.mean(values, axis=tuple(range(2, values.ndim)))
 
 
+@dataclasses.dataclass(frozen=True)
+class DGPOSettings(LossSettings):
+    """`dgpo_loss`'s settings: the preference's scale and group size, its reference
+    ("initial" or "ema") and the clip of the DSM loss against the EMA copy."""
+
+    beta_dpo: float = 100.0
+    group_size: int = 16
+    reference: str = "initial"
+    clip_dsm: bool = True
+    clip_range: float = 1e-2
+
+
 def dgpo_loss(
     params: PyTree,
     batch: DGPORows,
+    settings: DGPOSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.FlowSchedule,
     cond: jax.Array,
     old_params: PyTree,
-    beta_dpo: jax.Array | float = 100.0,
-    group_size: int = 16,
-    reference: str = "initial",
-    clip_dsm: bool = True,
-    clip_range: jax.Array | float = 1e-2,
-    kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     uncond: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -135,10 +140,10 @@ def dgpo_loss(
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.advantage, batch.mask])
+    reference, clip_range = settings.reference, settings.clip_range
     if reference not in REFERENCES:
         raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}.")
-    kl_off = isinstance(kl_beta, (int, float)) and kl_beta == 0
-    if ref_params is None and (reference == "initial" or not kl_off):
+    if ref_params is None and (reference == "initial" or settings.kl_beta != 0):
         raise ValueError("DGPO's initial-model reference or KL term needs ref_params.")
     mask = batch.mask.astype(bool)
     rows, group = batch.x0.shape[:2]
@@ -153,7 +158,7 @@ def dgpo_loss(
     row_cond = jnp.repeat(cond[batch.prompt], group, axis=0)
 
     def velocity(p):
-        v = denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
+        v = settings.denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
         return v.reshape(rows, group, *sample_shape)
 
     def dsm_of(v):
@@ -163,16 +168,18 @@ def dgpo_loss(
     dsm = dsm_of(v)
     v_init = None if ref_params is None else jax.lax.stop_gradient(velocity(ref_params))
     v_ema = None
-    if clip_dsm or reference == "ema":
+    if settings.clip_dsm or reference == "ema":
         v_ema = jax.lax.stop_gradient(velocity(old_params))
     ref_dsm = dsm_of(v_ema if reference == "ema" else v_init)
     a = batch.advantage.astype(jnp.float32)
     clipped = jnp.zeros(dsm.shape, bool)
-    if clip_dsm:
+    if settings.clip_dsm:
         ratio = jnp.exp(dsm_of(v_ema) - jax.lax.stop_gradient(dsm))
         clipped = jnp.where(a > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range) & mask
         dsm = jnp.where(clipped, jax.lax.stop_gradient(dsm), dsm)
-    per_sample = a * beta_dpo * (jax.lax.stop_gradient(dsm) - ref_dsm) / group_size
+    per_sample = (
+        a * settings.beta_dpo * (jax.lax.stop_gradient(dsm) - ref_dsm) / settings.group_size
+    )
     group_sum = jnp.sum(jnp.where(mask, per_sample, 0.0), axis=1, keepdims=True)
     weight = jax.lax.stop_gradient(jax.nn.sigmoid(group_sum))
     policy_loss = masked_mean(weight * a * dsm, mask)
@@ -191,7 +198,7 @@ def dgpo_loss(
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(live_rows),
     }
-    return policy_loss + kl_beta * kl, metrics
+    return policy_loss + settings.kl_beta * kl, metrics
 
 
 def ema_decay(iterations_done: int, rate: float, ceiling: float) -> float:
@@ -283,18 +290,18 @@ class DGPOObjective(Objective):
         rows = gather_rows(
             source.tree.leaves, adv, key, d.trunc_steps + 1, d.train_timesteps, d.shared_noise
         )
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         c, d = config, config.dgpo
-        return dgpo_loss, dict(
+        return dgpo_loss, DGPOSettings(
             denoise_fn=denoise_fn,
-            beta_dpo=d.beta_dpo,
+            kl_beta=float(c.train.kl_beta),
+            beta_dpo=float(d.beta_dpo),
             group_size=int(c.tree.group_size),
-            reference=d.reference,
+            reference=str(d.reference),
             clip_dsm=bool(d.clip_dsm),
-            clip_range=d.clip_range,
-            kl_beta=c.train.kl_beta,
+            clip_range=float(d.clip_range),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):

@@ -23,6 +23,7 @@ Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -33,8 +34,8 @@ import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
-from tree_grpo_jax.core.guidance import DenoiseFn, PyTree
-from tree_grpo_jax.core.loss import masked_mean
+from tree_grpo_jax.core.guidance import PyTree
+from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -70,15 +71,20 @@ def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> NFTRo
 # Credit: rewards -> advantages -> optimality probabilities.
 
 
-def advantages(rewards: np.ndarray) -> np.ndarray:
-    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
-    the whole batch (the released code's per-prompt tracker with `global_std`)."""
+def centred_per_prompt(rewards: np.ndarray) -> np.ndarray:
+    """[P, L] rewards less each prompt's mean, in float64."""
     rewards = np.asarray(rewards, np.float64)
     chex.assert_rank(rewards, 2)
     # less each prompt's first reward before the mean: a constant prompt gives exact zeros
     shifted = rewards - rewards[:, :1]
-    centred = shifted - shifted.mean(axis=1, keepdims=True)
-    return centred / (rewards.std() + STD_EPS)
+    return shifted - shifted.mean(axis=1, keepdims=True)
+
+
+def advantages(rewards: np.ndarray) -> np.ndarray:
+    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
+    the whole batch (the released code's per-prompt tracker with `global_std`)."""
+    rewards = np.asarray(rewards, np.float64)
+    return centred_per_prompt(rewards) / (rewards.std() + STD_EPS)
 
 
 def optimality(advantages: np.ndarray, clip: float) -> np.ndarray:
@@ -139,17 +145,22 @@ def _weighted_error(x0_hat: jax.Array, x0: jax.Array) -> jax.Array:
     return row_mean(error**2) / weight
 
 
+@dataclasses.dataclass(frozen=True)
+class NFTSettings(LossSettings):
+    """`nft_loss`'s settings: the implicit policies' step and the advantages' clip."""
+
+    beta: float = 1.0
+    clip: float = 5.0
+
+
 def nft_loss(
     params: PyTree,
     batch: NFTRows,
+    settings: NFTSettings,
     *,
-    denoise_fn: DenoiseFn,
     schedule: sampling.FlowSchedule,
     cond: jax.Array,
     old_params: PyTree,
-    beta: jax.Array | float = 1.0,
-    clip: jax.Array | float = 5.0,
-    kl_beta: jax.Array | float = 0.0,
     ref_params: PyTree | None = None,
     uncond: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -160,8 +171,8 @@ def nft_loss(
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.step, batch.prompt, batch.optimality, batch.mask])
-    if ref_params is None and not (isinstance(kl_beta, (int, float)) and kl_beta == 0):
-        raise ValueError("kl_beta is set but no ref_params were given for the KL reference.")
+    check_kl_reference(settings.kl_beta, ref_params)
+    beta, clip = settings.beta, settings.clip
     mask = batch.mask.astype(bool)
     x0 = batch.x0.astype(jnp.float32)
     sigma = schedule.sigmas[batch.step].reshape(-1, *([1] * (x0.ndim - 1)))
@@ -170,7 +181,7 @@ def nft_loss(
     row_cond = cond[batch.prompt]
 
     def velocity(p):
-        return denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
+        return settings.denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
 
     v = velocity(params)
     v_old = jax.lax.stop_gradient(velocity(old_params))
@@ -193,7 +204,7 @@ def nft_loss(
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
     }
-    return policy_loss + kl_beta * kl, metrics
+    return policy_loss + settings.kl_beta * kl, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +233,21 @@ def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
 
 # ---------------------------------------------------------------------------------------------
 # The objective as the method table holds it.
+
+
+def leaf_row_counts(spec, rows: int, forwards: int) -> dict:
+    """`Objective.training_counts` of an objective that trains `rows` rows of the rollout's
+    final samples per prompt (no edge of the tree), each through `forwards` denoiser calls;
+    the rollout samples without guidance."""
+    return {
+        "guidance": False,
+        "rollout_rows": spec.rollout_denoiser_calls(False),
+        "trained_edges": rows,
+        "train_rows": rows,
+        "train_forward_rows": rows * forwards,
+        "spec_trainable_edges": 0,
+        "spec_train_rows": 0,
+    }
 
 
 class NFTObjective(Objective):
@@ -302,12 +328,15 @@ class NFTObjective(Objective):
         per_sample = steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
         key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
         rows = gather_rows(source.tree.leaves, r, key, num_steps, per_sample)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
-        c = config
-        settings = dict(beta=c.diffusion_nft.beta, clip=c.advantage.clip)
-        return nft_loss, dict(denoise_fn=denoise_fn, kl_beta=c.train.kl_beta, **settings)
+        return nft_loss, NFTSettings(
+            denoise_fn=denoise_fn,
+            kl_beta=float(config.train.kl_beta),
+            beta=float(config.diffusion_nft.beta),
+            clip=float(config.advantage.clip),
+        )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
         return zero_rows(rows, sample_shape, dtype, make)
@@ -330,17 +359,8 @@ class NFTObjective(Objective):
     def training_counts(self, config, spec, prunes):
         """Every leaf at its share of the sampling steps, one row each; a row runs the
         trained and the old policy (and the reference with a KL term)."""
-        rows = spec.leaves * self._per_sample(config)
         forwards = 3 if config.train.kl_beta > 0 else 2
-        return {
-            "guidance": False,
-            "rollout_rows": spec.rollout_denoiser_calls(False),
-            "trained_edges": rows,
-            "train_rows": rows,
-            "train_forward_rows": rows * forwards,
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return leaf_row_counts(spec, spec.leaves * self._per_sample(config), forwards)
 
 
 NFT = NFTObjective()

@@ -2,7 +2,7 @@
 by each method-table entry that trains through it (`Method.objective`).
 
 An objective says which rows an iteration trains on (from the rollout, its rewards and a
-key), the loss over a minibatch of them with its static settings, zero rows of its kind (the
+key), the loss over a minibatch of them with its settings record, zero rows of its kind (the
 precompiled and planned programs' arguments), whether the state keeps an old copy of the
 policy and what becomes of it after an update, what its rows store (the size check), its own
 config checks, and the per-prompt training counts the benchmarks derive. The trainer, the
@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax.core import tree_spec
+from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.core.rollout import Tree
 
 
@@ -43,6 +44,10 @@ class RowSource:
     # rows, updated with the global batch), or None
     tracker: Any = None
     schedule: Any = None  # the sampler's schedule (its sigmas: forward-process rows' times)
+
+    def in_global_batch(self, rows):
+        """`rows` made from `tree` with their `prompt` indexing the global batch."""
+        return rows.replace(prompt=rows.prompt + np.int32(self.rows.start))
 
 
 class Objective(abc.ABC):
@@ -99,9 +104,10 @@ class Objective(abc.ABC):
         when `draws_rows`."""
 
     @abc.abstractmethod
-    def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, dict]:
-        """The loss function `(params, batch, *, schedule, cond, uncond, ref_params, ...)` and
-        its static settings, for the train step."""
+    def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, LossSettings]:
+        """The loss function `(params, batch, settings, *, schedule, cond, uncond, ref_params,
+        [old_params])` and its settings record, built from `config` here alone: the train
+        step closes over it, so its fields are constants of the compiled step."""
 
     @abc.abstractmethod
     def zero_rows(

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax.core import sampling, transitions
-from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, ppo_loss
+from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -95,18 +95,18 @@ class PPOObjective(Objective):
             config, source.spec, source.tree, advantages, source.iteration, source.window_start
         )
         rows = transitions.gather_transitions(source.tree, advantages, masks)
-        return rows.replace(prompt=rows.prompt + np.int32(source.rows.start))
+        return source.in_global_batch(rows)
 
     def loss(self, config, denoise_fn):
         c = config
-        settings = dict(reduce=c.sampling.log_prob_reduce, clip_range=c.train.clip_range)
-        if c.grpo_guard.enabled:
-            settings.update(guard=True, guard_reweight=c.grpo_guard.reweight)
-        return ppo_loss, dict(
+        return ppo_loss, PPOSettings(
             denoise_fn=denoise_fn,
-            guidance_scale=c.sampling.guidance_scale,
-            kl_beta=c.train.kl_beta,
-            **settings,
+            kl_beta=float(c.train.kl_beta),
+            guidance_scale=float(c.sampling.guidance_scale),
+            clip_range=float(c.train.clip_range),
+            reduce=str(c.sampling.log_prob_reduce),
+            guard=bool(c.grpo_guard.enabled),
+            guard_reweight=str(c.grpo_guard.reweight),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):

@@ -16,6 +16,7 @@ import numpy as np
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models import media as media_kinds
@@ -209,11 +210,11 @@ def trained_params(config, model_params, base=None, paths=None):
     return cast_floats(factors, DTYPES[config.model.param_dtype])
 
 
-def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[dict, dict]:
-    """(the loss's static settings, the train step's layout: its loss function and, under
+def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[LossSettings, dict]:
+    """(the loss's settings record, the train step's layout: its loss function and, under
     LoRA, the merge and where the frozen base and the KL reference lie)."""
     denoise = denoiser.training_denoise(model, config, mesh)
-    loss_fn, loss_kwargs = objective.loss(config, denoise)
+    loss_fn, loss_settings = objective.loss(config, denoise)
     layout = {"loss_fn": loss_fn}
     if base_shardings is not None:
         rank = int(config.lora.rank)
@@ -222,7 +223,7 @@ def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[di
             frozen_shardings=base_shardings,
             ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
         )
-    return loss_kwargs, layout
+    return loss_settings, layout
 
 
 def references(config, params, base):
@@ -246,21 +247,21 @@ def programs(config, model, mesh, objective, state_shardings, base_shardings=Non
     run built again in this process with equal settings gets the same programs back, so
     nothing is traced or compiled twice."""
     tx = make_optimizer(config.train)
-    loss_kwargs, layout = step_layout(config, objective, model, mesh, base_shardings)
+    loss_settings, layout = step_layout(config, objective, model, mesh, base_shardings)
     old_policy = objective.keeps_old_policy
 
     def build_steps():
         return {
-            "train_step": make_train_step(tx, loss_kwargs, mesh, state_shardings, **layout),
+            "train_step": make_train_step(tx, loss_settings, mesh, state_shardings, **layout),
             "accumulating": make_accumulating_step(
-                tx, loss_kwargs, mesh, state_shardings, **layout
+                tx, loss_settings, mesh, state_shardings, **layout
             ),
             "init_state": jax.jit(
                 lambda p: initial_state(tx, p, old_policy), out_shardings=state_shardings
             ),
         }
 
-    settings = (tx, loss_kwargs, layout, mesh, state_shardings, old_policy)
+    settings = (tx, loss_settings, layout, mesh, state_shardings, old_policy)
     steps = _kept_steps.get(settings, build_steps)
     return {**steps, "sampling_denoise": denoiser.sampling_denoise(model, config, mesh)}
 
@@ -343,6 +344,63 @@ def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
     )
 
 
+def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts):
+    """The checks that need the loaded model: its kind for the objective, the sizes of the
+    run's rows, the media its rewards score, and every prompt it will be given (the text
+    encoders prepared for them first)."""
+    objective = method.objective
+    sentence = objective.check_model(config, model)
+    if sentence is not None:
+        raise cfg.ConfigError(sentence)
+    image_shape = None
+    if model.media != media_kinds.LATENTS:
+        one = jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
+        image_shape = jax.eval_shape(model.decode, one).shape[1:]
+    check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
+    if model.prepare_prompts is not None:
+        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
+        if jax.process_index() == 0 and config.log.progress:
+            print(f"text encoders: {said}", flush=True)
+    check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
+    trained = list(dict.fromkeys(prompts.prompts))
+    chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
+    check_prompts(model, reward.rewards.values(), trained, "prompts.source", chunk)
+    # the eval's own prompts: through the training reward, and every prompt through the
+    # held-out ones
+    seen = set(trained)
+    check_prompts(
+        model,
+        reward.rewards.values(),
+        [p for p in eval_prompts if p not in seen],
+        "the eval prompts",
+        chunk,
+    )
+    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk)
+
+
+def _initial_state(config, model, mesh, objective, adapter):
+    """(the train state at step 0, the run's programs (`programs`), (the train step's KL
+    reference, the evaluation's)) for `model`, trained whole or through `adapter`."""
+    if adapter is None:
+        params = trained_params(config, model.params)
+    else:
+        params = trained_params(config, model.params, adapter.base, adapter.paths)
+    tx = make_optimizer(config.train)
+    fresh = jax.eval_shape(lambda p: initial_state(tx, p, objective.keeps_old_policy), params)
+    state_shardings = sharding.param_shardings(mesh, fresh)
+    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
+    built = programs(config, model, mesh, objective, state_shardings, base_shardings)
+    state = built["init_state"](params)
+
+    if adapter is None:  # a copy of the initial weights: the state's are donated
+        kept = references(config, state.params, None)
+        initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
+        references_kept = tuple(None if r is None else initial for r in kept)
+    else:  # the KL reference is the base itself: no second copy
+        references_kept = references(config, state.params, adapter.base)
+    return state, built, references_kept
+
+
 def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainState]:
     """`setup` on a config already checked (`reward_weights`: what `config.validate` parsed)."""
     sharding.maybe_initialize_distributed()
@@ -364,55 +422,15 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
     objective = method.objective
-    sentence = objective.check_model(config, model)
-    if sentence is not None:
-        raise cfg.ConfigError(sentence)
-    image_shape = None
-    if model.media != media_kinds.LATENTS:
-        one = jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
-        image_shape = jax.eval_shape(model.decode, one).shape[1:]
-    check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
     eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
-    if model.prepare_prompts is not None:
-        said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
-        if jax.process_index() == 0 and config.log.progress:
-            print(f"text encoders: {said}", flush=True)
-    check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
-    trained = list(dict.fromkeys(prompts.prompts))
-    chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
-    check_prompts(model, reward.rewards.values(), trained, "prompts.source", chunk)
-    # the eval's own prompts: through the training reward, and every prompt through the
-    # held-out ones
-    seen = set(trained)
-    check_prompts(
-        model,
-        reward.rewards.values(),
-        [p for p in eval_prompts if p not in seen],
-        "the eval prompts",
-        chunk,
-    )
-    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk)
+    _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts)
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 
     adapter = _make_adapter(config, model, mesh)
-    if adapter is None:
-        params = trained_params(config, model.params)
-    else:
-        params = trained_params(config, model.params, adapter.base, adapter.paths)
-    tx = make_optimizer(config.train)
-    fresh = jax.eval_shape(lambda p: initial_state(tx, p, objective.keeps_old_policy), params)
-    state_shardings = sharding.param_shardings(mesh, fresh)
-    base_shardings = None if adapter is None else sharding.param_shardings(mesh, adapter.base)
-    built = programs(config, model, mesh, objective, state_shardings, base_shardings)
-    state = built["init_state"](params)
-
-    if adapter is None:  # a copy of the initial weights: the state's are donated
-        kept = references(config, state.params, None)
-        initial = jax.tree_util.tree_map(jnp.copy, state.params) if any(kept) else None
-        ref_params, kl_reference = (None if r is None else initial for r in kept)
-    else:  # the KL reference is the base itself: no second copy
-        ref_params, kl_reference = references(config, state.params, adapter.base)
+    state, built, (ref_params, kl_reference) = _initial_state(
+        config, model, mesh, objective, adapter
+    )
     trainer = Trainer(
         config=config,
         workdir=workdir,

@@ -423,96 +423,14 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     if stopped:
         return _guard_stop(trainer, spec, history, stopped)
 
-    primary = sharding.is_primary()
-    if primary:
-        writer = reporting.MetricsWriter(
-            workdir, c.log.tensorboard, c.log.wandb_project, resume_step=start if start else -1
-        )
-    else:
-        writer = reporting.NullWriter()
-    progress = reporting.Progress(total, start, c.log.progress and primary)
-    if c.log.progress and primary:
-        print(
-            f"{spec.describe()} | {c.prompts.batch_size} prompts x {spec.leaves} leaves | "
-            f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | workdir {workdir}",
-            flush=True,
-        )
-        print(_training_line(trainer, state), flush=True)
-        if start:
-            print(f"resumed from the checkpoint after iteration {start}", flush=True)
+    writer, progress = _reporting(trainer, state, spec, start)
     wall_start = time.time() - history.get("wall_time", 0.0)
-    host = _host_state(trainer)
-
-    def save(done: int) -> None:
-        history["wall_time"] = time.time() - wall_start
-        ckpt.save(done, state, _meta(trainer, done, history, host))
-
-    guarding = cfg.guard_on(c)
-    if guarding and history.get("best_step") is not None:
+    run = _Run(trainer, ckpt, history, writer, state, _host_state(trainer), wall_start)
+    if run.guarding and history.get("best_step") is not None:
         ckpt.protect(history["best_step"])
-
-    def evaluated(done: int) -> str | None:
-        """Evaluates after `done` iterations; with the guard on, checkpoints a new best
-        evaluation and returns the line to stop with when the guard says stop."""
-        save_eval(trainer, done, state.params, history, writer)
-        if not guarding:
-            return None
-        if guard.best(history["eval"])["iteration"] == done:
-            history["best_step"] = done
-            ckpt.protect(done)
-            save(done)
-        reason = guard.check(c, history["eval"])
-        if reason is None:
-            return None
-        if c.eval.guard.action == "warn":
-            if primary:
-                print(f"warning: guard: {reason}; training goes on.", file=sys.stderr, flush=True)
-            return None
-        save(done)
-        return guard.stop_line(reason, done, guard.best(history["eval"]), ckpt.directory)
-
     try:
         with _Signals() as signals:
-            if start == 0 and not history["eval"]:
-                stopped = evaluated(0)
-                if stopped:
-                    return _guard_stop(trainer, spec, history, stopped)
-            for iteration in range(start, total):
-                try:
-                    state, metrics = trainer.iteration(state, iteration)
-                except RewardError:
-                    # The update had not started: `state` still holds `iteration` finished
-                    # iterations, and `host` the prompt/tracker state that goes with them.
-                    if iteration > start:
-                        save(iteration)
-                    raise
-                done = iteration + 1
-                host = _host_state(trainer)
-                with interrupts.critical():
-                    writer.write(done, metrics, prefix="train/")
-                shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
-                shown += trainer.method.objective.reported_metrics
-                progress.update(
-                    iteration,
-                    metrics["time_iteration"],
-                    {k: metrics[k] for k in shown if k in metrics},
-                )
-                if done == total:
-                    break
-                if c.eval.every and done % c.eval.every == 0:
-                    stopped = evaluated(done)
-                    if stopped:
-                        return _guard_stop(trainer, spec, history, stopped)
-                # A signal to any process stops them all after the same iteration.
-                stop = sharding.agree(float(signals.received is not None)) > 0
-                if stop or (c.checkpoint.every and done % c.checkpoint.every == 0):
-                    save(done)
-                    # one that came during the save stops at this checkpoint
-                    stop = sharding.agree(float(signals.received is not None)) > 0
-                if stop:
-                    raise Interrupted(signals.received or "SIGTERM", done, workdir)
-            stopped = evaluated(total)
-            save(total)
+            stopped = run.train(start, progress, signals)
             if stopped:
                 return _guard_stop(trainer, spec, history, stopped)
             summary = summarize(trainer, spec, history, workdir)
@@ -521,6 +439,122 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
     finally:
         writer.close()
     return summary
+
+
+def _reporting(trainer: Trainer, state, spec, start: int):
+    """(the metrics writer, the progress line) of a run starting after `start` iterations,
+    and on the primary process, with progress on, the startup's lines."""
+    c = trainer.config
+    primary = sharding.is_primary()
+    if primary:
+        writer = reporting.MetricsWriter(
+            trainer.workdir,
+            c.log.tensorboard,
+            c.log.wandb_project,
+            resume_step=start if start else -1,  # afresh: a killed attempt's rows go
+        )
+    else:
+        writer = reporting.NullWriter()
+    progress = reporting.Progress(c.train.iterations, start, c.log.progress and primary)
+    if c.log.progress and primary:
+        print(
+            f"{spec.describe()} | {c.prompts.batch_size} prompts x {spec.leaves} leaves | "
+            f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | "
+            f"workdir {trainer.workdir}",
+            flush=True,
+        )
+        print(_training_line(trainer, state), flush=True)
+        if start:
+            print(f"resumed from the checkpoint after iteration {start}", flush=True)
+    return writer, progress
+
+
+class _Run:
+    """The loop's state between iterations: the train state, the host's prompt and tracker
+    state that goes with it (`_host_state`) and the history; and how they are saved and
+    evaluated."""
+
+    def __init__(self, trainer, ckpt, history, writer, state, host, wall_start):
+        self.trainer, self.ckpt, self.history, self.writer = trainer, ckpt, history, writer
+        self.state, self.host, self.wall_start = state, host, wall_start
+        self.guarding = cfg.guard_on(trainer.config)
+        self.primary = sharding.is_primary()
+
+    def save(self, done: int) -> None:
+        self.history["wall_time"] = time.time() - self.wall_start
+        meta = _meta(self.trainer, done, self.history, self.host)
+        self.ckpt.save(done, self.state, meta)
+
+    def evaluated(self, done: int) -> str | None:
+        """Evaluates after `done` iterations; with the guard on, checkpoints a new best
+        evaluation and returns the line to stop with when the guard says stop."""
+        c, history = self.trainer.config, self.history
+        save_eval(self.trainer, done, self.state.params, history, self.writer)
+        if not self.guarding:
+            return None
+        if guard.best(history["eval"])["iteration"] == done:
+            history["best_step"] = done
+            self.ckpt.protect(done)
+            self.save(done)
+        reason = guard.check(c, history["eval"])
+        if reason is None:
+            return None
+        if c.eval.guard.action == "warn":
+            if self.primary:
+                print(f"warning: guard: {reason}; training goes on.", file=sys.stderr, flush=True)
+            return None
+        self.save(done)
+        return guard.stop_line(reason, done, guard.best(history["eval"]), self.ckpt.directory)
+
+    def train(self, start: int, progress, signals) -> str | None:
+        """Iterations `start` .. train.iterations, evaluated and checkpointed as the config
+        asks, then the last evaluation and checkpoint: the guard's line to stop with, or
+        None. A signal stops every process after the same iteration (`Interrupted`)."""
+        c = self.trainer.config
+        total = c.train.iterations
+        if start == 0 and not self.history["eval"]:
+            stopped = self.evaluated(0)
+            if stopped:
+                return stopped
+        for iteration in range(start, total):
+            done = self._iteration(iteration, start, progress)
+            if done == total:
+                break
+            if c.eval.every and done % c.eval.every == 0:
+                stopped = self.evaluated(done)
+                if stopped:
+                    return stopped
+            stop = sharding.agree(float(signals.received is not None)) > 0
+            if stop or (c.checkpoint.every and done % c.checkpoint.every == 0):
+                self.save(done)
+                # one that came during the save stops at this checkpoint
+                stop = sharding.agree(float(signals.received is not None)) > 0
+            if stop:
+                raise Interrupted(signals.received or "SIGTERM", done, self.trainer.workdir)
+        stopped = self.evaluated(total)
+        self.save(total)
+        return stopped
+
+    def _iteration(self, iteration: int, start: int, progress) -> int:
+        """One training iteration, its metrics written and shown: the iterations done."""
+        try:
+            self.state, metrics = self.trainer.iteration(self.state, iteration)
+        except RewardError:
+            # The update had not started: `state` still holds `iteration` finished
+            # iterations, and `host` the prompt/tracker state that goes with them.
+            if iteration > start:
+                self.save(iteration)
+            raise
+        done = iteration + 1
+        self.host = _host_state(self.trainer)
+        with interrupts.critical():
+            self.writer.write(done, metrics, prefix="train/")
+        shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
+        shown += self.trainer.method.objective.reported_metrics
+        progress.update(
+            iteration, metrics["time_iteration"], {k: metrics[k] for k in shown if k in metrics}
+        )
+        return done
 
 
 def _training_line(trainer: Trainer, state) -> str:

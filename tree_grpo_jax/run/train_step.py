@@ -16,7 +16,7 @@ from flax import struct
 from jax.flatten_util import ravel_pytree
 
 from tree_grpo_jax import sharding
-from tree_grpo_jax.core.loss import ppo_loss
+from tree_grpo_jax.core.loss import LossSettings, ppo_loss
 
 # The steps donate their state; on CPU, or where an output cannot take a donated buffer's
 # place, XLA keeps the copy and JAX warns at every compile (harmless, thousands of characters).
@@ -95,7 +95,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _loss_and_grads(loss_fn, loss_kwargs: dict, merge):
+def _loss_and_grads(loss_fn, settings: LossSettings, merge):
     """(params, batch, cond, schedule, uncond, ref_params, frozen, old) -> ((loss, metrics),
     grads); with `merge` (LoRA) the loss sees `merge(frozen, params)` (and the old policy
     `merge(frozen, old)`). `old` (None: none kept) reaches the loss as `old_params`."""
@@ -110,12 +110,12 @@ def _loss_and_grads(loss_fn, loss_kwargs: dict, merge):
             return loss_fn(
                 weights_of(p, frozen),
                 batch,
+                settings,
                 schedule=schedule,
                 cond=cond,
                 uncond=uncond,
                 ref_params=ref_params,
                 **extra,
-                **loss_kwargs,
             )
 
         return jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -201,7 +201,7 @@ def _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
 
 def make_train_step(
     tx,
-    loss_kwargs: dict,
+    settings: LossSettings,
     mesh,
     state_shardings,
     *,
@@ -212,14 +212,14 @@ def make_train_step(
 ):
     """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
 
-    loss_kwargs: the static arguments of `loss_fn` (`ppo_loss`, or the method's own
-    objective, e.g. `nft.nft_loss`) such as denoise_fn, and its scalars. A state that keeps
-    an old policy (`OldPolicyState`) hands it to the loss as `old_params`.
+    settings: the settings record of `loss_fn` (`ppo_loss`'s `PPOSettings`, or the method's
+    own, e.g. `nft.nft_loss`'s `NFTSettings`), constants of the compiled step. A state that
+    keeps an old policy (`OldPolicyState`) hands it to the loss as `old_params`.
     With `merge` (LoRA), the state's params are the adapter, the step takes the frozen base
     weights as an eighth argument (laid out as `frozen_shardings`) and the loss sees
     `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
     """
-    loss_and_grads = _loss_and_grads(loss_fn, loss_kwargs, merge)
+    loss_and_grads = _loss_and_grads(loss_fn, settings, merge)
     one_vector = _replicated(state_shardings)
 
     def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
@@ -259,7 +259,7 @@ class AccumulatingStep:
 
 def make_accumulating_step(
     tx,
-    loss_kwargs: dict,
+    settings: LossSettings,
     mesh,
     state_shardings,
     *,
@@ -275,7 +275,7 @@ def make_accumulating_step(
     every edge of the update (exactly for the PPO term; the KL term, a mean over rows,
     is weighted the same way).
     """
-    loss_and_grads = _loss_and_grads(loss_fn, loss_kwargs, merge)
+    loss_and_grads = _loss_and_grads(loss_fn, settings, merge)
     rep = sharding.replicated(mesh)
     grad_shardings = state_shardings.params
     acc_shardings = Accumulated(grad_shardings, rep)
