@@ -40,9 +40,9 @@ class LoadRequest:
     dtype: Any  # the compute dtype (a jnp dtype)
     seed: int  # the run's seed (for families that can build random weights)
     options: Any  # the family's own sub-section `model.<family>` (its defaults if absent)
-    # model.remat as a `dit_layers.REMAT_MODES` name: a family whose denoiser can recompute
-    # each block in the backward pass builds it so (and says so in the model's
-    # `remat_blocks`); others ignore it
+    # model.remat as a `base.REMAT_MODES` name: a family whose denoiser can recompute each
+    # block in the backward pass builds it so (and says so in the model's `remat`); others
+    # ignore it
     remat: str = "none"
     # model.scan_layers: a family with runs of identical blocks scans them; others ignore it
     scan_layers: bool = True
@@ -119,14 +119,13 @@ def path_loader(
 ) -> Callable[[LoadRequest], Any]:
     """A `load` (or `abstract`) for a loader taking a folder: `target(request.path,
     dtype=request.dtype, **{name: options.<name>})`, and with `remat` (a transformer's
-    loader) `remat_blocks=request.remat`, `scan_layers=request.scan_layers` and
-    `attention=request.attention`."""
+    loader) `remat`, `scan_layers` and `attention`, the request's."""
     loader = lazy(target)
 
     def load(request: LoadRequest):
         arguments = {name: getattr(request.options, name) for name in option_names}
         if remat:
-            arguments["remat_blocks"] = request.remat
+            arguments["remat"] = request.remat
             arguments["scan_layers"] = request.scan_layers
             arguments["attention"] = request.attention
         return loader(request.path, dtype=request.dtype, **arguments)

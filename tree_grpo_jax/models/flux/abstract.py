@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models import autoencoder
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.flux import load
@@ -51,13 +51,13 @@ def check_text_widths(configs, transformer) -> None:
 def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_flux(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (CLIP, T5), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     check_text_widths(configs, transformer)
     length = options.t5_max_length or load.default_t5_max_length(config)
@@ -81,5 +81,5 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=components.remats_blocks(options),
+        remat=options.remat,
     )

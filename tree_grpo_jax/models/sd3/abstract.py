@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models import autoencoder
 from tree_grpo_jax.models.abstract import AbstractModel, clip_prompt_shape, read_configs
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.sd3 import load, text
@@ -69,7 +69,7 @@ def check_text_widths(configs, width: int, use_t5: bool) -> None:
 def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_sd3(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     needed = (TRANSFORMER, VAE, SCHEDULER, CLIP_L)
     configs = read_configs(path, needed, (TOKENIZER, CLIP_G, T5), RELEASES, HINT)
     found = configs.files
@@ -77,7 +77,7 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     check_text_widths(configs, config.get("joint_attention_dim", 4096), options.use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
@@ -95,5 +95,5 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, found[VAE], options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=components.remats_blocks(options),
+        remat=options.remat,
     )

@@ -15,6 +15,7 @@ carries one array per prompt, so `encode_prompts` packs the pooled vector as one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
 )
-from tree_grpo_jax.models.sd3 import mmdit, text
+from tree_grpo_jax.models.sd3 import family, mmdit, text
 from tree_grpo_jax.weights import files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
@@ -56,18 +57,9 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_sd3` and `abstract.abstract_sd3` take as keywords, with their defaults."""
-
-    use_t5: bool = True  # False leaves the 4.7B T5 unread; its tokens are zeros, as diffusers'
-    t5_max_length: int = 256  # T5 tokens per prompt
-    sample_size: int | None = None  # the latent side (default: the folder's); fits the grid
-    decode_batch_size: int = 4  # latents through the VAE decoder at once
-    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
-    remat_blocks: bool | str = False
-    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
-    attention: str = "xla"  # model.attention: the `models.attention` backend
+# What `load_sd3` and `abstract.abstract_sd3` take as keywords: `model.sd3`'s fields
+# (its record's defaults) and the shared run-time ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -123,15 +115,15 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
 
     `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
-    (`sample_size` must fit the transformer's position-embedding grid; `remat_blocks` is
+    (`sample_size` must fit the transformer's position-embedding grid; `remat` is
     what `model.remat` asks for).
     """
-    options = LoadOptions(**options)
+    options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
     transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **components.module_options(options)
+        folders["transformer"], dtype, **options.module_options()
     )
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
@@ -166,5 +158,5 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoders,
-        remat_blocks=components.remats_blocks(options),
+        remat=options.remat,
     )

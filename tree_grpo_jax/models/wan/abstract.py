@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models import components, media
+from tree_grpo_jax.models import media
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.wan import load
@@ -45,13 +45,13 @@ def check_text_width(configs, transformer) -> None:
 def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_wan(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_channels(config, vae_config, Path(configs.where))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     check_text_width(configs, transformer)
     if not 1 <= options.t5_max_length <= 512:
@@ -71,6 +71,6 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         schedule_config=schedule,
         decode=decode,
         decode_params=decode_params,
-        remat_blocks=components.remats_blocks(options),
+        remat=options.remat,
         media=media.VIDEO,
     )

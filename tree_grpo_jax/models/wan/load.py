@@ -96,19 +96,9 @@ class WanScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(self.shifted(base), 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_wan` and `abstract.abstract_wan` take as keywords, with their defaults."""
-
-    resolution: Sequence[int] = family.DEFAULT_RESOLUTION  # (height, width) in pixels
-    num_frames: int = family.DEFAULT_FRAMES  # 4k + 1
-    shift: float = 0.0  # > 0: this flow_shift in place of the folder's
-    t5_max_length: int = family.T5_MAX_LENGTH  # umT5 tokens per prompt
-    decode_batch_size: int = 1  # videos through the VAE decoder at once
-    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
-    remat_blocks: bool | str = False
-    scan_layers: bool = True  # model.scan_layers: the 30 (40) blocks as one scan
-    attention: str = "xla"  # model.attention: the `models.attention` backend
+# What `load_wan` and `abstract.abstract_wan` take as keywords: `model.wan`'s fields
+# (its record's defaults) and the shared run-time ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -301,7 +291,7 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
 
     `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`.
     """
-    options = LoadOptions(**options)
+    options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
@@ -312,7 +302,7 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
         files.read_json(scheduler_file, POINT), scheduler_file, options.shift
     )
     module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **components.module_options(options)
+        folders["transformer"], dtype, **options.module_options()
     )
     decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
     decode_latents = make_decode(
@@ -335,6 +325,6 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
         transformer_config=transformer_config,
         vae_config=vae_config,
         text_encoders=encoder,
-        remat_blocks=components.remats_blocks(options),
+        remat=options.remat,
         num_frames=options.num_frames,
     )
