@@ -33,8 +33,16 @@ TUPLE_FIELDS = {
     "advantage.depth_pruning": (int, "'(2,3)'"),
     "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
     "lora.targets": (str, "\"('to_q','to_v')\""),
-    "model.wan.resolution": (int, "'(480,832)'"),
 }
+
+
+def tuple_fields() -> dict:
+    """`TUPLE_FIELDS` and those the model families declare in their records."""
+    found = dict(TUPLE_FIELDS)
+    for family in model_registry.families():
+        for field, kind in family.tuple_fields.items():
+            found[f"model.{family.name}.{field}"] = kind
+    return found
 
 
 class ConfigError(UserError):
@@ -209,7 +217,7 @@ def _type_sentence(path: str, default, value) -> str | None:
         return f"{path} must be a string{example}; got {got}."
     if isinstance(default, tuple):
         kind = type(default[0]) if default else None
-        kind, example = TUPLE_FIELDS.get(path, (kind, f"'{default!r}'"))
+        kind, example = tuple_fields().get(path, (kind, f"'{default!r}'"))
         return _element_sentence(path, kind, example, value)
     return None
 

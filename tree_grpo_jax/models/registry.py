@@ -72,6 +72,9 @@ class ModelFamily:
     check_options: Callable[[Any], str | None] | None = None
     # fields of the shared `model` section that moved into `model.<name>` (old -> new path)
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the tuple fields of `model.<name>` (field -> its elements' type and a command-line
+    # example), for the config's type check: an empty or mixed default cannot tell
+    tuple_fields: Mapping[str, tuple[type, str]] = dataclasses.field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # LoRA's default target modules (Flax names)
     recognizes: Callable[[Path], bool] | None = None  # a local folder has this family's layout
     export: FamilyExport | None = None  # None: nothing to export into

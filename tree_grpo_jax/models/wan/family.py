@@ -83,6 +83,7 @@ FAMILY = registry.register(
         path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
         options=options,
         check_options=check_options,
+        tuple_fields={"resolution": (int, "'(480,832)'")},
         # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
         # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
         # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's
