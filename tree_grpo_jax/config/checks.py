@@ -11,7 +11,6 @@ import numbers
 
 import ml_collections
 
-from tree_grpo_jax import methods
 from tree_grpo_jax.config.schema import flatten, registered_sections, shared_config
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
@@ -245,6 +244,10 @@ def check_types(config) -> None:
 def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
     """Raises ConfigError with one sentence for the first bad value found; returns the
     parsed reward weights."""
+    # The methods table (and the objectives' jax code) is needed only here: importing the
+    # config package does not load it.
+    from tree_grpo_jax import methods
+
     check_shape(config)
     check_types(config)
     _require(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ml_collections
 
-from tree_grpo_jax import methods
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
 
@@ -40,6 +39,8 @@ def registered_sections() -> dict[str, object]:
     """The registered records' sections and fields: path -> default (a ConfigDict for a
     section; None for a section whose record declares no fields, which may hold any). A
     path without a dot is a section of its own (an objective's options)."""
+    from tree_grpo_jax import methods  # the objectives' jax code, on the first config built
+
     sections = {}
     for family in model_registry.families():
         sections[f"model.{family.name}"] = family.options() if family.options else None
