@@ -278,8 +278,15 @@ def _request(family: ModelFamily, model_config, seed: int, attention: str = "") 
 
 def load_model(model_config, seed: int = 0):
     """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
+    import jax
+
+    from tree_grpo_jax.models import attention
+
     family = family_of(model_config.name)
     request = _request(family, model_config, seed)
+    sentence = attention.check_platform(request.attention, jax.default_backend())
+    if sentence is not None:  # before any weight is read
+        raise ModelLoadError(sentence)
     try:
         return family.load(request)
     except ModelLoadError:
