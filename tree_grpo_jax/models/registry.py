@@ -136,6 +136,26 @@ def path_loader(
     return load
 
 
+def pipeline_family(name: str, options: Callable[[], Any], **fields) -> ModelFamily:
+    """The record of a family whose sub-package `models/<name>/` loads one diffusers pipeline
+    folder (`model.path`) around a transformer: `load.load_<name>` and
+    `abstract.abstract_<name>` take every field of `model.<name>` (`options()`) and the
+    run-time ones, `export` exports into its `transformer/`; `fields` are the rest of the
+    record (`path_hint`, `check_options`, `lora_targets`, ...)."""
+    package = f"tree_grpo_jax.models.{name}"
+    taken = tuple(options())
+    return ModelFamily(
+        name=name,
+        model_names=(name,),
+        load=path_loader(f"{package}.load:load_{name}", taken, remat=True),
+        needs_path=True,
+        options=options,
+        export=deferred_export("transformer", f"{package}.export"),
+        abstract=path_loader(f"{package}.abstract:abstract_{name}", taken, remat=True),
+        **fields,
+    )
+
+
 def deferred_export(component: str, module: str) -> FamilyExport:
     """The `FamilyExport` of a module with `base_denoiser` and `base_params` functions."""
     return FamilyExport(component, lazy(f"{module}:base_denoiser"), lazy(f"{module}:base_params"))
