@@ -82,6 +82,39 @@ class LoadOptions:
         return dict(remat=self.remat, scan_layers=self.scan_layers, attention=self.attention)
 
 
+def model_fields(root: Path, loaded, vae_config: dict, encoders, options: LoadOptions) -> dict:
+    """The fields every `TransformerModel` of a pipeline folder `root` fills alike:
+    `loaded` is `Component.load`'s (module, params, config), `encoders` the family's
+    prompt cache (its `conditioning` encodes the prompts), `options` give `remat`."""
+    module, params, transformer_config = loaded
+    return dict(
+        name=root.name,
+        params=params,
+        encode_prompts=encoders.conditioning,
+        path=root,
+        transformer=module,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        text_encoders=encoders,
+        remat=options.remat,
+    )
+
+
+def abstract_model(configs, transformer, dtype, options: LoadOptions, **fields):
+    """The `models.abstract.AbstractModel` of a pipeline's `configs` (`read_configs`) around
+    `transformer`: its params as shapes in `dtype`, the model's `remat` from `options`;
+    `fields` are the rest (sample shape, denoise, conditioning, schedule, decoder)."""
+    from tree_grpo_jax.models.abstract import AbstractModel
+
+    return AbstractModel(
+        name=Path(configs.where).name,
+        source=configs.source,
+        params=jax.eval_shape(lambda p: cast_floats(p, dtype), abstract_params(transformer)),
+        remat=options.remat,
+        **fields,
+    )
+
+
 def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:
     """A `scheduler_config.json` of diffusers' flow-matching Euler scheduler, with the values
     `fixed` that the family's sigmas assume; one sentence naming the `family` otherwise."""

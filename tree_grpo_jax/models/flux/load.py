@@ -202,9 +202,8 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     schedule = schedule_config(
         files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), options.shift
     )
-    module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **options.module_options()
-    )
+    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    module, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
     )
@@ -218,19 +217,11 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     guidance = float(options.guidance) if module.guidance_embeds else None
 
     return FluxModel(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoders, options),
         sample_shape=shape,
-        params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
-        encode_prompts=encoders.conditioning,
         decode=decode,
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
-        path=root,
-        transformer=module,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
         guidance=guidance,
-        text_encoders=encoders,
-        remat=options.remat,
     )

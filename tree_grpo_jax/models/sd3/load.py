@@ -122,9 +122,8 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     root, folders = TRANSFORMER.pipeline(path)
     scheduler_file = folders["scheduler"] / "scheduler_config.json"
     schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
-    transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **options.module_options()
-    )
+    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    transformer, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
     )
@@ -143,20 +142,12 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
         return encoders.encode_ahead(prompts, MAX_PREPARED_PROMPTS)
 
     return StableDiffusion3Model(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoders, options),
         sample_shape=sample_shape(transformer_config, options.sample_size),
-        params=params,
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
-        encode_prompts=encoders.conditioning,
         decode=decode,
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
-        path=root,
-        transformer=transformer,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
-        text_encoders=encoders,
-        remat=options.remat,
     )

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models import media
+from tree_grpo_jax.models import components, media
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.wan import load
 from tree_grpo_jax.models.wan.builtin import RELEASES
 
@@ -61,16 +60,16 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     decode, decode_params = load.abstract_decoder(
         vae_config, configs.path(VAE), dtype, options.decode_batch_size
     )
-    return AbstractModel(
-        name=Path(configs.where).name,
-        source=configs.source,
+    return components.abstract_model(
+        configs,
+        transformer,
+        dtype,
+        options,
         sample_shape=shape,
-        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(transformer),
         cond_shape=(options.t5_max_length, transformer.text_dim),
         schedule_config=schedule,
         decode=decode,
         decode_params=decode_params,
-        remat=options.remat,
         media=media.VIDEO,
     )

@@ -301,9 +301,8 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     schedule = schedule_config(
         files.read_json(scheduler_file, POINT), scheduler_file, options.shift
     )
-    module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **options.module_options()
-    )
+    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    module = loaded[0]
     decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
     decode_latents = make_decode(
         vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
@@ -312,19 +311,11 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
         root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
     )
     return WanModel(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoder, options),
         sample_shape=shape,
-        params=params,
         denoise=make_denoise(module),
-        encode_prompts=encoder.conditioning,
         decode=functools.partial(decode_latents, decoder_params),
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
-        path=root,
-        transformer=module,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
-        text_encoders=encoder,
-        remat=options.remat,
         num_frames=options.num_frames,
     )
