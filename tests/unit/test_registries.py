@@ -218,3 +218,18 @@ def test_load_options_hold_the_family_section_and_the_run_time_fields():
         sd3_load.load_options(resolution=512)  # another family's field
     with pytest.raises(AttributeError):
         _ = sd3.num_frames
+
+
+def test_the_train_step_checkpoints_a_denoiser_only_where_its_blocks_do_not_recompute():
+    from types import SimpleNamespace
+
+    from tree_grpo_jax.models.base import training_denoise
+
+    def denoise(params, x, t, cond):
+        return x
+
+    blocks = SimpleNamespace(denoise=denoise, remat="block")  # built with model.remat=block
+    plain = SimpleNamespace(denoise=denoise, remat="none")
+    assert training_denoise(blocks, "block") is denoise
+    assert training_denoise(plain, "none") is denoise
+    assert training_denoise(plain, True) is not denoise  # wrapped whole in jax.checkpoint
