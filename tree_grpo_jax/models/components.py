@@ -188,6 +188,15 @@ class Component:
             for name, config in configs.items()
         }
 
+    def load_from(self, folders: Mapping[str, Path], dtype, options: LoadOptions):
+        """`load` of `pipeline`'s folder of this component, built as `options` say."""
+        return self.load(folders[self.folder], dtype, **options.module_options())
+
+    def scheduler(self, folders: Mapping[str, Path]) -> tuple[dict, Path]:
+        """The `scheduler_config.json` of `pipeline`'s folders, and where it is."""
+        where = folders["scheduler"] / "scheduler_config.json"
+        return files.read_json(where, self.point), where
+
     def denoiser(self, config: dict) -> export.Denoiser:
         """What `models.export` writes for params of this component's `config` (the blocks
         one by one, as the folder holds them)."""

@@ -198,11 +198,8 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_latent_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(
-        files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), options.shift
-    )
-    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders), image_tokens(shape), options.shift)
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
     module, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size

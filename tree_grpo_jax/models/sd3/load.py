@@ -28,7 +28,6 @@ from tree_grpo_jax.models.base import (
     ModelLoadError,
 )
 from tree_grpo_jax.models.sd3 import family, mmdit, text
-from tree_grpo_jax.weights import files
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
 # 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).
@@ -120,9 +119,8 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     """
     options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
-    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders))
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
     transformer, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size

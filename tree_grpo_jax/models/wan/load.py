@@ -297,11 +297,8 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(
-        files.read_json(scheduler_file, POINT), scheduler_file, options.shift
-    )
-    loaded = load_transformer(folders["transformer"], dtype, **options.module_options())
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders), options.shift)
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
     module = loaded[0]
     decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
     decode_latents = make_decode(
