@@ -315,10 +315,10 @@ def _check_model(m) -> None:
         f"model.remat must be True, False or one of {', '.join(REMAT_MODES)}, e.g. "
         f"--config.model.remat=block; got {_describe(remat)}.",
     )
-    backend = m.get("attention", "xla")
+    chosen = m.get("attention", "xla")
     _require(
-        backend in attention.BACKENDS,
-        f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {backend!r}.",
+        chosen in attention.BACKENDS,
+        f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {chosen!r}.",
     )
 
 

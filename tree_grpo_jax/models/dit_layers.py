@@ -296,10 +296,9 @@ class DiT(nn.Module):
     def check_runtime(self) -> None:
         """The run-time fields' values (one-sentence ValueError)."""
         remat_mode(self.remat)
-        backend = self.attention
-        if backend not in attention_backends.BACKENDS:
+        if self.attention not in attention_backends.BACKENDS:
             raise ValueError(
-                f"attention backend {backend!r} is unknown; choose one of "
+                f"attention backend {self.attention!r} is unknown; choose one of "
                 f"{', '.join(attention_backends.BACKENDS)}."
             )
 

@@ -346,7 +346,7 @@ def abstract_model(model_config, seed: int = 0):
             f"model family {family.name!r} cannot describe its model without loading it, so "
             "its runs cannot be planned."
         )
-    backend = getattr(model_config, "attention", "xla")
-    planned, note = attention.plan_backend(backend, jax.default_backend())
+    asked = getattr(model_config, "attention", "xla")
+    planned, note = attention.plan_backend(asked, jax.default_backend())
     model = family.abstract(_request(family, model_config, seed, planned))
     return dataclasses.replace(model, attention_note=note) if note else model
