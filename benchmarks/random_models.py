@@ -273,9 +273,7 @@ def build_sd35m(options: Options) -> Built:
 
     config = dict(SMOKE_MMDIT if options.smoke else SD35_MEDIUM)
     side = latent_side(options, config["patch_size"], "the SD3.5 MMDiT")
-    module = mmdit.transformer_module(
-        config, jnp.bfloat16, attention_implementation=options.mmdit_attention
-    )
+    module = mmdit.transformer_module(config, jnp.bfloat16, attention=options.mmdit_attention)
     params = random_params(_sd3_abstract_params(module, config))
     width, pooled = config["joint_attention_dim"], config["pooled_projection_dim"]
     tokens = SMOKE_SD3_TEXT_TOKENS if options.smoke else SD3_TEXT_TOKENS
@@ -304,9 +302,7 @@ def build_flux1_dev(options: Options) -> Built:
 
     config = dict(SMOKE_FLUX if options.smoke else FLUX1_DEV)
     side = latent_side(options, transformer.LATENT_PATCH, "the FLUX transformer")
-    module = transformer.transformer_module(
-        config, jnp.bfloat16, attention_implementation=options.mmdit_attention
-    )
+    module = transformer.transformer_module(config, jnp.bfloat16, attention=options.mmdit_attention)
     params = random_params(load.abstract_params(module))
     width, pooled = config["joint_attention_dim"], config["pooled_projection_dim"]
     tokens = SMOKE_FLUX_TEXT_TOKENS if options.smoke else FLUX_TEXT_TOKENS

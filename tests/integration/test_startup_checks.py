@@ -258,3 +258,34 @@ def test_an_xla_out_of_memory_becomes_one_sentence():
     assert "lora.rank=100000 is the likely cause" in text and "\n" not in text, text
     config.lora.rank = 32
     assert "lora.rank" not in str(train._out_of_memory(error, "d", config))
+
+
+@pytest.mark.parametrize("kernel, devices", [("cudnn", "NVIDIA GPUs"), ("pallas", "TPUs")])
+def test_an_attention_kernel_this_platform_lacks_is_named_before_anything_is_written(
+    tmp_path, kernel, devices
+):
+    assert jax.default_backend() == "cpu"
+    workdir = tmp_path / "runs" / "x"
+    result = run_main(
+        "--config=configs/tiny.py", f"--config.model.attention={kernel}", f"--workdir={workdir}"
+    )
+    assert one_error_line(result) == (
+        f"error: model.attention={kernel} is the fused kernel of {devices}, but this run's "
+        "devices are CPUs; set --config.model.attention=auto (each platform's best) or "
+        "blockwise (any platform)."
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_attention_backend_the_unet_does_not_run_is_refused(tmp_path, sd_folder):
+    workdir = tmp_path / "runs" / "sd"
+    result = run_main(
+        "--config=configs/sd15.py",
+        f"--config.model.path={sd_folder}",
+        "--config.model.attention=blockwise",
+        f"--workdir={workdir}",
+    )
+    line = one_error_line(result)
+    assert line.startswith("error: model.attention 'blockwise' is not available for Stable "), line
+    assert line.endswith("set --config.model.attention=xla."), line
+    assert not (tmp_path / "runs").exists()

@@ -238,7 +238,7 @@ def test_compute_dtype_is_checked():
 
 
 def test_block_remat_gives_pytorchs_gradient(dev):
-    """`remat_blocks` (what `model.remat` builds): PyTorch autograd's gradient of a weighted
+    """`remat` (what `model.remat` builds): PyTorch autograd's gradient of a weighted
     sum of the output."""
     inputs = make_inputs(dev.module, 8, 8)
     tokens = (8 // 2) * (8 // 2)
@@ -259,7 +259,7 @@ def test_block_remat_gives_pytorchs_gradient(dev):
 
         return jax.jit(jax.grad(loss)).lower(dev.params).compile()
 
-    remat = compiled_grad(transformer.transformer_module(DEV_CONFIG, remat_blocks=True))
+    remat = compiled_grad(transformer.transformer_module(DEV_CONFIG, remat=True))
     ours = convert.flax_to_pytorch(remat(dev.params), list_names=transformer.MODULE_LISTS)
     assert sorted(ours) == sorted(theirs)
     scale = max(np.abs(g).max() for g in theirs.values())
@@ -268,12 +268,12 @@ def test_block_remat_gives_pytorchs_gradient(dev):
 
 
 def test_block_remat_saves_only_the_blocks_inputs():
-    """What the gradient keeps from the forward: with `remat_blocks`, each block's input
+    """What the gradient keeps from the forward: with `remat`, each block's input
     (and the parameters) instead of every activation inside the blocks."""
     inputs = make_inputs(transformer.transformer_module(DEV_CONFIG), 16, 16)
 
     def saved(remat_blocks: bool) -> int:
-        module = transformer.transformer_module(DEV_CONFIG, remat_blocks=remat_blocks)
+        module = transformer.transformer_module(DEV_CONFIG, remat=remat_blocks)
         params = jax.eval_shape(module.init_weights, jax.random.key(0))
         return residual_bytes(lambda p: flax_forward(module.apply, p, inputs), params)
 

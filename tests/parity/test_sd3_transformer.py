@@ -164,7 +164,7 @@ def test_latents_larger_than_the_position_table_are_refused(sd3):
 
 
 def test_block_remat_keeps_params_and_gradients_and_saves_less(sd35):
-    """`remat_blocks` (what `model.remat` builds): the same param tree, the gradient PyTorch's
+    """`remat` (what `model.remat` builds): the same param tree, the gradient PyTorch's
     autograd gives, and of the forward's activations only the blocks' inputs kept for it."""
     inputs = sd35.inputs(8, 8, TIMESTEPS[0])
     weights = np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(np.float32)
@@ -181,7 +181,7 @@ def test_block_remat_keeps_params_and_gradients_and_saves_less(sd35):
     def compiled_grad(module):
         return jax.jit(jax.grad(loss_of(module))).lower(sd35.params).compile()
 
-    remat = compiled_grad(mmdit.transformer_module(SD35_CONFIG, remat_blocks=True))
+    remat = compiled_grad(mmdit.transformer_module(SD35_CONFIG, remat=True))
     ours = convert.flax_to_pytorch(remat(sd35.params))
     assert sorted(ours) == sorted(theirs)
     scale = max(np.abs(g).max() for g in theirs.values())
@@ -189,7 +189,7 @@ def test_block_remat_keeps_params_and_gradients_and_saves_less(sd35):
     assert worst < 1e-5 * scale, (worst, scale)
 
     plain, remat = (
-        residual_bytes(loss_of(mmdit.transformer_module(SD35_CONFIG, remat_blocks=r)), sd35.params)
+        residual_bytes(loss_of(mmdit.transformer_module(SD35_CONFIG, remat=r)), sd35.params)
         for r in (False, True)
     )
     assert remat < 0.5 * plain, (remat, plain)

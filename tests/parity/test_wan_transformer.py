@@ -177,7 +177,7 @@ def test_attention_backends_agree(reference, monkeypatch):
     inputs = make_inputs()
     outputs = []
     for backend in ("xla", "blockwise"):
-        module = reference.module(attention_implementation=backend)
+        module = reference.module(attention=backend)
         with monkeypatch.context() as patch:
             patch.setattr(attention_backends, "blockwise_attention", small_blocks)
             outputs.append(flax_output(module, reference.params(module), inputs))
@@ -200,7 +200,7 @@ def test_remat_gives_pytorchs_gradient(reference):
     scale = max(np.abs(g).max() for g in theirs.values())
 
     for remat in ("none", "block_save_attention"):
-        module = reference.module(remat_blocks=remat)
+        module = reference.module(remat=remat)
 
         def loss(p, module=module):
             return jnp.sum(module.apply({"params": p}, **inputs) * weights)

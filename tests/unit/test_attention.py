@@ -119,3 +119,15 @@ def test_pallas_kernel_in_interpret_mode_where_jax_allows_it():
     except Exception as e:  # the TPU kernel's lowering may need a TPU even when interpreted
         pytest.skip(f"the TPU flash kernel does not run interpreted here: {type(e).__name__}")
     np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k, v), atol=1e-4)
+
+
+def test_a_run_is_refused_a_kernel_its_platform_lacks():
+    # a run on a GPU may ask for cuDNN's kernel, one on a TPU for Pallas'; not the other way
+    assert attn.check_platform("cudnn", "gpu") is None
+    assert attn.check_platform("pallas", "tpu") is None
+    for backend in ("xla", "blockwise", "auto"):
+        assert attn.check_platform(backend, "cpu") is None
+    assert attn.check_platform("cudnn", "tpu").startswith(
+        "model.attention=cudnn is the fused kernel of NVIDIA GPUs, but this run's devices are TPUs"
+    )
+    assert "fused kernel of TPUs" in attn.check_platform("pallas", "gpu")

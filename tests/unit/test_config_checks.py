@@ -159,7 +159,7 @@ def test_a_registered_section_may_be_left_out_but_not_mistyped():
 def test_every_tuple_field_has_an_element_type():
     for path, default in cfg.flatten(base_config()).items():
         if isinstance(default, tuple):
-            kind, _ = cfg.TUPLE_FIELDS[path]
+            kind, _ = cfg.tuple_fields()[path]
             assert all(type(v) is kind for v in default), path
 
 
@@ -175,6 +175,11 @@ TYPE_CASES = [
         "\"('digit_accuracy','clip_score')\"; got the string 'digit_accuracy'.",
     ),
     ({"lora__targets": "to_q"}, "lora.targets must be a tuple of strings"),
+    (  # the example is the one the family's record declares
+        {"model__wan__resolution": 480},
+        "model.wan.resolution must be a tuple of ints, e.g. "
+        "--config.model.wan.resolution='(480,832)'; got 480.",
+    ),
     ({"advantage__depth_pruning": 3}, "advantage.depth_pruning must be a tuple of ints"),
     ({"advantage__depth_pruning": (2.5,)}, "got (2.5,)"),
     ({"advantage__depth_pruning": (True,)}, "advantage.depth_pruning must be a tuple of ints"),

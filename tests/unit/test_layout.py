@@ -1,12 +1,13 @@
 """The package's import graph, read from its source: no cycles, every arrow pointing down the
-layers, no module outside a family's sub-package naming it, few modules at the top, one way
-to cut an error to its first line, no library module reading the experiment files of
+layers, no module or string outside a family's sub-package naming it, few modules at the top,
+one way to cut an error to its first line, no library module reading the experiment files of
 configs/, no module serving names through a module-level `__getattr__`, and no branch on a
 method's objective outside the methods package. Each rule is also run on an injected
 violation."""
 
 import ast
 import pathlib
+import re
 
 from tree_grpo_jax import methods
 
@@ -206,16 +207,56 @@ def test_only_a_family_sub_package_names_its_family():
             assert other is None or other == own, f"{module} imports {target}"
 
 
-def test_no_library_string_is_a_model_name_outside_its_family():
-    from tree_grpo_jax.models import registry
-
-    names = set(registry.model_names())
-    for module, path in MODULES.items():
+def family_references(sources: dict[str, str], names) -> list[str]:
+    """Strings outside the family sub-packages that name a family or model of `names`: the
+    whole string (`"wan"`), a config path into its section (`"model.wan.resolution"`,
+    `"model.wan"`) or a dotted path through it (`"x.wan.y"`)."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    inside = re.compile(rf"(?<![\w.])model\.(?:{alternatives})(?!\w)|\.(?:{alternatives})\.")
+    found = []
+    for module, text in sources.items():
         if any(module.startswith(f"tree_grpo_jax.models.{f}") for f in FAMILIES):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                assert node.value not in names, f"{module}:{node.lineno} names {node.value!r}"
+        for node in ast.walk(ast.parse(text)):
+            text_constant = isinstance(node, ast.Constant) and isinstance(node.value, str)
+            if text_constant and (node.value in names or inside.search(node.value)):
+                found.append(f"{module}:{node.lineno} names {node.value!r}")
+    return found
+
+
+def _family_names() -> set[str]:
+    """The registered families' section names and the model names they load."""
+    from tree_grpo_jax.models import registry
+
+    return {f.name for f in registry.families()} | set(registry.model_names())
+
+
+def test_no_library_string_names_a_family_outside_its_sub_package():
+    names = _family_names()
+    assert {"sd", "sd3", "flux", "wan", "tiny"} <= names
+    assert not family_references(SOURCES, names)
+
+
+def test_a_family_reference_is_caught():
+    names = _family_names()
+    injected = {
+        "tree_grpo_jax.config.x": 'FIELDS = {"model.wan.resolution": int}\n',
+        "tree_grpo_jax.config.y": 'section = "model.flux"\n',
+        "tree_grpo_jax.run.z": 'path = "a.sd3.b"\n',
+        "tree_grpo_jax.cli.w": 'if name == "tiny_flow":\n    pass\n',
+    }
+    assert family_references({**SOURCES, **injected}, names) == [
+        "tree_grpo_jax.config.x:1 names 'model.wan.resolution'",
+        "tree_grpo_jax.config.y:1 names 'model.flux'",
+        "tree_grpo_jax.run.z:1 names 'a.sd3.b'",
+        "tree_grpo_jax.cli.w:1 names 'tiny_flow'",
+    ]
+    # words that merely begin like a family, and a family's own sub-package, are not caught
+    fine = {
+        "tree_grpo_jax.config.v": 'log = "log.wandb_project"\nx = "model.sdxl"\n',
+        "tree_grpo_jax.models.wan.family": 'FIELDS = {"model.wan.resolution": int}\n',
+    }
+    assert not family_references(fine, names)
 
 
 def test_no_library_module_is_over_about_650_lines():

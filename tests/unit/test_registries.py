@@ -201,3 +201,35 @@ def test_every_family_of_the_package_is_found():
     assert model_registry.family_of("random_tiny_flow").name == "tiny"
     exportable = {f.name for f in model_registry.families() if f.export is not None}
     assert exportable == {"sd", "sd3", "flux", "wan"}
+
+
+def test_load_options_hold_the_family_section_and_the_run_time_fields():
+    from tree_grpo_jax.models.sd3 import load as sd3_load
+    from tree_grpo_jax.models.wan import load as wan_load
+
+    # WanPipeline's 480 x 832 px, and one video through the decoder at a time (model.wan's)
+    wan = wan_load.load_options(num_frames=9, remat="block")
+    assert (wan.resolution, wan.num_frames, wan.decode_batch_size) == ((480, 832), 9, 1)
+    assert wan.module_options() == {"remat": "block", "scan_layers": True, "attention": "xla"}
+    sd3 = sd3_load.load_options(attention="blockwise")
+    assert (sd3.use_t5, sd3.t5_max_length, sd3.decode_batch_size) == (True, 256, 4)
+    assert sd3.module_options()["attention"] == "blockwise"
+    with pytest.raises(TypeError, match="unexpected load option"):
+        sd3_load.load_options(resolution=512)  # another family's field
+    with pytest.raises(AttributeError):
+        _ = sd3.num_frames
+
+
+def test_the_train_step_checkpoints_a_denoiser_only_where_its_blocks_do_not_recompute():
+    from types import SimpleNamespace
+
+    from tree_grpo_jax.models.base import training_denoise
+
+    def denoise(params, x, t, cond):
+        return x
+
+    blocks = SimpleNamespace(denoise=denoise, remat="block")  # built with model.remat=block
+    plain = SimpleNamespace(denoise=denoise, remat="none")
+    assert training_denoise(blocks, "block") is denoise
+    assert training_denoise(plain, "none") is denoise
+    assert training_denoise(plain, True) is not denoise  # wrapped whole in jax.checkpoint

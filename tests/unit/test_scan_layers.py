@@ -140,7 +140,7 @@ def test_scanned_equals_unrolled_in_outputs_and_gradients(reference, remat):
     shapes = jax.eval_shape(build(config, scan_layers=True).init_weights, jax.random.PRNGKey(0))
     stacked = stacking.stack(params, shapes)
     assert stacking.is_stacked(stacked)
-    scan_out, scan_grad = _output_and_grad(family, stacked, scan_layers=True, remat_blocks=remat)
+    scan_out, scan_grad = _output_and_grad(family, stacked, scan_layers=True, remat=remat)
     np.testing.assert_allclose(scan_out, out, atol=TOLERANCE * np.abs(out).max(), rtol=0)
     _close(stacking.unstack(scan_grad), grad)
 
@@ -149,7 +149,7 @@ def test_scanned_equals_unrolled_in_outputs_and_gradients(reference, remat):
 def test_block_remat_changes_no_number(reference):
     # (the scanned test above runs the policy that keeps the attention)
     family, params, (out, grad) = reference
-    remat_out, remat_grad = _output_and_grad(family, params, remat_blocks=True)
+    remat_out, remat_grad = _output_and_grad(family, params, remat=True)
     np.testing.assert_array_equal(remat_out, out)
     _close(remat_grad, grad)
 
@@ -157,16 +157,16 @@ def test_block_remat_changes_no_number(reference):
 @pytest.mark.slow
 def test_blockwise_attention_equals_xla_inside_the_models(reference):
     family, params, (out, grad) = reference
-    block_out, block_grad = _output_and_grad(family, params, attention_implementation="blockwise")
+    block_out, block_grad = _output_and_grad(family, params, attention="blockwise")
     np.testing.assert_allclose(block_out, out, atol=1e-5 * np.abs(out).max(), rtol=0)
     _close(block_grad, grad, tolerance=1e-5)
 
 
 def test_unknown_runtime_values_are_one_sentence():
     with pytest.raises(ValueError, match="attention backend 'flash' is unknown"):
-        mmdit.transformer_module(SD3_CONFIG, attention_implementation="flash")
+        mmdit.transformer_module(SD3_CONFIG, attention="flash")
     with pytest.raises(ValueError, match="model.remat must be one of none, block"):
-        flux.transformer_module(FLUX_CONFIG, remat_blocks="everything")
+        flux.transformer_module(FLUX_CONFIG, remat="everything")
 
 
 def test_stack_and_unstack_round_trip_and_refuse_a_missing_block():
@@ -247,7 +247,7 @@ def test_unet_remat_per_block_changes_no_number():
     x, text = jax.random.normal(k[0], (2, 4, 8, 8)), jax.random.normal(k[1], (2, 3, 16))
 
     def output_and_grad(remat):
-        module = unet_module(UNET_CONFIG, remat_blocks=remat)
+        module = unet_module(UNET_CONFIG, remat=remat)
 
         def loss(p):
             out = module.apply({"params": p}, x, jnp.array([10, 900]), text).sample

@@ -29,6 +29,7 @@ from tree_grpo_jax.config.checks import (
     guard_on,
     moved_fields,
     parse_rewards,
+    tuple_fields,
     validate,
 )
 from tree_grpo_jax.config.schema import (
@@ -56,5 +57,6 @@ __all__ = [
     "registered_sections",
     "saved_config",
     "shared_config",
+    "tuple_fields",
     "validate",
 ]

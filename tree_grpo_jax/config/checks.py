@@ -11,7 +11,6 @@ import numbers
 
 import ml_collections
 
-from tree_grpo_jax import methods
 from tree_grpo_jax.config.schema import flatten, registered_sections, shared_config
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
@@ -33,8 +32,16 @@ TUPLE_FIELDS = {
     "advantage.depth_pruning": (int, "'(2,3)'"),
     "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
     "lora.targets": (str, "\"('to_q','to_v')\""),
-    "model.wan.resolution": (int, "'(480,832)'"),
 }
+
+
+def tuple_fields() -> dict:
+    """`TUPLE_FIELDS` and those the model families declare in their records."""
+    found = dict(TUPLE_FIELDS)
+    for family in model_registry.families():
+        for field, kind in family.tuple_fields.items():
+            found[f"model.{family.name}.{field}"] = kind
+    return found
 
 
 class ConfigError(UserError):
@@ -216,7 +223,7 @@ def _type_sentence(path: str, default, value) -> str | None:
         return f"{path} must be a string{example}; got {got}."
     if isinstance(default, tuple):
         kind = type(default[0]) if default else None
-        kind, example = TUPLE_FIELDS.get(path, (kind, f"'{default!r}'"))
+        kind, example = tuple_fields().get(path, (kind, f"'{default!r}'"))
         return _element_sentence(path, kind, example, value)
     return None
 
@@ -244,6 +251,10 @@ def check_types(config) -> None:
 def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
     """Raises ConfigError with one sentence for the first bad value found; returns the
     parsed reward weights."""
+    # The methods table (and the objectives' jax code) is needed only here: importing the
+    # config package does not load it.
+    from tree_grpo_jax import methods
+
     check_shape(config)
     check_types(config)
     _require(
@@ -295,6 +306,8 @@ def _check_accumulation_applies(config) -> None:
     tr = config.train
     if tr.grad_accumulation <= 1:
         return
+    from tree_grpo_jax import methods  # as in `validate`: only where a check needs it
+
     rows = methods.get(config.tree.method).training_counts(config)["train_rows"]
     per_iteration = -(-rows * config.prompts.batch_size // tr.rows_per_minibatch) * tr.inner_epochs
     in_all = per_iteration * tr.iterations
@@ -310,6 +323,8 @@ def _check_accumulation_applies(config) -> None:
 def _check_unused_sections(config) -> None:
     """A field changed in another objective's section would be dropped without a word (GRPO-
     Guard switched on for an awm run, say): it is refused, naming the methods it applies to."""
+    from tree_grpo_jax import methods
+
     for section, objective in methods.other_sections(config.tree.method).items():
         defaults = flatten(objective.options(), f"{section}.", leaves_only=True)
         given = flatten(config[section], f"{section}.", leaves_only=True)
@@ -346,10 +361,10 @@ def _check_model(m) -> None:
         f"model.remat must be True, False or one of {', '.join(REMAT_MODES)}, e.g. "
         f"--config.model.remat=block; got {_describe(remat)}.",
     )
-    backend = m.get("attention", "xla")
+    chosen = m.get("attention", "xla")
     _require(
-        backend in attention.BACKENDS,
-        f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {backend!r}.",
+        chosen in attention.BACKENDS,
+        f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {chosen!r}.",
     )
 
 

@@ -38,7 +38,7 @@ class AbstractModel:
     # [B, T, H, W, C]); None: not planned
     decode: Callable[[PyTree, Any], Any] | None = None
     decode_params: PyTree = None  # ShapeDtypeStructs of what `decode` reads
-    remat_blocks: bool = False  # as `TextToImageModel.remat_blocks`
+    remat: str = "none"  # as `TextToImageModel.remat`
     media: str = media_kinds.IMAGE  # as `TextToImageModel.media`
     # What the plan compiles in place of an attention kernel this platform lacks ("": the
     # run's own); see `models.attention.plan_backend`

@@ -12,8 +12,9 @@ head_dim], and gives the same values with any backend:
 - "pallas": the Pallas flash-attention kernel for TPUs;
 - "auto": cudnn on a GPU, pallas on a TPU, and elsewhere blockwise once the scores would be
   large (`AUTO_BLOCKWISE_SCORES`), xla below that.
-`resolve` says which backend a platform will run, and `plan_backend` which one a memory plan
-compiles in place of a kernel its platform lacks.
+`resolve` says which backend a platform will run, `plan_backend` which one a memory plan
+compiles in place of a kernel its platform lacks, and `check_platform` refuses such a kernel
+to a run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def resolve(backend: str, platform: str, query_len: int = 0, key_len: int = 0) -
 
 # The fused kernel of each accelerator platform.
 NATIVE_KERNELS = {"gpu": "cudnn", "tpu": "pallas"}
+_KERNEL_DEVICES = {"gpu": "NVIDIA GPUs", "tpu": "TPUs"}
+
+
+def check_platform(attention: str, platform: str) -> str | None:
+    """One sentence when `attention` (model.attention) names a fused kernel that `platform`
+    lacks: a run cannot compile it there (a memory plan compiles "blockwise" in its place,
+    see `plan_backend`); None otherwise."""
+    home = next((p for p, kernel in NATIVE_KERNELS.items() if kernel == attention), None)
+    if home is None or home == platform:
+        return None
+    return (
+        f"model.attention={attention} is the fused kernel of {_KERNEL_DEVICES[home]}, but "
+        f"this run's devices are {platform.upper()}s; set --config.model.attention=auto "
+        "(each platform's best) or blockwise (any platform)."
+    )
 
 
 def plan_backend(backend: str, platform: str) -> tuple[str, str]:

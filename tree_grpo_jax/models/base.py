@@ -163,9 +163,10 @@ class TextToImageModel:
     # Optional: told every prompt a run will encode, so the model may encode them ahead and
     # free its text encoders (SD3 releases its 4.7B T5); returns a line saying what it did.
     prepare_prompts: Callable[[Sequence[str]], str] | None = None
-    # True: `denoise` recomputes each of its blocks in the backward pass (model.remat asked
-    # the family for it), so the train step needs no checkpoint around the whole denoiser.
-    remat_blocks: bool = False
+    # Not "none": `denoise` recomputes each of its blocks in the backward pass, as this
+    # `REMAT_MODES` name (model.remat) asked the family, so the train step needs no
+    # checkpoint around the whole denoiser.
+    remat: str = "none"
 
     def __post_init__(self):
         media_kinds.check_media(self.media, f"model {self.name!r}")
@@ -234,8 +235,8 @@ def constrain_rows(x: jax.Array) -> jax.Array:
 def training_denoise(model, remat) -> DenoiseFn:
     """The denoiser the train step differentiates: with `remat` (model.remat, not "none"),
     the backward pass recomputes the forward, block by block where the model does that
-    itself (`remat_blocks`), else around the whole denoiser (which still holds that whole
+    itself (its `remat`), else around the whole denoiser (which still holds that whole
     forward's activations at once while it recomputes them)."""
-    if remat_mode(remat) == "none" or getattr(model, "remat_blocks", False):
+    if remat_mode(remat) == "none" or getattr(model, "remat", "none") != "none":
         return model.denoise
     return jax.checkpoint(model.denoise)

@@ -48,21 +48,71 @@ class TransformerModel(TextToImageModel):
     text_encoders: Any  # the family's `text_encoders.PromptCache`
 
 
-def module_options(options) -> dict:
-    """The transformer's run-time fields from a family's `LoadOptions` (`remat_blocks`,
-    `scan_layers`, `attention`)."""
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What a transformer family's loader and planner take as keywords: the run-time fields
+    every family shares, named as the config names them, and the family's own settings
+    (`model.<family>`, defaulting to its record's `options()`), read as attributes alike."""
+
+    own: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # model.<family>
+    decode_batch_size: int = 4  # latents through the VAE decoder at once
+    remat: str = "none"  # model.remat as a `base.REMAT_MODES` name
+    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
+    attention: str = "xla"  # model.attention: a `models.attention` backend name
+
+    @classmethod
+    def of(cls, defaults: Mapping[str, Any], **options) -> LoadOptions:
+        """`options` over the family's `defaults`; TypeError for a name neither holds."""
+        shared = {f.name for f in dataclasses.fields(cls)} - {"own"}
+        unknown = sorted(set(options) - shared - set(defaults))
+        if unknown:
+            raise TypeError(f"unexpected load option(s) {', '.join(unknown)}.")
+        values = {**defaults, **options}
+        own = {k: v for k, v in values.items() if k not in shared}
+        return cls(own=own, **{k: v for k, v in values.items() if k in shared})
+
+    def __getattr__(self, name: str):
+        own = self.__dict__.get("own", {})
+        if name in own:
+            return own[name]
+        raise AttributeError(f"LoadOptions has no option {name!r}.")
+
+    def module_options(self) -> dict:
+        """The transformer module's run-time fields."""
+        return dict(remat=self.remat, scan_layers=self.scan_layers, attention=self.attention)
+
+
+def model_fields(root: Path, loaded, vae_config: dict, encoders, options: LoadOptions) -> dict:
+    """The fields every `TransformerModel` of a pipeline folder `root` fills alike:
+    `loaded` is `Component.load`'s (module, params, config), `encoders` the family's
+    prompt cache (its `conditioning` encodes the prompts), `options` give `remat`."""
+    module, params, transformer_config = loaded
     return dict(
-        remat_blocks=options.remat_blocks,
-        scan_layers=options.scan_layers,
-        attention_implementation=options.attention,
+        name=root.name,
+        params=params,
+        encode_prompts=encoders.conditioning,
+        path=root,
+        transformer=module,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        text_encoders=encoders,
+        remat=options.remat,
     )
 
 
-def remats_blocks(options) -> bool:
-    """Whether the loaded transformer recomputes its blocks (the model's `remat_blocks`)."""
-    from tree_grpo_jax.models.base import remat_mode
+def abstract_model(configs, transformer, dtype, options: LoadOptions, **fields):
+    """The `models.abstract.AbstractModel` of a pipeline's `configs` (`read_configs`) around
+    `transformer`: its params as shapes in `dtype`, the model's `remat` from `options`;
+    `fields` are the rest (sample shape, denoise, conditioning, schedule, decoder)."""
+    from tree_grpo_jax.models.abstract import AbstractModel
 
-    return remat_mode(options.remat_blocks) != "none"
+    return AbstractModel(
+        name=Path(configs.where).name,
+        source=configs.source,
+        params=jax.eval_shape(lambda p: cast_floats(p, dtype), abstract_params(transformer)),
+        remat=options.remat,
+        **fields,
+    )
 
 
 def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:
@@ -98,7 +148,7 @@ class Component:
 
     def from_config(self, config: dict, where: Path, dtype, **options):
         """The module `config` describes, checked; `options` are its run-time fields
-        (`remat_blocks`, `scan_layers`, `attention_implementation`)."""
+        (`remat`, `scan_layers`, `attention`)."""
         if config.get("_class_name", self.pt_class) != self.pt_class:
             raise ModelLoadError(
                 f"{where} describes a {config.get('_class_name')}, not {self.article} "
@@ -137,6 +187,15 @@ class Component:
             name: files.component_dir(root, name, (config,), self.point)
             for name, config in configs.items()
         }
+
+    def load_from(self, folders: Mapping[str, Path], dtype, options: LoadOptions):
+        """`load` of `pipeline`'s folder of this component, built as `options` say."""
+        return self.load(folders[self.folder], dtype, **options.module_options())
+
+    def scheduler(self, folders: Mapping[str, Path]) -> tuple[dict, Path]:
+        """The `scheduler_config.json` of `pipeline`'s folders, and where it is."""
+        where = folders["scheduler"] / "scheduler_config.json"
+        return files.read_json(where, self.point), where
 
     def denoiser(self, config: dict) -> export.Denoiser:
         """What `models.export` writes for params of this component's `config` (the blocks

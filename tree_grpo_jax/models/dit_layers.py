@@ -39,8 +39,8 @@ COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 RUNTIME_FIELDS = (
     "dtype",
     "param_dtype",
-    "attention_implementation",
-    "remat_blocks",
+    "attention",
+    "remat",
     "scan_layers",
 )
 ATTENTION_SAVED = ("attention_query", "attention_key", "attention_value", "attention_out")
@@ -158,11 +158,11 @@ class AdaLayerNormContinuous(Layer):
 
 class Attention(Layer):
     """Base of the attention layers: the head split and the fused product, computed by the
-    `models.attention` backend `attention_implementation` names (None: "xla")."""
+    `models.attention` backend `attention` names."""
 
     heads: int = 1
     head_dim: int = 1
-    attention_implementation: str | None = None
+    attention: str = "xla"  # model.attention: a `models.attention` backend name
 
     @property
     def width(self) -> int:
@@ -177,9 +177,7 @@ class Attention(Layer):
         query, key, value = (
             checkpoint_name(x, name) for x, name in zip((query, key, value), ATTENTION_SAVED)
         )
-        attended = attention_backends.attention(
-            query, key, value, backend=self.attention_implementation or "xla"
-        )
+        attended = attention_backends.attention(query, key, value, backend=self.attention)
         attended = checkpoint_name(attended, ATTENTION_SAVED[-1])
         return attended.reshape(*attended.shape[:2], self.width)
 
@@ -251,15 +249,15 @@ class Block(Layer):
     dim: int = 1
     heads: int = 1
     head_dim: int = 1
-    attention_implementation: str | None = None
+    attention: str = "xla"  # model.attention: a `models.attention` backend name
 
     @property
-    def attention(self) -> dict:
+    def attention_arguments(self) -> dict:
         """The keyword arguments of this block's `Attention` layers."""
         return dict(
             heads=self.heads,
             head_dim=self.head_dim,
-            attention_implementation=self.attention_implementation,
+            attention=self.attention,
             **self.dtypes,
         )
 
@@ -270,11 +268,11 @@ class DiT(nn.Module):
     `in_channels`, `joint_attention_dim`, `pooled_projection_dim`)."""
 
     dtype: jnp.dtype = jnp.float32
-    attention_implementation: str | None = None  # a `models.attention` backend (None: xla)
+    attention: str = "xla"  # model.attention: a `models.attention` backend name
     # Each block recomputes its forward in the backward pass, so a train step holds one
     # block's activations and the blocks' inputs, not every block's activations: a
-    # REMAT_MODES name, True ("block") or False ("none").
-    remat_blocks: bool | str = False
+    # REMAT_MODES name (model.remat).
+    remat: str = "none"
     # Runs of identical blocks as one `nn.scan` over params stacked on a leading layer axis
     # (named `stacking.stacked_name`): one block's program, compiled once per run.
     scan_layers: bool = False
@@ -297,16 +295,15 @@ class DiT(nn.Module):
 
     def check_runtime(self) -> None:
         """The run-time fields' values (one-sentence ValueError)."""
-        remat_mode(self.remat_blocks)
-        backend = self.attention_implementation
-        if backend is not None and backend not in attention_backends.BACKENDS:
+        remat_mode(self.remat)
+        if self.attention not in attention_backends.BACKENDS:
             raise ValueError(
-                f"attention backend {backend!r} is unknown; choose one of "
+                f"attention backend {self.attention!r} is unknown; choose one of "
                 f"{', '.join(attention_backends.BACKENDS)}."
             )
 
     def _remat(self, block, scanned: bool):
-        mode = remat_mode(self.remat_blocks)
+        mode = remat_mode(self.remat)
         if mode == "none":
             return block
         policy = None
@@ -316,7 +313,7 @@ class DiT(nn.Module):
         return nn.remat(block, policy=policy, prevent_cse=not scanned)
 
     def block_class(self, block):
-        """`block`, recomputed in the backward pass as `remat_blocks` says."""
+        """`block`, recomputed in the backward pass as `remat` says."""
         return self._remat(block, scanned=False)
 
     def block_stack(self, block, layers: list[dict], shared: dict, broadcast: int) -> dict:

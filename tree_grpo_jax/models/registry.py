@@ -40,9 +40,9 @@ class LoadRequest:
     dtype: Any  # the compute dtype (a jnp dtype)
     seed: int  # the run's seed (for families that can build random weights)
     options: Any  # the family's own sub-section `model.<family>` (its defaults if absent)
-    # model.remat as a `dit_layers.REMAT_MODES` name: a family whose denoiser can recompute
-    # each block in the backward pass builds it so (and says so in the model's
-    # `remat_blocks`); others ignore it
+    # model.remat as a `base.REMAT_MODES` name: a family whose denoiser can recompute each
+    # block in the backward pass builds it so (and says so in the model's `remat`); others
+    # ignore it
     remat: str = "none"
     # model.scan_layers: a family with runs of identical blocks scans them; others ignore it
     scan_layers: bool = True
@@ -72,6 +72,9 @@ class ModelFamily:
     check_options: Callable[[Any], str | None] | None = None
     # fields of the shared `model` section that moved into `model.<name>` (old -> new path)
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the tuple fields of `model.<name>` (field -> its elements' type and a command-line
+    # example), for the config's type check: an empty or mixed default cannot tell
+    tuple_fields: Mapping[str, tuple[type, str]] = dataclasses.field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # LoRA's default target modules (Flax names)
     recognizes: Callable[[Path], bool] | None = None  # a local folder has this family's layout
     export: FamilyExport | None = None  # None: nothing to export into
@@ -122,19 +125,38 @@ def path_loader(
 ) -> Callable[[LoadRequest], Any]:
     """A `load` (or `abstract`) for a loader taking a folder: `target(request.path,
     dtype=request.dtype, **{name: options.<name>})`, and with `remat` (a transformer's
-    loader) `remat_blocks=request.remat`, `scan_layers=request.scan_layers` and
-    `attention=request.attention`."""
+    loader) `remat`, `scan_layers` and `attention`, the request's."""
     loader = lazy(target)
 
     def load(request: LoadRequest):
         arguments = {name: getattr(request.options, name) for name in option_names}
         if remat:
-            arguments["remat_blocks"] = request.remat
+            arguments["remat"] = request.remat
             arguments["scan_layers"] = request.scan_layers
             arguments["attention"] = request.attention
         return loader(request.path, dtype=request.dtype, **arguments)
 
     return load
+
+
+def pipeline_family(name: str, options: Callable[[], Any], **fields) -> ModelFamily:
+    """The record of a family whose sub-package `models/<name>/` loads one diffusers pipeline
+    folder (`model.path`) around a transformer: `load.load_<name>` and
+    `abstract.abstract_<name>` take every field of `model.<name>` (`options()`) and the
+    run-time ones, `export` exports into its `transformer/`; `fields` are the rest of the
+    record (`path_hint`, `check_options`, `lora_targets`, ...)."""
+    package = f"tree_grpo_jax.models.{name}"
+    taken = tuple(options())
+    return ModelFamily(
+        name=name,
+        model_names=(name,),
+        load=path_loader(f"{package}.load:load_{name}", taken, remat=True),
+        needs_path=True,
+        options=options,
+        export=deferred_export("transformer", f"{package}.export"),
+        abstract=path_loader(f"{package}.abstract:abstract_{name}", taken, remat=True),
+        **fields,
+    )
 
 
 def deferred_export(component: str, module: str) -> FamilyExport:
@@ -295,8 +317,15 @@ def _request(family: ModelFamily, model_config, seed: int, attention: str = "") 
 
 def load_model(model_config, seed: int = 0):
     """The `TextToImageModel` that `model_config` (the config's `model` section) names."""
+    import jax
+
+    from tree_grpo_jax.models import attention
+
     family = family_of(model_config.name)
     request = _request(family, model_config, seed)
+    sentence = attention.check_platform(request.attention, jax.default_backend())
+    if sentence is not None:  # before any weight is read
+        raise ModelLoadError(sentence)
     try:
         return family.load(request)
     except ModelLoadError:
@@ -336,7 +365,7 @@ def abstract_model(model_config, seed: int = 0):
             f"model family {family.name!r} cannot describe its model without loading it, so "
             "its runs cannot be planned."
         )
-    backend = getattr(model_config, "attention", "xla")
-    planned, note = attention.plan_backend(backend, jax.default_backend())
+    asked = getattr(model_config, "attention", "xla")
+    planned, note = attention.plan_backend(asked, jax.default_backend())
     model = family.abstract(_request(family, model_config, seed, planned))
     return dataclasses.replace(model, attention_note=note) if note else model

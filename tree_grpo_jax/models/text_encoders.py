@@ -387,19 +387,22 @@ def load_clip(
     return encoder, config
 
 
-def t5_config(folder: Path, hint: str) -> T5EncoderConfig:
-    from transformers import T5Config
+def t5_encoder_config(
+    raw: dict, where: Path | str, hint: str, umt5: bool = False
+) -> T5EncoderConfig:
+    """The encoder's settings from a transformers `T5Config` dict, or with `umt5` a
+    `UMT5Config` one (every block then owns its position bias); one sentence naming `where`
+    for a config it cannot build or an activation it lacks."""
+    import transformers
 
-    raw = read_config(folder, "t5", "a T5 encoder", hint)
+    kind, name = ("UMT5Config", "umT5") if umt5 else ("T5Config", "T5")
     try:
-        config = T5Config.from_dict(raw)
+        config = getattr(transformers, kind).from_dict(raw)
     except Exception as e:  # e.g. an unknown feed_forward_proj
-        raise ModelLoadError(
-            f"{folder / 'config.json'} is not a valid T5 config: {e}; {hint}."
-        ) from None
+        raise ModelLoadError(f"{where} is not a valid {name} config: {e}; {hint}.") from None
     if config.dense_act_fn not in _T5_ACTIVATIONS:
         raise ModelLoadError(
-            f"{folder / 'config.json'} uses the activation {config.dense_act_fn!r}, but only "
+            f"{where} uses the activation {config.dense_act_fn!r}, but only "
             f"{', '.join(_T5_ACTIVATIONS)} are supported; {hint}."
         )
     return T5EncoderConfig(
@@ -414,7 +417,13 @@ def t5_config(folder: Path, hint: str) -> T5EncoderConfig:
         layer_norm_epsilon=config.layer_norm_epsilon,
         gated=config.is_gated_act,
         activation=config.dense_act_fn,
+        bias_per_block=umt5,
     )
+
+
+def t5_config(folder: Path, hint: str) -> T5EncoderConfig:
+    raw = read_config(folder, "t5", "a T5 encoder", hint)
+    return t5_encoder_config(raw, folder / "config.json", hint)
 
 
 def load_t5(

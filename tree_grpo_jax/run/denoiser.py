@@ -72,7 +72,7 @@ def training_denoise(model, config, mesh) -> DenoiseFn:
     """The denoiser the train step differentiates (remat as `model.remat` asks), laid out
     over `mesh`."""
     remat = base.remat_mode(config.model.remat)
-    blocks = bool(getattr(model, "remat_blocks", False))
+    blocks = getattr(model, "remat", "none")
     return _kept.get(
         ("training", model.denoise, mesh, remat, blocks),
         lambda: laid_out(base.training_denoise(model, remat), mesh),

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.flux import load
 from tree_grpo_jax.models.flux.builtin import RELEASES
 
@@ -51,13 +50,13 @@ def check_text_widths(configs, transformer) -> None:
 def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_flux(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (CLIP, T5), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     check_text_widths(configs, transformer)
     length = options.t5_max_length or load.default_t5_max_length(config)
@@ -69,11 +68,12 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     )
     vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
     width = max(transformer.joint_attention_dim, transformer.pooled_projection_dim)
-    return AbstractModel(
-        name=Path(configs.where).name,
-        source=configs.source,
+    return components.abstract_model(
+        configs,
+        transformer,
+        dtype,
+        options,
         sample_shape=shape,
-        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(
             transformer, float(options.guidance) if transformer.guidance_embeds else None
         ),
@@ -81,5 +81,4 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=components.remats_blocks(options),
     )

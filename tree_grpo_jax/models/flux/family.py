@@ -37,27 +37,16 @@ def check_options(o) -> str | None:
 
 # A folder whose `transformer/config.json` names FluxTransformer2DModel.
 recognizes = registry.component_class_is("transformer", (TRANSFORMER_CLASS,))
-# The fields of `model.flux` the loader and the planner take, as keyword arguments.
-LOADER_OPTIONS = ("guidance", "t5_max_length", "resolution", "shift")
 
 FAMILY = registry.register(
-    registry.ModelFamily(
-        name="flux",
-        model_names=("flux",),
-        load=registry.path_loader(
-            "tree_grpo_jax.models.flux.load:load_flux", LOADER_OPTIONS, remat=True
-        ),
-        needs_path=True,
+    registry.pipeline_family(
+        "flux",
+        options,
         path_hint="a diffusers-layout FLUX.1-dev or -schnell folder (or a hub id)",
-        options=options,
         check_options=check_options,
         # DanceGRPO's FLUX LoRA targets (`to_k`, `to_q`, `to_v`, `to_out.0`), matched as
         # PEFT matches them: q/k/v of every block's attention, the joint blocks' image output.
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
-        export=registry.deferred_export("transformer", "tree_grpo_jax.models.flux.export"),
-        abstract=registry.path_loader(
-            "tree_grpo_jax.models.flux.abstract:abstract_flux", LOADER_OPTIONS, remat=True
-        ),
     )
 )

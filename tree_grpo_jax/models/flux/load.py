@@ -35,7 +35,7 @@ from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
 )
-from tree_grpo_jax.models.flux import text, transformer
+from tree_grpo_jax.models.flux import family, text, transformer
 from tree_grpo_jax.weights import files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
@@ -83,19 +83,9 @@ class FluxScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(shifted, 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_flux` and `abstract.abstract_flux` take as keywords, with their defaults."""
-
-    guidance: float = 3.5  # the distilled guidance scale the transformer embeds (dev only)
-    t5_max_length: int = 0  # the pipeline's max_sequence_length (0: 512 dev, 256 schnell)
-    resolution: int = 0  # the square image side in pixels (0: 1024)
-    shift: float = 0.0  # > 0: a static sigma shift in place of the folder's (dynamic for dev)
-    decode_batch_size: int = 4  # latents through the VAE decoder at once
-    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
-    remat_blocks: bool | str = False
-    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
-    attention: str = "xla"  # model.attention: the `models.attention` backend
+# What `load_flux` and `abstract.abstract_flux` take as keywords: `model.flux`'s fields
+# (its record's defaults) and the shared run-time ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -199,22 +189,18 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     """Loads a FLUX.1 pipeline folder (or hub id) as a TextToImageModel.
 
     `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
-    (`guidance` is ignored by schnell, which has no guidance embedding; `remat_blocks` is
+    (`guidance` is ignored by schnell, which has no guidance embedding; `remat` is
     what `model.remat` asks for).
     """
-    options = LoadOptions(**options)
+    options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_latent_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(
-        files.read_json(scheduler_file, POINT), scheduler_file, image_tokens(shape), options.shift
-    )
-    module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **components.module_options(options)
-    )
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders), image_tokens(shape), options.shift)
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
+    module, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
     )
@@ -228,19 +214,11 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     guidance = float(options.guidance) if module.guidance_embeds else None
 
     return FluxModel(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoders, options),
         sample_shape=shape,
-        params=params,
         denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
-        encode_prompts=encoders.conditioning,
         decode=decode,
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
-        path=root,
-        transformer=module,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
         guidance=guidance,
-        text_encoders=encoders,
-        remat_blocks=components.remats_blocks(options),
     )

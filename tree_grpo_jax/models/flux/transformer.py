@@ -187,7 +187,7 @@ class FluxTransformerBlock(Block):
     def setup(self):
         self.norm1 = AdaLayerNormZero(**self.dtypes)
         self.norm1_context = AdaLayerNormZero(**self.dtypes)
-        self.attn = FluxAttention(joint=True, **self.attention)
+        self.attn = FluxAttention(joint=True, **self.attention_arguments)
         self.ff = FeedForward(dim=self.dim, **self.dtypes)
         self.ff_context = FeedForward(dim=self.dim, **self.dtypes)
 
@@ -211,7 +211,7 @@ class FluxSingleTransformerBlock(Block):
         self.norm = AdaLayerNormZero(chunks=3, **self.dtypes)
         self.proj_mlp = self.dense(self.dim * MLP_RATIO)
         self.proj_out = self.dense(self.dim)
-        self.attn = FluxAttention(**self.attention)
+        self.attn = FluxAttention(**self.attention_arguments)
 
     def __call__(self, tokens, temb, rope):
         normed, gate = self.norm(tokens, temb)
@@ -229,8 +229,7 @@ class FluxTransformer(DiT):
     `guidance` (the distilled guidance scale, e.g. 3.5) is required with `guidance_embeds`
     (FLUX.1-dev) and refused without it (FLUX.1-schnell). Timestep and guidance are scaled by
     1000 in float32. The fields are diffusers' `transformer/config.json` fields;
-    `attention_implementation` goes to `jax.nn.dot_product_attention` (None: XLA; "cudnn":
-    fused, bfloat16 on GPU).
+    `attention` names the `models.attention` backend (model.attention).
     """
 
     patch_size: int = 1
@@ -296,7 +295,7 @@ class FluxTransformer(DiT):
             dim=dim,
             heads=self.num_attention_heads,
             head_dim=self.attention_head_dim,
-            attention_implementation=self.attention_implementation,
+            attention=self.attention,
             **layer,
         )
         self.x_embedder = dense(dim)
@@ -361,7 +360,7 @@ def _scaled(values, batch: int) -> jax.Array:
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> FluxTransformer:
     """The FLUX transformer of a diffusers `transformer/config.json` dict; keys starting with
     `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
-    `attention_implementation`, `remat_blocks`, `scan_layers`). Raises a one-sentence
+    `attention`, `remat`, `scan_layers`). Raises a one-sentence
     ValueError for keys or values this module does not implement."""
     axes = {"axes_dims_rope": tuple}
     return module_from_config(FluxTransformer, config, dtype, options, axes)

@@ -36,7 +36,7 @@ def abstract_sd(
     dtype=jnp.float32,
     *,
     decode_batch_size: int = 8,
-    remat_blocks: bool | str = False,
+    remat: str = "none",
     scan_layers: bool = True,
     attention: str = "xla",
 ) -> AbstractModel:
@@ -46,7 +46,7 @@ def abstract_sd(
     found = configs.files
     key = jax.random.PRNGKey(0)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
-    unet = load.unet_from_config(found[UNET], configs.path(UNET), dtype, remat_blocks=remat_blocks)
+    unet = load.unet_from_config(found[UNET], configs.path(UNET), dtype, remat=remat)
     vae = load.vae_module(found[VAE], configs.path(VAE), dtype)
     return AbstractModel(
         name=Path(configs.where).name,
@@ -58,5 +58,5 @@ def abstract_sd(
         schedule_config=schedule,
         decode=load.decode_fn(vae, found[VAE], decode_batch_size, dtype),
         decode_params=_abstract(lambda: load.decoder_params(vae.init_weights(key)), dtype),
-        remat_blocks=remat_mode(remat_blocks) != "none",
+        remat=remat_mode(remat),
     )

@@ -352,7 +352,7 @@ def load_sd(
     decode_batch_size: int = 8,
     use_memory_efficient_attention: bool = False,
     split_head_dim: bool = False,
-    remat_blocks: bool | str = False,
+    remat: str = "none",
     scan_layers: bool = True,
     attention: str = "xla",
 ) -> StableDiffusionModel:
@@ -361,7 +361,7 @@ def load_sd(
     `dtype` is the dtype of all params and of the computation (float32 or bfloat16).
     `variant` ("fp16") prefers `*.fp16.safetensors`. `decode_batch_size` bounds how many
     latents the VAE decodes at once. `use_memory_efficient_attention` and `split_head_dim`
-    go to the UNet's attention; `remat_blocks` (model.remat) recomputes each of its down,
+    go to the UNet's attention; `remat` (model.remat) recomputes each of its down,
     mid and up blocks in the backward pass. The UNet has no runs of identical blocks to
     scan (`scan_layers` changes nothing) and runs diffusers' Flax attention (`attention`
     must be "xla").
@@ -377,7 +377,7 @@ def load_sd(
         variant,
         use_memory_efficient_attention=use_memory_efficient_attention,
         split_head_dim=split_head_dim,
-        remat_blocks=remat_blocks,
+        remat=remat,
     )
     vae, vae_params, vae_config = _load_vae(folders["vae"], dtype, variant)
     text, text_params, text_config = _load_text_encoder(folders["text_encoder"], dtype, variant)
@@ -397,5 +397,5 @@ def load_sd(
         vae_config=vae_config,
         text_config=text_config.to_dict(),
         tokenizer=tokenizer,
-        remat_blocks=remat_mode(remat_blocks) != "none",
+        remat=remat_mode(remat),
     )

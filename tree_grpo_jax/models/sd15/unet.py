@@ -362,16 +362,16 @@ class UNet2DConditionModel(nn.Module):
     use_memory_efficient_attention: bool = False
     split_head_dim: bool = False
     dtype: jnp.dtype = jnp.float32
-    # model.remat (a `base.REMAT_MODES` name, True or False): each down, mid and up block
+    # model.remat (a `base.REMAT_MODES` name): each down, mid and up block
     # recomputes its forward in the backward pass, so a train step holds one block's
     # activations and the blocks' inputs; "block_save_attention" keeps the attentions'
     # outputs. Not a config.json key.
-    remat_blocks: bool | str = False
+    remat: str = "none"
 
     def _block(self, block, deterministic_at: int):
-        """`block`'s class, recomputed in the backward pass as `remat_blocks` says
+        """`block`'s class, recomputed in the backward pass as `remat` says
         (`deterministic_at`: the position of its `deterministic` argument, self being 0)."""
-        mode = remat_mode(self.remat_blocks)
+        mode = remat_mode(self.remat)
         if mode == "none":
             return block
         policy = None
@@ -532,7 +532,7 @@ def unet_module(config: dict, dtype=jnp.float32, **options) -> UNet2DConditionMo
     (e.g. `use_memory_efficient_attention=True`). Config fields it does not read are left for
     the loader to check."""
     fields = {f.name for f in dataclasses.fields(UNet2DConditionModel)}
-    fields -= {"parent", "name", "dtype", "num_heads", "remat_blocks"}
+    fields -= {"parent", "name", "dtype", "num_heads", "remat"}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
     # SD1.x's `attention_head_dim` is really the head count (as in diffusers' PyTorch UNet,
     # heads = num_attention_heads or attention_head_dim).

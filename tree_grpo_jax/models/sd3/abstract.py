@@ -10,14 +10,11 @@ then the pooled vector as one more token, every token as wide as the transformer
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.abstract import AbstractModel, clip_prompt_shape, read_configs
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.sd3 import load, text
 from tree_grpo_jax.models.sd3.builtin import RELEASES
 
@@ -69,7 +66,7 @@ def check_text_widths(configs, width: int, use_t5: bool) -> None:
 def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_sd3(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     needed = (TRANSFORMER, VAE, SCHEDULER, CLIP_L)
     configs = read_configs(path, needed, (TOKENIZER, CLIP_G, T5), RELEASES, HINT)
     found = configs.files
@@ -77,15 +74,16 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     check_text_widths(configs, config.get("joint_attention_dim", 4096), options.use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
-    return AbstractModel(
-        name=Path(configs.where).name,
-        source=configs.source,
+    return components.abstract_model(
+        configs,
+        transformer,
+        dtype,
+        options,
         sample_shape=load.sample_shape(config, options.sample_size),
-        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(
             transformer,
             config.get("joint_attention_dim", 4096),
@@ -95,5 +93,4 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, found[VAE], options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),
-        remat_blocks=components.remats_blocks(options),
     )

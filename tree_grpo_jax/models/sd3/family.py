@@ -31,19 +31,12 @@ def check_options(o) -> str | None:
 recognizes = registry.component_class_is(
     "transformer", (None, "SD3Transformer2DModel"), unreadable=True
 )
-# The fields of `model.sd3` the loader and the planner take, as keyword arguments.
-LOADER_OPTIONS = ("use_t5", "t5_max_length", "sample_size")
 
 FAMILY = registry.register(
-    registry.ModelFamily(
-        name="sd3",
-        model_names=("sd3",),
-        load=registry.path_loader(
-            "tree_grpo_jax.models.sd3.load:load_sd3", LOADER_OPTIONS, remat=True
-        ),
-        needs_path=True,
+    registry.pipeline_family(
+        "sd3",
+        options,
         path_hint="a diffusers-layout Stable Diffusion 3 / 3.5 folder (or a hub id)",
-        options=options,
         check_options=check_options,
         moved_fields={
             "model.use_t5": "model.sd3.use_t5",
@@ -63,9 +56,5 @@ FAMILY = registry.register(
             "attn/to_add_out",
         ),
         recognizes=recognizes,
-        export=registry.deferred_export("transformer", "tree_grpo_jax.models.sd3.export"),
-        abstract=registry.path_loader(
-            "tree_grpo_jax.models.sd3.abstract:abstract_sd3", LOADER_OPTIONS, remat=True
-        ),
     )
 )

@@ -15,6 +15,7 @@ carries one array per prompt, so `encode_prompts` packs the pooled vector as one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,8 +27,7 @@ from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
 )
-from tree_grpo_jax.models.sd3 import mmdit, text
-from tree_grpo_jax.weights import files
+from tree_grpo_jax.models.sd3 import family, mmdit, text
 
 # Up to this many distinct prompts are encoded ahead so that T5 can be released (about
 # 2.4 MB of host memory each in bfloat16 with 256 T5 tokens: 2.5 GB at the limit).
@@ -56,18 +56,9 @@ class FlowMatchScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(shifted(np.linspace(1.0, sigma_min, num_steps)), 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_sd3` and `abstract.abstract_sd3` take as keywords, with their defaults."""
-
-    use_t5: bool = True  # False leaves the 4.7B T5 unread; its tokens are zeros, as diffusers'
-    t5_max_length: int = 256  # T5 tokens per prompt
-    sample_size: int | None = None  # the latent side (default: the folder's); fits the grid
-    decode_batch_size: int = 4  # latents through the VAE decoder at once
-    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
-    remat_blocks: bool | str = False
-    scan_layers: bool = True  # model.scan_layers: runs of identical blocks as one scan
-    attention: str = "xla"  # model.attention: the `models.attention` backend
+# What `load_sd3` and `abstract.abstract_sd3` take as keywords: `model.sd3`'s fields
+# (its record's defaults) and the shared run-time ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -123,16 +114,14 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
     """Loads an SD3-family pipeline folder (or hub id) as a TextToImageModel.
 
     `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`
-    (`sample_size` must fit the transformer's position-embedding grid; `remat_blocks` is
+    (`sample_size` must fit the transformer's position-embedding grid; `remat` is
     what `model.remat` asks for).
     """
-    options = LoadOptions(**options)
+    options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(files.read_json(scheduler_file, POINT), scheduler_file)
-    transformer, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **components.module_options(options)
-    )
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders))
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
+    transformer, _, transformer_config = loaded
     decode, vae_config = autoencoder.load_decode(
         folders["vae"], dtype, POINT, options.decode_batch_size
     )
@@ -151,20 +140,12 @@ def load_sd3(path: str, dtype=jnp.float32, **options) -> StableDiffusion3Model:
         return encoders.encode_ahead(prompts, MAX_PREPARED_PROMPTS)
 
     return StableDiffusion3Model(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoders, options),
         sample_shape=sample_shape(transformer_config, options.sample_size),
-        params=params,
         denoise=make_denoise(
             transformer, transformer_config.get("joint_attention_dim", 4096), pooled_dim
         ),
-        encode_prompts=encoders.conditioning,
         decode=decode,
         schedule_config=schedule,
         prepare_prompts=prepare_prompts,
-        path=root,
-        transformer=transformer,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
-        text_encoders=encoders,
-        remat_blocks=components.remats_blocks(options),
     )

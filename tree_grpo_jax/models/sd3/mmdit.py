@@ -154,7 +154,7 @@ class JointTransformerBlock(Block):
     dual_attention: bool = False
 
     def setup(self):
-        attention = dict(qk_norm=self.qk_norm, **self.attention)
+        attention = dict(qk_norm=self.qk_norm, **self.attention_arguments)
         self.norm1 = AdaLayerNormZero(dual=self.dual_attention, dtype=self.dtype)
         if self.context_pre_only:
             self.norm1_context = AdaLayerNormContinuous(dtype=self.dtype)
@@ -237,8 +237,8 @@ class SD3Transformer(DiT):
     joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B] in
     0..1000) -> [B, out_channels, H, W]`, in the compute `dtype` (params stay float32).
 
-    The fields are diffusers' `transformer/config.json` fields; `attention_implementation`
-    is passed to `jax.nn.dot_product_attention` (None: XLA; "cudnn": fused, bf16 on GPU).
+    The fields are diffusers' `transformer/config.json` fields; `attention` names
+    the `models.attention` backend (model.attention).
     """
 
     sample_size: int = 128
@@ -305,7 +305,7 @@ class SD3Transformer(DiT):
             head_dim=self.attention_head_dim,
             qk_norm=self.qk_norm is not None,
             dtype=self.dtype,
-            attention_implementation=self.attention_implementation,
+            attention=self.attention,
         )
         # The last block (context_pre_only) and SD3.5's MMDiT-X blocks differ from the rest.
         layers = [
@@ -342,8 +342,8 @@ class SD3Transformer(DiT):
 
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> SD3Transformer:
     """The MMDiT of a diffusers `transformer/config.json` dict; keys starting with `_` are
-    metadata and ignored, `options` set the non-config fields (`attention_implementation`,
-    `remat_blocks`, `scan_layers`).
+    metadata and ignored, `options` set the non-config fields (`attention`,
+    `remat`, `scan_layers`).
     Raises a one-sentence ValueError for keys or values this module does not implement."""
     layers = {"dual_attention_layers": lambda layers: tuple(layers or ())}
     return module_from_config(SD3Transformer, config, dtype, options, layers)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import components, media
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.wan import load
 from tree_grpo_jax.models.wan.builtin import RELEASES
 
@@ -45,13 +44,13 @@ def check_text_width(configs, transformer) -> None:
 def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_wan(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
-    options = load.LoadOptions(**options)
+    options = load.load_options(**options)
     configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_channels(config, vae_config, Path(configs.where))
     transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **components.module_options(options)
+        config, configs.path(TRANSFORMER), dtype, **options.module_options()
     )
     check_text_width(configs, transformer)
     if not 1 <= options.t5_max_length <= 512:
@@ -61,16 +60,16 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     decode, decode_params = load.abstract_decoder(
         vae_config, configs.path(VAE), dtype, options.decode_batch_size
     )
-    return AbstractModel(
-        name=Path(configs.where).name,
-        source=configs.source,
+    return components.abstract_model(
+        configs,
+        transformer,
+        dtype,
+        options,
         sample_shape=shape,
-        params=jax.eval_shape(lambda p: cast_floats(p, dtype), load.abstract_params(transformer)),
         denoise=load.make_denoise(transformer),
         cond_shape=(options.t5_max_length, transformer.text_dim),
         schedule_config=schedule,
         decode=decode,
         decode_params=decode_params,
-        remat_blocks=components.remats_blocks(options),
         media=media.VIDEO,
     )

@@ -15,6 +15,7 @@ size the model.
 
 from __future__ import annotations
 
+from tree_grpo_jax.models import builtin_configs
 from tree_grpo_jax.models.abstract import BuiltinRelease
 
 _TRANSFORMER = {
@@ -59,20 +60,11 @@ _SCHEDULER = {
     "solver_order": 2,
     "use_flow_sigmas": True,
 }
+# umT5-XXL's encoder: T5 v1.1 XXL's shape, with umT5's vocabulary and an untied head.
 UMT5_XXL = {
+    **builtin_configs.T5_XXL,
     "architectures": ["UMT5EncoderModel"],
-    "d_ff": 10240,
-    "d_kv": 64,
-    "d_model": 4096,
-    "dense_act_fn": "gelu_new",
-    "feed_forward_proj": "gated-gelu",
-    "is_gated_act": True,
-    "layer_norm_epsilon": 1e-06,
     "model_type": "umt5",
-    "num_heads": 64,
-    "num_layers": 24,
-    "relative_attention_max_distance": 128,
-    "relative_attention_num_buckets": 32,
     "tie_word_embeddings": False,
     "vocab_size": 256384,
 }

@@ -69,20 +69,14 @@ def check_options(o) -> str | None:
 
 # A folder whose `transformer/config.json` names WanTransformer3DModel.
 recognizes = registry.component_class_is("transformer", (TRANSFORMER_CLASS,))
-# The fields of `model.wan` the loader and the planner take, as keyword arguments.
-LOADER_OPTIONS = ("resolution", "num_frames", "shift", "t5_max_length", "decode_batch_size")
 
 FAMILY = registry.register(
-    registry.ModelFamily(
-        name="wan",
-        model_names=("wan",),
-        load=registry.path_loader(
-            "tree_grpo_jax.models.wan.load:load_wan", LOADER_OPTIONS, remat=True
-        ),
-        needs_path=True,
+    registry.pipeline_family(
+        "wan",
+        options,
         path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
-        options=options,
         check_options=check_options,
+        tuple_fields={"resolution": (int, "'(480,832)'")},
         # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
         # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
         # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's
@@ -91,9 +85,5 @@ FAMILY = registry.register(
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
         sample_settings=("resolution", "num_frames"),
-        export=registry.deferred_export("transformer", "tree_grpo_jax.models.wan.export"),
-        abstract=registry.path_loader(
-            "tree_grpo_jax.models.wan.abstract:abstract_wan", LOADER_OPTIONS, remat=True
-        ),
     )
 )

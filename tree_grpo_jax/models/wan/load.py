@@ -96,19 +96,9 @@ class WanScheduleConfig(FlowSigmasScheduleConfig):
         return np.append(self.shifted(base), 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_wan` and `abstract.abstract_wan` take as keywords, with their defaults."""
-
-    resolution: Sequence[int] = family.DEFAULT_RESOLUTION  # (height, width) in pixels
-    num_frames: int = family.DEFAULT_FRAMES  # 4k + 1
-    shift: float = 0.0  # > 0: this flow_shift in place of the folder's
-    t5_max_length: int = family.T5_MAX_LENGTH  # umT5 tokens per prompt
-    decode_batch_size: int = 1  # videos through the VAE decoder at once
-    # model.remat: "none", "block" (True), "block_save_attention" (see `dit_layers`)
-    remat_blocks: bool | str = False
-    scan_layers: bool = True  # model.scan_layers: the 30 (40) blocks as one scan
-    attention: str = "xla"  # model.attention: the `models.attention` backend
+# What `load_wan` and `abstract.abstract_wan` take as keywords: `model.wan`'s fields
+# (its record's defaults) and the shared run-time ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -308,38 +298,26 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
 
     `dtype` is the dtype of all params and of the computation; `options` are `LoadOptions`.
     """
-    options = LoadOptions(**options)
+    options = load_options(**options)
     root, folders = TRANSFORMER.pipeline(path)
     transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
     vae_config = files.read_json(folders["vae"] / "config.json", POINT)
     check_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
-    scheduler_file = folders["scheduler"] / "scheduler_config.json"
-    schedule = schedule_config(
-        files.read_json(scheduler_file, POINT), scheduler_file, options.shift
-    )
-    module, params, transformer_config = load_transformer(
-        folders["transformer"], dtype, **components.module_options(options)
-    )
+    schedule = schedule_config(*TRANSFORMER.scheduler(folders), options.shift)
+    loaded = TRANSFORMER.load_from(folders, dtype, options)
+    module = loaded[0]
     decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
     decode_latents = vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
     encoder = load_text_encoder(
         root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
     )
     return WanModel(
-        name=root.name,
+        **components.model_fields(root, loaded, vae_config, encoder, options),
         sample_shape=shape,
-        params=params,
         denoise=make_denoise(module),
-        encode_prompts=encoder.conditioning,
         decode=functools.partial(decode_latents, decoder_params),
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
-        path=root,
-        transformer=module,
-        transformer_config=transformer_config,
-        vae_config=vae_config,
-        text_encoders=encoder,
-        remat_blocks=components.remats_blocks(options),
         num_frames=options.num_frames,
     )

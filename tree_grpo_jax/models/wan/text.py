@@ -30,12 +30,12 @@ from tree_grpo_jax.models.text_encoders import (
     T5EncoderConfig,
     load_t5_tokenizer,
     read_config,
+    t5_encoder_config,
     untie_t5,
 )
 from tree_grpo_jax.weights import convert, files
 
 WAN_MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
-_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 
 def prompt_clean(text: str) -> str:
@@ -53,31 +53,7 @@ def prompt_clean(text: str) -> str:
 
 def umt5_config(raw: dict, where: Path | str, hint: str) -> T5EncoderConfig:
     """The encoder's settings from a `UMT5Config` dict (a `text_encoder/config.json`)."""
-    from transformers import UMT5Config
-
-    try:
-        config = UMT5Config.from_dict(raw)
-    except Exception as e:  # e.g. an unknown feed_forward_proj
-        raise ModelLoadError(f"{where} is not a valid umT5 config: {e}; {hint}.") from None
-    if config.dense_act_fn not in _ACTIVATIONS:
-        raise ModelLoadError(
-            f"{where} uses the activation {config.dense_act_fn!r}, but only "
-            f"{', '.join(_ACTIVATIONS)} are supported; {hint}."
-        )
-    return T5EncoderConfig(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        d_kv=config.d_kv,
-        d_ff=config.d_ff,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_buckets=config.relative_attention_num_buckets,
-        max_distance=config.relative_attention_max_distance,
-        layer_norm_epsilon=config.layer_norm_epsilon,
-        gated=config.is_gated_act,
-        activation=config.dense_act_fn,
-        bias_per_block=True,
-    )
+    return t5_encoder_config(raw, where, hint, umt5=True)
 
 
 def umt5_module(config: T5EncoderConfig, dtype=jnp.float32) -> T5Encoder:

@@ -217,7 +217,7 @@ class WanTransformerBlock(Block):
             (1, MODULATIONS, self.dim),
             self.param_dtype,
         )
-        attention = dict(self.attention, eps=self.eps)
+        attention = dict(self.attention_arguments, eps=self.eps)
         self.attn1 = WanAttention(**attention)
         self.attn2 = WanAttention(**attention)
         if self.cross_attn_norm:
@@ -332,7 +332,7 @@ class WanTransformer(DiT):
             dim=dim,
             heads=self.num_attention_heads,
             head_dim=self.attention_head_dim,
-            attention_implementation=self.attention_implementation,
+            attention=self.attention,
             ffn_dim=self.ffn_dim,
             eps=self.eps,
             cross_attn_norm=self.cross_attn_norm,
@@ -400,7 +400,7 @@ def unpatchify(tokens: jax.Array, grid, patch) -> jax.Array:
 def transformer_module(config: dict, dtype=jnp.float32, **options) -> WanTransformer:
     """The Wan transformer of a diffusers `transformer/config.json` dict; keys starting with
     `_` are metadata and ignored, `options` set the non-config fields (`param_dtype`,
-    `attention_implementation`, `remat_blocks`, `scan_layers`, default True here). Raises a
+    `attention`, `remat`, `scan_layers`, default True here). Raises a
     one-sentence ValueError for keys or values this module does not implement."""
     options = {"scan_layers": True, **options}
     return module_from_config(WanTransformer, config, dtype, options, {"patch_size": tuple})
