@@ -48,5 +48,6 @@ FAMILY = registry.register(
         # PEFT matches them: q/k/v of every block's attention, the joint blocks' image output.
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
+        sample_settings=("resolution",),  # what a "does not fit" sentence names beside the tree
     )
 )

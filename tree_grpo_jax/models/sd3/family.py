@@ -56,5 +56,6 @@ FAMILY = registry.register(
             "attn/to_add_out",
         ),
         recognizes=recognizes,
+        sample_settings=("sample_size",),  # what a "does not fit" sentence names beside the tree
     )
 )
