@@ -344,10 +344,11 @@ def _make_adapter(config, model: TextToImageModel, mesh) -> lora.Adapter | None:
     )
 
 
-def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts):
+def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_set):
     """The checks that need the loaded model: its kind for the objective, the sizes of the
     run's rows, the media its rewards score, and every prompt it will be given (the text
-    encoders prepared for them first)."""
+    encoders prepared for them first). Returns the eval prompts, `prompts.eval_count` of
+    `eval_set` in turn, listed only once their count has passed the size check."""
     objective = method.objective
     sentence = objective.check_model(config, model)
     if sentence is not None:
@@ -357,6 +358,7 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
         one = jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
         image_shape = jax.eval_shape(model.decode, one).shape[1:]
     check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
+    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
     if model.prepare_prompts is not None:
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
         if jax.process_index() == 0 and config.log.progress:
@@ -376,6 +378,7 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
         chunk,
     )
     check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk)
+    return eval_prompts
 
 
 def _initial_state(config, model, mesh, objective, adapter):
@@ -422,8 +425,9 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
     objective = method.objective
-    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
-    _check_model_and_prompts(config, model, method, reward, eval_rewards, prompts, eval_prompts)
+    eval_prompts = _check_model_and_prompts(
+        config, model, method, reward, eval_rewards, prompts, eval_set
+    )
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
 
