@@ -55,12 +55,8 @@ def check_text_widths(configs, width: int, use_t5: bool) -> None:
                 f"the CLIP encoders in {configs.where} have {clip_width} features together, "
                 f"more than the transformer's joint_attention_dim {width}; {HINT}."
             )
-    t5_width = found.get(T5, {}).get("d_model", width)
-    if use_t5 and t5_width != width:
-        raise ModelLoadError(
-            f"{configs.path(T5)} has d_model {t5_width}, but the transformer's "
-            f"joint_attention_dim is {width}; {HINT}."
-        )
+    if use_t5:
+        configs.check_width(T5, "d_model", width, "joint_attention_dim", HINT)
 
 
 def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
