@@ -46,9 +46,7 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
-    transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **options.module_options()
-    )
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
     check_text_widths(configs, transformer)
     length = options.t5_max_length or load.default_t5_max_length(config)
     if not 1 <= length <= 512:

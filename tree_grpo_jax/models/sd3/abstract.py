@@ -69,9 +69,7 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     config = found[TRANSFORMER]
     check_text_widths(configs, config.get("joint_attention_dim", 4096), options.use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
-    transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **options.module_options()
-    )
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
     vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
     return components.abstract_model(
