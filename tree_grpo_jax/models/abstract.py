@@ -89,6 +89,16 @@ class ModelConfigs:
         """One config file, as a sentence names it."""
         return Path(self.where) / relative
 
+    def check_width(self, file: str, field: str, expected: int, name: str, hint: str) -> None:
+        """The loader's check that a text encoder's width (`field` of `file`, when that config
+        is here) is the transformer's `name`, `expected`."""
+        value = self.files.get(file, {}).get(field, expected)
+        if value != expected:
+            raise ModelLoadError(
+                f"{self.path(file)} has {field} {value}, but the transformer's {name} is "
+                f"{expected}; {hint}."
+            )
+
 
 def read_configs(
     path: str,

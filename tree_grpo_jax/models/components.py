@@ -159,6 +159,12 @@ class Component:
         except ValueError as e:
             raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {self.point}.") from None
 
+    def from_configs(self, configs, dtype, options: LoadOptions):
+        """The module `load_from` would build, from a planner's `abstract.ModelConfigs`."""
+        relative = f"{self.folder}/config.json"
+        config = configs.files[relative]
+        return self.from_config(config, configs.path(relative), dtype, **options.module_options())
+
     def load(self, folder: Path, dtype, **options):
         """`(module, params, config)` of the component's folder, params cast to `dtype`; a
         module with `scan_layers` gets its runs of blocks stacked (`weights.stacking`)."""

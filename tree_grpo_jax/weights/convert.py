@@ -20,6 +20,7 @@ module's own init shapes), so the mapping needs no per-architecture table.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 
@@ -196,12 +197,20 @@ def flax_to_pytorch(params, *, list_names=DIFFUSERS_LIST_NAMES) -> dict[str, np.
     return state
 
 
-def folder_to_flax(folder, state, reference: FlatShapes, hint: str, *, merge_indices=True):
-    """`pytorch_to_flax` for the weights read from `folder`: a mismatch with the module's
-    `reference` is one ModelLoadError sentence naming the folder."""
+@contextlib.contextmanager
+def weights_of(folder, hint: str):
+    """Within it, a ParamTreeMismatch (the weights read from `folder` against the module its
+    config builds) becomes one ModelLoadError sentence naming the folder."""
     try:
-        return pytorch_to_flax(state, reference, merge_indices=merge_indices)
+        yield
     except ParamTreeMismatch as e:
         raise ModelLoadError(
             f"the weights in {folder} do not match its config ({e}); {hint}."
         ) from None
+
+
+def folder_to_flax(folder, state, reference: FlatShapes, hint: str, *, merge_indices=True):
+    """`pytorch_to_flax` for the weights read from `folder`: a mismatch with the module's
+    `reference` is one ModelLoadError sentence naming the folder."""
+    with weights_of(folder, hint):
+        return pytorch_to_flax(state, reference, merge_indices=merge_indices)

@@ -33,18 +33,9 @@ HINT = (
 
 def check_text_widths(configs, transformer) -> None:
     """The loader's checks of the text encoders against the transformer, on their configs."""
-    found = configs.files
-    pairs = (
-        (CLIP, "hidden_size", transformer.pooled_projection_dim, "pooled_projection_dim"),
-        (T5, "d_model", transformer.joint_attention_dim, "joint_attention_dim"),
-    )
-    for file, field, expected, name in pairs:
-        value = found.get(file, {}).get(field, expected)
-        if value != expected:
-            raise ModelLoadError(
-                f"{configs.path(file)} has {field} {value}, but the transformer's {name} is "
-                f"{expected}; {HINT}."
-            )
+    pooled, width = transformer.pooled_projection_dim, transformer.joint_attention_dim
+    configs.check_width(CLIP, "hidden_size", pooled, "pooled_projection_dim", HINT)
+    configs.check_width(T5, "d_model", width, "joint_attention_dim", HINT)
 
 
 def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
@@ -55,9 +46,7 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
-    transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **options.module_options()
-    )
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
     check_text_widths(configs, transformer)
     length = options.t5_max_length or load.default_t5_max_length(config)
     if not 1 <= length <= 512:

@@ -118,7 +118,6 @@ TRANSFORMER = components.Component(
     list_names=transformer.MODULE_LISTS,
 )
 abstract_params = components.abstract_params
-transformer_from_config = TRANSFORMER.from_config
 load_transformer = TRANSFORMER.load
 
 

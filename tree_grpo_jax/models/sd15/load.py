@@ -138,7 +138,7 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
     """The component's params as a nested numpy dict, checked against `reference` shapes."""
     flax_name, stem = _WEIGHT_NAMES[component]
     wants_variant = variant is not None and (folder / f"{stem}.{variant}.safetensors").is_file()
-    try:
+    with convert.weights_of(folder, POINT):
         if (folder / flax_name).is_file() and not wants_variant:
             params = files.read_msgpack(folder / flax_name, POINT)
             convert.check_against_reference(flatten_dict(params), reference)
@@ -148,10 +148,6 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
             # diffusers names module lists `down_blocks_0`; transformers keeps `layers/0`.
             merge = component != "text_encoder"
             return convert.pytorch_to_flax(state, reference, merge_indices=merge)
-    except convert.ParamTreeMismatch as e:
-        raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {POINT}."
-        ) from None
     if list(folder.glob("*.bin")):
         raise ModelLoadError(
             f"{folder} holds only PyTorch pickle weights (*.bin), which need torch to read; "

@@ -178,7 +178,9 @@ class Transformer2D(nn.Module):
         return self.dropout_layer(hidden_states + residual, deterministic=deterministic)
 
 
-def _transformer(block, channels: int, only_cross_attention: bool = False) -> Transformer2D:
+def _transformer(
+    block: _AttentionBlock, channels: int, only_cross_attention: bool = False
+) -> Transformer2D:
     """The spatial transformer of a block (called in the block's `setup`)."""
     return Transformer2D(
         in_channels=channels,
@@ -193,7 +195,7 @@ def _transformer(block, channels: int, only_cross_attention: bool = False) -> Tr
     )
 
 
-def _resnet(block, in_channels: int, out_channels: int) -> FlaxResnetBlock2D:
+def _resnet(block: _AttentionBlock, in_channels: int, out_channels: int) -> FlaxResnetBlock2D:
     return FlaxResnetBlock2D(
         in_channels=in_channels,
         out_channels=out_channels,
@@ -202,21 +204,27 @@ def _resnet(block, in_channels: int, out_channels: int) -> FlaxResnetBlock2D:
     )
 
 
-class CrossAttnDownBlock2D(nn.Module):
-    """`num_layers` x (resnet, spatial transformer), then an optional 2x downsample."""
+class _AttentionBlock(nn.Module):
+    """The fields every block with spatial transformers takes, read by `_resnet` and
+    `_transformer`."""
 
     in_channels: int
-    out_channels: int
     dropout: float = 0.0
     num_layers: int = 1
     num_attention_heads: int = 1
-    add_downsample: bool = True
     use_linear_projection: bool = False
-    only_cross_attention: bool = False
     use_memory_efficient_attention: bool = False
     split_head_dim: bool = False
     dtype: jnp.dtype = jnp.float32
     transformer_layers_per_block: int = 1
+
+
+class CrossAttnDownBlock2D(_AttentionBlock, kw_only=True):
+    """`num_layers` x (resnet, spatial transformer), then an optional 2x downsample."""
+
+    out_channels: int
+    add_downsample: bool = True
+    only_cross_attention: bool = False
 
     def setup(self):
         channels = self.out_channels
@@ -242,23 +250,14 @@ class CrossAttnDownBlock2D(nn.Module):
         return hidden_states, output_states
 
 
-class CrossAttnUpBlock2D(nn.Module):
+class CrossAttnUpBlock2D(_AttentionBlock, kw_only=True):
     """`num_layers` x (concatenate a skip, resnet, spatial transformer), then an optional
     2x upsample."""
 
-    in_channels: int
     out_channels: int
     prev_output_channel: int
-    dropout: float = 0.0
-    num_layers: int = 1
-    num_attention_heads: int = 1
     add_upsample: bool = True
-    use_linear_projection: bool = False
     only_cross_attention: bool = False
-    use_memory_efficient_attention: bool = False
-    split_head_dim: bool = False
-    dtype: jnp.dtype = jnp.float32
-    transformer_layers_per_block: int = 1
 
     def setup(self):
         channels, resnets = self.out_channels, []
@@ -294,18 +293,8 @@ class CrossAttnUpBlock2D(nn.Module):
         return hidden_states
 
 
-class UNetMidBlock2DCrossAttn(nn.Module):
+class UNetMidBlock2DCrossAttn(_AttentionBlock):
     """A resnet, then `num_layers` x (spatial transformer, resnet), at constant width."""
-
-    in_channels: int
-    dropout: float = 0.0
-    num_layers: int = 1
-    num_attention_heads: int = 1
-    use_linear_projection: bool = False
-    use_memory_efficient_attention: bool = False
-    split_head_dim: bool = False
-    dtype: jnp.dtype = jnp.float32
-    transformer_layers_per_block: int = 1
 
     def setup(self):
         channels = self.in_channels

@@ -55,12 +55,8 @@ def check_text_widths(configs, width: int, use_t5: bool) -> None:
                 f"the CLIP encoders in {configs.where} have {clip_width} features together, "
                 f"more than the transformer's joint_attention_dim {width}; {HINT}."
             )
-    t5_width = found.get(T5, {}).get("d_model", width)
-    if use_t5 and t5_width != width:
-        raise ModelLoadError(
-            f"{configs.path(T5)} has d_model {t5_width}, but the transformer's "
-            f"joint_attention_dim is {width}; {HINT}."
-        )
+    if use_t5:
+        configs.check_width(T5, "d_model", width, "joint_attention_dim", HINT)
 
 
 def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
@@ -73,9 +69,7 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     config = found[TRANSFORMER]
     check_text_widths(configs, config.get("joint_attention_dim", 4096), options.use_t5)
     schedule = load.schedule_config(found[SCHEDULER], configs.path(SCHEDULER))
-    transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **options.module_options()
-    )
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
     vae = autoencoder.vae_module(found[VAE], configs.path(VAE), dtype)
     clip_tokens, _ = clip_prompt_shape(found[CLIP_L], found.get(TOKENIZER))
     return components.abstract_model(

@@ -75,7 +75,6 @@ TRANSFORMER = components.Component(
     buffers=mmdit.BUFFERS,
 )
 abstract_params = components.abstract_params
-transformer_from_config = TRANSFORMER.from_config
 load_transformer = TRANSFORMER.load
 
 

@@ -33,12 +33,7 @@ HINT = (
 
 def check_text_width(configs, transformer) -> None:
     """The loader's check of umT5's width against the transformer's, on their configs."""
-    value = configs.files.get(TEXT, {}).get("d_model", transformer.text_dim)
-    if value != transformer.text_dim:
-        raise ModelLoadError(
-            f"{configs.path(TEXT)} has d_model {value}, but the transformer's text_dim is "
-            f"{transformer.text_dim}; {HINT}."
-        )
+    configs.check_width(TEXT, "d_model", transformer.text_dim, "text_dim", HINT)
 
 
 def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
@@ -49,9 +44,7 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_channels(config, vae_config, Path(configs.where))
-    transformer = load.transformer_from_config(
-        config, configs.path(TRANSFORMER), dtype, **options.module_options()
-    )
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
     check_text_width(configs, transformer)
     if not 1 <= options.t5_max_length <= 512:
         raise ModelLoadError(f"t5_max_length must be in [1, 512], got {options.t5_max_length}.")

@@ -148,12 +148,8 @@ def load_umt5(
             f"text_dim is {width}; {hint}."
         )
     state = files.read_weights(folder, "model", hint)
-    try:
+    with convert.weights_of(folder, hint):
         params = convert_umt5(state, config)
-    except convert.ParamTreeMismatch as e:
-        raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {hint}."
-        ) from None
     module = umt5_module(config, dtype)
     params = cast_floats(params, dtype)
     return UMT5Encoder(folder, tokenizer, max_length, encode_fn(module), params, clean)

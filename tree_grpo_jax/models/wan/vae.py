@@ -369,12 +369,8 @@ def load_decoder(folder: Path, dtype, hint: str):
         )
     config = vae_config(raw, where)
     state = files.read_weights(folder, "diffusion_pytorch_model", hint)
-    try:
+    with convert.weights_of(folder, hint):
         params = convert_decoder(state, config)
-    except convert.ParamTreeMismatch as e:
-        raise ModelLoadError(
-            f"the weights in {folder} do not match its config ({e}); {hint}."
-        ) from None
     module = decoder_module(config, dtype)
     return module, cast_floats(params, dtype), config
 
