@@ -11,7 +11,7 @@ from small_configs import small_config
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.run import build, reuse
-from tree_grpo_jax.run.train_step import TrainState
+from tree_grpo_jax.run.train_step import StepLayout, TrainState
 
 
 def _denoise(params, x, t, cond):
@@ -28,6 +28,12 @@ def _shardings(spec):
     return TrainState(params={"w": leaf, "b": leaf}, opt_state=(leaf,))
 
 
+def _layout(alpha, spec):
+    base = _shardings(spec).params
+    merge = functools.partial(_denoise, t=alpha)
+    return StepLayout(_denoise, merge=merge, frozen_shardings=base, ref_shardings=base)
+
+
 @pytest.mark.parametrize(
     "first, second, equal",
     [
@@ -42,6 +48,10 @@ def _shardings(spec):
         (_shardings(P()), _shardings(P()), True),
         (_shardings(P()), _shardings(P("data")), False),
         (None, None, True),
+        # a LoRA step's layout: a fresh merge partial and shardings per build, equal by value
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=8.0, spec=P()), True),
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=4.0, spec=P()), False),
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=8.0, spec=P("data")), False),
     ],
 )
 def test_settings_keys_are_equal_exactly_for_equal_settings(first, second, equal):
