@@ -11,7 +11,7 @@ from small_configs import small_config
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.run import build, reuse
-from tree_grpo_jax.run.train_step import TrainState
+from tree_grpo_jax.run.train_step import StepLayout, TrainState
 
 
 def _denoise(params, x, t, cond):
@@ -28,6 +28,12 @@ def _shardings(spec):
     return TrainState(params={"w": leaf, "b": leaf}, opt_state=(leaf,))
 
 
+def _layout(alpha, spec):
+    base = _shardings(spec).params
+    merge = functools.partial(_denoise, t=alpha)
+    return StepLayout(_denoise, merge=merge, frozen_shardings=base, ref_shardings=base)
+
+
 @pytest.mark.parametrize(
     "first, second, equal",
     [
@@ -42,6 +48,10 @@ def _shardings(spec):
         (_shardings(P()), _shardings(P()), True),
         (_shardings(P()), _shardings(P("data")), False),
         (None, None, True),
+        # a LoRA step's layout: a fresh merge partial and shardings per build, equal by value
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=8.0, spec=P()), True),
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=4.0, spec=P()), False),
+        (_layout(alpha=8.0, spec=P()), _layout(alpha=8.0, spec=P("data")), False),
     ],
 )
 def test_settings_keys_are_equal_exactly_for_equal_settings(first, second, equal):
@@ -91,3 +101,16 @@ def test_a_second_setup_reuses_the_programs_of_equal_settings_only(tmp_path):
     assert changed.sampling_denoise is first.sampling_denoise  # the sampler did not change
     other.train.adam_b2 = 0.99  # the optimizer's
     assert build.setup(other, str(tmp_path / "four"))[0].train_step is not changed.train_step
+
+
+def test_a_second_lora_setup_reuses_its_steps_and_another_alpha_does_not(tmp_path):
+    # each setup builds its own merge partial and base shardings: equal by value, not identity
+    c = small_config("treegrpo")
+    c.lora.rank, c.lora.alpha, c.train.kl_beta = 2, 4.0, 0.01
+    first, _ = build.setup(c, str(tmp_path / "one"))
+    again, _ = build.setup(c.copy_and_resolve_references(), str(tmp_path / "two"))
+    assert again.train_step is first.train_step
+    assert again.accumulating is first.accumulating
+    other = c.copy_and_resolve_references()
+    other.lora.alpha = 8.0  # the merge's scale: another program
+    assert build.setup(other, str(tmp_path / "three"))[0].train_step is not first.train_step

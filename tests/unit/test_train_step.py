@@ -13,7 +13,7 @@ import pytest
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.run import train_step
-from tree_grpo_jax.run.train_step import TrainState, make_optimizer, make_train_step
+from tree_grpo_jax.run.train_step import StepLayout, TrainState, make_optimizer, make_train_step
 
 LR = 0.05
 
@@ -64,7 +64,7 @@ def _step(train_cfg, params, settings=_Settings()):
     tx = make_optimizer(train_cfg)
     state = TrainState(jax.tree_util.tree_map(jnp.copy, params), tx.init(params))  # donated
     shardings = sharding.param_shardings(mesh, jax.eval_shape(lambda s: s, state))
-    step = make_train_step(tx, settings, mesh, shardings, loss_fn=_loss)
+    step = make_train_step(tx, settings, mesh, shardings, StepLayout(_loss))
     return tx, state, step
 
 

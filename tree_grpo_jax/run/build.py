@@ -26,6 +26,7 @@ from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import denoiser, precompile, reuse
 from tree_grpo_jax.run.prompts import load_prompts
 from tree_grpo_jax.run.train_step import (
+    StepLayout,
     TrainState,
     initial_state,
     make_accumulating_step,
@@ -210,20 +211,22 @@ def trained_params(config, model_params, base=None, paths=None):
     return cast_floats(factors, DTYPES[config.model.param_dtype])
 
 
-def step_layout(config, objective, model, mesh, base_shardings=None) -> tuple[LossSettings, dict]:
+def step_layout(
+    config, objective, model, mesh, base_shardings=None
+) -> tuple[LossSettings, StepLayout]:
     """(the loss's settings record, the train step's layout: its loss function and, under
     LoRA, the merge and where the frozen base and the KL reference lie)."""
     denoise = denoiser.training_denoise(model, config, mesh)
     loss_fn, loss_settings = objective.loss(config, denoise)
-    layout = {"loss_fn": loss_fn}
-    if base_shardings is not None:
-        rank = int(config.lora.rank)
-        layout.update(
-            merge=functools.partial(lora.merge, alpha=float(config.lora.alpha or rank), rank=rank),
-            frozen_shardings=base_shardings,
-            ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
-        )
-    return loss_settings, layout
+    if base_shardings is None:
+        return loss_settings, StepLayout(loss_fn)
+    rank = int(config.lora.rank)
+    return loss_settings, StepLayout(
+        loss_fn,
+        merge=functools.partial(lora.merge, alpha=float(config.lora.alpha or rank), rank=rank),
+        frozen_shardings=base_shardings,
+        ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
+    )
 
 
 def references(config, params, base):
@@ -252,9 +255,9 @@ def programs(config, model, mesh, objective, state_shardings, base_shardings=Non
 
     def build_steps():
         return {
-            "train_step": make_train_step(tx, loss_settings, mesh, state_shardings, **layout),
+            "train_step": make_train_step(tx, loss_settings, mesh, state_shardings, layout),
             "accumulating": make_accumulating_step(
-                tx, loss_settings, mesh, state_shardings, **layout
+                tx, loss_settings, mesh, state_shardings, layout
             ),
             "init_state": jax.jit(
                 lambda p: initial_state(tx, p, old_policy), out_shardings=state_shardings

@@ -11,6 +11,7 @@ identity, so a reloaded model builds its own.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Hashable
@@ -21,8 +22,9 @@ import jax
 
 def settings_key(value) -> Hashable:
     """A hashable stand-in for `value`, equal for equal settings: dicts, lists and tuples by
-    their items, `functools.partial` by its function and arguments, pytrees of shardings by
-    their structure and leaves. Raises TypeError for a value it cannot compare."""
+    their items, `functools.partial` by its function and arguments, dataclass records by
+    their fields, pytrees of shardings by their structure and leaves. Raises TypeError for
+    a value it cannot compare."""
     if isinstance(value, dict):
         return (dict, tuple((k, settings_key(v)) for k, v in sorted(value.items())))
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
@@ -34,6 +36,10 @@ def settings_key(value) -> Hashable:
             settings_key(value.args),
             settings_key(value.keywords),
         )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # by its fields, so that a record holding a partial or shardings compares by value
+        fields = dataclasses.fields(value)
+        return (type(value), tuple((f.name, settings_key(getattr(value, f.name))) for f in fields))
     if isinstance(value, jax.sharding.Sharding) or value is None:
         return value
     try:

@@ -95,10 +95,24 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _loss_and_grads(loss_fn, settings: LossSettings, merge):
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """What a train step is built around besides its optimizer and settings: the loss and,
+    with `merge` (LoRA), the merge of the frozen base and the adapter and where the base
+    (`frozen_shardings`) and the KL reference (`ref_shardings`, default: replicated) lie.
+    Both forms of the step, `make_train_step` and `make_accumulating_step`, take one."""
+
+    loss_fn: Any = ppo_loss
+    merge: Any = None
+    frozen_shardings: Any = None
+    ref_shardings: Any = None
+
+
+def _loss_and_grads(settings: LossSettings, layout: StepLayout):
     """(params, batch, cond, schedule, uncond, ref_params, frozen, old) -> ((loss, metrics),
     grads); with `merge` (LoRA) the loss sees `merge(frozen, params)` (and the old policy
     `merge(frozen, old)`). `old` (None: none kept) reaches the loss as `old_params`."""
+    loss_fn, merge = layout.loss_fn, layout.merge
 
     def weights_of(p, frozen):
         return p if merge is None else merge(frozen, p)
@@ -191,35 +205,27 @@ def _replicated(shardings) -> bool:
     return all(s.is_fully_replicated for s in jax.tree_util.tree_leaves(shardings))
 
 
-def _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings) -> tuple:
+def _in_shardings(mesh, state_shardings, layout: StepLayout) -> tuple:
     """(state, batch, cond, schedule, uncond, ref_params, lr[, frozen]) layouts."""
     rep = sharding.replicated(mesh)
-    ref = rep if ref_shardings is None else ref_shardings
+    ref = rep if layout.ref_shardings is None else layout.ref_shardings
     shardings = (state_shardings, sharding.batch_sharding(mesh), rep, rep, rep, ref, rep)
-    return shardings + ((frozen_shardings,) if merge is not None else ())
+    return shardings + ((layout.frozen_shardings,) if layout.merge is not None else ())
 
 
 def make_train_step(
-    tx,
-    settings: LossSettings,
-    mesh,
-    state_shardings,
-    *,
-    merge=None,
-    frozen_shardings=None,
-    ref_shardings=None,
-    loss_fn=ppo_loss,
+    tx, settings: LossSettings, mesh, state_shardings, layout: StepLayout = StepLayout()
 ):
     """One jitted update: loss and grads on a sharded minibatch, then the optimizer.
 
-    settings: the settings record of `loss_fn` (`ppo_loss`'s `PPOSettings`, or the method's
-    own, e.g. `nft.nft_loss`'s `NFTSettings`), constants of the compiled step. A state that
-    keeps an old policy (`OldPolicyState`) hands it to the loss as `old_params`.
-    With `merge` (LoRA), the state's params are the adapter, the step takes the frozen base
-    weights as an eighth argument (laid out as `frozen_shardings`) and the loss sees
-    `merge(base, params)`. `ref_shardings` lays out the KL reference (default: replicated).
+    settings: the settings record of `layout.loss_fn` (`ppo_loss`'s `PPOSettings`, or the
+    method's own, e.g. `nft.nft_loss`'s `NFTSettings`), constants of the compiled step. A
+    state that keeps an old policy (`OldPolicyState`) hands it to the loss as `old_params`.
+    With `layout.merge` (LoRA), the state's params are the adapter, the step takes the
+    frozen base weights as an eighth argument (laid out as `layout.frozen_shardings`) and
+    the loss sees `merge(base, params)`.
     """
-    loss_and_grads = _loss_and_grads(loss_fn, settings, merge)
+    loss_and_grads = _loss_and_grads(settings, layout)
     one_vector = _replicated(state_shardings)
 
     def step(state: TrainState, batch, cond, schedule, uncond, ref_params, lr, frozen=None):
@@ -229,7 +235,7 @@ def make_train_step(
         state, applied = _apply(tx, state, grads, lr, loss, one_vector=one_vector)
         return state, {**metrics, "loss": loss, **applied}
 
-    shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
+    shardings = _in_shardings(mesh, state_shardings, layout)
     return jax.jit(
         step,
         in_shardings=shardings,
@@ -258,15 +264,7 @@ class AccumulatingStep:
 
 
 def make_accumulating_step(
-    tx,
-    settings: LossSettings,
-    mesh,
-    state_shardings,
-    *,
-    merge=None,
-    frozen_shardings=None,
-    ref_shardings=None,
-    loss_fn=ppo_loss,
+    tx, settings: LossSettings, mesh, state_shardings, layout: StepLayout = StepLayout()
 ) -> AccumulatingStep:
     """The train step split in two so that one update may span any number of minibatches.
 
@@ -275,7 +273,7 @@ def make_accumulating_step(
     every edge of the update (exactly for the PPO term; the KL term, a mean over rows,
     is weighted the same way).
     """
-    loss_and_grads = _loss_and_grads(loss_fn, settings, merge)
+    loss_and_grads = _loss_and_grads(settings, layout)
     rep = sharding.replicated(mesh)
     grad_shardings = state_shardings.params
     acc_shardings = Accumulated(grad_shardings, rep)
@@ -298,7 +296,7 @@ def make_accumulating_step(
         grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(acc.edges, 1.0), acc.grads)
         return _apply(tx, state, grads, lr, one_vector=one_vector)
 
-    shardings = _in_shardings(mesh, state_shardings, merge, frozen_shardings, ref_shardings)
+    shardings = _in_shardings(mesh, state_shardings, layout)
     state_sh, rest = shardings[0], shardings[1:6] + shardings[7:]
     return AccumulatingStep(
         start=jax.jit(start, in_shardings=(state_sh,), out_shardings=acc_shardings),
