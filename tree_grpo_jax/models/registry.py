@@ -266,8 +266,8 @@ def options_of(family: ModelFamily, model_config) -> Any:
 
 
 def sample_settings(model_config) -> str:
-    """The settings that size one sample of `model_config`'s family with their values
-    ("model.wan.resolution=(480, 832) or model.wan.num_frames=81"); "" when it has none."""
+    """The settings that size one sample of `model_config`'s family with their values, each
+    `model.<family>.<field>=<value>`, joined by " or "; "" when it has none."""
     try:
         family = family_of(model_config.name)
     except ValueError:
