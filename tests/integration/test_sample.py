@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 from PIL import Image
+from signalled import run_script
 from small_configs import small_config
 
 from tree_grpo_jax.cli import sample
@@ -171,38 +172,22 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
 
 
 SIGNAL_IN_THE_WRITE = """
-import os, signal, sys
+import sys
 import numpy as np
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import sample
 
 interrupts.install()
 interrupts.set_stop_line(lambda name: f"{name} stopped the sampling; nothing was written.")
-write_all = sample._write_all
-
-def signalled(out, prompts, pictures):  # the signal arrives while the pictures are written
-    os.kill(os.getpid(), signal.SIGTERM)
-    signal.sigtimedwait([], 0.5)  # time for the watcher to take it
-    return write_all(out, prompts, pictures)
-
-sample._write_all = signalled
+sample._write_all = signalled(sample._write_all)  # arrives while the pictures are written
 sample._write(sys.argv[1], ["a 0", "a 1"], np.zeros((2, 8, 8, 1), np.uint8))
 print("the write returned", flush=True)
 """
 
 
 def test_a_signal_in_the_write_waits_for_the_pictures_and_says_so(tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "pictures"
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_IN_THE_WRITE, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    result = run_script(SIGNAL_IN_THE_WRITE, str(out))
     assert result.returncode == 143, result.stderr[-2000:]
     assert f"error: SIGTERM stopped the sampling; its pictures are written in {out}." in (
         result.stderr

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import struct
+from signalled import run_script
 
 from tree_grpo_jax.run.checkpoint import Checkpointer, CheckpointError
 from tree_grpo_jax.run.train_step import TrainState, make_optimizer
@@ -265,7 +266,7 @@ def test_files_storage_will_not_open_stop_the_restore(two_checkpoints, unreadabl
 
 
 SIGNAL_IN_THE_SAVE = """
-import os, signal, sys
+import sys
 import jax.numpy as jnp
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.run.checkpoint import Checkpointer
@@ -274,31 +275,16 @@ interrupts.install()
 folder = sys.argv[1]
 interrupts.set_stop_line(lambda name: f"{name}: steps {Checkpointer(folder).all_steps()}")
 ckpt = Checkpointer(folder)
-real_wait = ckpt._manager.wait_until_finished
-
-def signalled_wait():  # the signal arrives while the checkpoint is being written
-    os.kill(os.getpid(), signal.SIGTERM)
-    signal.sigtimedwait([], 0.5)  # time for the watcher to take it
-    real_wait()
-
-ckpt._manager.wait_until_finished = signalled_wait
+# the signal arrives while the checkpoint is being written
+ckpt._manager.wait_until_finished = signalled(ckpt._manager.wait_until_finished)
 ckpt.save(1, {"kernel": jnp.arange(4096.0)}, {"next_iteration": 1})
 print("the save returned", flush=True)
 """
 
 
 def test_a_signal_in_the_save_waits_for_the_checkpoint(tmp_path):
-    import subprocess
-    import sys
-
     folder = tmp_path / "checkpoints"
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_IN_THE_SAVE, str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    result = run_script(SIGNAL_IN_THE_SAVE, str(folder))
     assert result.returncode == 143, result.stderr[-2000:]
     assert "error: SIGTERM: steps [1]" in result.stderr
     assert "the save returned" not in result.stdout  # it stopped at the save's end

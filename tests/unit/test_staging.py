@@ -1,26 +1,17 @@
 """weights.staging.write_staged under a signal: a stop during the swap waits for it, and its
 line says the folder is whole."""
 
-import os
-import subprocess
-import sys
+from signalled import run_script
 
 SIGNAL_IN_THE_SWAP = """
-import os, signal, sys
+import os, sys
 from pathlib import Path
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.weights import staging
 
 interrupts.install()
 interrupts.set_stop_line(lambda name: f"{name} stopped the command; nothing was written.")
-replace = os.replace
-
-def signalled(source, target):  # the signal arrives as the folder is put in place
-    os.kill(os.getpid(), signal.SIGTERM)
-    signal.sigtimedwait([], 0.5)  # time for the watcher to take it
-    replace(source, target)
-
-staging.os.replace = signalled
+staging.os.replace = signalled(os.replace)  # arrives as the folder is put in place
 staging.write_staged(Path(sys.argv[1]), lambda folder: (folder / "weights.bin").write_text("w"))
 print("the write returned", flush=True)
 """
@@ -28,13 +19,7 @@ print("the write returned", flush=True)
 
 def test_a_signal_in_the_swap_keeps_the_folder_and_says_so(tmp_path):
     out = tmp_path / "exported"
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_IN_THE_SWAP, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    result = run_script(SIGNAL_IN_THE_SWAP, str(out))
     assert result.returncode == 143, result.stderr[-2000:]
     assert f"error: SIGTERM stopped the command once {out} was written whole." in result.stderr
     assert "the write returned" not in result.stdout
