@@ -484,7 +484,7 @@ class Run:
             resolution=self.resolution,
             smoke=self.smoke,
             sd15_attention=attention,
-            mmdit_attention=None if a.mmdit_attention == "xla" else a.mmdit_attention,
+            mmdit_attention=a.mmdit_attention,
         )
 
     def utilisation(self, flops, seconds) -> dict:

@@ -137,7 +137,7 @@ class Options:
     resolution: int
     smoke: bool = False
     sd15_attention: dict = dataclasses.field(default_factory=dict)  # UNet module options
-    mmdit_attention: str | None = None  # jax.nn.dot_product_attention implementation
+    mmdit_attention: str = "xla"  # model.attention's kernel for the transformers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,8 +216,10 @@ def test_builtin_configs_are_the_releases():
 
 
 def _plan_process(*args, env):
+    given = {a.split("=")[0] for a in args}  # a field is given once: these replace TINY's
+    tiny = [a for a in TINY if a.split("=")[0] not in given]
     return subprocess.Popen(
-        [sys.executable, "-m", "tree_grpo_jax.plan", *TINY, "--json", *args],
+        [sys.executable, "-m", "tree_grpo_jax.plan", *tiny, "--json", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -388,12 +388,17 @@ def test_a_signal_while_writing_leaves_the_folder_whole_or_nothing(
         lines.append(line.rstrip("\n"))
         if line.startswith("writing "):
             proc.send_signal(signum)
-    assert proc.wait(timeout=300) == status, lines[-10:]
+    code = proc.wait(timeout=300)
+    assert code in (status, 0), lines[-10:]
+    assert _no_staging_left(tmp_path)
+    written = ["config.json", "model.safetensors", "aesthetic_mlp.safetensors"]
+    if code == 0:  # on a loaded machine the write may end before the signal arrives: whole
+        assert lines[-1].startswith("done: "), lines[-10:]
+        assert sorted(p.name for p in out.iterdir()) == sorted([*written, "reward_config.json"])
+        return  # (tests/unit/test_staging.py signals inside the swap, deterministically)
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines[-10:]
-    assert _no_staging_left(tmp_path)
     if "written whole" in errors[0]:
-        written = ["config.json", "model.safetensors", "aesthetic_mlp.safetensors"]
         assert sorted(p.name for p in out.iterdir()) == sorted([*written, "reward_config.json"])
     else:
         assert "nothing was written" in errors[0] and not out.exists(), errors[0]
