@@ -20,71 +20,8 @@ from collections.abc import Mapping
 
 from tree_grpo_jax import methods
 from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.run.accelerators import DEFAULT_EFFICIENCY, Accelerator
 from tree_grpo_jax.run.program_cost import ProgramCost
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """One device's dense bfloat16 peak and memory bandwidth, as its data sheet gives them."""
-
-    name: str
-    title: str
-    peak_flops: float  # FLOP/s, dense bfloat16 (no structured sparsity)
-    bandwidth: float  # bytes/s of its high-bandwidth memory
-    memory_gb: float = 0.0  # 10^9 bytes; 0 where unknown (`--peak-tflops` / `--bandwidth`)
-
-
-# Vendors' data sheets; docs/plan.md cites each one.
-ACCELERATORS = {
-    a.name: a
-    for a in (
-        Accelerator("h100", "NVIDIA H100 SXM", 989e12, 3.35e12, 80),
-        Accelerator("h200", "NVIDIA H200 SXM", 989e12, 4.8e12, 141),
-        Accelerator("a100", "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80),
-        Accelerator("b200", "NVIDIA B200 (HGX)", 2250e12, 8e12, 180),
-        Accelerator("tpu-v5e", "Google TPU v5e", 197e12, 0.819e12, 16),
-        Accelerator("tpu-v5p", "Google TPU v5p", 459e12, 2.765e12, 95),
-        Accelerator("tpu-v6e", "Google TPU v6e (Trillium)", 918e12, 1.64e12, 32),
-    )
-}
-# The share of the roofline bound a program is assumed to reach; docs/plan.md says why.
-DEFAULT_EFFICIENCY = 0.4
-
-
-def accelerator(
-    name: str, peak_tflops: float | None = None, bandwidth_tb: float | None = None
-) -> Accelerator:
-    """The named accelerator, with either figure replaced when given; name "custom" takes
-    both from the arguments. ValueError with one sentence for an unknown name or a figure
-    that is not a positive number."""
-    for figure, value in (("--peak-tflops", peak_tflops), ("--bandwidth", bandwidth_tb)):
-        if value is not None and not (0 < value < 1e6):
-            raise ValueError(f"{figure}={value:g} must be a positive number.")
-    if name == "custom":
-        if peak_tflops is None or bandwidth_tb is None:
-            raise ValueError("--accelerator=custom needs both --peak-tflops and --bandwidth.")
-        return Accelerator("custom", "custom", peak_tflops * 1e12, bandwidth_tb * 1e12)
-    if name not in ACCELERATORS:
-        raise ValueError(
-            f"unknown accelerator {name!r}; name one of {', '.join(ACCELERATORS)}, or custom "
-            "with --peak-tflops and --bandwidth."
-        )
-    chosen = ACCELERATORS[name]
-    return dataclasses.replace(
-        chosen,
-        peak_flops=chosen.peak_flops if peak_tflops is None else peak_tflops * 1e12,
-        bandwidth=chosen.bandwidth if bandwidth_tb is None else bandwidth_tb * 1e12,
-    )
-
-
-def check_efficiency(efficiency: float) -> float:
-    if not 0 < efficiency <= 1:
-        raise ValueError(
-            f"--efficiency={efficiency:g} must be a fraction of the roofline above 0 and at "
-            "most 1, e.g. 0.4."
-        )
-    return efficiency
-
 
 # ---------------------------------------------------------------------------------------------
 # How often each program runs in one iteration.
@@ -103,6 +40,17 @@ def minibatches_per_iteration(config) -> float:
         for i in iterations
     )
     return total / len(iterations) * config.train.inner_epochs
+
+
+def rows_per_leaf(config) -> tuple[int, float, float]:
+    """(leaves per prompt, rollout denoiser rows per leaf, train-step forward rows per leaf),
+    the rows averaged over the run's iterations, as the method counts them."""
+    method = methods.get(config.tree.method)
+    counts = [method.training_counts(config, i) for i in _iterations(config)]
+    leaves = counts[0]["leaves"]
+    rollout_rows = sum(c["rollout_rows"] for c in counts) / len(counts)
+    train_rows = sum(c["train_forward_rows"] for c in counts) / len(counts)
+    return leaves, rollout_rows / leaves, train_rows / leaves
 
 
 def calls_per_iteration(config) -> dict[str, float]:
