@@ -1,6 +1,7 @@
 """The XLA flags of a GPU run: merged into the user's XLA_FLAGS without overriding them, known
 to the installed XLA, and what the GPU launch scripts hand the run."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -72,3 +73,60 @@ def test_the_installed_xla_knows_every_flag():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "3.0"
+
+
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+if sys.argv[1:3] == ["-m", "tree_grpo_jax.gpu_flags"]:
+    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+keys = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_PROCESS_ID")
+print(json.dumps({{"argv": sys.argv[1:], **{{k: os.environ.get(k) for k in keys}}}}))
+"""
+
+
+def launch(tmp_path, script, env, *args):
+    """Runs launch/<script> with PYTHON a stand-in that runs the flags module for real and,
+    for the run, prints what it was started with."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+    done = subprocess.run(
+        ["bash", f"launch/{script}", "configs/tiny.py", "--config.seed=3"],
+        cwd=ROOT,
+        env={**base, "PYTHON": str(fake), "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+MULTIHOST = {"COORDINATOR": "host0:1234", "NUM_PROCESSES": "2", "PROCESS_ID": "1"}
+
+
+@pytest.mark.parametrize(
+    "script, env",
+    [("gpu.sh", {}), ("multihost_gpu.sh", {**MULTIHOST, "WORKDIR": "/shared/a"})],
+)
+def test_the_gpu_scripts_start_the_run_with_the_flags(tmp_path, script, env):
+    seen = launch(tmp_path, script, env)
+    assert seen["XLA_FLAGS"] == with_gpu_flags("")
+    assert seen["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.92"
+    assert seen["argv"][:3] == ["-m", "tree_grpo_jax.main", "--config=configs/tiny.py"]
+    assert seen["argv"][-1] == "--config.seed=3"
+    if script == "multihost_gpu.sh":
+        assert seen["JAX_PROCESS_ID"] == "1" and "--workdir=/shared/a" in seen["argv"]
+
+
+@pytest.mark.parametrize("script", ["gpu.sh", "multihost_gpu.sh"])
+def test_the_gpu_scripts_keep_the_users_own_settings(tmp_path, script):
+    mine = f"--xla_dump_to=/tmp/hlo {NAMES[1]}=false"
+    env = {"XLA_FLAGS": mine, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}
+    if script == "multihost_gpu.sh":
+        env.update(MULTIHOST, WORKDIR="/shared/a")
+    seen = launch(tmp_path, script, env)
+    assert seen["XLA_FLAGS"] == with_gpu_flags(mine)
+    assert f"{NAMES[1]}=false" in seen["XLA_FLAGS"].split()
+    assert seen["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
