@@ -130,3 +130,9 @@ def test_the_gpu_scripts_keep_the_users_own_settings(tmp_path, script):
     assert seen["XLA_FLAGS"] == with_gpu_flags(mine)
     assert f"{NAMES[1]}=false" in seen["XLA_FLAGS"].split()
     assert seen["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+
+
+def test_the_docs_table_has_every_flag():
+    text = (ROOT / "docs/devices-and-hosts.md").read_text()
+    for flag, _ in GPU_FLAGS:
+        assert f"| `{flag}` |" in text, flag
