@@ -5,10 +5,13 @@ memory plan's notes read.
 
 These are the flags JAX's GPU performance guide recommends for training
 (https://docs.jax.dev/en/latest/gpu_performance_tips.html) that suit a data-parallel or
-fsdp-sharded denoiser. A flag already in the user's XLA_FLAGS keeps the user's value, so
-`XLA_FLAGS=--xla_gpu_triton_gemm_any=false launch/gpu.sh ...` turns one off. XLA reads its
-flags once, when JAX starts its backend: they go in the environment before Python starts,
-which is why the launch scripts call this module rather than the run setting them itself.
+fsdp-sharded denoiser and that the other public JAX GPU recipes (MaxText's, NVIDIA's
+JAX-Toolbox) agree on; docs/devices-and-hosts.md says which were left out and why. A flag
+already in the user's XLA_FLAGS keeps the user's value, so
+`XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false launch/gpu.sh ...` turns it off.
+XLA reads its flags once, when JAX starts its backend: they go in the environment before
+Python starts, which is why the launch scripts call this module rather than the run setting
+them itself.
 """
 
 import os
@@ -21,12 +24,6 @@ GPU_FLAGS: tuple[tuple[str, str], ...] = (
         "Schedules the collectives (fsdp's weight all-gathers and gradient reduce-scatters, "
         "data parallelism's gradient all-reduce) to run while independent compute goes on, "
         "instead of each device waiting on them; XLA leaves it off by default.",
-    ),
-    (
-        "--xla_gpu_triton_gemm_any=true",
-        "Lets the autotuner try a Triton kernel, which can fuse the neighbouring elementwise "
-        "work, for every matmul Triton supports, cuBLAS staying a candidate, so each matmul "
-        "gets the faster of the two at the cost of a longer first compile.",
     ),
 )
 
