@@ -26,7 +26,12 @@ def test_each_program_runs_as_often_as_the_iteration_calls_it(tiny_plan):
     calls = {name: p["calls_per_iteration"] for name, p in h100["programs"].items()}
     minibatches = math.ceil(TRAIN_ROWS_PER_PROMPT * PROMPTS / ROWS_PER_MINIBATCH)
     eval_every = 5  # configs/tiny.py
-    assert calls == {"rollout": 1, "train_step": minibatches, "evaluate": 1 / eval_every, "decode": 1}
+    assert calls == {
+        "rollout": 1,
+        "train_step": minibatches,
+        "evaluate": 1 / eval_every,
+        "decode": 1,
+    }
     for name, program in h100["programs"].items():
         cost = tiny_plan["programs"][name]
         assert program["flops"] == cost["flops"] >= cost["xla_flops"] > 0
@@ -47,7 +52,10 @@ def test_seconds_are_the_roofline_over_the_efficiency(tiny_plan):
         assert plan["hours"] == pytest.approx(total * plan["iterations"] / 3600)
         assert plan["measured"] is False
     h100 = tiny_plan["time"][0]
-    assert (h100["accelerator"]["peak_flops"], h100["accelerator"]["bandwidth"]) == (989e12, 3.35e12)
+    assert (h100["accelerator"]["peak_flops"], h100["accelerator"]["bandwidth"]) == (
+        989e12,
+        3.35e12,
+    )
 
 
 def test_the_flags_change_the_figures_they_name():

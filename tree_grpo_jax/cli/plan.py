@@ -327,7 +327,8 @@ def time_devices() -> list:
 
 def compared_configs(config) -> list[tuple[str, object]]:
     """`--compare`'s runs: (name, config) for each method name (the config with that
-    `tree.method`) or config file (given the command line's `--config.*` overrides)."""
+    `tree.method`) or config file (given the command line's `--config.*` overrides, named by
+    its `name` field)."""
     from tree_grpo_jax import methods
 
     runs = []
@@ -346,7 +347,7 @@ def compared_configs(config) -> list[tuple[str, object]]:
                 f"--compare entry {entry!r} is neither a method ({', '.join(methods.METHODS)}) "
                 "nor a config file (ending in .py)."
             )
-        runs.append((os.path.basename(entry), other))
+        runs.append((entry if entry in methods.METHODS else other.get("name", entry), other))
     return runs
 
 
@@ -395,7 +396,9 @@ def main(argv=None) -> None:
             _fail(f"{name}: {first_line(e)}" if name else first_line(e))
         costs = {p.name: p.cost for p in plan.programs}
         times = [
-            time_plan.plan_time(run_config, costs, plan.devices, a, EFFICIENCY.value)
+            time_plan.plan_time(
+                run_config, costs, plan.devices, a, EFFICIENCY.value, plan.platform != "cpu"
+            )
             for a in targets
         ]
         plans.append((name, run_config, plan, times))

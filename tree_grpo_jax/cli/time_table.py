@@ -73,6 +73,7 @@ def as_json(plan: TimePlan) -> dict:
                 "compute_seconds": p.compute_s,
                 "memory_seconds": p.memory_s,
                 "bound": p.bound,
+                "bytes_counted": p.bytes_counted,
                 "estimate_seconds": p.estimate_s,
                 "seconds_per_iteration": p.per_iteration_s,
             }

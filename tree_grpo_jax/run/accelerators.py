@@ -32,7 +32,7 @@ ACCELERATORS = {
     )
 }
 # The share of the roofline bound a program is assumed to reach; docs/plan.md says why.
-DEFAULT_EFFICIENCY = 0.4
+DEFAULT_EFFICIENCY = 0.35
 
 
 def accelerator(

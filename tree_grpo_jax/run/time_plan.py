@@ -4,7 +4,9 @@ measurement.
 
 Each program's bound on one device is the longer of its FLOPs at the accelerator's peak dense
 bfloat16 rate and its bytes at the memory bandwidth; the estimate is that bound over the
-fraction of it a real program reaches (`efficiency`). An iteration runs the rollout and the
+fraction of it a real program reaches (`efficiency`). Compiled on a CPU for another target (the
+plan's usual case), the bytes are the CPU's, far above a GPU's or TPU's, and only the FLOPs
+bound the estimate. An iteration runs the rollout and the
 decode once, the train step once per minibatch of every inner epoch (or `accumulate` once per
 minibatch and `apply` once per update) and the evaluation every `eval.every` iterations; the
 train step's count is averaged over the run's iterations, since a sliding window or pruning
@@ -99,9 +101,12 @@ class ProgramTime:
     compute_s: float  # one call at the peak FLOP rate
     memory_s: float  # one call at the full bandwidth
     estimate_s: float  # one call: the bound over the efficiency
+    bytes_counted: bool = True  # False: the bytes are a CPU compile's, not the target's
 
     @property
     def bound(self) -> str:
+        if not self.bytes_counted:
+            return "flops"
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
     @property
@@ -138,8 +143,15 @@ class TimePlan:
 
 
 def program_time(
-    name: str, cost: ProgramCost, calls: float, device: Accelerator, efficiency: float
+    name: str,
+    cost: ProgramCost,
+    calls: float,
+    device: Accelerator,
+    efficiency: float,
+    bytes_counted: bool = True,
 ) -> ProgramTime:
+    """One program's time per call: the roofline bound over `efficiency`; without
+    `bytes_counted`, the compute time alone."""
     compute = cost.flops / device.peak_flops
     memory = cost.bytes_accessed / device.bandwidth
     return ProgramTime(
@@ -149,7 +161,8 @@ def program_time(
         bytes_accessed=cost.bytes_accessed,
         compute_s=compute,
         memory_s=memory,
-        estimate_s=max(compute, memory) / efficiency,
+        estimate_s=(max(compute, memory) if bytes_counted else compute) / efficiency,
+        bytes_counted=bytes_counted,
     )
 
 
@@ -159,13 +172,18 @@ def plan_time(
     devices: int,
     device: Accelerator,
     efficiency: float = DEFAULT_EFFICIENCY,
+    bytes_counted: bool = True,
 ) -> TimePlan:
-    """The time plan of one iteration of `config` from its programs' `costs` (one device)."""
+    """The time plan of one iteration of `config` from its programs' `costs` (one device).
+    `bytes_counted`: the costs come from a compile for the target itself, so their bytes
+    bound the time too; a CPU compile's bytes are not a GPU's or TPU's (the CPU fuses far
+    less, and the plan turns its loop-invariant code motion off), so they are shown but the
+    estimate is the FLOPs alone."""
     calls = calls_per_iteration(config)
     if "rollout" in costs:
         costs = {**costs, "rollout": rollout_cost(config, costs["rollout"])}
     programs = tuple(
-        program_time(name, cost, calls[name], device, efficiency)
+        program_time(name, cost, calls[name], device, efficiency, bytes_counted)
         for name, cost in costs.items()
         if calls.get(name)
     )
@@ -179,6 +197,12 @@ def plan_time(
     ]
     if missing:
         not_counted.insert(0, f"{', '.join(missing)} (not compiled)")
+    if not bytes_counted:
+        not_counted.append(
+            "memory traffic: the bytes are a CPU compile's, an upper bound on the target's "
+            "(the CPU fuses far less), so the estimate is the FLOPs at the peak over the "
+            "efficiency, and the efficiency stands for the memory stalls too"
+        )
     unknown = [n for n, c in costs.items() if c.unknown_loops]
     if unknown:
         not_counted.append(
