@@ -3,6 +3,7 @@ the tree; the roofline's seconds against the accelerator's figures; `--compare`'
 leaf, counted by hand for a tree and for flat chains."""
 
 import math
+import re
 
 import pytest
 from test_plan import TINY, plan_json, run_plan
@@ -34,10 +35,14 @@ def test_each_program_runs_as_often_as_the_iteration_calls_it(tiny_plan):
     }
     for name, program in h100["programs"].items():
         cost = tiny_plan["programs"][name]
-        assert program["flops"] == cost["flops"] >= cost["xla_flops"] > 0
-    # the evaluation's sampler is a scan over its steps: XLA alone counts one of them
+        assert cost["flops"] >= cost["xla_flops"] > 0
+        if name == "rollout":  # the ODE steps after the window: a loop of unknown trips
+            assert None in cost["loops"] and program["flops"] > cost["flops"]
+        else:
+            assert program["flops"] == cost["flops"]
+    # the evaluation's sampler is a scan over its 4 steps: XLA alone counts one of them
     evaluate = tiny_plan["programs"]["evaluate"]
-    assert evaluate["flops"] == pytest.approx(10 * evaluate["xla_flops"], rel=0.01)
+    assert evaluate["flops"] == pytest.approx(4 * evaluate["xla_flops"], rel=0.01)
 
 
 def test_seconds_are_the_roofline_over_the_efficiency(tiny_plan):
@@ -45,7 +50,10 @@ def test_seconds_are_the_roofline_over_the_efficiency(tiny_plan):
         a = plan["accelerator"]
         total = 0.0
         for p in plan["programs"].values():
-            bound = max(p["flops"] / a["peak_flops"], p["bytes_accessed"] / a["bandwidth"])
+            # planned on a CPU: its bytes are not the target's, and only the FLOPs bound
+            assert p["bytes_counted"] is False and p["bound"] == "flops"
+            assert p["memory_seconds"] == pytest.approx(p["bytes_accessed"] / a["bandwidth"])
+            bound = p["flops"] / a["peak_flops"]
             assert p["estimate_seconds"] == pytest.approx(bound / plan["efficiency"])
             total += p["calls_per_iteration"] * p["estimate_seconds"]
         assert plan["seconds_per_iteration"] == pytest.approx(total)
@@ -69,8 +77,8 @@ def test_the_flags_change_the_figures_they_name():
     )
     (time,) = plan["time"]
     evaluate = time["programs"]["evaluate"]
-    assert evaluate["bound"] == "compute"  # 1 TFLOP/s against 1000 TB/s
     assert evaluate["estimate_seconds"] == pytest.approx(evaluate["flops"] / 1e12 / 0.5)
+    assert evaluate["memory_seconds"] == pytest.approx(evaluate["bytes_accessed"] / 1e15)
     assert "rollout, decode, train_step (not compiled)" in time["not_counted"][0]
 
 
@@ -79,16 +87,15 @@ def test_compare_counts_rows_per_leaf_and_ratios():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("runs compared at configs/tiny.py's setting")
-    tree = next(line for line in lines if line.startswith("treegrpo "))
-    flat = next(line for line in lines if line.startswith("grpo "))
+    tree = re.split(r"\s{2,}", next(line for line in lines if line.startswith("treegrpo ")))
+    flat = re.split(r"\s{2,}", next(line for line in lines if line.startswith("grpo ")))
     # treegrpo: 11 rollout rows and 3 trained parent rows for 4 leaves
-    assert tree.split()[1:4] == [
+    assert tree[1:4] == [
         str(LEAVES),
         f"{ROLLOUT_ROWS_PER_PROMPT / LEAVES:.2f}",
         f"{TRAIN_ROWS_PER_PROMPT / LEAVES:.2f}",
     ]
-    assert tree.split()[6] == "1.00"
-    # grpo (configs/tiny.py's group of 16 chains): every chain rolls 4 steps and trains the
-    # window's 2
-    assert flat.split()[1:4] == ["16", "4.00", "2.00"]
-    assert float(flat.split()[6]) > 1  # more rows per iteration than the tree's
+    assert tree[6] == "1.00"
+    # grpo (configs/tiny.py's group of 16 chains): every chain rolls and trains all 4 steps
+    assert flat[1:4] == ["16", "4.00", "4.00"]
+    assert float(flat[6]) > 1  # more rows per iteration than the tree's

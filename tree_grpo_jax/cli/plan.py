@@ -37,6 +37,7 @@ from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common, time_table
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.gpu_flags import GPU_FLAGS
 from tree_grpo_jax.run import accelerators
 
 PARSER = cli.config_parser("plan", __doc__)
@@ -217,6 +218,15 @@ def _verdict(gb: str, whole: bool, default_share: bool) -> str:
     return f"does not fit {gb} GB"
 
 
+def gpu_notes() -> list[str]:
+    """The XLA flags a GPU run starts with (launch/gpu.sh), each with why."""
+    return [
+        f"a GPU run starts with XLA_FLAGS {flag} (launch/gpu.sh, python -m "
+        f"tree_grpo_jax.gpu_flags): {why}"
+        for flag, why in GPU_FLAGS
+    ]
+
+
 def table(plan, config_path: str, sizes_gb) -> str:
     kind = "simulated CPU" if FORCE_DEVICES in os.environ.get("XLA_FLAGS", "") else plan.platform
     where = f"{kind} device{'s' if plan.devices > 1 else ''}"
@@ -242,6 +252,7 @@ def table(plan, config_path: str, sizes_gb) -> str:
         + ", ".join(f"{k} {size(v)}" for k, v in plan.resident.items() if v),
         "not planned: " + "; ".join(plan.not_planned) + ".",
         *(f"note: {n}." for n in plan.notes),
+        *(f"note: {n}" for n in gpu_notes()),
     ]
     largest = plan.largest
     whole, default = fits(plan, sizes_gb), fits(plan, sizes_gb, GPU_DEFAULT_SHARE)
@@ -302,6 +313,7 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
         "fits_default_gpu_share": fits(plan, sizes_gb, GPU_DEFAULT_SHARE),
         "not_planned": list(plan.not_planned),
         "notes": list(plan.notes),
+        "gpu_flags": [flag for flag, _ in GPU_FLAGS],
     }
 
 
