@@ -307,9 +307,11 @@ def _check_accumulation_applies(config) -> None:
     if tr.grad_accumulation <= 1:
         return
     from tree_grpo_jax import methods  # as in `validate`: only where a check needs it
+    from tree_grpo_jax.core.transitions import num_minibatches
 
     rows = methods.get(config.tree.method).training_counts(config)["train_rows"]
-    per_iteration = -(-rows * config.prompts.batch_size // tr.rows_per_minibatch) * tr.inner_epochs
+    minibatches = num_minibatches(rows * config.prompts.batch_size, tr.rows_per_minibatch)
+    per_iteration = minibatches * tr.inner_epochs
     in_all = per_iteration * tr.iterations
     _require(
         tr.grad_accumulation <= in_all,
