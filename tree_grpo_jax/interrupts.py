@@ -40,6 +40,17 @@ class _State:
         self.first_line: str | None = None  # what deferred()'s first signal prints
         self.stop_line = lambda name: f"{name} stopped the command."
         self.cleanups: list = []
+        self.stopper: int | None = None  # the thread ending the process, once one is
+
+
+def _park_if_stopping() -> None:
+    """Holds any other thread still once a stop has begun: the main thread must neither
+    drop a cleanup the stop is about to run nor start a region (a folder's swap) the stop's
+    cleanups are undoing. The process ends under it."""
+    with _state.lock:
+        parked = _state.stopper not in (None, threading.get_ident())
+    if parked:
+        threading.Event().wait()
 
 
 _state = _State()
@@ -91,6 +102,8 @@ def _watch(fd: int) -> None:
 
 
 def _on_signal(name: str) -> None:
+    # Decided and begun under the lock, so the main thread cannot start a critical region or
+    # drop a cleanup between the decision and the stop.
     with _state.lock:
         _state.received.append(name)
         if _state.deferring and len(_state.received) == 1:
@@ -100,7 +113,7 @@ def _on_signal(name: str) -> None:
         if _state.critical:
             _state.pending = _state.pending or name
             return
-    stop_now(name)
+        stop_now(name)
 
 
 def requested() -> str | None:
@@ -121,7 +134,8 @@ def on_stop(cleanup):
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):
+        _park_if_stopping()
+        with _state.lock, contextlib.suppress(ValueError):
             _state.cleanups.remove(cleanup)
 
 
@@ -144,6 +158,7 @@ def deferred(first_line: str | None = None):
 def critical():
     """A region a signal must not cut short (a file being written): a stop waits for its
     end, where the main thread takes it."""
+    _park_if_stopping()
     with _state.lock:
         _state.critical += 1
     try:
@@ -178,8 +193,13 @@ def _flush_streams() -> None:
 
 def stop_now(name: str) -> None:
     """Ends the process at once: the cleanups, the command's one line, exit 130 / 143."""
+    with _state.lock:
+        if _state.stopper is not None and _state.stopper != threading.get_ident():
+            return  # another thread is ending the process already
+        _state.stopper = threading.get_ident()
+        cleanups = list(_state.cleanups)
     _flush_streams()
-    for cleanup in reversed(list(_state.cleanups)):
+    for cleanup in reversed(cleanups):
         with contextlib.suppress(Exception):
             cleanup()
     try:
