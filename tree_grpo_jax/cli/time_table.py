@@ -44,9 +44,10 @@ def table(plan: TimePlan) -> str:
         f"{'bound':>7}  {'per call':>9}  {'per iter':>9}",
     ]
     for p in plan.programs:
+        moved = f"{p.bytes_accessed / 1e9:.2f}" if p.bytes_counted else "-"  # a CPU's: not shown
         lines.append(
             f"{p.name:<11}  {p.calls:>10.2f}  {tera(p.flops):>10}  "
-            f"{p.bytes_accessed / 1e9:>9.2f}  {p.bound:>7}  {seconds(p.estimate_s):>9}  "
+            f"{moved:>9}  {p.bound:>7}  {seconds(p.estimate_s):>9}  "
             f"{seconds(p.per_iteration_s):>9}"
         )
     lines += [
