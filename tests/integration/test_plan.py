@@ -284,6 +284,7 @@ def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
         (["--efficiency=0"], "--efficiency=0 must be a fraction"),
         (["--compare=grpo,gpro"], "--compare entry 'gpro' is neither a method"),
         (["--compare=configs/no_such.py"], "no_such.py"),
+        (["--compare="], "--compare needs runs"),
         (["--compare=grpo,treegrpo", "--config.tree.group_size=0"], "grpo: "),
         (["--config.lora.rank=2", "--config.lora.targets=('no_such_module',)"], "LoRA targets"),
     ],

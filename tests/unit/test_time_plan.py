@@ -62,6 +62,7 @@ def test_a_sliding_window_averages_the_moving_loops():
 
 def test_accelerator_figures_and_bad_names():
     assert accelerators.accelerator("tpu-v5p").peak_flops == 459e12
+    assert accelerators.accelerator("H100") == H100
     custom = accelerators.accelerator("custom", 100.0, 2.0)
     assert (custom.peak_flops, custom.bandwidth) == (100e12, 2e12)
     assert accelerators.accelerator("h100", peak_tflops=500.0).bandwidth == H100.bandwidth

@@ -382,6 +382,8 @@ def main(argv=None) -> None:
     from tree_grpo_jax.rewards import registry as reward_registry
     from tree_grpo_jax.run import memory_plan, time_plan
 
+    if COMPARE.present and not COMPARE.value:
+        _fail("--compare needs runs: method names or config files, e.g. --compare=grpo,treegrpo.")
     runs = compared_configs(config) if COMPARE.value else [(None, config)]
     bad_input = (cfg.ConfigError, ModelLoadError, FileNotFoundError, ValueError)
     for name, run_config in runs:

@@ -44,6 +44,7 @@ def accelerator(
     for figure, value in (("--peak_tflops", peak_tflops), ("--bandwidth", bandwidth_tb)):
         if value is not None and not (0 < value < 1e6):
             raise ValueError(f"{figure}={value:g} must be a positive number.")
+    name = name.strip().lower()  # H100, TPU-v5p
     if name == "custom":
         if peak_tflops is None or bandwidth_tb is None:
             raise ValueError("--accelerator=custom needs both --peak_tflops and --bandwidth.")
