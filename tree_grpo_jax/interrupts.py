@@ -32,6 +32,9 @@ _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 class _State:
     def __init__(self):
         self.lock = threading.RLock()
+        self.decided = threading.Condition(self.lock)  # the watcher took a signal
+        self.seen = 0  # signals the watcher has taken
+        self.handled = 0  # calls of the Python-level handler (equal signals may coalesce)
         self.installed = False
         self.received: list[str] = []  # every signal so far, in order
         self.deferring = 0  # depth of deferred() regions
@@ -83,8 +86,15 @@ def install() -> bool:
 
 
 def _python_handler(signum, frame) -> None:
-    """The watcher does the work; this only keeps Python's default (KeyboardInterrupt, or
-    death by SIGTERM) away. A stop waiting on a critical region is taken here too."""
+    """The watcher does the work; this keeps Python's default (KeyboardInterrupt, or death
+    by SIGTERM) away, and holds the main thread at its next bytecode until the watcher has
+    decided: once a stop is under way the main thread runs no more Python (no half a line
+    printed after the stop's, no normal exit with status 0, no file written after the
+    cleanups)."""
+    with _state.decided:
+        _state.handled += 1
+        _state.decided.wait_for(lambda: _state.seen >= _state.handled, timeout=1.0)
+    _park_if_stopping()
 
 
 def _watch(fd: int) -> None:
@@ -105,6 +115,8 @@ def _on_signal(name: str) -> None:
     # Decided and begun under the lock, so the main thread cannot start a critical region or
     # drop a cleanup between the decision and the stop.
     with _state.lock:
+        _state.seen += 1
+        _state.decided.notify_all()
         _state.received.append(name)
         if _state.deferring and len(_state.received) == 1:
             if _state.first_line:
