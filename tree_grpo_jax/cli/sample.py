@@ -100,22 +100,27 @@ class Drawn:
 
 
 def _prompts(args, config) -> list[str]:
-    from tree_grpo_jax.run.prompts import load_prompts, prompt_sets
+    from tree_grpo_jax.run.prompts import (
+        config_prompt_set,
+        load_prompts,
+        prompt_sets,
+        prompt_settings,
+    )
 
     if args.prompt is not None:
         if not args.prompt.strip():
             raise BadInput("--prompt is empty; give the words to draw, e.g. --prompt='a cat'.")
         return [args.prompt.strip()]
     if args.prompts is None:  # the run's eval prompts, as the run's evaluation lists them
-        eval_set = load_prompts(config.prompts.get("eval_source") or config.prompts.source)
-        return [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+        eval_set = config_prompt_set(config, eval_set=True)
+        return list(eval_set.cycled(config.prompts.eval_count).prompts)
     if args.prompts not in prompt_sets() and not os.path.isfile(os.path.expanduser(args.prompts)):
         raise BadInput(
             f"--prompts {echo(args.prompts)} is neither a built-in prompt set "
-            f"({', '.join(sorted(prompt_sets()))}) nor a text file; give one prompt of your "
+            f"({', '.join(sorted(prompt_sets()))}) nor a prompt file; give one prompt of your "
             'own with --prompt="...".'
         )
-    return load_prompts(args.prompts)
+    return load_prompts(args.prompts, *prompt_settings(config))
 
 
 def _check_numbers(args) -> None:
