@@ -109,6 +109,8 @@ def test_named_fields(tmp_path):
     csv_ = _write(tmp_path / "hpd.csv", "caption,style\na cube,photo\n")
     assert load_prompt_set(csv_, "caption", "style").categories == ("photo",)
     assert load_prompt_set(csv_, "caption").categories == (None,)  # no auto name here
+    blank = _write(tmp_path / "blank.csv", "prompt,category\na,\nb,x\n")
+    assert load_prompt_set(blank).categories == (None, "x")  # an empty cell: none
 
 
 def test_text_files_and_built_in_sets_carry_empty_metadata(tmp_path):

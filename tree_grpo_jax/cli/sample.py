@@ -42,7 +42,7 @@ examples:
   python -m tree_grpo_jax.sample --workdir=runs/tiny/20250101-120000
       the run's own eval prompts, from its newest readable checkpoint
   python -m tree_grpo_jax.sample --workdir=RUN --prompts=animals --step=40 --out=pictures
-      a built-in prompt set (or a text file, one prompt a line) from checkpoint 40
+      a built-in prompt set (or a prompt file: .txt, .jsonl, .csv, ...) from checkpoint 40
   python -m tree_grpo_jax.sample --workdir=RUN --prompt="a photo of a cat" --seed=7
 
 The same arguments draw the same pictures. Bad input is one "error:" line and exit status
@@ -65,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--prompts",
-        help="a built-in prompt set or a text file, one prompt a line (default: the run's "
-        "eval prompts)",
+        help="a built-in prompt set or a prompt file (.txt one prompt a line, .jsonl, .json, "
+        ".csv, .tsv, .parquet) (default: the run's eval prompts)",
     )
     which.add_argument("--prompt", help="one prompt of your own")
     parser.add_argument("--out", help="output folder (default: <workdir>/samples/step_<N>/)")

@@ -281,7 +281,7 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
         prompts.append(prompt.strip())
         metadata.append({k: v for k, v in row.items() if k != key})
         value = row.get(cat) if cat else None
-        categories.append(None if value is None else str(value))
+        categories.append(None if value is None or value == "" else str(value))
     return PromptSet(tuple(prompts), tuple(metadata), tuple(categories))
 
 
