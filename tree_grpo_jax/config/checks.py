@@ -374,6 +374,12 @@ def _check_prompts(p) -> None:
     _require(bool(p.source), "prompts.source must name a prompt set or file.")
     _require(p.batch_size >= 1, "prompts.batch_size must be at least 1.")
     _require(p.eval_count >= 1, "prompts.eval_count must be at least 1.")
+    field, category = p.get("field", ""), p.get("category_field", "")
+    _require(
+        not field or field != category,
+        f"prompts.field and prompts.category_field both name {field!r}; a column is either "
+        "the prompt or its category.",
+    )
 
 
 MAX_GUIDANCE_SCALE = 100.0
