@@ -34,6 +34,28 @@ from tree_grpo_jax.models import media as media_kinds
 RewardFn = Callable[[object, Sequence[str]], object]
 
 
+# One mapping per image (its prompt's metadata: GenEval's objects, a category ...), or None.
+Metadata = Sequence[Mapping[str, Any] | None] | None
+
+
+class Scores(np.ndarray):
+    """Scores [B] with the reward's named sub-scores `parts` {name: [B]} beside them:
+    what a reward that gives sub-scores returns (they are logged as the reward's parts)."""
+
+    parts: Mapping[str, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, scores, parts: Mapping[str, Any] | None = None) -> Scores:
+        out = np.asarray(scores, np.float32).view(cls)
+        out.parts = {n: np.asarray(v, np.float32) for n, v in (parts or {}).items()}
+        return out
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward that could not score at all (its server down, stalled or answering
+    nonsense after its retries); one sentence for the user."""
+
+
 class RewardShapeError(ValueError):
     """A reward whose output is not one score per image; one sentence for the user."""
 
@@ -59,6 +81,9 @@ class Reward:
     # an image reward scores a video frame by frame (the mean over its frames); False: the
     # reward means a still image only and refuses videos
     per_frame: bool = True
+    # True: `fn(images, prompts, metadata)` gets each image's prompt metadata (a mapping,
+    # or None where none is known); False: `fn(images, prompts)`, as every built-in reward
+    takes_metadata: bool = False
 
     def __post_init__(self):
         _check_media(self.name, self.media)
@@ -77,13 +102,21 @@ class Reward:
             takes = f"scores still images only {media_kinds.LAYOUTS[media_kinds.IMAGE]}"
         return f"reward {self.name!r} {takes}, not {media}s; choose a reward for {media}s."
 
-    def __call__(self, images, prompts: Sequence[str]):
-        return self.with_frames(images, prompts)[0]
+    def __call__(self, images, prompts: Sequence[str], metadata: Metadata = None):
+        return self.with_frames(images, prompts, metadata)[0]
 
-    def with_frames(self, images, prompts: Sequence[str]):
+    def with_frames(self, images, prompts: Sequence[str], metadata: Metadata = None):
         """(scores [B], each frame's score [B, T] or None): an image reward given videos
         also gives the scores of their frames (whose mean over T is the video's score);
-        None for images, and for a video reward (it scores the videos whole)."""
+        None for images, and for a video reward (it scores the videos whole). `metadata`
+        (one mapping per image, its prompt's; None: none known) reaches only a reward that
+        takes it."""
+        scores, frames, _ = self.scored(images, prompts, metadata)
+        return scores, frames
+
+    def scored(self, images, prompts: Sequence[str], metadata: Metadata = None):
+        """`with_frames` and the reward's named sub-scores {name: [B]} ({} for a reward
+        that gives none; a reward served over HTTP may)."""
         media = media_kinds.of_rank(np.ndim(images))
         if media is None:
             raise RewardMediaError(
@@ -94,8 +127,14 @@ class Reward:
         if not self.takes(media):
             raise RewardMediaError(self.refusal(media))
         count = images.shape[0]
+        if metadata is not None and len(metadata) != count:
+            raise ValueError(
+                f"reward {self.name!r} was given {len(metadata)} metadata entries for {count} "
+                f"{media}s; it needs one per {media} (or none)."
+            )
         if media == self.media:
-            return self._checked(self.fn(images, prompts), count, media), None
+            scores, parts = self._call(images, prompts, metadata)
+            return self._checked(scores, count, media), None, parts
         # an image reward on videos: every frame with its video's prompt, then each video's
         # mean over its frames
         if len(prompts) != count:
@@ -106,10 +145,22 @@ class Reward:
         frames = images.shape[1]
         stills = images.reshape(count * frames, *images.shape[2:])
         per_frame = [p for p in prompts for _ in range(frames)]
-        scores = self._checked(self.fn(stills, per_frame), count * frames, media_kinds.IMAGE)
+        if metadata is not None:
+            metadata = [m for m in metadata for _ in range(frames)]
+        scores, parts = self._call(stills, per_frame, metadata)
+        scores = self._checked(scores, count * frames, media_kinds.IMAGE)
         xp = np if isinstance(scores, np.ndarray) else jnp
         scores = scores.reshape(count, frames)
-        return xp.mean(scores, axis=1), scores
+        parts = {n: np.asarray(v).reshape(count, frames).mean(axis=1) for n, v in parts.items()}
+        return xp.mean(scores, axis=1), scores, parts
+
+    def _call(self, images, prompts, metadata):
+        """(scores, sub-scores): `fn`'s answer, with the metadata when the reward takes it;
+        a reward giving sub-scores returns a `Scores` (an array with `.parts`)."""
+        scores = (
+            self.fn(images, prompts, metadata) if self.takes_metadata else self.fn(images, prompts)
+        )
+        return scores, dict(getattr(scores, "parts", None) or {})
 
     def _checked(self, scores, count: int, media: str):
         shape = tuple(getattr(scores, "shape", ()))
@@ -134,9 +185,10 @@ class _Entry:
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)  # old -> new
     media: str = media_kinds.IMAGE  # as `Reward.media`
     per_frame: bool = True  # as `Reward.per_frame`
+    takes_metadata: bool = False  # as `Reward.takes_metadata`
 
     def reward(self, name: str, fn: RewardFn) -> Reward:
-        return Reward(name, fn, self.on_host, self.media, self.per_frame)
+        return Reward(name, fn, self.on_host, self.media, self.per_frame, self.takes_metadata)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -170,18 +222,28 @@ def register(
     *,
     media: str = media_kinds.IMAGE,
     per_frame: bool = True,
+    takes_metadata: bool = False,
     overwrite: bool = False,
 ) -> Reward:
     """Adds a reward that needs no weights; registering a taken name needs `overwrite=True`.
 
     `media` is what `fn` takes ("image": [B, H, W, C], "video": [B, T, H, W, C]); an image
-    reward scores videos frame by frame unless `per_frame=False`."""
+    reward scores videos frame by frame unless `per_frame=False`; with `takes_metadata`
+    it is called `fn(images, prompts, metadata)` (see `Reward`)."""
 
     def make(path=None):
         del path  # checked by load_reward
         return fn
 
-    entry = _Entry(make, bool(on_host), "", "", media=media, per_frame=bool(per_frame))
+    entry = _Entry(
+        make,
+        bool(on_host),
+        "",
+        "",
+        media=media,
+        per_frame=bool(per_frame),
+        takes_metadata=bool(takes_metadata),
+    )
     reward = entry.reward(name, fn)  # checks the media before the name is taken
     _add(name, entry, overwrite)
     return reward
@@ -367,25 +429,35 @@ class CombinedReward:
     def on_host(self) -> bool:
         return any(r.on_host for r in self.rewards.values())
 
-    def __call__(self, images, prompts: Sequence[str], return_components: bool = False):
+    def __call__(
+        self,
+        images,
+        prompts: Sequence[str],
+        return_components: bool = False,
+        metadata: Metadata = None,
+    ):
         """The weighted sum `[B]`; with `return_components`, also `{name: scores [B]}`."""
-        total, components, _ = self.with_frames(images, prompts)
+        total, components, _ = self.with_frames(images, prompts, metadata)
         return (total, components) if return_components else total
 
-    def with_frames(self, images, prompts: Sequence[str]):
+    def with_frames(self, images, prompts: Sequence[str], metadata: Metadata = None):
         """(the weighted sum [B], {name: scores [B]}, the weighted sum frame by frame
         [B, T] or None). The frames' sum is given for videos that some reward scores frame
         by frame; a reward that scores videos whole counts its score at every frame, so the
         mean over T of a video's frames is its total. None for images, and for videos that
-        no reward scores frame by frame (their frames' sums would all be the total)."""
+        no reward scores frame by frame (their frames' sums would all be the total). A
+        reward's named sub-scores are components too, `<reward>/<name>`, outside the sum;
+        `metadata` reaches the rewards that take it."""
         xp = np if self.on_host else jnp
-        components, frames = {}, {}
+        components, frames, subs = {}, {}, {}
         for n, r in self.rewards.items():
-            scores, by_frame = r.with_frames(images, prompts)
+            scores, by_frame, parts = r.scored(images, prompts, metadata)
             components[n] = xp.asarray(scores)
+            subs.update({f"{n}/{part}": np.asarray(v) for part, v in parts.items()})
             if by_frame is not None:
                 frames[n] = xp.asarray(by_frame)
         total = sum(w * components[n] for n, w in self.weights.items())
+        components.update(subs)
         if not frames:
             return total, components, None
         count = next(iter(frames.values())).shape[1]
