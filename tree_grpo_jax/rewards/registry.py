@@ -160,7 +160,9 @@ class Reward:
         scores = (
             self.fn(images, prompts, metadata) if self.takes_metadata else self.fn(images, prompts)
         )
-        return scores, dict(getattr(scores, "parts", None) or {})
+        if isinstance(scores, Scores):
+            return np.asarray(scores), dict(scores.parts)
+        return scores, {}
 
     def _checked(self, scores, count: int, media: str):
         shape = tuple(getattr(scores, "shape", ()))
@@ -191,7 +193,23 @@ class _Entry:
         return Reward(name, fn, self.on_host, self.media, self.per_frame, self.takes_metadata)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """Rewards named `<family>:<instance>` (e.g. `remote:judge`), each built from its own
+    settings `reward_options.<family>.<instance>`: `make(instance, settings) -> RewardFn`."""
+
+    make: Callable[[str, Any], RewardFn]
+    options: Callable[[], Any]  # one instance's defaults
+    check_options: Callable[[str, Any], str | None]  # (instance, settings) -> one sentence
+    probe: Callable[[str, Any], str | None] | None  # a sentence when it cannot score now
+    on_host: bool
+    takes_metadata: bool
+    media_of: Callable[[Any], str]  # an instance's media, from its settings
+    describe: str  # the first setting to give, `field=example` (an instance not configured)
+
+
 _REGISTRY: dict[str, _Entry] = {}
+_FAMILIES: dict[str, _Family] = {}
 _families_added = False
 
 
@@ -289,6 +307,127 @@ def register_model(
     _add(name, entry, overwrite)
 
 
+def register_family(
+    family: str,
+    make: Callable[[str, Any], RewardFn],
+    *,
+    options: Callable[[], Any],
+    check_options: Callable[[str, Any], str | None],
+    probe: Callable[[str, Any], str | None] | None = None,
+    on_host: bool = True,
+    takes_metadata: bool = True,
+    media_of: Callable[[Any], str] = lambda settings: media_kinds.IMAGE,
+    describe: str = "",
+) -> None:
+    """Adds a family of rewards named `<family>:<instance>` in a run's `rewards`, each built
+    by `make(instance, settings)` from `reward_options.<family>.<instance>` (the defaults
+    `options()`, the checks `check_options(instance, settings)`); `probe` says in one
+    sentence why an instance cannot score now (its server down), before a run writes
+    anything."""
+    if ":" in family or family in _REGISTRY:
+        raise ValueError(f"reward family {family!r} would shadow a reward name.")
+    _FAMILIES[family] = _Family(
+        make,
+        options,
+        check_options,
+        probe,
+        bool(on_host),
+        bool(takes_metadata),
+        media_of,
+        describe,
+    )
+
+
+def reward_families() -> tuple[str, ...]:
+    """The registered families (`remote`): their rewards are `<family>:<instance>`."""
+    return tuple(sorted(_FAMILIES))
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(family, instance) of a family's reward name (`remote:judge`), else None."""
+    family, sep, instance = name.partition(":")
+    return (family, instance) if sep and family in _FAMILIES else None
+
+
+def is_known(name: str) -> bool:
+    """A registered reward's name, or a registered family's `<family>:<instance>`."""
+    return name in available_rewards() or split_name(name) is not None
+
+
+def instance_settings(name: str, reward_options):
+    """The settings of a family's reward (`reward_options.<family>.<instance>`), or None
+    when the config holds none."""
+    family, instance = split_name(name)
+    section = reward_options.get(family) if hasattr(reward_options, "get") else None
+    return section.get(instance) if hasattr(section, "get") else None
+
+
+def instance_defaults(family: str):
+    """The defaults of one instance's settings in `family` (None for no such family)."""
+    return _FAMILIES[family].options() if family in _FAMILIES else None
+
+
+def check_instances(used: Sequence[str], reward_options) -> str | None:
+    """The sentence for the first family reward in `used` that has no settings, or for the
+    first bad setting of any instance in the config (the used ones first); else None."""
+    for name in used:
+        if split_name(name) and instance_settings(name, reward_options) is None:
+            family, instance = split_name(name)
+            return (
+                f"reward {name!r} has no settings: set "
+                f"--config.reward_options.{family}.{instance}.{_FAMILIES[family].describe} "
+                "(see docs/prompts-and-rewards.md)."
+            )
+    for family, entry in _FAMILIES.items():
+        section = reward_options.get(family) if hasattr(reward_options, "get") else None
+        if section is None:
+            continue
+        if not hasattr(section, "items"):
+            return f"reward_options.{family} must be a section of named {family} rewards."
+        names = sorted(section, key=lambda n: f"{family}:{n}" not in used)
+        for instance in names:
+            sentence = entry.check_options(instance, section[instance])
+            if sentence:
+                return sentence
+    return None
+
+
+def unreachable(used: Sequence[str], reward_options) -> str | None:
+    """One sentence for the first family reward in `used` that cannot score now (its
+    server does not answer), else None: a run asks before it writes anything."""
+    for name in dict.fromkeys(used):
+        split = split_name(name)
+        if split is None or _FAMILIES[split[0]].probe is None:
+            continue
+        settings = instance_settings(name, reward_options)
+        if settings is None:  # the config's checks say so
+            continue
+        sentence = _FAMILIES[split[0]].probe(split[1], settings)
+        if sentence:
+            return sentence
+    return None
+
+
+def load_instance(name: str, reward_options) -> Reward:
+    """The family reward `name` (`remote:judge`) built from its settings."""
+    family, instance = split_name(name)
+    settings = instance_settings(name, reward_options)
+    entry = _FAMILIES[family]
+    if settings is None:
+        raise ValueError(check_instances([name], reward_options))
+    sentence = entry.check_options(instance, settings)
+    if sentence:
+        raise ValueError(sentence)
+    media = entry.media_of(settings)
+    return Reward(
+        name,
+        entry.make(instance, settings),
+        entry.on_host,
+        media,
+        takes_metadata=entry.takes_metadata,
+    )
+
+
 def unregister(name: str) -> None:
     """Removes a reward (tests that register toys clean up with this)."""
     _REGISTRY.pop(name, None)
@@ -310,7 +449,7 @@ def _entry(name: str) -> _Entry:
 
 def needs_weights(name: str) -> bool:
     """True when the reward reads a model folder (a path, or its default, must be given)."""
-    return bool(_entry(name).weights)
+    return split_name(name) is None and bool(_entry(name).weights)
 
 
 def reads_model(name: str) -> bool:
@@ -320,6 +459,8 @@ def reads_model(name: str) -> bool:
 
 def missing_weights(name: str, path: str | None) -> str | None:
     """The sentence saying why `name` cannot load without a path, or None if it can."""
+    if split_name(name):
+        return None
     entry = _entry(name)
     if entry.weights and not path and not entry.default_path:
         return (
@@ -399,6 +540,9 @@ def load_rewards(
     chunk_size), their own section `reward_options.<name>` and `mesh`."""
     loaded = {}
     for name in dict.fromkeys(names):
+        if split_name(name):
+            loaded[name] = load_instance(name, reward_options)
+            continue
         if not needs_weights(name):
             loaded[name] = load_reward(name)
             continue
