@@ -289,3 +289,13 @@ def test_bad_server_flags_are_one_sentence(capsys):
         assert serve.main(flags) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+
+
+def test_a_video_reward_sends_whole_videos(jpeg_server):
+    """`media="video"`: each video travels as its frames and gets one score (here the
+    server's image reward gives the mean over the frames, as the run would)."""
+    reward = load(f"{jpeg_server}/score", media="video", format="png")
+    assert reward.media == "video"
+    videos = IMAGES[:6].reshape(2, 3, 24, 24, 3)
+    local = rewards.get_reward("jpeg_compressibility")
+    np.testing.assert_allclose(reward(videos, ["a", "b"]), local(videos, ["a", "b"]), rtol=1e-6)
