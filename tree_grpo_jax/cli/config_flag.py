@@ -309,6 +309,27 @@ def _field_sentence(config, field: str, flag: str, path: str | None) -> str:
     return f"the config has no field {field!r} (from {flag}){hint}"
 
 
+def _add_family_member(config, parent: str) -> None:
+    """An override of `reward_options.<family>.<name>.<field>` (a served reward's setting,
+    `reward_options.remote.judge.url`) adds that member's settings at their defaults when
+    the config has none yet."""
+    import ml_collections
+
+    section, family, member = (parent.split(".") + ["", "", ""])[:3]
+    if section != "reward_options" or not member or parent.count(".") != 2:
+        return
+    from tree_grpo_jax.rewards import registry  # only now: it starts JAX
+
+    defaults = registry.instance_defaults(family)
+    options = config.get("reward_options") if _is_config(config) else None
+    if defaults is None or not isinstance(options, ml_collections.ConfigDict):
+        return
+    if options.get(family) is None:
+        options[family] = ml_collections.ConfigDict()
+    if isinstance(options[family], ml_collections.ConfigDict) and member not in options[family]:
+        options[family][member] = defaults
+
+
 def apply_overrides(config, overrides, path: str | None = None):
     """`config` with `overrides` ((flag as typed, field, value text or None), as
     `_split_overrides` gives them) set, each field at most once; BadCommandLine with one
@@ -324,6 +345,7 @@ def apply_overrides(config, overrides, path: str | None = None):
             )
         seen[field] = flag
         parent, _, key = field.rpartition(".")
+        _add_family_member(config, parent)
         node = config
         for part in parent.split(".") if parent else ():
             node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None

@@ -100,11 +100,14 @@ def _metric_names(config, text: str | None) -> list[str]:
             raise BadInput("--metrics names no metric; give reward names, e.g. --metrics=hpsv2.")
     known = registry.available_rewards()
     for name in names:
-        if name not in known:
+        if name not in known and not registry.split_name(name):
             raise BadInput(f"unknown metric {name!r} in --metrics; known: {', '.join(known)}.")
         missing = registry.missing_weights(name, config.reward_models.get(name))
         if missing:
             raise BadInput(missing)
+    unreachable = registry.unreachable(names, config.reward_options)  # a served reward's server
+    if unreachable:
+        raise BadInput(unreachable)
     return list(dict.fromkeys(names))
 
 

@@ -71,9 +71,15 @@ def _checked_config():
     if config is None:
         fail("give a config file, e.g. --config=configs/tiny.py.", EXIT_BAD_INPUT)
     try:
-        cfg.validate(config, known_rewards=reward_registry.available_rewards())
+        rewards = cfg.validate(config, known_rewards=reward_registry.available_rewards())
     except train.BAD_INPUT as e:
         fail(first_line(e), EXIT_BAD_INPUT)
+    # a served reward's server answers before anything is written
+    sentence = reward_registry.unreachable(
+        [*rewards, *config.eval.extra_rewards], config.reward_options
+    )
+    if sentence:
+        fail(sentence, EXIT_BAD_INPUT)
     return config
 
 

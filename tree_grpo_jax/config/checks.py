@@ -49,12 +49,21 @@ class ConfigError(UserError):
 
 
 def parse_rewards(text: str) -> dict[str, float]:
-    """`"a"` -> {a: 1.0}; `"a:1,b:0.1"` -> {a: 1.0, b: 0.1}."""
+    """`"a"` -> {a: 1.0}; `"a:1,b:0.1"` -> {a: 1.0, b: 0.1}; a reward family's member is
+    `family:name[:weight]` (`"remote:judge:0.5"` -> {remote:judge: 0.5})."""
     weights = {}
     for part in str(text).split(","):
         name, _, weight = part.strip().partition(":")
         if not name:
             raise ConfigError(f"rewards {text!r} has an empty entry; write name[:weight],...")
+        if name in reward_registry.reward_families():
+            member, _, weight = weight.partition(":")
+            if not member:
+                raise ConfigError(
+                    f"rewards entry {part.strip()!r} names no {name} reward; write "
+                    f"{name}:<name>[:weight] with its settings in reward_options.{name}.<name>."
+                )
+            name = f"{name}:{member}"
         try:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
@@ -490,13 +499,13 @@ def _check_rewards(config, known_rewards) -> dict[str, float]:
     rewards = parse_rewards(config.rewards)
     for name, weight in rewards.items():
         _require(
-            not known_rewards or name in known_rewards,
+            not known_rewards or name in known_rewards or reward_registry.split_name(name),
             f"unknown reward {name!r}; known rewards: {', '.join(sorted(known_rewards))}.",
         )
         _require(math.isfinite(weight), f"reward weight for {name!r} must be finite.")
     for name in config.eval.extra_rewards:
         _require(
-            not known_rewards or name in known_rewards,
+            not known_rewards or name in known_rewards or reward_registry.split_name(name),
             f"unknown eval.extra_rewards entry {name!r}; known rewards: "
             f"{', '.join(sorted(known_rewards))}.",
         )
@@ -508,6 +517,8 @@ def _check_rewards(config, known_rewards) -> dict[str, float]:
     for name in sorted(reward_registry.available_rewards(), key=lambda n: n not in used):
         sentence = reward_registry.check_options(name, config.reward_options)  # the used first
         _require(sentence is None, sentence)
+    sentence = reward_registry.check_instances(used, config.reward_options)  # remote:<name>
+    _require(sentence is None, sentence)
     return rewards
 
 

@@ -53,6 +53,8 @@ def registered_sections() -> dict[str, object]:
             sections[f"reward_options.{name}"] = options
         if reward_registry.needs_weights(name):
             sections[f"reward_models.{name}"] = ""
+    for family in reward_registry.reward_families():  # its members' settings, checked by it
+        sections[f"reward_options.{family}"] = None
     return sections
 
 

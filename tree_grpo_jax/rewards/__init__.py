@@ -5,7 +5,8 @@ Importing this package registers the built-in rewards: `jpeg_compressibility`,
 `aesthetic`, `clip_score` and `imagereward` (JAX-native, each read from its folder:
 `load_reward("hpsv2", "/models/hpsv2.1")`). Model families bring the rewards of their own
 world on first look-up: the tiny family's `digit_alignment`, `digit_probability`,
-`digit_accuracy` (its digit classifier, in `models/tiny/rewards.py`).
+`digit_accuracy` (its digit classifier, in `models/tiny/rewards.py`). The `remote` family's
+rewards, `remote:<name>`, are scored by a server over HTTP (`remote.py`).
 
 A new reward is one `register` (or `register_model`, for one that reads a folder, with its
 own settings as `options`) in its own module, imported here.
@@ -16,6 +17,8 @@ clip        a frozen CLIP embedding images and prompts (transformers' Flax tower
 preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four CLIP-based preference rewards
 imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Flax
+remote      rewards served over HTTP (`remote:<name>`), the wire format and its client
+serve       the reference server: any registered reward or Python callable over HTTP
 convert     the pickled HPS-v2.1, aesthetic and ImageReward releases -> folders these load
 """
 
@@ -49,7 +52,7 @@ def starting_converter() -> None:
 if sys.argv[:1] == ["-m"] and CONVERTER in getattr(sys, "orig_argv", ()):
     starting_converter()
 
-from tree_grpo_jax.rewards import imagereward, jpeg, preference  # noqa: E402
+from tree_grpo_jax.rewards import imagereward, jpeg, preference, remote  # noqa: E402
 from tree_grpo_jax.rewards.registry import (  # noqa: E402
     CombinedReward,
     Reward,
@@ -68,6 +71,7 @@ register("jpeg_compressibility", jpeg.jpeg_compressibility, on_host=True)
 register("jpeg_incompressibility", jpeg.jpeg_incompressibility, on_host=True)
 preference.register_all()
 imagereward.register()
+remote.register()
 
 __all__ = [
     "CombinedReward",

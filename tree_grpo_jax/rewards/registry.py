@@ -34,6 +34,28 @@ from tree_grpo_jax.models import media as media_kinds
 RewardFn = Callable[[object, Sequence[str]], object]
 
 
+# One mapping per image (its prompt's metadata: GenEval's objects, a category ...), or None.
+Metadata = Sequence[Mapping[str, Any] | None] | None
+
+
+class Scores(np.ndarray):
+    """Scores [B] with the reward's named sub-scores `parts` {name: [B]} beside them:
+    what a reward that gives sub-scores returns (they are logged as the reward's parts)."""
+
+    parts: Mapping[str, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, scores, parts: Mapping[str, Any] | None = None) -> Scores:
+        out = np.asarray(scores, np.float32).view(cls)
+        out.parts = {n: np.asarray(v, np.float32) for n, v in (parts or {}).items()}
+        return out
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward that could not score at all (its server down, stalled or answering
+    nonsense after its retries); one sentence for the user."""
+
+
 class RewardShapeError(ValueError):
     """A reward whose output is not one score per image; one sentence for the user."""
 
@@ -59,6 +81,9 @@ class Reward:
     # an image reward scores a video frame by frame (the mean over its frames); False: the
     # reward means a still image only and refuses videos
     per_frame: bool = True
+    # True: `fn(images, prompts, metadata)` gets each image's prompt metadata (a mapping,
+    # or None where none is known); False: `fn(images, prompts)`, as every built-in reward
+    takes_metadata: bool = False
 
     def __post_init__(self):
         _check_media(self.name, self.media)
@@ -77,13 +102,21 @@ class Reward:
             takes = f"scores still images only {media_kinds.LAYOUTS[media_kinds.IMAGE]}"
         return f"reward {self.name!r} {takes}, not {media}s; choose a reward for {media}s."
 
-    def __call__(self, images, prompts: Sequence[str]):
-        return self.with_frames(images, prompts)[0]
+    def __call__(self, images, prompts: Sequence[str], metadata: Metadata = None):
+        return self.with_frames(images, prompts, metadata)[0]
 
-    def with_frames(self, images, prompts: Sequence[str]):
+    def with_frames(self, images, prompts: Sequence[str], metadata: Metadata = None):
         """(scores [B], each frame's score [B, T] or None): an image reward given videos
         also gives the scores of their frames (whose mean over T is the video's score);
-        None for images, and for a video reward (it scores the videos whole)."""
+        None for images, and for a video reward (it scores the videos whole). `metadata`
+        (one mapping per image, its prompt's; None: none known) reaches only a reward that
+        takes it."""
+        scores, frames, _ = self.scored(images, prompts, metadata)
+        return scores, frames
+
+    def scored(self, images, prompts: Sequence[str], metadata: Metadata = None):
+        """`with_frames` and the reward's named sub-scores {name: [B]} ({} for a reward
+        that gives none; a reward served over HTTP may)."""
         media = media_kinds.of_rank(np.ndim(images))
         if media is None:
             raise RewardMediaError(
@@ -94,8 +127,14 @@ class Reward:
         if not self.takes(media):
             raise RewardMediaError(self.refusal(media))
         count = images.shape[0]
+        if metadata is not None and len(metadata) != count:
+            raise ValueError(
+                f"reward {self.name!r} was given {len(metadata)} metadata entries for {count} "
+                f"{media}s; it needs one per {media} (or none)."
+            )
         if media == self.media:
-            return self._checked(self.fn(images, prompts), count, media), None
+            scores, parts = self._call(images, prompts, metadata)
+            return self._checked(scores, count, media), None, parts
         # an image reward on videos: every frame with its video's prompt, then each video's
         # mean over its frames
         if len(prompts) != count:
@@ -106,10 +145,24 @@ class Reward:
         frames = images.shape[1]
         stills = images.reshape(count * frames, *images.shape[2:])
         per_frame = [p for p in prompts for _ in range(frames)]
-        scores = self._checked(self.fn(stills, per_frame), count * frames, media_kinds.IMAGE)
+        if metadata is not None:
+            metadata = [m for m in metadata for _ in range(frames)]
+        scores, parts = self._call(stills, per_frame, metadata)
+        scores = self._checked(scores, count * frames, media_kinds.IMAGE)
         xp = np if isinstance(scores, np.ndarray) else jnp
         scores = scores.reshape(count, frames)
-        return xp.mean(scores, axis=1), scores
+        parts = {n: np.asarray(v).reshape(count, frames).mean(axis=1) for n, v in parts.items()}
+        return xp.mean(scores, axis=1), scores, parts
+
+    def _call(self, images, prompts, metadata):
+        """(scores, sub-scores): `fn`'s answer, with the metadata when the reward takes it;
+        a reward giving sub-scores returns a `Scores` (an array with `.parts`)."""
+        scores = (
+            self.fn(images, prompts, metadata) if self.takes_metadata else self.fn(images, prompts)
+        )
+        if isinstance(scores, Scores):
+            return np.asarray(scores), dict(scores.parts)
+        return scores, {}
 
     def _checked(self, scores, count: int, media: str):
         shape = tuple(getattr(scores, "shape", ()))
@@ -134,12 +187,29 @@ class _Entry:
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)  # old -> new
     media: str = media_kinds.IMAGE  # as `Reward.media`
     per_frame: bool = True  # as `Reward.per_frame`
+    takes_metadata: bool = False  # as `Reward.takes_metadata`
 
     def reward(self, name: str, fn: RewardFn) -> Reward:
-        return Reward(name, fn, self.on_host, self.media, self.per_frame)
+        return Reward(name, fn, self.on_host, self.media, self.per_frame, self.takes_metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """Rewards named `<family>:<instance>` (e.g. `remote:judge`), each built from its own
+    settings `reward_options.<family>.<instance>`: `make(instance, settings) -> RewardFn`."""
+
+    make: Callable[[str, Any], RewardFn]
+    options: Callable[[], Any]  # one instance's defaults
+    check_options: Callable[[str, Any], str | None]  # (instance, settings) -> one sentence
+    probe: Callable[[str, Any], str | None] | None  # a sentence when it cannot score now
+    on_host: bool
+    takes_metadata: bool
+    media_of: Callable[[Any], str]  # an instance's media, from its settings
+    describe: str  # the first setting to give, `field=example` (an instance not configured)
 
 
 _REGISTRY: dict[str, _Entry] = {}
+_FAMILIES: dict[str, _Family] = {}
 _families_added = False
 
 
@@ -170,18 +240,28 @@ def register(
     *,
     media: str = media_kinds.IMAGE,
     per_frame: bool = True,
+    takes_metadata: bool = False,
     overwrite: bool = False,
 ) -> Reward:
     """Adds a reward that needs no weights; registering a taken name needs `overwrite=True`.
 
     `media` is what `fn` takes ("image": [B, H, W, C], "video": [B, T, H, W, C]); an image
-    reward scores videos frame by frame unless `per_frame=False`."""
+    reward scores videos frame by frame unless `per_frame=False`; with `takes_metadata`
+    it is called `fn(images, prompts, metadata)` (see `Reward`)."""
 
     def make(path=None):
         del path  # checked by load_reward
         return fn
 
-    entry = _Entry(make, bool(on_host), "", "", media=media, per_frame=bool(per_frame))
+    entry = _Entry(
+        make,
+        bool(on_host),
+        "",
+        "",
+        media=media,
+        per_frame=bool(per_frame),
+        takes_metadata=bool(takes_metadata),
+    )
     reward = entry.reward(name, fn)  # checks the media before the name is taken
     _add(name, entry, overwrite)
     return reward
@@ -227,6 +307,127 @@ def register_model(
     _add(name, entry, overwrite)
 
 
+def register_family(
+    family: str,
+    make: Callable[[str, Any], RewardFn],
+    *,
+    options: Callable[[], Any],
+    check_options: Callable[[str, Any], str | None],
+    probe: Callable[[str, Any], str | None] | None = None,
+    on_host: bool = True,
+    takes_metadata: bool = True,
+    media_of: Callable[[Any], str] = lambda settings: media_kinds.IMAGE,
+    describe: str = "",
+) -> None:
+    """Adds a family of rewards named `<family>:<instance>` in a run's `rewards`, each built
+    by `make(instance, settings)` from `reward_options.<family>.<instance>` (the defaults
+    `options()`, the checks `check_options(instance, settings)`); `probe` says in one
+    sentence why an instance cannot score now (its server down), before a run writes
+    anything."""
+    if ":" in family or family in _REGISTRY:
+        raise ValueError(f"reward family {family!r} would shadow a reward name.")
+    _FAMILIES[family] = _Family(
+        make,
+        options,
+        check_options,
+        probe,
+        bool(on_host),
+        bool(takes_metadata),
+        media_of,
+        describe,
+    )
+
+
+def reward_families() -> tuple[str, ...]:
+    """The registered families (`remote`): their rewards are `<family>:<instance>`."""
+    return tuple(sorted(_FAMILIES))
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(family, instance) of a family's reward name (`remote:judge`), else None."""
+    family, sep, instance = name.partition(":")
+    return (family, instance) if sep and family in _FAMILIES else None
+
+
+def is_known(name: str) -> bool:
+    """A registered reward's name, or a registered family's `<family>:<instance>`."""
+    return name in available_rewards() or split_name(name) is not None
+
+
+def instance_settings(name: str, reward_options):
+    """The settings of a family's reward (`reward_options.<family>.<instance>`), or None
+    when the config holds none."""
+    family, instance = split_name(name)
+    section = reward_options.get(family) if hasattr(reward_options, "get") else None
+    return section.get(instance) if hasattr(section, "get") else None
+
+
+def instance_defaults(family: str):
+    """The defaults of one instance's settings in `family` (None for no such family)."""
+    return _FAMILIES[family].options() if family in _FAMILIES else None
+
+
+def check_instances(used: Sequence[str], reward_options) -> str | None:
+    """The sentence for the first family reward in `used` that has no settings, or for the
+    first bad setting of any instance in the config (the used ones first); else None."""
+    for name in used:
+        if split_name(name) and instance_settings(name, reward_options) is None:
+            family, instance = split_name(name)
+            return (
+                f"reward {name!r} has no settings: set "
+                f"--config.reward_options.{family}.{instance}.{_FAMILIES[family].describe} "
+                "(see docs/prompts-and-rewards.md)."
+            )
+    for family, entry in _FAMILIES.items():
+        section = reward_options.get(family) if hasattr(reward_options, "get") else None
+        if section is None:
+            continue
+        if not hasattr(section, "items"):
+            return f"reward_options.{family} must be a section of named {family} rewards."
+        names = sorted(section, key=lambda n: f"{family}:{n}" not in used)
+        for instance in names:
+            sentence = entry.check_options(instance, section[instance])
+            if sentence:
+                return sentence
+    return None
+
+
+def unreachable(used: Sequence[str], reward_options) -> str | None:
+    """One sentence for the first family reward in `used` that cannot score now (its
+    server does not answer), else None: a run asks before it writes anything."""
+    for name in dict.fromkeys(used):
+        split = split_name(name)
+        if split is None or _FAMILIES[split[0]].probe is None:
+            continue
+        settings = instance_settings(name, reward_options)
+        if settings is None:  # the config's checks say so
+            continue
+        sentence = _FAMILIES[split[0]].probe(split[1], settings)
+        if sentence:
+            return sentence
+    return None
+
+
+def load_instance(name: str, reward_options) -> Reward:
+    """The family reward `name` (`remote:judge`) built from its settings."""
+    family, instance = split_name(name)
+    settings = instance_settings(name, reward_options)
+    entry = _FAMILIES[family]
+    if settings is None:
+        raise ValueError(check_instances([name], reward_options))
+    sentence = entry.check_options(instance, settings)
+    if sentence:
+        raise ValueError(sentence)
+    media = entry.media_of(settings)
+    return Reward(
+        name,
+        entry.make(instance, settings),
+        entry.on_host,
+        media,
+        takes_metadata=entry.takes_metadata,
+    )
+
+
 def unregister(name: str) -> None:
     """Removes a reward (tests that register toys clean up with this)."""
     _REGISTRY.pop(name, None)
@@ -248,7 +449,7 @@ def _entry(name: str) -> _Entry:
 
 def needs_weights(name: str) -> bool:
     """True when the reward reads a model folder (a path, or its default, must be given)."""
-    return bool(_entry(name).weights)
+    return split_name(name) is None and bool(_entry(name).weights)
 
 
 def reads_model(name: str) -> bool:
@@ -258,6 +459,8 @@ def reads_model(name: str) -> bool:
 
 def missing_weights(name: str, path: str | None) -> str | None:
     """The sentence saying why `name` cannot load without a path, or None if it can."""
+    if split_name(name):
+        return None
     entry = _entry(name)
     if entry.weights and not path and not entry.default_path:
         return (
@@ -337,6 +540,9 @@ def load_rewards(
     chunk_size), their own section `reward_options.<name>` and `mesh`."""
     loaded = {}
     for name in dict.fromkeys(names):
+        if split_name(name):
+            loaded[name] = load_instance(name, reward_options)
+            continue
         if not needs_weights(name):
             loaded[name] = load_reward(name)
             continue
@@ -367,25 +573,35 @@ class CombinedReward:
     def on_host(self) -> bool:
         return any(r.on_host for r in self.rewards.values())
 
-    def __call__(self, images, prompts: Sequence[str], return_components: bool = False):
+    def __call__(
+        self,
+        images,
+        prompts: Sequence[str],
+        return_components: bool = False,
+        metadata: Metadata = None,
+    ):
         """The weighted sum `[B]`; with `return_components`, also `{name: scores [B]}`."""
-        total, components, _ = self.with_frames(images, prompts)
+        total, components, _ = self.with_frames(images, prompts, metadata)
         return (total, components) if return_components else total
 
-    def with_frames(self, images, prompts: Sequence[str]):
+    def with_frames(self, images, prompts: Sequence[str], metadata: Metadata = None):
         """(the weighted sum [B], {name: scores [B]}, the weighted sum frame by frame
         [B, T] or None). The frames' sum is given for videos that some reward scores frame
         by frame; a reward that scores videos whole counts its score at every frame, so the
         mean over T of a video's frames is its total. None for images, and for videos that
-        no reward scores frame by frame (their frames' sums would all be the total)."""
+        no reward scores frame by frame (their frames' sums would all be the total). A
+        reward's named sub-scores are components too, `<reward>/<name>`, outside the sum;
+        `metadata` reaches the rewards that take it."""
         xp = np if self.on_host else jnp
-        components, frames = {}, {}
+        components, frames, subs = {}, {}, {}
         for n, r in self.rewards.items():
-            scores, by_frame = r.with_frames(images, prompts)
+            scores, by_frame, parts = r.scored(images, prompts, metadata)
             components[n] = xp.asarray(scores)
+            subs.update({f"{n}/{part}": np.asarray(v) for part, v in parts.items()})
             if by_frame is not None:
                 frames[n] = xp.asarray(by_frame)
         total = sum(w * components[n] for n, w in self.weights.items())
+        components.update(subs)
         if not frames:
             return total, components, None
         count = next(iter(frames.values())).shape[1]

@@ -165,7 +165,7 @@ def check_prompts(model: TextToImageModel, rewards, prompts, where: str, chunk: 
             part = distinct[start : start + chunk]
             for reward in scored:
                 reward(blank[: len(part)], part)
-    except reward_registry.RewardShapeError as e:
+    except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
         raise cfg.ConfigError(str(e)) from None
     except ValueError as e:
         raise cfg.ConfigError(f"{where}: {first_line(e)}") from None

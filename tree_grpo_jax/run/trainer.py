@@ -18,6 +18,7 @@ checkpoints, summary) around `Trainer.iteration`. The trainer's methods (`rollou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -37,13 +38,25 @@ from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
+from tree_grpo_jax.rewards.registry import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, reporting
 from tree_grpo_jax.run.prompts import PromptIterator, config_prompt_set, leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
 class RewardError(RuntimeError):
-    """Rewards that cannot be trained on (NaN or infinite); one sentence for the user."""
+    """Rewards that cannot be trained on (NaN or infinite, or a reward that could not
+    score); one sentence for the user."""
+
+
+@contextlib.contextmanager
+def _reward_failures():
+    """A reward that could not score (its server down after the retries) stops the run as
+    non-finite rewards do: a RewardError, one sentence."""
+    try:
+        yield
+    except RewardUnavailable as e:
+        raise RewardError(str(e)) from None
 
 
 class DivergenceError(RuntimeError):
@@ -217,7 +230,8 @@ class Trainer:
         """Rewards of this process's images, then every process's, in process order: all
         processes check, log and normalise the same values. Also each reward's scores and,
         for videos scored frame by frame, the total frame by frame [N, T] (else None)."""
-        total, parts, frames = self.reward.with_frames(images, prompts)
+        with _reward_failures():
+            total, parts, frames = self.reward.with_frames(images, prompts)
         total = sharding.gather(np.asarray(total, np.float64))
         parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
         if frames is not None:
@@ -542,7 +556,8 @@ class Trainer:
         prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
         groups = diversity.groups_by_text(prompts)
-        measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl)
+        with _reward_failures():  # a held-out reward served over HTTP
+            measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl)
         batch = measured.samples
         total, parts, frames = self.score(batch.images, batch.prompts, "in evaluation")
         total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}

@@ -1,0 +1,132 @@
+"""Rewards served over HTTP through the command line: the tiny run trained and evaluated on
+the reference server's jpeg_compressibility (the same scores as the package's own) and on a
+tiny PyTorch scorer behind `--callable`; a server down at start is one sentence before
+anything is written; a server failing mid-run stops the run with its iterations saved and
+the resume command; the token is in no file the run writes."""
+
+import json
+import os
+
+import numpy as np
+from in_process import one_error_line, run_in_process, run_main
+from remote_servers import json_answer, reference, reference_process, scripted
+
+from tree_grpo_jax.rewards import remote
+from tree_grpo_jax.run import reporting
+from tree_grpo_jax.run.checkpoint import Checkpointer
+
+SMALL = (
+    "--config=configs/tiny.py",
+    "--config.model.name=random_tiny",
+    "--config.sampling.num_steps=4",
+    "--config.tree.window=2",
+    "--config.train.iterations=2",
+    "--config.train.rows_per_minibatch=16",
+    "--config.prompts.eval_count=4",
+    "--config.eval.every=1",
+    "--config.checkpoint.every=1",
+    "--config.log.tensorboard=False",
+)
+
+
+def _remote(url: str, *extra: str, name: str = "r") -> tuple[str, ...]:
+    """SMALL on the remote reward `remote:<name>` at `url`; `extra` replaces SMALL's flags
+    of the same fields."""
+    given = {e.split("=")[0] for e in extra}
+    return (
+        *(f for f in SMALL if f.split("=")[0] not in given),
+        f"--config.rewards=remote:{name}",
+        f"--config.reward_options.remote.{name}.url={url}",
+        *extra,
+    )
+
+
+def _every_file(folder) -> str:
+    text = []
+    for root, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as handle:
+                text.append(handle.read().decode("latin-1"))
+    return "".join(text)
+
+
+def test_train_and_evaluate_on_the_reference_server(tmp_path, monkeypatch):
+    secret = "Bearer not-in-any-file-7d1c"
+    monkeypatch.setenv("TEST_REMOTE_TOKEN", secret)
+    workdir = tmp_path / "run"
+    with reference("--reward=jpeg_compressibility") as url:
+        flags = _remote(
+            f"{url}/score",
+            "--config.reward_options.remote.r.header=Authorization",
+            "--config.reward_options.remote.r.token_env=TEST_REMOTE_TOKEN",
+            "--config.reward_options.remote.r.batch_size=5",
+        )
+        result = run_main(*flags, f"--workdir={workdir}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        from tree_grpo_jax.cli import evaluate
+
+        out = tmp_path / "eval"
+        evaluated = run_in_process(evaluate, f"--workdir={workdir}", f"--out={out}")
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    evals = {m["step"]: m for m in reporting.read_metrics(str(workdir)) if "eval/reward_mean" in m}
+    assert sorted(evals) == [0, 1, 2]
+    assert all(-5 < e["eval/reward_mean"] < 0 for e in evals.values())  # minus the JPEG's kB
+    table = json.loads((out / "evaluation.json").read_text())
+    assert table["metrics"][0] == "remote:r"
+    row = table["rows"][-1]
+    assert -5 < row["remote:r"]["mean"] < 0  # scored by the server as the run's were
+    with open(workdir / "config.json") as f:
+        saved = json.load(f)
+    assert saved["reward_options"]["remote"]["r"]["token_env"] == "TEST_REMOTE_TOKEN"
+    assert secret not in _every_file(workdir) and secret not in _every_file(out)
+    assert secret not in result.stdout + result.stderr
+
+
+def test_train_on_a_pytorch_scorer_behind_callable(tmp_path):
+    with reference_process("--callable=torch_scorer:score") as url:
+        result = run_main(*_remote(url, "--config.train.iterations=1"), f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [m for m in reporting.read_metrics(str(tmp_path)) if "train/reward_mean" in m]
+    assert len(train) == 1 and np.isfinite(train[0]["train/reward_mean"])
+    # the server's sub-score is logged as a part of the reward
+    assert "train/reward_remote:r/brightness" in train[0]
+
+
+def test_a_server_down_at_start_is_one_sentence_and_nothing_is_written(tmp_path):
+    workdir = tmp_path / "run"
+    line = one_error_line(run_main(*_remote("http://127.0.0.1:9/score"), f"--workdir={workdir}"))
+    assert line.startswith("error: remote reward 'remote:r': nothing answers at http://127.0.0.1:9")
+    assert not workdir.exists()
+
+
+def test_a_server_failing_mid_run_stops_with_the_iteration_saved(tmp_path):
+    """The server answers three batches (and the start's check on blank images), then 500
+    on every retry: the run stops (exit 1) with the iterations it trained saved and the
+    command that resumes it."""
+    answered = []
+
+    def answer(index, body):
+        blank = not any(remote.decode_item(item).any() for item in body["images"])
+        if not blank and len(answered) < 3:
+            answered.append(index)
+        if blank or len(answered) < 3 or answered[-1] == index:
+            return json_answer({"scores": [0.5] * len(body["images"])})
+        return json_answer({"error": "scorer crashed"}, 500)
+
+    with scripted(answer) as (url, _):
+        flags = _remote(
+            f"{url}/score",
+            "--config.reward_options.remote.r.retries=1",
+            "--config.reward_options.remote.r.backoff_s=0.01",
+            "--config.reward_options.remote.r.batch_size=1024",
+            "--config.train.iterations=4",
+            "--config.eval.every=0",
+        )
+        result = run_main(*flags, f"--workdir={tmp_path}")
+    line = one_error_line(result, status=1)
+    assert "failed 2 time(s), the last with HTTP status 500 (scorer crashed)" in line
+    saved = Checkpointer(str(tmp_path / "checkpoints"), read_only=True).latest_step
+    trained = [m for m in reporting.read_metrics(str(tmp_path)) if "train/reward_mean" in m]
+    assert saved >= 1 and len(trained) == saved  # every iteration trained is kept
+    assert f"To resume from the checkpoint after iteration {saved}:" in line
+    assert f"--workdir={tmp_path}" in line
