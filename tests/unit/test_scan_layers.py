@@ -296,6 +296,13 @@ def test_lora_merged_block_by_block_samples_as_the_merged_weights():
     assert run["kernel"] is base["single_transformer_blocks_0_to_2"]["attn"]["to_q"]["kernel"]
     assert isinstance(run[lora.ATTACHED], lora.Attached)
     np.testing.assert_array_equal(attached["proj_out"]["kernel"], merged["proj_out"]["kernel"])
+    # what the sampling programs do not take (the memory plan's and the start's `held`): the
+    # kernel merged up front and its two factors, nothing of the scanned runs
+    kernels, pair = lora.Adapter(base, paths, 4, 8.0, "").merged_up_front(factors)
+    assert len(kernels) == 1 and kernels[0] is base["proj_out"]["kernel"]
+    assert [x.shape for x in pair] == [
+        f.shape for f in (factors["proj_out"]["a"], factors["proj_out"]["b"])
+    ]
 
     denoise = make_denoise(module, guidance=3.5)
     keys = jax.random.split(jax.random.PRNGKey(7), 3)
