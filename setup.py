@@ -42,6 +42,8 @@ setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
+        # .parquet prompt files (tree_grpo_jax/run/prompts.py); the other formats need nothing
+        "parquet": ["pyarrow>=14"],
         # torch, torchvision and open_clip only build PyTorch reference models in the tests
         # (open_clip imports torchvision, whose wheels need this torch release beside them).
         "test": [

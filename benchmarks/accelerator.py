@@ -57,7 +57,8 @@ from benchmarks import random_models
 from benchmarks.common import PRESETS, default_out, markdown_table
 from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.models.base import remat_mode
-from tree_grpo_jax.run import memory
+from tree_grpo_jax.run import accelerators, memory
+from tree_grpo_jax.run.program_cost import program_cost
 
 METHODS = ("treegrpo", "grpo")  # the tree first: a run cut short keeps it
 # Trained by default: a train step costs about the same per row whichever tree its rows come
@@ -67,8 +68,18 @@ LEAVES = 16  # per prompt, in every preset of PRESETS
 SMOKE_LEAVES = 2  # a smoke run's: one branch step of two children, or two chains
 SMOKE_TOWER = "vit_l14"  # the reward tower a smoke run measures, at a tiny size
 SECTIONS = ("flops", "rollout", "train", "node_loop", "rewards")
-# Dense bf16 peak per chip, TFLOP/s (vendor figures, no sparsity).
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5e": 197.0}
+# A device kind (as JAX names it) -> the plan's accelerator (run/accelerators.py): dense bf16
+# peak and bandwidth from the data sheets. First match wins: "TPU v5 lite" is a v5e.
+DEVICE_KINDS = (
+    ("H200", "h200"),
+    ("H100", "h100"),
+    ("A100", "a100"),
+    ("B200", "b200"),
+    ("TPU v5 lite", "tpu-v5e"),
+    ("TPU v5e", "tpu-v5e"),
+    ("TPU v5", "tpu-v5p"),
+    ("TPU v6", "tpu-v6e"),
+)
 
 
 def parse_args(argv=None):
@@ -128,23 +139,20 @@ def parse_args(argv=None):
 def peak_tflops(device_kind: str, override: float | None) -> float | None:
     if override:
         return override
-    for name, peak in PEAK_BF16_TFLOPS.items():
-        if name.lower() in device_kind.lower():
-            return peak
+    for kind, name in DEVICE_KINDS:
+        if kind.lower() in device_kind.lower():
+            return accelerators.ACCELERATORS[name].peak_flops / 1e12
     return None
 
 
-def flops_of(lowered) -> float | None:
-    """XLA's FLOP count of a lowered (not yet partitioned) program: the whole mesh's work."""
+def flops_of(compiled, devices: int = 1) -> float | None:
+    """The FLOPs of a compiled program on all its `devices`, every loop counted (XLA's own
+    `cost_analysis()` counts a scanned block or step once); None where the backend gives no
+    cost analysis."""
     try:
-        cost = lowered.cost_analysis()
+        return program_cost(compiled).flops * devices
     except Exception:  # noqa: BLE001 - a backend without cost analysis
         return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not cost or "flops" not in cost:
-        return None
-    return float(cost["flops"])
 
 
 def device_memory() -> dict | None:
@@ -263,10 +271,11 @@ class ModelBench:
         x = jnp.zeros((rows, *self.model.sample_shape), jnp.float32)
         t = jnp.broadcast_to(schedule.timesteps[0], (rows,))
         cond = jnp.zeros((rows, *self.built.cond_shape), jnp.float32)
-        flops = flops_of(jax.jit(self.model.denoise).lower(self.model.params, x, t, cond))
+        forward = jax.jit(self.model.denoise).lower(self.model.params, x, t, cond).compile()
+        flops = flops_of(forward)
         self.flops_per_row = flops / rows if flops else None
         shown = "n/a" if not flops else f"{self.flops_per_row / 1e9:.1f}"
-        self.log(f"denoiser forward: {shown} GFLOP per row (XLA's count)")
+        self.log(f"denoiser forward: {shown} GFLOP per row (every scanned block counted)")
         return {"denoiser_flops_per_row": self.flops_per_row}
 
     def rollout(self, method: str) -> dict:
@@ -328,9 +337,8 @@ class ModelBench:
         lr = jnp.float32(trainer.config.train.learning_rate)
         args = (sampled.cond, trainer.schedule(), trainer.uncond, trainer.ref_params, lr)
         start = time.perf_counter()
-        lowered = trainer.train_step.lower(state, batch, *args)
-        flops = flops_of(lowered)
-        compiled = lowered.compile()
+        compiled = trainer.train_step.lower(state, batch, *args).compile()
+        flops = flops_of(compiled, trainer.mesh.size)
         compile_s = time.perf_counter() - start
         planned = program_memory(compiled)
         short = shortfall(planned)
@@ -488,11 +496,19 @@ class Run:
         )
 
     def utilisation(self, flops, seconds) -> dict:
+        """Measured against predicted: the plan's estimate of the same FLOPs (the peak at
+        its default share of the roofline, `accelerators.DEFAULT_EFFICIENCY`)."""
         if not flops:
-            return {"achieved_tflops": None, "mfu": None}
+            return {"achieved_tflops": None, "mfu": None, "predicted_s": None}
         achieved = flops / seconds / 1e12
         peak = self.peak * self.devices if self.peak else None
-        return {"achieved_tflops": achieved, "mfu": achieved / peak if peak else None}
+        predicted = flops / (peak * 1e12 * accelerators.DEFAULT_EFFICIENCY) if peak else None
+        return {
+            "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak else None,
+            "predicted_s": predicted,
+            "measured_over_predicted": seconds / predicted if predicted else None,
+        }
 
     def log(self, message: str) -> None:
         print(f"[accelerator {time.perf_counter() - self.start:6.1f}s] {message}", flush=True)
@@ -679,15 +695,18 @@ def _peak(sections: dict) -> int | None:
 def model_row(entry: dict) -> list:
     for key, say in (("owed", "**owed**: "), ("error", "error: "), ("skipped", "skipped: ")):
         if key in entry:
-            return [entry["title"], say + entry[key]] + ["-"] * 7
+            return [entry["title"], say + entry[key]] + ["-"] * 8
     if "params" not in entry:
-        return [entry["title"], "not run yet"] + ["-"] * 7
+        return [entry["title"], "not run yet"] + ["-"] * 8
     s = entry.get("sections", {})
     tree_train = s.get("train", {}).get("treegrpo", {})
     tree_rollout = s.get("rollout", {}).get("treegrpo", {})
     loop = s.get("node_loop", {})
     planned = (tree_train.get("program_memory") or {}).get("peak_bytes")
     mfu = " / ".join(_num(r.get("mfu"), 2, 100, "%") for r in (tree_rollout, tree_train))
+    predicted = " / ".join(
+        _num(r.get("measured_over_predicted"), 2) for r in (tree_rollout, tree_train)
+    )
     return [
         entry["title"],
         f"{entry['params'] / 1e6:.4g}M",
@@ -697,6 +716,7 @@ def model_row(entry: dict) -> list:
         _pair(s, "train", "seconds_per_row"),
         f"{gib(planned)} / {gib(_peak(s))}",
         mfu,
+        predicted,
         _num(loop.get("speedup_of_medians"), 2, unit="x") if "engine_s" in loop else _why(loop),
     ]
 
@@ -732,8 +752,12 @@ def markdown(results: dict) -> str:
         f"{results['leaves_per_prompt']} leaves each, median of {results['reps']} timed calls "
         "after a compiling one. A prompt's tree is all its leaves (grpo: its chains). Memory: "
         "the treegrpo train step's program per device (XLA's plan) / the process's device "
-        "peak after the model's treegrpo sections. MFU: XLA's FLOPs (with remat, the "
-        "recomputed forward too) over the measured time over the devices' bf16 peak.",
+        "peak after the model's treegrpo sections. MFU: XLA's FLOPs with every scanned block "
+        "and step counted (with remat, the recomputed forward too) over the measured time "
+        "over the devices' bf16 peak. Measured / predicted: the measured seconds over the "
+        "plan's estimate of the same FLOPs (`python -m tree_grpo_jax.plan`: the peak at its "
+        f"default {accelerators.DEFAULT_EFFICIENCY:.0%} of the roofline); below 1 is faster "
+        "than predicted.",
         "",
     ]
     header = [
@@ -745,6 +769,7 @@ def markdown(results: dict) -> str:
         "train step s per row (treegrpo / grpo)",
         "memory: train program / peak",
         "MFU: rollout / train (treegrpo)",
+        "measured / predicted: rollout / train",
         "engine vs node loop",
     ]
     rows = [model_row(entry) for entry in results["models"].values()]

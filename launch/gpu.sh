@@ -4,6 +4,11 @@
 set -euo pipefail
 config=${1:?usage: launch/gpu.sh CONFIG [flags...]}
 shift
+python=${PYTHON:-python3}
 # Let XLA take most of the GPU up front; fragmentation costs more than the reserve.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-exec "${PYTHON:-python3}" -m tree_grpo_jax.main --config="$config" "$@"
+# The XLA flags of tree_grpo_jax/gpu_flags.py (each with its reason there) that XLA_FLAGS
+# does not name already: a flag you set keeps your value.
+XLA_FLAGS=$("$python" -m tree_grpo_jax.gpu_flags)
+export XLA_FLAGS
+exec "$python" -m tree_grpo_jax.main --config="$config" "$@"

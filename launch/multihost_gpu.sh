@@ -16,5 +16,11 @@ extra=()
 if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
   extra+=(--config.checkpoint.dir="$CHECKPOINT_DIR")
 fi
-exec "${PYTHON:-python3}" -m tree_grpo_jax.main --config="$config" --workdir="$workdir" \
+python=${PYTHON:-python3}
+# As launch/gpu.sh: most of each GPU up front, and the XLA flags of tree_grpo_jax/gpu_flags.py
+# that XLA_FLAGS does not name already (a flag you set keeps your value).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+XLA_FLAGS=$("$python" -m tree_grpo_jax.gpu_flags)
+export XLA_FLAGS
+exec "$python" -m tree_grpo_jax.main --config="$config" --workdir="$workdir" \
   "${extra[@]}" "$@"

@@ -32,6 +32,9 @@ _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 class _State:
     def __init__(self):
         self.lock = threading.RLock()
+        self.decided = threading.Condition(self.lock)  # the watcher took a signal
+        self.seen = 0  # signals the watcher has taken
+        self.handled = 0  # calls of the Python-level handler (equal signals may coalesce)
         self.installed = False
         self.received: list[str] = []  # every signal so far, in order
         self.deferring = 0  # depth of deferred() regions
@@ -40,6 +43,17 @@ class _State:
         self.first_line: str | None = None  # what deferred()'s first signal prints
         self.stop_line = lambda name: f"{name} stopped the command."
         self.cleanups: list = []
+        self.stopper: int | None = None  # the thread ending the process, once one is
+
+
+def _park_if_stopping() -> None:
+    """Holds any other thread still once a stop has begun: the main thread must neither
+    drop a cleanup the stop is about to run nor start a region (a folder's swap) the stop's
+    cleanups are undoing. The process ends under it."""
+    with _state.lock:
+        parked = _state.stopper not in (None, threading.get_ident())
+    if parked:
+        threading.Event().wait()
 
 
 _state = _State()
@@ -72,8 +86,15 @@ def install() -> bool:
 
 
 def _python_handler(signum, frame) -> None:
-    """The watcher does the work; this only keeps Python's default (KeyboardInterrupt, or
-    death by SIGTERM) away. A stop waiting on a critical region is taken here too."""
+    """The watcher does the work; this keeps Python's default (KeyboardInterrupt, or death
+    by SIGTERM) away, and holds the main thread at its next bytecode until the watcher has
+    decided: once a stop is under way the main thread runs no more Python (no half a line
+    printed after the stop's, no normal exit with status 0, no file written after the
+    cleanups)."""
+    with _state.decided:
+        _state.handled += 1
+        _state.decided.wait_for(lambda: _state.seen >= _state.handled, timeout=1.0)
+    _park_if_stopping()
 
 
 def _watch(fd: int) -> None:
@@ -91,7 +112,11 @@ def _watch(fd: int) -> None:
 
 
 def _on_signal(name: str) -> None:
+    # Decided and begun under the lock, so the main thread cannot start a critical region or
+    # drop a cleanup between the decision and the stop.
     with _state.lock:
+        _state.seen += 1
+        _state.decided.notify_all()
         _state.received.append(name)
         if _state.deferring and len(_state.received) == 1:
             if _state.first_line:
@@ -100,7 +125,7 @@ def _on_signal(name: str) -> None:
         if _state.critical:
             _state.pending = _state.pending or name
             return
-    stop_now(name)
+        stop_now(name)
 
 
 def requested() -> str | None:
@@ -121,7 +146,8 @@ def on_stop(cleanup):
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):
+        _park_if_stopping()
+        with _state.lock, contextlib.suppress(ValueError):
             _state.cleanups.remove(cleanup)
 
 
@@ -144,6 +170,7 @@ def deferred(first_line: str | None = None):
 def critical():
     """A region a signal must not cut short (a file being written): a stop waits for its
     end, where the main thread takes it."""
+    _park_if_stopping()
     with _state.lock:
         _state.critical += 1
     try:
@@ -178,8 +205,13 @@ def _flush_streams() -> None:
 
 def stop_now(name: str) -> None:
     """Ends the process at once: the cleanups, the command's one line, exit 130 / 143."""
+    with _state.lock:
+        if _state.stopper is not None and _state.stopper != threading.get_ident():
+            return  # another thread is ending the process already
+        _state.stopper = threading.get_ident()
+        cleanups = list(_state.cleanups)
     _flush_streams()
-    for cleanup in reversed(list(_state.cleanups)):
+    for cleanup in reversed(cleanups):
         with contextlib.suppress(Exception):
             cleanup()
     try:

@@ -117,6 +117,32 @@ def test_non_utf8_prompt_file_is_one_sentence(tmp_path):
     assert str(prompts) in line and "not UTF-8" in line, line
 
 
+@pytest.mark.parametrize(
+    "name, text, settings, said",
+    [
+        ("p.jsonl", '{"prompt": "a cat"}\n{"prompt": "a dog",\n', (), "line 2 of prompt file"),
+        ("p.csv", "text,kind\na cat,x\n", (), "(its columns: 'text', 'kind')"),
+        ("p.jsonl", '{"prompt": "a cat"}\n', ("field=prompt", "category_field=prompt"), "both"),
+    ],
+    ids=["malformed json line", "csv without the column", "one name for both"],
+)
+def test_bad_prompt_file_is_one_sentence_before_anything_is_written(
+    tmp_path, name, text, settings, said
+):
+    prompts = tmp_path / name
+    prompts.write_text(text)
+    result = _run(
+        "tree_grpo_jax.main",
+        "--config=configs/tiny.py",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.prompts.source={prompts}",
+        *(f"--config.prompts.{s}" for s in settings),
+    )
+    line = _one_error_line(result)
+    assert said in line, line
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Export.
 

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import accelerator, costs, random_models, run
 from benchmarks.common import PRESETS
 from benchmarks.presets import Settings, make_config, minibatches_per_iteration
+from tree_grpo_jax.run import accelerators
 
 SUITE_FILES = (
     "costs.json",
@@ -163,7 +164,8 @@ def test_accelerator_smoke_runs_every_section_of_every_model(accelerator_smoke):
         for method in accelerator.METHODS:
             r = sections["rollout"][method]
             assert r["leaves"] == accelerator.SMOKE_LEAVES * saved["prompts"], (name, method)
-            for field in ("seconds_per_tree", "denoiser_rows_per_s", "images_per_s", "mfu"):
+            fields = ("seconds_per_tree", "denoiser_rows_per_s", "images_per_s", "mfu")
+            for field in (*fields, "predicted_s", "measured_over_predicted"):
                 assert _positive(r[field]), (name, method, field, r.get(field))
             assert "memory_after" in r  # None on a CPU
         assert _positive(sections["rollout"]["treegrpo"]["time_vs_grpo"]), name
@@ -171,6 +173,9 @@ def test_accelerator_smoke_runs_every_section_of_every_model(accelerator_smoke):
             r = sections["train"][method]
             for field in ("seconds_per_row", "train_step_flops", "mfu", "edges_per_s"):
                 assert _positive(r[field]), (name, method, field, r.get(field))
+            # the prediction is the same FLOPs at the peak's default share: 1 TFLOP/s here
+            predicted = r["train_step_flops"] / (1e12 * accelerators.DEFAULT_EFFICIENCY)
+            assert r["predicted_s"] == pytest.approx(predicted)
             assert _positive(r["program_memory"]["peak_bytes"]), name
         loop = sections["node_loop"]
         assert loop["same_leaves"] and _positive(loop["speedup_of_medians"]), name

@@ -213,3 +213,73 @@ def test_a_damaged_newest_checkpoint_is_passed_over_as_training_does(stopped_run
     rows = _read(out, "evaluation.json")["rows"]
     assert [r["label"] for r in rows] == ["base", f"step {steps[-1]}"]
     assert "move the folder away" not in result.stderr
+
+
+# Two categories of the tiny model's prompts, as a DrawBench-like table.
+CATEGORIES_CSV = (
+    "Prompts,Category\n"
+    "a handwritten digit zero,round\n"
+    "a handwritten digit one,straight\n"
+    "a handwritten digit eight,round\n"
+    "a handwritten digit seven,straight\n"
+)
+
+
+def test_evaluate_per_category_and_normalised(stopped_run, tmp_path, monkeypatch):
+    from tree_grpo_jax.evaluation import normalised
+
+    # jpeg_compressibility (minus kilobytes) gets a ceiling for the test: 0 is above any base
+    monkeypatch.setitem(normalised.R_MAX, "jpeg_compressibility", 0.0)
+    prompts = tmp_path / "drawbench.csv"
+    prompts.write_text(CATEGORIES_CSV)
+    out = tmp_path / "eval"
+    result = run_in_process(
+        _evaluate(),
+        f"--workdir={stopped_run[0]}",
+        f"--out={out}",
+        f"--prompts={prompts}",
+        "--samples_per_prompt=2",
+        "--prompts_per_chunk=3",
+        "--normalised",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = _read(out, "evaluation.json")
+    assert table["categories"] == {"round": 2, "straight": 2}
+    names = ["jpeg_compressibility", "digit_accuracy"]
+    for row in table["rows"]:
+        label = row["label"].replace(" ", "_")
+        # the saved chunks by hand: chunk 0 holds prompts 0-2, chunk 1 prompt 3, each
+        # sample-major (noise 0 of every prompt, then noise 1)
+        chunk0 = np.load(out / "partial" / f"{label}-00000.npz")
+        chunk1 = np.load(out / "partial" / f"{label}-00001.npz")
+        for name in names:
+            a, b = chunk0[name], chunk1[name]
+            by_prompt = {0: [a[0], a[3]], 1: [a[1], a[4]], 2: [a[2], a[5]], 3: [b[0], b[1]]}
+            round_, straight = by_prompt[0] + by_prompt[2], by_prompt[1] + by_prompt[3]
+            got = row["by_category"]
+            np.testing.assert_allclose(got["round"][name]["mean"], np.mean(round_))
+            np.testing.assert_allclose(got["round"][name]["std"], np.std(round_))
+            np.testing.assert_allclose(got["straight"][name]["mean"], np.mean(straight))
+            np.testing.assert_allclose(
+                row[name]["mean"], np.mean([got[c][name]["mean"] for c in got])
+            )
+    base, trained = table["rows"]
+    r0, r1 = base["jpeg_compressibility"]["mean"], trained["jpeg_compressibility"]["mean"]
+    expected = (r1 - r0) / (0.0 - r0)
+    scores = table["normalised"]
+    assert scores["r_max"] == {"jpeg_compressibility": 0.0, "digit_accuracy": None}
+    np.testing.assert_allclose(scores["rows"]["step 1"]["jpeg_compressibility"], expected)
+    assert scores["rows"]["step 1"]["digit_accuracy"] is None
+    md = _read(out, "evaluation.md", parse=lambda f: f.read())
+    assert "jpeg_compressibility per category:" in md and "| round | 2 |" in md
+    assert "| r_max | 0 | — |" in md and f"| step 1 | {expected:.4g} | — |" in md
+    assert md in result.stdout  # printed as written
+
+
+def test_normalised_without_a_checkpoint_is_one_sentence(tmp_path):
+    out = tmp_path / "out"
+    result = run_in_process(_evaluate(), "--config=configs/tiny.py", f"--out={out}", "--normalised")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert "--normalised compares a checkpoint with the base model" in errors[0]
+    assert not out.exists()

@@ -102,9 +102,10 @@ def test_no_import_cycles():
 # The layers, bottom up: what each top-level unit of the package may import besides itself.
 # The data's way reads upwards: core (spec, rollout, credit, rows) -> methods -> run (step,
 # checkpoint) -> cli; models, rewards and weight I/O sit beneath the run.
-BASE = {"errors", "interrupts", "core", "sharding"}
+BASE = {"errors", "interrupts", "core", "sharding", "gpu_flags"}
 ALLOWED = {
     "errors": set(),
+    "gpu_flags": set(),
     "interrupts": set(),
     "core": {"errors"},
     "sharding": set(),

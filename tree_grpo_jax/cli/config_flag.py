@@ -41,6 +41,7 @@ class Flag:
 
 CONFIG = Flag("config")  # the loaded ConfigDict, overrides applied; `CONFIG.path` its file
 CONFIG.path = None
+CONFIG.overrides = []  # as `_split_overrides` gives them, for another file (`apply_overrides`)
 WORKDIR = Flag("workdir")
 PRINT_CONFIG = Flag("print_config", False)
 _SHARED = (CONFIG, WORKDIR, PRINT_CONFIG)
@@ -457,6 +458,7 @@ def _parse(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     if config is not None:
         apply_overrides(config, overrides, path)
     CONFIG.value, CONFIG.path, CONFIG.present = config, path, path is not None
+    CONFIG.overrides = overrides
     for flag in (WORKDIR, PRINT_CONFIG, *getattr(parser, "flags", ())):
         flag.value = getattr(args, flag.dest)
         flag.present = f"--{flag.dest}" in {w.split("=", 1)[0] for w in others}

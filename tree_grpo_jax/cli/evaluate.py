@@ -2,6 +2,7 @@
 
     python -m tree_grpo_jax.evaluate --workdir=<a training run> [--step=N]
         [--prompts=FILE] [--samples_per_prompt=K] [--metrics=hpsv2,imagereward,...] [--out=DIR]
+        [--normalised]
     python -m tree_grpo_jax.evaluate --config=configs/sd15.py --config.model.path=<folder> \\
         --out=DIR [--prompts=FILE] ...
 
@@ -16,9 +17,16 @@ exact KL of its trajectories to the base model are reported beside them; for a v
 also each sample's temporal distance (the mean distance between its consecutive frames'
 embeddings, tree_grpo_jax/evaluation/temporal.py).
 
+When the prompts carry categories (a prompt file's category column or field,
+docs/prompts-and-rewards.md), each metric's mean and std are also reported per category.
+`--normalised` adds TreeGRPO's normalised score (r - r_base) / (r_max - r_base) of the
+checkpoint for each metric with a stated r_max (tree_grpo_jax/evaluation/normalised.py).
+
 The output folder (default `<workdir>/evaluation`) receives `evaluation.json` (`rows`: one
-per model, each metric's mean and std, `diversity`, `temporal_distance` for videos),
-`evaluation.md` (the base-vs-trained table with the differences) and one picture grid per
+per model, each metric's mean and std, `diversity`, `temporal_distance` for videos,
+`by_category` with categories; `categories`: each one's prompt count; `normalised`: r_max
+and the scores), `evaluation.md` (the base-vs-trained table with the differences, then the
+per-category and normalised tables) and one picture grid per
 model (a column per prompt, a row per noise, the first ten prompts; a video model's cells
 are strips of its frames, and the grid also moves in an animated GIF beside it). Results are
 saved per chunk of prompts in `<out>/partial/`: a rerun with the same arguments continues
@@ -28,6 +36,7 @@ nothing written.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -40,6 +49,7 @@ from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
 from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.evaluation import normalised
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
 PARSER = cli.config_parser(
@@ -63,6 +73,13 @@ METRICS = cli.define(
     "Comma-separated reward names (default: the run's rewards and extras).",
 )
 OUT = cli.define(PARSER, "out", None, "Output folder (default: <workdir>/evaluation).")
+NORMALISED = cli.define(
+    PARSER,
+    "normalised",
+    False,
+    "Also TreeGRPO's normalised score (r - r_base) / (r_max - r_base) of the checkpoint.",
+    action="store_true",
+)
 CHUNK = cli.define(
     PARSER, "prompts_per_chunk", 32, "Prompts per saved chunk of results.", type=int, metavar="N"
 )
@@ -176,9 +193,11 @@ def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl) -> dict:
     return done
 
 
-def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl):
+def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl, categories=()):
     """Every chunk of `size` prompts for one model (chunks already saved are read back);
-    the model's row and its grid images (None on the processes that do not write)."""
+    the model's row and its grid images (None on the processes that do not write). With
+    `categories` (one per prompt, None for none), the row's `by_category` has each reward's
+    mean and std over each category's samples."""
     import numpy as np
 
     from tree_grpo_jax import sharding
@@ -187,13 +206,14 @@ def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl):
     n = len(prompts)
     noise = trainer_lib.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
     count = -(-n // size)
-    parts = []
+    parts, order = [], []  # order: the prompt of each value, as the chunks list them
     for index in range(count):
         done = chunks.load(label, index) if chunks is not None else None
+        ids = np.arange(index * size, min(n, (index + 1) * size))
+        order.append(np.tile(ids, k))  # sample-major, as `_chunk` lists a chunk's values
         # the primary process's folder decides; every process samples the chunk together
         if sharding.agree(float(chunks is not None and done is None)) > 0:
             t0 = time.time()
-            ids = np.arange(index * size, min(n, (index + 1) * size))
             done = _chunk(trainer, params, prompts, ids, size, k, noise, with_kl)
             if chunks is not None:
                 chunks.save(label, index, done)
@@ -211,8 +231,57 @@ def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl):
     for name in [*trainer.eval_rewards, *figures, *(["kl"] if with_kl else [])]:
         values = np.concatenate([p[name] for p in parts])
         row[name] = {"mean": float(values.mean()), "std": float(values.std())}
+    if any(c is not None for c in categories):
+        row["by_category"] = _by_category(
+            parts, np.concatenate(order), categories, list(trainer.eval_rewards)
+        )
     grid = np.concatenate([p["grid"] for p in parts if "grid" in p], axis=1)
     return row, grid
+
+
+def _by_category(parts, order, categories, names) -> dict:
+    """{category: {metric: {"mean", "std"}}} over the values of each category's prompts
+    (`order`: each value's prompt), categories in their first prompt's order."""
+    import numpy as np
+
+    of_value = np.array([categories[i] for i in order], dtype=object)
+    out = {}
+    for category in dict.fromkeys(c for c in categories if c is not None):
+        mask = of_value == category
+        out[category] = {}
+        for name in names:
+            values = np.concatenate([p[name] for p in parts])[mask]
+            out[category][name] = {"mean": float(values.mean()), "std": float(values.std())}
+    return out
+
+
+def _category_tables(rows: list[dict], names: list[str], counts: dict) -> str:
+    """One markdown table per metric: a line per category (its prompt count, each model's
+    mean ± std, and each checkpoint's difference from the base)."""
+
+    def cell(v):
+        return f"{v['mean']:.4g} ± {v['std']:.3g}"
+
+    base, labels = rows[0], [r["label"] for r in rows]
+    out = []
+    for name in names:
+        head = ["category", "prompts", *labels, *(f"{r} − {labels[0]}" for r in labels[1:])]
+        lines = [
+            f"{name} per category:",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|---" * len(head) + "|",
+        ]
+        for category, count in counts.items():
+            values = [r["by_category"][category][name] for r in rows]
+            diffs = [
+                f"{v['mean'] - base['by_category'][category][name]['mean']:+.4g}"
+                for v in values[1:]
+            ]
+            cells = [category, str(count), *map(cell, values), *diffs]
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -249,18 +318,26 @@ def _check_run_config(config, ckpt, workdir: str) -> None:
         )
 
 
-def _checked_flags(config) -> tuple[int, int, list[str], list[str] | None]:
-    """--samples_per_prompt, --prompts_per_chunk, the metrics' names and --prompts' list
-    (None: the run's eval prompts), each checked."""
-    from tree_grpo_jax.run.prompts import load_prompts
+def _checked_flags(config, workdir: str | None):
+    """--samples_per_prompt, --prompts_per_chunk, the metrics' names and the prompts
+    (--prompts' set, else the run's eval prompts, with their categories), each checked."""
+    from tree_grpo_jax.run.prompts import config_prompt_set, load_prompt_set, prompt_settings
 
     k, size = SAMPLES.value, CHUNK.value
+    if NORMALISED.value and workdir is None:
+        raise BadInput(
+            "--normalised compares a checkpoint with the base model; give --workdir=<a "
+            "training run>."
+        )
     if k < 1:
         raise BadInput(f"--samples_per_prompt must be at least 1, got {k}.")
     if size < 1:
         raise BadInput(f"--prompts_per_chunk must be at least 1, got {size}.")
     names = _metric_names(config, METRICS.value)
-    prompts = load_prompts(PROMPTS.value) if PROMPTS.value else None
+    if PROMPTS.value:
+        prompts = load_prompt_set(PROMPTS.value, *prompt_settings(config))
+    else:  # as the run's evaluation lists them (run/build.py)
+        prompts = config_prompt_set(config, eval_set=True).cycled(config.prompts.eval_count)
     return k, size, names, prompts
 
 
@@ -345,13 +422,13 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     from tree_grpo_jax import sharding
     from tree_grpo_jax.run.build import check_prompts, setup
 
-    k, size, names, prompts = _checked_flags(config)
+    k, size, names, prompt_set = _checked_flags(config, workdir)
     ckpt, step = _open_run(config, workdir, given_config)
     check_out(out)
 
     config = _evaluation_config(config, k, names, with_kl=workdir is not None)
     trainer, state = setup(config, out)
-    prompts = prompts or list(trainer.eval_prompts)
+    prompts, categories = list(prompt_set.prompts), prompt_set.categories
     # Before anything is written in `out`: a prompt the model cannot read is one sentence.
     check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
     models, step = _models(trainer, state, ckpt, step)
@@ -372,7 +449,9 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     rows = []
     for label, params in models:
         with_kl = label != "base"
-        row, grid = _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl)
+        row, grid = _evaluate_model(
+            trainer, params, label, prompts, k, size, chunks, with_kl, categories
+        )
         rows.append(row)
         if primary:
             _save_grid(out, row, grid)
@@ -383,6 +462,11 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
         "metrics": names,
         "rows": rows,
     }
+    if prompt_set.has_categories:
+        counts = collections.Counter(c for c in categories if c is not None)
+        result["categories"] = {c: counts[c] for c in dict.fromkeys(categories) if c in counts}
+    if NORMALISED.value:
+        result["normalised"] = normalised.scores(rows, names)
     if primary:
         _write_results(out, result, rows, names, prompts, k, arguments, config)
     return result
@@ -402,8 +486,13 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
             + (f" {TEMPORAL}: mean distance between consecutive frames." if video else "")
             + "\n\n"
         )
+        text = head + _table(rows, columns)
+        if "categories" in result:
+            text += "\n" + _category_tables(rows, names, result["categories"])
+        if "normalised" in result:
+            text += "\n" + normalised.table(result["normalised"], rows[0]["label"])
         with open(os.path.join(out, "evaluation.md"), "w") as f:
-            f.write(head + _table(rows, columns))
+            f.write(text)
 
 
 def main(argv=None) -> None:

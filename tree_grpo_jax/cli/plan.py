@@ -1,12 +1,19 @@
-"""Command line: will a run fit? Its programs' per-device memory, before any weight is read.
+"""Command line: will a run fit, and how long will it take? Its programs' per-device memory
+and a roofline estimate of their time, before any weight is read.
 
     python -m tree_grpo_jax.plan --config=configs/sd35m.py [--devices=8] \\
         [--config.mesh.fsdp=4] [--config.lora.rank=32] [--device_memory=80,141] [--json] \\
-        [--programs=rollout,train_step,evaluate,decode]
+        [--programs=rollout,train_step,evaluate,decode] [--accelerator=h100,tpu-v5p] \\
+        [--efficiency=0.4] [--compare=grpo,treegrpo | --compare=configs/a.py,configs/b.py]
 
 The run's programs (the rollout, the train step, evaluation and the decode of one iteration's
 leaves) are compiled from abstract shapes on the run's mesh and XLA's memory analysis of one
-device is printed (`memory_plan.py` says what each figure is). The model is read from its
+device is printed (`memory_plan.py` says what each figure is), then each program's FLOPs and
+bytes with every loop counted (`program_cost.py`) and the seconds they take on the named
+accelerators at a fraction of the roofline (`time_plan.py`): an estimate, not a measurement.
+`--compare` plans several runs at the config's setting (method names, each replacing
+`tree.method`, or config files, each given the same `--config.*` overrides) and prints one
+table of their rows per leaf, FLOPs and seconds per iteration. The model is read from its
 folder's JSON configs only: a local folder, a hub id (only its `*.json` files are
 downloaded), or `--config.model.path=builtin:<name>` for a release whose configs the
 family keeps as data (the hub id of such a release needs no download either).
@@ -27,9 +34,11 @@ import re
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.cli import common
+from tree_grpo_jax.cli import common, time_table
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.gpu_flags import GPU_FLAGS
+from tree_grpo_jax.run import accelerators
 
 PARSER = cli.config_parser("plan", __doc__)
 DEVICES = cli.define(
@@ -60,8 +69,51 @@ JSON = cli.define(
     PARSER,
     "json",
     False,
-    "Print one JSON object (byte counts) instead of a table.",
+    "Print one JSON object (byte counts, FLOPs, seconds) instead of tables.",
     action="store_true",
+)
+ACCELERATOR = cli.define(
+    PARSER,
+    "accelerator",
+    ["h100"],
+    "Accelerators to estimate the time on: "
+    + ", ".join(accelerators.ACCELERATORS)
+    + ", or custom (with --peak_tflops and --bandwidth). Default: h100.",
+    type=cli.comma_list,
+    metavar="NAME,NAME",
+)
+PEAK_TFLOPS = cli.define(
+    PARSER,
+    "peak_tflops",
+    None,
+    "One accelerator's dense bf16 peak in TFLOP/s, replacing its data sheet's.",
+    type=float,
+    metavar="TFLOPS",
+)
+BANDWIDTH = cli.define(
+    PARSER,
+    "bandwidth",
+    None,
+    "One accelerator's memory bandwidth in TB/s, replacing its data sheet's.",
+    type=float,
+    metavar="TB_PER_S",
+)
+EFFICIENCY = cli.define(
+    PARSER,
+    "efficiency",
+    accelerators.DEFAULT_EFFICIENCY,
+    f"The fraction of the roofline a program reaches (default {accelerators.DEFAULT_EFFICIENCY}; "
+    "docs/plan.md says why).",
+    type=float,
+    metavar="FRACTION",
+)
+COMPARE = cli.define(
+    PARSER,
+    "compare",
+    [],
+    "Runs to compare at this config's setting: method names or config files.",
+    type=cli.comma_list,
+    metavar="RUN,RUN",
 )
 
 MAX_DEVICES = 4096
@@ -166,6 +218,15 @@ def _verdict(gb: str, whole: bool, default_share: bool) -> str:
     return f"does not fit {gb} GB"
 
 
+def gpu_notes() -> list[str]:
+    """The XLA flags a GPU run starts with (launch/gpu.sh), each with why."""
+    return [
+        f"a GPU run starts with XLA_FLAGS {flag} (launch/gpu.sh, python -m "
+        f"tree_grpo_jax.gpu_flags): {why}"
+        for flag, why in GPU_FLAGS
+    ]
+
+
 def table(plan, config_path: str, sizes_gb) -> str:
     kind = "simulated CPU" if FORCE_DEVICES in os.environ.get("XLA_FLAGS", "") else plan.platform
     where = f"{kind} device{'s' if plan.devices > 1 else ''}"
@@ -191,6 +252,7 @@ def table(plan, config_path: str, sizes_gb) -> str:
         + ", ".join(f"{k} {size(v)}" for k, v in plan.resident.items() if v),
         "not planned: " + "; ".join(plan.not_planned) + ".",
         *(f"note: {n}." for n in plan.notes),
+        *(f"note: {n}" for n in gpu_notes()),
     ]
     largest = plan.largest
     whole, default = fits(plan, sizes_gb), fits(plan, sizes_gb, GPU_DEFAULT_SHARE)
@@ -202,6 +264,18 @@ def table(plan, config_path: str, sizes_gb) -> str:
         "default)."
     )
     return "\n".join(lines)
+
+
+def _cost_json(cost) -> dict:
+    """One call's FLOPs and bytes with every loop counted (`xla_flops`: XLA's own figure,
+    every loop body once; `loops`: each loop's trip count, null where XLA does not know it)."""
+    return {
+        "flops": cost.flops,
+        "transcendentals": cost.transcendentals,
+        "bytes_accessed": cost.bytes_accessed,
+        "xla_flops": cost.xla_flops,
+        "loops": [loop.trips for loop in cost.loops],
+    }
 
 
 def as_json(plan, config_path: str, sizes_gb) -> dict:
@@ -228,6 +302,7 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
                 "held_bytes": p.held,
                 "total_bytes": p.total,
                 "compile_seconds": round(p.compile_s, 1),
+                **_cost_json(p.cost),
             }
             for p in plan.programs
         },
@@ -238,11 +313,54 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
         "fits_default_gpu_share": fits(plan, sizes_gb, GPU_DEFAULT_SHARE),
         "not_planned": list(plan.not_planned),
         "notes": list(plan.notes),
+        "gpu_flags": [flag for flag, _ in GPU_FLAGS],
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # The command.
+
+
+def time_devices() -> list:
+    """The accelerators of `--accelerator`, `--peak_tflops` and `--bandwidth`; one sentence
+    for a name or figure that is not one."""
+    names = ACCELERATOR.value
+    figures = (PEAK_TFLOPS.value, BANDWIDTH.value)
+    if not names:
+        _fail("--accelerator needs a name, e.g. --accelerator=h100.")
+    if len(names) > 1 and figures != (None, None):
+        _fail("--peak_tflops and --bandwidth replace one accelerator's figures: name one.")
+    try:
+        accelerators.check_efficiency(EFFICIENCY.value)
+        return [accelerators.accelerator(name, *figures) for name in dict.fromkeys(names)]
+    except ValueError as e:
+        _fail(str(e))
+
+
+def compared_configs(config) -> list[tuple[str, object]]:
+    """`--compare`'s runs: (name, config) for each method name (the config with that
+    `tree.method`) or config file (given the command line's `--config.*` overrides, named by
+    its `name` field)."""
+    from tree_grpo_jax import methods
+
+    runs = []
+    for entry in dict.fromkeys(COMPARE.value):
+        if entry in methods.METHODS:
+            other = config.copy_and_resolve_references()
+            other.tree.method = entry
+        elif entry.partition(":")[0].endswith(".py"):
+            try:
+                other = cli.load_config(entry)
+                cli.apply_overrides(other, cli.CONFIG.overrides, entry)
+            except cli.BadCommandLine as e:
+                _fail(str(e))
+        else:
+            _fail(
+                f"--compare entry {entry!r} is neither a method ({', '.join(methods.METHODS)}) "
+                "nor a config file (ending in .py)."
+            )
+        runs.append((entry if entry in methods.METHODS else other.get("name", entry), other))
+    return runs
 
 
 def main(argv=None) -> None:
@@ -257,17 +375,22 @@ def main(argv=None) -> None:
     count = DEVICES.value
     if not 0 <= count <= MAX_DEVICES:
         _fail(f"--devices={count} is not a device count to plan for; give 1 to {MAX_DEVICES}.")
+    targets = time_devices()
 
     from tree_grpo_jax import config as cfg
     from tree_grpo_jax.models.base import ModelLoadError
     from tree_grpo_jax.rewards import registry as reward_registry
-    from tree_grpo_jax.run import memory_plan
+    from tree_grpo_jax.run import memory_plan, time_plan
 
+    if COMPARE.present and not COMPARE.value:
+        _fail("--compare needs runs: method names or config files, e.g. --compare=grpo,treegrpo.")
+    runs = compared_configs(config) if COMPARE.value else [(None, config)]
     bad_input = (cfg.ConfigError, ModelLoadError, FileNotFoundError, ValueError)
-    try:
-        cfg.validate(plannable(config), known_rewards=reward_registry.available_rewards())
-    except bad_input as e:
-        _fail(first_line(e))
+    for name, run_config in runs:
+        try:
+            cfg.validate(plannable(run_config), known_rewards=reward_registry.available_rewards())
+        except bad_input as e:
+            _fail(f"{name}: {first_line(e)}" if name else first_line(e))
 
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX starts
     import jax
@@ -275,17 +398,61 @@ def main(argv=None) -> None:
     devices = jax.devices()
     if count > len(devices):
         simulate(count)
-    try:
-        plan = memory_plan.plan_memory(
-            config, devices[: count or None], progress=_progress, only=PROGRAMS.value
-        )
-    except bad_input as e:
-        _fail(first_line(e))
+    plans = []
+    for name, run_config in runs:
+        if name:
+            _progress(f"planning {name}")
+        try:
+            plan = memory_plan.plan_memory(
+                run_config, devices[: count or None], progress=_progress, only=PROGRAMS.value
+            )
+        except bad_input as e:
+            _fail(f"{name}: {first_line(e)}" if name else first_line(e))
+        costs = {p.name: p.cost for p in plan.programs}
+        times = [
+            time_plan.plan_time(
+                run_config, costs, plan.devices, a, EFFICIENCY.value, plan.platform != "cpu"
+            )
+            for a in targets
+        ]
+        plans.append((name, run_config, plan, times))
     config_path = cli.CONFIG.path
-    if JSON.value:
-        common.print_out(json.dumps(as_json(plan, config_path, sizes_gb), indent=2))
+    if COMPARE.value:
+        _print_comparison(plans, config_path)
+    elif JSON.value:
+        _, _, plan, times = plans[0]
+        out = as_json(plan, config_path, sizes_gb)
+        out["time"] = [time_table.as_json(t) for t in times]
+        common.print_out(json.dumps(out, indent=2))
     else:
-        common.print_out(table(plan, config_path, sizes_gb))
+        _, _, plan, times = plans[0]
+        blocks = [table(plan, config_path, sizes_gb), *(time_table.table(t) for t in times)]
+        common.print_out("\n\n".join(blocks))
+
+
+def _print_comparison(plans, config_path: str) -> None:
+    from tree_grpo_jax.run import time_plan
+
+    setting = f"{config_path}'s setting, {plans[0][2].devices} device(s)"
+    per_accelerator = []
+    for index in range(len(plans[0][3])):
+        rows = []
+        for name, run_config, plan, times in plans:
+            leaves, rollout_rows, train_rows = time_plan.rows_per_leaf(run_config)
+            rows.append(
+                time_table.Compared(
+                    name, leaves, rollout_rows, train_rows, plan.largest.total, times[index]
+                )
+            )
+        per_accelerator.append(rows)
+    if JSON.value:
+        compared = [time_table.compare_json(rows) for rows in per_accelerator]
+        out = {"config": config_path, "compared": compared}
+        common.print_out(json.dumps(out, indent=2))
+    else:
+        common.print_out(
+            "\n\n".join(time_table.compare_table(rows, setting) for rows in per_accelerator)
+        )
 
 
 def run() -> None:

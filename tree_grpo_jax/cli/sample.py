@@ -42,7 +42,7 @@ examples:
   python -m tree_grpo_jax.sample --workdir=runs/tiny/20250101-120000
       the run's own eval prompts, from its newest readable checkpoint
   python -m tree_grpo_jax.sample --workdir=RUN --prompts=animals --step=40 --out=pictures
-      a built-in prompt set (or a text file, one prompt a line) from checkpoint 40
+      a built-in prompt set (or a prompt file: .txt, .jsonl, .csv, ...) from checkpoint 40
   python -m tree_grpo_jax.sample --workdir=RUN --prompt="a photo of a cat" --seed=7
 
 The same arguments draw the same pictures. Bad input is one "error:" line and exit status
@@ -65,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--prompts",
-        help="a built-in prompt set or a text file, one prompt a line (default: the run's "
-        "eval prompts)",
+        help="a built-in prompt set or a prompt file (.txt one prompt a line, .jsonl, .json, "
+        ".csv, .tsv, .parquet) (default: the run's eval prompts)",
     )
     which.add_argument("--prompt", help="one prompt of your own")
     parser.add_argument("--out", help="output folder (default: <workdir>/samples/step_<N>/)")
@@ -100,22 +100,27 @@ class Drawn:
 
 
 def _prompts(args, config) -> list[str]:
-    from tree_grpo_jax.run.prompts import load_prompts, prompt_sets
+    from tree_grpo_jax.run.prompts import (
+        config_prompt_set,
+        load_prompts,
+        prompt_sets,
+        prompt_settings,
+    )
 
     if args.prompt is not None:
         if not args.prompt.strip():
             raise BadInput("--prompt is empty; give the words to draw, e.g. --prompt='a cat'.")
         return [args.prompt.strip()]
     if args.prompts is None:  # the run's eval prompts, as the run's evaluation lists them
-        eval_set = load_prompts(config.prompts.get("eval_source") or config.prompts.source)
-        return [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+        eval_set = config_prompt_set(config, eval_set=True)
+        return list(eval_set.cycled(config.prompts.eval_count).prompts)
     if args.prompts not in prompt_sets() and not os.path.isfile(os.path.expanduser(args.prompts)):
         raise BadInput(
             f"--prompts {echo(args.prompts)} is neither a built-in prompt set "
-            f"({', '.join(sorted(prompt_sets()))}) nor a text file; give one prompt of your "
+            f"({', '.join(sorted(prompt_sets()))}) nor a prompt file; give one prompt of your "
             'own with --prompt="...".'
         )
-    return load_prompts(args.prompts)
+    return load_prompts(args.prompts, *prompt_settings(config))
 
 
 def _check_numbers(args) -> None:

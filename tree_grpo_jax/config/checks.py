@@ -308,9 +308,11 @@ def _check_accumulation_applies(config) -> None:
     if tr.grad_accumulation <= 1:
         return
     from tree_grpo_jax import methods  # as in `validate`: only where a check needs it
+    from tree_grpo_jax.core.transitions import num_minibatches
 
     rows = methods.get(config.tree.method).training_counts(config)["train_rows"]
-    per_iteration = -(-rows * config.prompts.batch_size // tr.rows_per_minibatch) * tr.inner_epochs
+    minibatches = num_minibatches(rows * config.prompts.batch_size, tr.rows_per_minibatch)
+    per_iteration = minibatches * tr.inner_epochs
     in_all = per_iteration * tr.iterations
     _require(
         tr.grad_accumulation <= in_all,
@@ -373,6 +375,12 @@ def _check_prompts(p) -> None:
     _require(bool(p.source), "prompts.source must name a prompt set or file.")
     _require(p.batch_size >= 1, "prompts.batch_size must be at least 1.")
     _require(p.eval_count >= 1, "prompts.eval_count must be at least 1.")
+    field, category = p.get("field", ""), p.get("category_field", "")
+    _require(
+        not field or field != category,
+        f"prompts.field and prompts.category_field both name {field!r}; a column is either "
+        "the prompt or its category.",
+    )
 
 
 MAX_GUIDANCE_SCALE = 100.0

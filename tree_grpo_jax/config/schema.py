@@ -121,11 +121,20 @@ def _model() -> ml_collections.ConfigDict:
 
 
 def _prompts() -> ml_collections.ConfigDict:
-    # Prompts: a built-in set name ("digits", "animals", ...) or a text file, one per line.
+    # Prompts: a built-in set name ("digits", "animals", ...) or a prompt file: .txt (one
+    # prompt per line), .jsonl / .json (objects with a prompt field; the other fields are the
+    # prompt's metadata) or .csv / .tsv / .parquet (a prompt column and any others)
+    # (docs/prompts-and-rewards.md).
     s = ml_collections.ConfigDict()
     s.source = ""  # the default run's
     s.batch_size = 4  # prompts per iteration (per host)
     s.eval_source = ""  # defaults to `source`
+    # The prompt's field or column in a .jsonl/.json/.csv/.tsv/.parquet source; empty: the
+    # one of "prompt", "Prompt", "prompts", "Prompts" the file has.
+    s.field = ""
+    # The category's field or column (evaluate reports each reward per category); empty:
+    # the one of "category", "Category", "tag" the file has, else none.
+    s.category_field = ""
     s.eval_count = 10  # fixed evaluation prompts (the first of the eval set, cycled)
     return s
 

@@ -309,6 +309,19 @@ def _rollout(
     return Tree(segments=tuple(segments), leaves=x)
 
 
+def moving_ode_trips(spec: TreeSpec, window_start: int) -> tuple[int, ...]:
+    """The steps each ODE loop of `_rollout` whose bounds move with the window runs at
+    `window_start`, in the order it runs them: the trip counts a compiled rollout cannot
+    know, since the window's position is its argument."""
+    start = min(max(window_start, 0), spec.window_positions - 1)
+    trips = []
+    for block in spec.blocks:
+        if block.kind == "ode" and (block.begin_moves or block.end_moves):
+            begin, end = block.bounds(start)
+            trips.append(max(end - begin, 0))
+    return tuple(trips)
+
+
 def _segment(block, spec, begin, start, x, noise, level_predict, schedule, options):
     """One stochastic block from the level `x`, its first step at `begin`: (the level after
     it, its `Segment`). `level_predict(i, x)` is the denoiser's prediction of a level."""

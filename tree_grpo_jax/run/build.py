@@ -24,7 +24,7 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import denoiser, precompile, reuse
-from tree_grpo_jax.run.prompts import load_prompts
+from tree_grpo_jax.run.prompts import config_prompt_set
 from tree_grpo_jax.run.train_step import (
     StepLayout,
     TrainState,
@@ -424,12 +424,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     reward = reward_registry.combined_reward(reward_weights, loaded)
     eval_rewards = {n: loaded[n] for n in config.eval.extra_rewards}
     prompts = prompt_iterator(config)
-    eval_set = load_prompts(config.prompts.eval_source or config.prompts.source)
+    eval_set = config_prompt_set(config, eval_set=True)
     if model is None:
         model = model_registry.load_model(config.model, seed=config.seed)
     objective = method.objective
     eval_prompts = _check_model_and_prompts(
-        config, model, method, reward, eval_rewards, prompts, eval_set
+        config, model, method, reward, eval_rewards, prompts, list(eval_set.prompts)
     )
     guidance = config.sampling.guidance_scale != 1.0
     uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
@@ -455,6 +455,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         adapter=adapter,
         **eval_embeddings(config, eval_prompts, reward_mesh, model.media),
         kl_reference=kl_reference,
+        eval_metadata=eval_set.cycled(config.prompts.eval_count).metadata,
         **built,
     )
     return trainer, state

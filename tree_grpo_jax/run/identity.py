@@ -2,8 +2,9 @@
 frozen part it reads.
 
 A run's checkpoints record `of_run(config)`, and a resume compares it with what the config
-points at now (`mismatch`), before any model loads: the training prompts in order (a prompt
-file edited in place would continue the prompt stream over another list), and the files of
+points at now (`mismatch`), before any model loads: the training prompts in order, with
+their metadata when their file gives any (a prompt file edited in place would continue the
+prompt stream over another list), and the files of
 each component folder of `model.path` the run does not train (text encoders, tokenizers,
 VAE, scheduler; the denoiser too under LoRA, where it is the frozen base) and of every
 reward model folder the run uses. Hub ids are recorded as such and not checked. The eval
@@ -26,7 +27,7 @@ from collections.abc import Callable, Mapping
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.run.prompts import load_prompts
+from tree_grpo_jax.run.prompts import config_prompt_set
 
 ENV_CACHE = "TREE_GRPO_JAX_DIGEST_CACHE"  # overrides the digest cache's file
 ANNOUNCE_BYTES = 1 << 30  # hashing more than this for the first time prints a line
@@ -133,7 +134,12 @@ def folder_digest(files: Mapping[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def prompts_digest(prompts: list[str]) -> str:
+def prompts_digest(prompts: list[str], metadata: list[dict] | None = None) -> str:
+    """The prompts' digest; with any prompt's metadata (a prompt file's other fields), of
+    the prompts and their metadata together (a text file's digest is the prompts' alone)."""
+    if metadata and any(metadata):
+        text = json.dumps([list(prompts), list(metadata)], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
     return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
 
 
@@ -184,7 +190,7 @@ def measure(config, say: Callable[[str], None] = print, digests: FileDigests | N
     `of_run(config)`; `say` gets one line when more than a gigabyte is hashed."""
     global _remembered
     digests = digests or FileDigests()
-    prompts = load_prompts(config.prompts.source)
+    prompts = config_prompt_set(config)
     listed, skipped = {}, {}
     for part, where in _frozen_folders(config).items():
         if where and os.path.isdir(os.path.expanduser(where)):
@@ -211,7 +217,7 @@ def measure(config, say: Callable[[str], None] = print, digests: FileDigests | N
         "prompts": {
             "source": config.prompts.source,
             "count": len(prompts),
-            "sha256": prompts_digest(prompts),
+            "sha256": prompts_digest(prompts.prompts, prompts.metadata),
         },
         "folders": dict(sorted(records.items())),
     }

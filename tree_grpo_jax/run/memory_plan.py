@@ -46,6 +46,7 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory
+from tree_grpo_jax.run.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.run.train_step import old_params
 
 # How a fusion the CPU compiler hands to a library (XNNPACK, oneDNN) is marked in its HLO.
@@ -67,6 +68,7 @@ class ProgramMemory:
     held: int  # what the run keeps on the device meanwhile that is not an argument
     compile_s: float
     library_fusions: bool = False  # the CPU compiler used library fusions: scratch unseen
+    cost: ProgramCost | None = None  # one call's FLOPs and bytes, every loop counted
 
     @property
     def peak(self) -> int:
@@ -239,6 +241,7 @@ def compile_memory(
         )
     progress(f"compiled {name} in {seconds:.0f} s")
     library = LIBRARY_FUSION in compiled.as_text()
+    cost = program_cost(compiled)
     return ProgramMemory(
         name=name,
         what=what,
@@ -250,6 +253,7 @@ def compile_memory(
         held=held,
         compile_s=seconds,
         library_fusions=library,
+        cost=cost,
     )
 
 

@@ -1,19 +1,31 @@
 """Prompt sets and a deterministic, resumable, shardable prompt stream.
 
 `load_prompts("animals")` gives a built-in set; `load_prompts("my_prompts.txt")` reads one
-prompt per line. `PromptIterator` walks the prompts in a fresh seeded shuffle every epoch.
-Its only state is `position`, the number of prompts drawn by all hosts together, so saving
-`state_dict()` and restoring it continues the exact same stream.
+prompt per line. `load_prompt_set(source, field, category_field)` also reads the papers'
+prompt files with what each prompt carries: a `.jsonl` (one JSON object a line, GenEval's
+`evaluation_metadata.jsonl`) or `.json` (a list of objects) with a prompt field, every other
+field kept as that prompt's metadata, unchanged; a `.csv`, `.tsv` or `.parquet` table
+(DrawBench, PartiPrompts, HPDv2) with a prompt column, every other column its metadata. A
+category (a column or field: "category", "Category" or "tag" unless named) groups prompts
+in `evaluate`'s report. `PromptIterator` walks the prompts in a fresh seeded shuffle every
+epoch, each batch carrying its prompts' metadata (`PromptBatch`). Its only state is
+`position`, the number of prompts drawn by all hosts together, so saving `state_dict()` and
+restoring it continues the exact same stream.
 """
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tree_grpo_jax.errors import echo
+from tree_grpo_jax.errors import echo, reason
 from tree_grpo_jax.models import registry as model_registry
 
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
@@ -32,6 +44,45 @@ PROMPT_SETS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The file kinds a prompt source may be, by suffix (no suffix: a text file, as before).
+TEXT_SUFFIXES = (".txt", "")
+SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
+# What an empty `prompts.field` / `prompts.category_field` looks for, in this order.
+PROMPT_FIELDS = ("prompt", "Prompt", "prompts", "Prompts")
+CATEGORY_FIELDS = ("category", "Category", "tag")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """Prompts with, in the same order, each one's metadata (the other fields of its row,
+    unchanged; {} for a text file or a built-in set) and category (None without one)."""
+
+    prompts: tuple[str, ...]
+    metadata: tuple[dict, ...]
+    categories: tuple[str | None, ...]
+
+    @classmethod
+    def plain(cls, prompts: Sequence[str]) -> PromptSet:
+        n = len(prompts)
+        return cls(tuple(prompts), tuple({} for _ in range(n)), (None,) * n)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def cycled(self, count: int) -> PromptSet:
+        """The first `count` rows, the set repeated as often as needed (the eval prompts)."""
+        rows = [i % len(self) for i in range(count)]
+        return PromptSet(
+            tuple(self.prompts[i] for i in rows),
+            tuple(self.metadata[i] for i in rows),
+            tuple(self.categories[i] for i in rows),
+        )
+
+    @property
+    def has_categories(self) -> bool:
+        return any(c is not None for c in self.categories)
+
+
 def prompt_sets() -> dict[str, tuple[str, ...]]:
     """Every built-in set: the ones above and those model families bring (the tiny
     model's "digits")."""
@@ -41,33 +92,255 @@ def prompt_sets() -> dict[str, tuple[str, ...]]:
     return sets
 
 
-def load_prompts(source: str) -> list[str]:
-    """A built-in set by name, or a text file with one prompt per line (blank lines skipped)."""
+def load_prompts(source: str, field: str = "", category_field: str = "") -> list[str]:
+    """A built-in set by name, or a prompt file (see `load_prompt_set`): its prompts."""
+    return list(load_prompt_set(source, field, category_field).prompts)
+
+
+def prompt_settings(config) -> tuple[str, str]:
+    """(prompts.field, prompts.category_field) of `config`; a config that predates them
+    reads as their defaults (empty: found by name)."""
+    p = config.prompts
+    return p.get("field", "") or "", p.get("category_field", "") or ""
+
+
+def config_prompt_set(config, eval_set: bool = False) -> PromptSet:
+    """The run's training prompts (`prompts.source`) or, with `eval_set`, the set its eval
+    prompts are drawn from (`prompts.eval_source`, else `prompts.source`)."""
+    source = config.prompts.source
+    if eval_set:
+        source = config.prompts.get("eval_source") or source
+    return load_prompt_set(source, *prompt_settings(config))
+
+
+def load_prompt_set(source: str, field: str = "", category_field: str = "") -> PromptSet:
+    """A built-in set by name, or a prompt file: a text file with one prompt per line (blank
+    lines skipped), a `.jsonl` / `.json` of objects or a `.csv` / `.tsv` / `.parquet` table.
+    `field` names the prompt field or column and `category_field` the category (empty:
+    found among PROMPT_FIELDS and CATEGORY_FIELDS); both are read only from JSON and tables.
+    Bad input is a ValueError of one sentence."""
+    if field and field == category_field:
+        raise ValueError(
+            f"prompts.field and prompts.category_field both name {echo(field)}; a column is "
+            "either the prompt or its category."
+        )
     sets = prompt_sets()
     if source in sets:
-        return list(sets[source])
+        return PromptSet.plain(sets[source])
     path = Path(source).expanduser()
     if not path.is_file():
         names = ", ".join(sorted(sets))
         raise ValueError(
             f"prompt source {echo(source)} is neither a built-in set ({names}) nor an existing "
-            "text file with one prompt per line."
+            "text file with one prompt per line (or a .jsonl, .json, .csv, .tsv or .parquet "
+            "prompt file)."
         )
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES and suffix not in TEXT_SUFFIXES:
+        raise ValueError(
+            f"prompt file {path} has the unknown extension {echo(path.suffix)}; a prompt file "
+            "is one of " + ", ".join(SUFFIXES) + "."
+        )
+    if suffix == ".parquet":
+        records = _parquet_rows(path)
+        return _from_records(path, records, field, category_field, "row")
+    text = _read_text(path)
+    if suffix in TEXT_SUFFIXES:
+        prompts = [p for p in (line.strip() for line in text.splitlines()) if p]
+        if not prompts:
+            raise ValueError(f"prompt file {path} has no prompts; write one prompt per line.")
+        return PromptSet.plain(prompts)
+    if not text.strip():
+        raise ValueError(f"prompt file {path} has no prompts; it is empty.")
+    if suffix == ".jsonl":
+        return _from_records(path, _jsonl_rows(path, text), field, category_field, "line")
+    if suffix == ".json":
+        return _from_records(path, _json_rows(path, text), field, category_field, "entry")
+    return _from_table(path, text, "\t" if suffix == ".tsv" else ",", field, category_field)
+
+
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a spreadsheet's byte-order mark
     except UnicodeDecodeError as e:
         bad = e.object[e.start : e.start + 1].hex()
         raise ValueError(
             f"prompt file {path} is not UTF-8 text (byte 0x{bad} at offset {e.start} cannot "
-            "be decoded); save it as UTF-8 with one prompt per line."
+            "be decoded); save it as UTF-8."
         ) from None
     except OSError as e:
         raise ValueError(f"prompt file {path} cannot be read: {e.strerror or e}.") from None
-    prompts = [line.strip() for line in text.splitlines()]
-    prompts = [p for p in prompts if p]
-    if not prompts:
-        raise ValueError(f"prompt file {path} has no prompts; write one prompt per line.")
-    return prompts
+
+
+def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
+    """(line number, object) of every non-blank line."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"line {number} of prompt file {path} is not valid JSON ({e.msg} at column "
+                f"{e.colno}); write one JSON object per line."
+            ) from None
+    return rows
+
+
+def _json_rows(path: Path, text: str) -> list[tuple[int, Any]]:
+    """(entry number from 1, object) of the file's list."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"prompt file {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})."
+        ) from None
+    if not isinstance(data, list):
+        raise ValueError(
+            f"prompt file {path} holds a JSON {type(data).__name__}, not a list of objects "
+            'with a prompt field, e.g. [{"prompt": "a red cube"}].'
+        )
+    return list(enumerate(data, 1))
+
+
+def _parquet_rows(path: Path) -> list[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"prompt file {path} is a Parquet file, which needs pyarrow: "
+            "pip install 'tree_grpo_jax[parquet]' (or pip install pyarrow)."
+        ) from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors have no common base of their own
+        raise ValueError(f"prompt file {path} cannot be read as Parquet ({reason(e)}).") from None
+    return list(enumerate(rows, 1))
+
+
+def _found(path: Path, have: Sequence[str], named: str, candidates, setting: str, kind: str):
+    """The field or column to read: `named` when set (which must be in `have`), else the one
+    of `candidates` in `have` (None when none is; several is an error)."""
+    if named:
+        return named if named in have else False
+    present = [c for c in candidates if c in have]
+    if len(present) > 1:
+        raise ValueError(
+            f"prompt file {path} has several {kind} {', '.join(map(repr, present))}; name "
+            f"the one to read with --config.{setting}=<name>."
+        )
+    return present[0] if present else None
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names) or "none"
+
+
+def _from_records(path, records, field, category_field, unit) -> PromptSet:
+    """The prompt set of JSON or Parquet rows: (number, object) pairs, `unit` naming a
+    number in a message ("line", "entry", "row")."""
+    if not records:
+        raise ValueError(f"prompt file {path} has no prompts; it holds no {unit} at all.")
+    for number, row in records:
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{unit} {number} of prompt file {path} is a JSON {type(row).__name__}, not an "
+                "object with a prompt field."
+            )
+    first = records[0][1]
+    key = _found(path, list(first), field, PROMPT_FIELDS, "prompts.field", "prompt fields")
+    if not key:
+        wanted = repr(field) if field else " or ".join(map(repr, PROMPT_FIELDS))
+        raise ValueError(
+            f"{unit} {records[0][0]} of prompt file {path} has no {wanted} field (its fields: "
+            f"{_listed(list(first))}); name the prompt field with --config.prompts.field."
+        )
+    every = list(dict.fromkeys(k for _, row in records for k in row))
+    cat = _found(
+        path, every, category_field, CATEGORY_FIELDS, "prompts.category_field", "category fields"
+    )
+    if cat is False:
+        raise ValueError(
+            f"prompt file {path} has no {category_field!r} field in any {unit} (its fields: "
+            f"{_listed(every)}); fix prompts.category_field."
+        )
+    prompts, metadata, categories = [], [], []
+    for number, row in records:
+        if key not in row:
+            raise ValueError(
+                f"{unit} {number} of prompt file {path} has no {key!r} field (its fields: "
+                f"{_listed(list(row))}); every {unit} needs its prompt."
+            )
+        prompt = row[key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(
+                f"{unit} {number} of prompt file {path} has no prompt: its {key!r} is "
+                f"{json.dumps(prompt, default=str)}, not a non-empty text."
+            )
+        prompts.append(prompt.strip())
+        metadata.append({k: v for k, v in row.items() if k != key})
+        value = row.get(cat) if cat else None
+        categories.append(None if value is None or value == "" else str(value))
+    return PromptSet(tuple(prompts), tuple(metadata), tuple(categories))
+
+
+def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        header = next(reader, None)
+        body = list(reader)
+    except csv.Error as e:
+        raise ValueError(f"prompt file {path} is not a readable table: {e}.") from None
+    if header is None or not any(h.strip() for h in header):
+        raise ValueError(f"prompt file {path} has no prompts; it is empty.")
+    header = [h.strip() for h in header]
+    key = _found(path, header, field, PROMPT_FIELDS, "prompts.field", "prompt columns")
+    if not key:
+        wanted = repr(field) if field else " or ".join(map(repr, PROMPT_FIELDS))
+        raise ValueError(
+            f"prompt file {path} has no {wanted} column (its columns: {_listed(header)}); name "
+            "the prompt column with --config.prompts.field."
+        )
+    cat = _found(
+        path, header, category_field, CATEGORY_FIELDS, "prompts.category_field", "category columns"
+    )
+    if cat is False:
+        raise ValueError(
+            f"prompt file {path} has no {category_field!r} column (its columns: "
+            f"{_listed(header)}); fix prompts.category_field."
+        )
+    records = []
+    for number, cells in enumerate(body, 2):  # the header is row 1
+        if not any(c.strip() for c in cells):
+            continue  # a blank line
+        if len(cells) > len(header):
+            raise ValueError(
+                f"row {number} of prompt file {path} has {len(cells)} cells but the header "
+                f"names {len(header)} columns."
+            )
+        records.append((number, dict(zip(header, cells))))  # short rows: their cells only
+    if not records:
+        raise ValueError(f"prompt file {path} has no prompts; it has a header and no rows.")
+    return _from_records(path, records, key, cat or "", "row")
+
+
+class PromptBatch(list):
+    """A batch of prompts (a list of str) with `metadata`, each prompt's dict in order."""
+
+    def __init__(self, prompts: Sequence[str], metadata: Sequence[dict]):
+        super().__init__(prompts)
+        self.metadata = list(metadata)
+
+
+def leaf_metadata(batch: Sequence[str], rows: slice = slice(None), repeat: int = 1) -> list:
+    """The metadata of `batch`'s prompts `rows`, each repeated `repeat` times (one per leaf of
+    a prompt's tree): in the order of the prompts a reward receives with the images. A batch
+    without metadata (a plain list) gives {} for each."""
+    metadata = getattr(batch, "metadata", None)
+    if metadata is None:
+        metadata = [{} for _ in batch]
+    return [m for m in metadata[rows] for _ in range(repeat)]
 
 
 class PromptIterator:
@@ -89,6 +362,7 @@ class PromptIterator:
         *,
         shard_index: int = 0,
         num_shards: int = 1,
+        metadata: Sequence[dict] | None = None,
     ):
         if not prompts:
             raise ValueError("PromptIterator needs at least one prompt.")
@@ -100,7 +374,10 @@ class PromptIterator:
             )
         if position < 0:
             raise ValueError(f"position must be non-negative, got {position}.")
+        if metadata is not None and len(metadata) != len(prompts):
+            raise ValueError(f"{len(metadata)} metadata for {len(prompts)} prompts.")
         self.prompts = list(prompts)
+        self.metadata = [{} for _ in prompts] if metadata is None else list(metadata)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.position = int(position)
@@ -124,22 +401,23 @@ class PromptIterator:
             self._perms[epoch] = rng.permutation(len(self.prompts))
         return self._perms[epoch]
 
-    def _prompt_at(self, index: int) -> str:
+    def _index_at(self, index: int) -> int:
         epoch, offset = divmod(index, len(self.prompts))
-        return self.prompts[self._permutation(epoch)[offset]]
+        return int(self._permutation(epoch)[offset])
 
-    def next_batch(self) -> list[str]:
-        start = self.position + self.shard_index * self.batch_size
-        batch = [self._prompt_at(start + i) for i in range(self.batch_size)]
+    def _batch(self, start: int, size: int) -> PromptBatch:
+        ids = [self._index_at(start + i) for i in range(size)]
         self.position += self.global_batch_size
-        return batch
+        return PromptBatch([self.prompts[i] for i in ids], [self.metadata[i] for i in ids])
 
-    def next_global_batch(self) -> list[str]:
+    def next_batch(self) -> PromptBatch:
+        """This shard's prompts of the next draw, their metadata in `.metadata`."""
+        return self._batch(self.position + self.shard_index * self.batch_size, self.batch_size)
+
+    def next_global_batch(self) -> PromptBatch:
         """Every shard's batch of this draw, in shard order: shard i's `next_batch` is rows
         i * batch_size .. (i + 1) * batch_size - 1 of it. Advances like `next_batch`."""
-        batch = [self._prompt_at(self.position + i) for i in range(self.global_batch_size)]
-        self.position += self.global_batch_size
-        return batch
+        return self._batch(self.position, self.global_batch_size)
 
     def state_dict(self) -> dict[str, int]:
         """Small, all ints: what a checkpoint stores."""

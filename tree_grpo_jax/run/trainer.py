@@ -38,7 +38,7 @@ from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.run import eval_metrics, reporting
-from tree_grpo_jax.run.prompts import PromptIterator, load_prompts
+from tree_grpo_jax.run.prompts import PromptIterator, config_prompt_set, leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
@@ -146,6 +146,9 @@ class Trainer:
     # the rollout's and the evaluation's denoiser (`run.denoiser.sampling_denoise`; built once:
     # the programs take it as a static argument); None: the model's own
     sampling_denoise: Any = None
+    # each of `eval_prompts`' metadata, in their order (the fields its prompt file gives
+    # beside the prompt; {} each for a text file or a built-in set)
+    eval_metadata: tuple = ()
 
     @property
     def denoise(self):
@@ -334,6 +337,13 @@ class Trainer:
             yield from transitions.minibatches(
                 rows, jax.random.fold_in(key, epoch), per_process, count
             )
+
+    def prompt_metadata(self, batch, rows: slice = slice(None), repeat: int = 1) -> list[dict]:
+        """The rewards' metadata: of the global batch `batch` (`self.prompts`' draw, which
+        carries it), the metadata of prompts `rows` (a process's, `Rollout.rows`), each
+        repeated `repeat` times (a prompt's leaves), in the order of the prompts the rewards
+        are given with the images. A plain list of prompts gives {} for each."""
+        return leaf_metadata(batch, rows, repeat)
 
     def iteration(self, state: TrainState, iteration: int) -> tuple[TrainState, dict]:
         """One whole iteration; returns the new state and its metrics."""
@@ -583,12 +593,14 @@ def _replicated_like(mesh, tree):
 
 def prompt_iterator(config) -> PromptIterator:
     """The run's training prompt stream, this process's shard of it."""
+    prompts = config_prompt_set(config)
     return PromptIterator(
-        load_prompts(config.prompts.source),
+        prompts.prompts,
         config.prompts.batch_size,
         seed=config.seed,
         shard_index=jax.process_index(),
         num_shards=jax.process_count(),
+        metadata=prompts.metadata,
     )
 
 

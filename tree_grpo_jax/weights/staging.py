@@ -75,20 +75,29 @@ def write_staged(out: Path, fill) -> Path:
     staging.mkdir()
 
     def stopped() -> None:  # a signal ends the process: the half-built folder goes
-        for _ in range(3):  # the main thread may still be adding files
-            shutil.rmtree(staging, ignore_errors=True)
+        # Renamed first: the main thread may still be writing into it, and a new file can
+        # then no longer appear in the folder being removed (its path is gone).
+        doomed = staging.with_name(staging.name + "-removing")
+        try:
+            os.rename(staging, doomed)
+        except OSError:
+            doomed = staging
+        for _ in range(3):
+            shutil.rmtree(doomed, ignore_errors=True)
 
     try:
+        # One cleanup from the first file to the swap: a stop between the two still removes
+        # the staging folder (after the swap it finds nothing to remove).
         with interrupts.on_stop(stopped):
             fill(staging)
-        with interrupts.critical():  # the swap itself is never cut in half
-            if out.is_dir():
-                shutil.rmtree(out)
-            os.replace(staging, out)
-            # from here on a stop keeps the folder, and its line must say so
-            interrupts.set_stop_line(
-                lambda name: f"{name} stopped the command once {out} was written whole."
-            )
+            with interrupts.critical():  # the swap itself is never cut in half
+                if out.is_dir():
+                    shutil.rmtree(out)
+                os.replace(staging, out)
+                # from here on a stop keeps the folder, and its line must say so
+                interrupts.set_stop_line(
+                    lambda name: f"{name} stopped the command once {out} was written whole."
+                )
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -1,0 +1,141 @@
+"""The plan's time figures as text and JSON: one iteration's programs on a named accelerator
+(`run/time_plan.py`), and runs compared side by side (`plan --compare`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command imports this before JAX starts
+    from tree_grpo_jax.run.time_plan import TimePlan
+
+ESTIMATE = "estimate, not measured"
+
+
+def tera(flops: float) -> str:
+    return f"{flops / 1e12:.4g}"
+
+
+def hours(h: float) -> str:
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min"
+
+
+def seconds(s: float) -> str:
+    if s >= 100:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms"
+
+
+def _device_line(plan: TimePlan) -> str:
+    a = plan.accelerator
+    return (
+        f"{a.title}: {a.peak_flops / 1e12:g} TFLOP/s dense bf16, {a.bandwidth / 1e12:g} TB/s, "
+        f"at {plan.efficiency:.0%} of the roofline"
+    )
+
+
+def table(plan: TimePlan) -> str:
+    """One accelerator's block: each program per call and per iteration, then the run."""
+    lines = [
+        f"time per iteration on {_device_line(plan)} ({ESTIMATE}; per device):",
+        f"{'program':<11}  {'calls/iter':>10}  {'TFLOP/call':>10}  {'GB/call':>9}  "
+        f"{'bound':>7}  {'per call':>9}  {'per iter':>9}",
+    ]
+    for p in plan.programs:
+        moved = f"{p.bytes_accessed / 1e9:.2f}" if p.bytes_counted else "-"  # a CPU's: not shown
+        lines.append(
+            f"{p.name:<11}  {p.calls:>10.2f}  {tera(p.flops):>10}  "
+            f"{moved:>9}  {p.bound:>7}  {seconds(p.estimate_s):>9}  "
+            f"{seconds(p.per_iteration_s):>9}"
+        )
+    lines += [
+        f"one iteration: {tera(plan.flops_per_iteration)} TFLOP per device, "
+        f"{seconds(plan.seconds_per_iteration)} ({ESTIMATE}); {plan.iterations} iterations: "
+        f"{hours(plan.hours)} on {plan.devices} device{'s' if plan.devices > 1 else ''}, "
+        f"{plan.device_hours:.3g} device-hours ({ESTIMATE})",
+        "not counted: " + "; ".join(plan.not_counted) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def as_json(plan: TimePlan) -> dict:
+    return {
+        "accelerator": dataclasses.asdict(plan.accelerator),
+        "efficiency": plan.efficiency,
+        "devices": plan.devices,
+        "iterations": plan.iterations,
+        "programs": {
+            p.name: {
+                "calls_per_iteration": p.calls,
+                "flops": p.flops,
+                "bytes_accessed": p.bytes_accessed,
+                "compute_seconds": p.compute_s,
+                "memory_seconds": p.memory_s,
+                "bound": p.bound,
+                "bytes_counted": p.bytes_counted,
+                "estimate_seconds": p.estimate_s,
+                "seconds_per_iteration": p.per_iteration_s,
+            }
+            for p in plan.programs
+        },
+        "flops_per_iteration": plan.flops_per_iteration,
+        "seconds_per_iteration": plan.seconds_per_iteration,
+        "hours": plan.hours,
+        "device_hours": plan.device_hours,
+        "measured": False,
+        "not_counted": list(plan.not_counted),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Compared:
+    """One run of a `--compare` table."""
+
+    name: str
+    leaves: int
+    rollout_rows_per_leaf: float
+    train_rows_per_leaf: float  # denoiser forwards of the train step per leaf
+    largest_total: int  # bytes per device, the memory plan's largest program
+    time: TimePlan
+
+
+def compare_table(rows: list[Compared], setting: str) -> str:
+    first = rows[0].time
+    lines = [
+        f"runs compared at {setting}, on {_device_line(first)} ({ESTIMATE}; per device):",
+        f"{'run':<28}  {'leaves':>6}  {'rollout rows/leaf':>17}  {'train rows/leaf':>15}  "
+        f"{'TFLOP/iter':>10}  {'s/iter':>9}  {'ratio':>6}  {'memory':>9}",
+    ]
+    for r in rows:
+        t = r.time
+        lines.append(
+            f"{r.name:<28}  {r.leaves:>6}  {r.rollout_rows_per_leaf:>17.2f}  "
+            f"{r.train_rows_per_leaf:>15.2f}  {tera(t.flops_per_iteration):>10}  "
+            f"{seconds(t.seconds_per_iteration):>9}  "
+            f"{t.seconds_per_iteration / first.seconds_per_iteration:>6.2f}  "
+            f"{r.largest_total / 2**30:>5.1f} GiB"
+        )
+    lines.append(
+        "rows per leaf: denoiser rows of the rollout and forward rows of the train steps per "
+        "leaf, averaged over the run's iterations; ratio: seconds per iteration over the first "
+        "run's; memory: the largest program's total per device."
+    )
+    return "\n".join(lines)
+
+
+def compare_json(rows: list[Compared]) -> list[dict]:
+    first = rows[0].time.seconds_per_iteration
+    return [
+        {
+            "run": r.name,
+            "leaves": r.leaves,
+            "rollout_rows_per_leaf": r.rollout_rows_per_leaf,
+            "train_rows_per_leaf": r.train_rows_per_leaf,
+            "largest_total_bytes": r.largest_total,
+            "ratio": r.time.seconds_per_iteration / first,
+            "time": as_json(r.time),
+        }
+        for r in rows
+    ]

@@ -1,0 +1,71 @@
+"""The accelerators the plan estimates time on: each one's dense bfloat16 peak and memory
+bandwidth from its vendor's data sheet (docs/plan.md cites each), and the share of that
+roofline a program is assumed to reach. Plain data: the command reads it before JAX starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One device's dense bfloat16 peak and memory bandwidth, as its data sheet gives them."""
+
+    name: str
+    title: str
+    peak_flops: float  # FLOP/s, dense bfloat16 (no structured sparsity)
+    bandwidth: float  # bytes/s of its high-bandwidth memory
+    memory_gb: float = 0.0  # 10^9 bytes; 0 where unknown (`--peak_tflops` / `--bandwidth`)
+
+
+# Vendors' data sheets; docs/plan.md cites each one.
+ACCELERATORS = {
+    a.name: a
+    for a in (
+        Accelerator("h100", "NVIDIA H100 SXM", 989e12, 3.35e12, 80),
+        Accelerator("h200", "NVIDIA H200 SXM", 989e12, 4.8e12, 141),
+        Accelerator("a100", "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80),
+        Accelerator("b200", "NVIDIA B200 (HGX)", 2250e12, 8e12, 180),
+        Accelerator("tpu-v5e", "Google TPU v5e", 197e12, 0.819e12, 16),
+        Accelerator("tpu-v5p", "Google TPU v5p", 459e12, 2.765e12, 95),
+        Accelerator("tpu-v6e", "Google TPU v6e (Trillium)", 918e12, 1.64e12, 32),
+    )
+}
+# The share of the roofline bound a program is assumed to reach; docs/plan.md says why.
+DEFAULT_EFFICIENCY = 0.35
+
+
+def accelerator(
+    name: str, peak_tflops: float | None = None, bandwidth_tb: float | None = None
+) -> Accelerator:
+    """The named accelerator, with either figure replaced when given; name "custom" takes
+    both from the arguments. ValueError with one sentence for an unknown name or a figure
+    that is not a positive number."""
+    for figure, value in (("--peak_tflops", peak_tflops), ("--bandwidth", bandwidth_tb)):
+        if value is not None and not (0 < value < 1e6):
+            raise ValueError(f"{figure}={value:g} must be a positive number.")
+    name = name.strip().lower()  # H100, TPU-v5p
+    if name == "custom":
+        if peak_tflops is None or bandwidth_tb is None:
+            raise ValueError("--accelerator=custom needs both --peak_tflops and --bandwidth.")
+        return Accelerator("custom", "custom", peak_tflops * 1e12, bandwidth_tb * 1e12)
+    if name not in ACCELERATORS:
+        raise ValueError(
+            f"unknown accelerator {name!r}; name one of {', '.join(ACCELERATORS)}, or custom "
+            "with --peak_tflops and --bandwidth."
+        )
+    chosen = ACCELERATORS[name]
+    return dataclasses.replace(
+        chosen,
+        peak_flops=chosen.peak_flops if peak_tflops is None else peak_tflops * 1e12,
+        bandwidth=chosen.bandwidth if bandwidth_tb is None else bandwidth_tb * 1e12,
+    )
+
+
+def check_efficiency(efficiency: float) -> float:
+    if not 0 < efficiency <= 1:
+        raise ValueError(
+            f"--efficiency={efficiency:g} must be a fraction of the roofline above 0 and at "
+            "most 1, e.g. 0.4."
+        )
+    return efficiency

@@ -1,0 +1,219 @@
+"""How long an iteration of a run should take on a named accelerator, from its compiled
+programs' loop-counted FLOPs and bytes (`program_cost`): a roofline estimate, not a
+measurement.
+
+Each program's bound on one device is the longer of its FLOPs at the accelerator's peak dense
+bfloat16 rate and its bytes at the memory bandwidth; the estimate is that bound over the
+fraction of it a real program reaches (`efficiency`). Compiled on a CPU for another target (the
+plan's usual case), the bytes are the CPU's, far above a GPU's or TPU's, and only the FLOPs
+bound the estimate. An iteration runs the rollout and the
+decode once, the train step once per minibatch of every inner epoch (or `accumulate` once per
+minibatch and `apply` once per update) and the evaluation every `eval.every` iterations; the
+train step's count is averaged over the run's iterations, since a sliding window or pruning
+changes the rows each one trains. Not counted: reward scoring (its models are not compiled),
+the host's work between programs, and communication between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from tree_grpo_jax import methods
+from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.run.accelerators import DEFAULT_EFFICIENCY, Accelerator
+from tree_grpo_jax.run.program_cost import ProgramCost
+
+# ---------------------------------------------------------------------------------------------
+# How often each program runs in one iteration.
+
+
+def minibatches_per_iteration(config) -> float:
+    """Train minibatches of one iteration (every inner epoch), averaged over the run: the
+    global rows each iteration trains, as the method counts them, in whole minibatches."""
+    method = methods.get(config.tree.method)
+    iterations = _iterations(config)
+    prompts, per_minibatch = config.prompts.batch_size, config.train.rows_per_minibatch
+    total = sum(
+        transitions.num_minibatches(
+            method.training_counts(config, i)["train_rows"] * prompts, per_minibatch
+        )
+        for i in iterations
+    )
+    return total / len(iterations) * config.train.inner_epochs
+
+
+def rows_per_leaf(config) -> tuple[int, float, float]:
+    """(leaves per prompt, rollout denoiser rows per leaf, train-step forward rows per leaf),
+    the rows averaged over the run's iterations, as the method counts them."""
+    method = methods.get(config.tree.method)
+    counts = [method.training_counts(config, i) for i in _iterations(config)]
+    leaves = counts[0]["leaves"]
+    rollout_rows = sum(c["rollout_rows"] for c in counts) / len(counts)
+    train_rows = sum(c["train_forward_rows"] for c in counts) / len(counts)
+    return leaves, rollout_rows / leaves, train_rows / leaves
+
+
+def calls_per_iteration(config) -> dict[str, float]:
+    """How many times each program runs in one iteration, on average over the run."""
+    minibatches = minibatches_per_iteration(config)
+    updates = config.train.get("updates_per_iteration", 0)
+    every = config.eval.every
+    return {
+        "rollout": 1.0,
+        "decode": 1.0,
+        "train_step": minibatches,
+        "accumulate": minibatches,
+        "apply": float(min(updates, math.ceil(minibatches))) if updates else 0.0,
+        "evaluate": 1.0 / every if every else 0.0,
+    }
+
+
+def _iterations(config) -> range:
+    return range(max(1, min(int(config.train.iterations), 10_000)))
+
+
+def rollout_cost(config, cost: ProgramCost) -> ProgramCost:
+    """The rollout's cost averaged over the run's iterations: the ODE loops whose bounds
+    move with a sliding window get each iteration's trip counts (the compiled program takes
+    the window's position as an argument, so XLA cannot know them)."""
+    method = methods.get(config.tree.method)
+    spec = method.run_spec(config)
+    iterations = _iterations(config)
+    trips = [rollout.moving_ode_trips(spec, method.window_start_at(config, i)) for i in iterations]
+    if not trips[0] or len(trips[0]) != len(cost.unknown_loops):
+        return cost
+    mean = [sum(t[j] for t in trips) / len(trips) for j in range(len(trips[0]))]
+    return cost.with_trips(mean)
+
+
+# ---------------------------------------------------------------------------------------------
+# The roofline.
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+    name: str
+    calls: float  # per iteration
+    flops: float  # one call, one device
+    bytes_accessed: float
+    compute_s: float  # one call at the peak FLOP rate
+    memory_s: float  # one call at the full bandwidth
+    estimate_s: float  # one call: the bound over the efficiency
+    bytes_counted: bool = True  # False: the bytes are a CPU compile's, not the target's
+
+    @property
+    def bound(self) -> str:
+        if not self.bytes_counted:
+            return "flops"
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def per_iteration_s(self) -> float:
+        return self.calls * self.estimate_s
+
+
+@dataclasses.dataclass(frozen=True)
+class TimePlan:
+    accelerator: Accelerator
+    efficiency: float
+    devices: int
+    iterations: int
+    programs: tuple[ProgramTime, ...]
+    not_counted: tuple[str, ...]
+
+    @property
+    def seconds_per_iteration(self) -> float:
+        return sum(p.per_iteration_s for p in self.programs)
+
+    @property
+    def flops_per_iteration(self) -> float:
+        """One device's FLOPs in one iteration."""
+        return sum(p.calls * p.flops for p in self.programs)
+
+    @property
+    def hours(self) -> float:
+        """Wall-clock hours of `iterations` iterations."""
+        return self.seconds_per_iteration * self.iterations / 3600
+
+    @property
+    def device_hours(self) -> float:
+        return self.hours * self.devices
+
+
+def program_time(
+    name: str,
+    cost: ProgramCost,
+    calls: float,
+    device: Accelerator,
+    efficiency: float,
+    bytes_counted: bool = True,
+) -> ProgramTime:
+    """One program's time per call: the roofline bound over `efficiency`; without
+    `bytes_counted`, the compute time alone."""
+    compute = cost.flops / device.peak_flops
+    memory = cost.bytes_accessed / device.bandwidth
+    return ProgramTime(
+        name=name,
+        calls=calls,
+        flops=cost.flops,
+        bytes_accessed=cost.bytes_accessed,
+        compute_s=compute,
+        memory_s=memory,
+        estimate_s=(max(compute, memory) if bytes_counted else compute) / efficiency,
+        bytes_counted=bytes_counted,
+    )
+
+
+def plan_time(
+    config,
+    costs: Mapping[str, ProgramCost],
+    devices: int,
+    device: Accelerator,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    bytes_counted: bool = True,
+) -> TimePlan:
+    """The time plan of one iteration of `config` from its programs' `costs` (one device).
+    `bytes_counted`: the costs come from a compile for the target itself, so their bytes
+    bound the time too; a CPU compile's bytes are not a GPU's or TPU's (the CPU fuses far
+    less, and the plan turns its loop-invariant code motion off), so they are shown but the
+    estimate is the FLOPs alone."""
+    calls = calls_per_iteration(config)
+    if "rollout" in costs:
+        costs = {**costs, "rollout": rollout_cost(config, costs["rollout"])}
+    programs = tuple(
+        program_time(name, cost, calls[name], device, efficiency, bytes_counted)
+        for name, cost in costs.items()
+        if calls.get(name)
+    )
+    steps = ("accumulate", "apply") if config.train.get("updates_per_iteration", 0) else ()
+    expected = ("rollout", "decode", *(steps or ("train_step",)), "evaluate")
+    missing = [n for n in expected if calls[n] and n not in costs]
+    not_counted = [
+        "reward scoring (its models are not compiled by the plan)",
+        "the host's work between programs",
+        "communication between devices",
+    ]
+    if missing:
+        not_counted.insert(0, f"{', '.join(missing)} (not compiled)")
+    if not bytes_counted:
+        not_counted.append(
+            "memory traffic: the bytes are a CPU compile's, an upper bound on the target's "
+            "(the CPU fuses far less), so the estimate is the FLOPs at the peak over the "
+            "efficiency, and the efficiency stands for the memory stalls too"
+        )
+    unknown = [n for n, c in costs.items() if c.unknown_loops]
+    if unknown:
+        not_counted.append(
+            f"the repeats of loops whose trip count XLA does not know in {', '.join(unknown)} "
+            "(each counted once)"
+        )
+    return TimePlan(
+        accelerator=device,
+        efficiency=efficiency,
+        devices=devices,
+        iterations=int(config.train.iterations),
+        programs=programs,
+        not_counted=tuple(not_counted),
+    )
