@@ -41,6 +41,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tree_grpo_jax.weights import convert, stacking
 from tree_grpo_jax.weights.files import unwrap_params
+from tree_grpo_jax.weights.low_rank import ATTACHED, Attached, merged_kernel
 from tree_grpo_jax.weights.staging import CARD_FILE, check_out_dir, new_file_mode, write_staged
 
 KeyPath = tuple[str, ...]
@@ -146,11 +147,12 @@ def _leaf(tree, path: KeyPath):
 
 
 def _replace(tree, path: KeyPath, value):
-    """`tree` with the leaf at `path` replaced; only the dicts along the path are copied."""
+    """`tree` with the leaf at `path` replaced (or added); only the dicts along the path are
+    copied."""
     if not path:
         return value
     node = dict(tree)
-    node[path[0]] = _replace(tree[path[0]], path[1:], value)
+    node[path[0]] = _replace(tree.get(path[0], {}), path[1:], value)
     return node
 
 
@@ -231,17 +233,54 @@ def merge(base_params, lora, alpha: float, rank: int):
     for module, (a, b) in _factor_pairs(lora).items():
         path = module + ("kernel",)
         kernel = _leaf(base_params, path)
-        layers = kernel.shape[:-2]  # (layers,) for a scanned run's stacked kernel
-        chex.assert_rank(kernel, 2 + len(layers))
-        chex.assert_shape(a, (*layers, kernel.shape[-2], rank))
-        chex.assert_shape(b, (*layers, rank, kernel.shape[-1]))
-        dtype = jnp.promote_types(kernel.dtype, jnp.float32)
-        delta = jnp.matmul(
-            jnp.asarray(a, dtype), jnp.asarray(b, dtype), precision=jax.lax.Precision.HIGHEST
-        )
-        updated = jnp.asarray(kernel, dtype) + scale * delta
-        merged = _replace(merged, path, updated.astype(kernel.dtype))
+        _check_factors(kernel, a, b, rank)
+        merged = _replace(merged, path, merged_kernel(kernel, a, b, scale))
     return merged
+
+
+def _check_factors(kernel, a, b, rank: int) -> None:
+    layers = kernel.shape[:-2]  # (layers,) for a scanned run's stacked kernel
+    chex.assert_shape(a, (*layers, kernel.shape[-2], rank))
+    chex.assert_shape(b, (*layers, rank, kernel.shape[-1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging one block at a time.
+#
+# Merged up front, the adapted weights are a second copy of the base's kernels (22 GB for
+# FLUX.1 in bfloat16) beside the frozen base; a scanned run merges one block at a time
+# instead (`weights.low_rank`).
+
+
+def attach(base_params, lora, alpha: float, rank: int):
+    """The denoiser's weights for `lora` on `base_params`, the same function as `merge`
+    computes: each adapted kernel of a scanned run (stacked) keeps the base's array and
+    carries its factors (`Attached` under `ATTACHED` in its module), merged block by block
+    inside the scan (`low_rank.merge_attached`); any other adapted kernel is merged now
+    (jitted, as `Adapter.merged` merges). Every other leaf is the base's own. `alpha` and
+    `rank` are static."""
+    rank = _check_rank(rank)
+    if stacking.is_stacked(lora) and not stacking.is_stacked(base_params):
+        lora = stacking.unstack(lora)  # a scanned run's factors on a base read block by block
+    pairs = _factor_pairs(lora)
+    scanned = {m: f for m, f in pairs.items() if _in_scanned_run(m)}
+    now = {m + (n,): x for m, f in pairs.items() if m not in scanned for n, x in zip(_FACTORS, f)}
+    weights = base_params
+    if now:  # only these kernels go through the jitted merge (it copies what it returns)
+        paths = [m[:-1] + ("kernel",) for m in now if m[-1] == "a"]
+        kernels = unflatten_dict({p: _leaf(base_params, p) for p in paths})
+        merged = _merged(kernels, unflatten_dict(now), alpha, rank)
+        for path in paths:
+            weights = _replace(weights, path, _leaf(merged, path))
+    for module, (a, b) in scanned.items():
+        path = module + ("kernel",)
+        _check_factors(_leaf(base_params, path), a, b, rank)
+        weights = _replace(weights, module + (ATTACHED,), Attached(a, b, alpha / rank))
+    return weights
+
+
+def _in_scanned_run(path: KeyPath) -> bool:
+    return len(stacking.block_names(path[0])) > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +299,19 @@ class Adapter:
 
     def merged(self, factors):
         return _merged(self.base, factors, self.alpha, self.rank)
+
+    def weights(self, factors):
+        """The denoiser's weights for `factors`, merged block by block in scanned runs
+        (`attach`): what the rollout and the evaluation sample with."""
+        return attach(self.base, factors, self.alpha, self.rank)
+
+    def merged_up_front(self, factors) -> tuple[list, list]:
+        """(base kernels, their factors) that `weights` merges up front (outside scanned
+        runs): the sampling programs take merged copies of them, and the run keeps these
+        beside. Every other base array and factor is passed in as it is."""
+        paths = [p for p in self.paths if not _in_scanned_run(p)]
+        pairs = [_leaf(factors, p[:-1] + (n,)) for p in paths for n in _FACTORS]
+        return [_leaf(self.base, p) for p in paths], pairs
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

@@ -339,6 +339,8 @@ NAME_CASES = [
     ("name", "", "name must be a folder name without '/'"),
     ("name", "a/b", "name must be a folder name without '/'"),
     ("prompts.source", "", "prompts.source must name a prompt set or file"),
+    ("train.optimizer_state_dtype", "float16", "train.optimizer_state_dtype must be one of"),
+    ("train.optimizer_state_dtype", "bf16", "float32, bfloat16 (the dtype Adam's two moments"),
 ]
 
 

@@ -266,3 +266,60 @@ def test_unet_remat_per_block_changes_no_number():
     # at least 1e-2 of the largest. A recomputation that went wrong differs by whole units.
     largest = max(float(np.max(np.abs(g))) for g in jax.tree_util.tree_leaves(grad))
     _close(remat_grad, grad, tolerance=1e-5, floor=1e-2 * largest)
+
+
+def test_lora_merged_block_by_block_samples_as_the_merged_weights():
+    """The rollout and the evaluation sample with LoRA's factors attached to the stacked
+    kernels and merged inside the scan (`lora.attach`), one block at a time: the same
+    samples as with the whole merged weights (`lora.merge`), on a bfloat16 base."""
+    from tree_grpo_jax.core import rollout
+    from tree_grpo_jax.core import tree_spec as ts
+    from tree_grpo_jax.core.sampling import make_flow_schedule
+    from tree_grpo_jax.models.flux.load import make_denoise
+
+    module = flux.transformer_module(FLUX_CONFIG, jnp.bfloat16, scan_layers=True)
+    shapes = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    base = jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16), stacking.stack(_params("flux"), shapes)
+    )
+    # the family's targets and one kernel outside the scanned runs (merged up front)
+    paths = lora.target_paths(base, ("to_q", "to_k", "to_v", "to_out_0", "proj_out"))
+    assert ("proj_out", "kernel") in paths
+    factors = lora.init_lora(jax.random.PRNGKey(5), base, paths, rank=4)
+    factors = jax.tree_util.tree_map(  # b is zero at the start: give it values
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(6), x.shape), factors
+    )
+    merged = lora.merge(base, factors, 8.0, 4)
+    attached = lora.attach(base, factors, 8.0, 4)
+    # the scanned runs' kernels are the base's own arrays, not merged copies
+    run = attached["single_transformer_blocks_0_to_2"]["attn"]["to_q"]
+    assert run["kernel"] is base["single_transformer_blocks_0_to_2"]["attn"]["to_q"]["kernel"]
+    assert isinstance(run[lora.ATTACHED], lora.Attached)
+    np.testing.assert_array_equal(attached["proj_out"]["kernel"], merged["proj_out"]["kernel"])
+    # what the sampling programs do not take (the memory plan's and the start's `held`): the
+    # kernel merged up front and its two factors, nothing of the scanned runs
+    kernels, pair = lora.Adapter(base, paths, 4, 8.0, "").merged_up_front(factors)
+    assert len(kernels) == 1 and kernels[0] is base["proj_out"]["kernel"]
+    assert [x.shape for x in pair] == [
+        f.shape for f in (factors["proj_out"]["a"], factors["proj_out"]["b"])
+    ]
+
+    denoise = make_denoise(module, guidance=3.5)
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    cond = jax.random.normal(keys[0], (2, 6, 32 + 24))  # 5 text tokens and the pooled row
+    schedule = make_flow_schedule(4)
+    spec = ts.TreeSpec((ts.SDE, ts.BRANCH(2), ts.ODE, ts.BRANCH(2)))
+
+    def samples(weights):
+        tree = rollout.rollout(
+            denoise, weights, cond, keys[1], schedule, spec=spec, sample_shape=(16, 8, 8)
+        )
+        noise = jax.random.normal(keys[2], (2, 16, 8, 8))
+        final = rollout.sample_deterministic(denoise, weights, cond, noise, schedule)
+        # every array of the tree (leaves, each segment's states and log-probs), the samples
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)] + [np.asarray(final)]
+
+    reference = samples(merged)
+    assert np.abs(reference[-1] - samples(base)[-1]).max() > 1e-3  # the adapter is no no-op
+    for ours, theirs in zip(samples(attached), reference):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6 * np.abs(theirs).max())

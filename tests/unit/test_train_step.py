@@ -46,7 +46,9 @@ def _reference_grads(params, batch):
     return jax.grad(lambda p: loss_of(p)[0])(params)
 
 
-def _train_config(max_grad_norm: float, grad_accumulation: int) -> ml_collections.ConfigDict:
+def _train_config(
+    max_grad_norm: float, grad_accumulation: int, state_dtype: str = "float32"
+) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             max_grad_norm=max_grad_norm,
@@ -55,6 +57,7 @@ def _train_config(max_grad_norm: float, grad_accumulation: int) -> ml_collection
             adam_eps=1e-6,
             weight_decay=0.01,
             grad_accumulation=grad_accumulation,
+            optimizer_state_dtype=state_dtype,
         )
     )
 
@@ -68,11 +71,14 @@ def _step(train_cfg, params, settings=_Settings()):
     return tx, state, step
 
 
-@pytest.mark.parametrize("max_grad_norm, grad_accumulation", [(0.3, 1), (100.0, 1), (0.3, 2)])
-def test_one_vector_update_is_optax_array_by_array(max_grad_norm, grad_accumulation):
+@pytest.mark.parametrize(
+    "max_grad_norm, grad_accumulation, state_dtype",
+    [(0.3, 1, "float32"), (100.0, 1, "float32"), (0.3, 2, "float32"), (0.3, 2, "bfloat16")],
+)
+def test_one_vector_update_is_optax_array_by_array(max_grad_norm, grad_accumulation, state_dtype):
     params = _params(jax.random.key(0))
     assert train_step._one_vector_fits(params)
-    train_cfg = _train_config(max_grad_norm, grad_accumulation)
+    train_cfg = _train_config(max_grad_norm, grad_accumulation, state_dtype)
     tx, state, step = _step(train_cfg, params)
     reference_params, reference_opt = params, tx.init(params)
     norms = []
@@ -138,3 +144,42 @@ def test_mixed_dtypes_or_a_single_array_keep_the_per_array_update():
     assert not train_step._one_vector_fits({"a": jnp.ones(3)})
     big = jax.ShapeDtypeStruct((train_step.ONE_VECTOR_MAX_ELEMENTS, 2), jnp.float32)
     assert not train_step._one_vector_fits({"a": big, "b": big})
+
+
+def test_bfloat16_state_is_adam_in_float32_with_its_moments_rounded_to_bfloat16():
+    """train.optimizer_state_dtype="bfloat16": Adam's step is the float32 formula on the
+    moments as kept, and the new moments are kept rounded to bfloat16 (numpy reference);
+    float32 is optax's own Adam."""
+    b1, b2, eps = 0.9, 0.99, 1e-6
+    tx = train_step._adam(b1, b2, eps, "bfloat16")
+    params = _params(jax.random.key(2))
+    state = tx.init(params)
+    assert {x.dtype for x in jax.tree_util.tree_leaves((state.mu, state.nu))} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    to_bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
+    mu = {k: np.zeros(np.shape(v), np.float32) for k, v in _flat(params).items()}
+    nu = dict(mu)
+    for t in range(1, 6):
+        grads = jax.tree_util.tree_map(
+            lambda x, t=t: jax.random.normal(jax.random.key(t), x.shape) * 10.0**-t, params
+        )
+        updates, state = tx.update(grads, state, params)
+        got_updates, got_mu, got_nu = _flat(updates), _flat(state.mu), _flat(state.nu)
+        for k, g in _flat(grads).items():
+            g = np.asarray(g, np.float32)
+            m = b1 * mu[k] + (1 - b1) * g
+            v = b2 * nu[k] + (1 - b2) * g * g
+            want = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+            np.testing.assert_allclose(got_updates[k], want, rtol=1e-4, atol=1e-6)
+            mu[k], nu[k] = to_bf16(m), to_bf16(v)
+            # rounded to the nearest bfloat16 (one step either way where float32 ties)
+            for got, kept in ((got_mu[k], mu[k]), (got_nu[k], nu[k])):
+                assert got.dtype == jnp.bfloat16
+                np.testing.assert_allclose(np.asarray(got, np.float32), kept, rtol=2**-8)
+    reference = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    assert type(train_step._adam(b1, b2, eps, "float32")) is type(reference)
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}

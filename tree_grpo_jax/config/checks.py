@@ -23,6 +23,7 @@ from tree_grpo_jax.rewards import registry as reward_registry
 
 WIDTH_PRUNING = ("none", *pruning.WIDTH_MODES)
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 # jax.random.PRNGKey keeps 32 bits without x64: 2**32 would be seed 0 again, 2**64 overflows.
 SEED_LIMIT = 2**32
 # Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
@@ -608,6 +609,12 @@ def _check_adam(tr) -> None:
         _require(0 <= tr[field] < 1, f"train.{field} must be in [0, 1), got {tr[field]}.")
     _require(tr.adam_eps > 0, f"train.adam_eps must be positive, got {tr.adam_eps}.")
     _require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
+    state_dtype = tr.get("optimizer_state_dtype", "float32")
+    _require(
+        state_dtype in OPTIMIZER_STATE_DTYPES,
+        f"train.optimizer_state_dtype must be one of {', '.join(OPTIMIZER_STATE_DTYPES)} (the "
+        f"dtype Adam's two moments are kept in), got {_describe(state_dtype)}.",
+    )
 
 
 def _check_mesh(mesh) -> None:

@@ -231,6 +231,9 @@ def _train() -> ml_collections.ConfigDict:
     s.adam_b1 = 0.9
     s.adam_b2 = 0.999
     s.adam_eps = 1e-8
+    # Adam's two moments: "float32", or "bfloat16" (half their memory; each update computes
+    # in float32 and rounds the new moments to bfloat16)
+    s.optimizer_state_dtype = "float32"
     s.max_grad_norm = 1.0
     s.inner_epochs = 1  # passes over each iteration's transitions
     s.rows_per_minibatch = 32  # denoiser rows (parents) per train step

@@ -28,7 +28,7 @@ from tree_grpo_jax.models.base import (  # noqa: F401 (REMAT_MODES re-exported)
     constrain_rows,
     remat_mode,
 )
-from tree_grpo_jax.weights import stacking
+from tree_grpo_jax.weights import low_rank, stacking
 
 NORM_EPS = 1e-6
 TIMESTEP_CHANNELS = 256
@@ -329,8 +329,13 @@ class DiT(nn.Module):
             if first == last:
                 blocks[str(first)] = self.block_class(block)(**shared, **layers[first])
                 continue
+            # LoRA factors attached to the stacked kernels (`weights.low_rank`) are merged into
+            # each block's slice as the scan reaches it: one block's merged kernels at a time.
+            body = nn.map_variables(
+                _scan_body(block), "params", _merge_factors, init=self.is_initializing()
+            )
             scanned = nn.scan(
-                self._remat(_scan_body(block), scanned=True),
+                self._remat(body, scanned=True),
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,) * broadcast,
@@ -363,6 +368,10 @@ def _runs(layers: list[dict]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i))
     return runs
+
+
+def _merge_factors(variables: dict) -> dict:
+    return {name: low_rank.merge_attached(tree) for name, tree in variables.items()}
 
 
 @functools.cache

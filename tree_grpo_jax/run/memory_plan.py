@@ -284,11 +284,11 @@ def _bytes(tree) -> int:
     return device_bytes(leaves, [x.sharding for x in leaves])
 
 
-def _held(name: str, resident: dict[str, int], lora_run: bool) -> int:
-    """What stays on the device while `name` runs but is not one of its arguments."""
+def _held(name: str, resident: dict[str, int], lora_beside: dict[str, int]) -> int:
+    """What stays on the device while `name` runs but is not one of its arguments
+    (`lora_beside`: the LoRA base and factors the sampling programs do not take)."""
     # (with an old policy, the rollout takes it and the trained params stay: the same bytes)
     state = ["optimizer state", "old policy"]
-    state += ["trained params", "LoRA base"] if lora_run else []
     between = [*state, "KL reference", "decoder weights"]  # rollout, evaluation
     held = {
         "rollout": between,
@@ -305,7 +305,20 @@ def _held(name: str, resident: dict[str, int], lora_run: bool) -> int:
             "rollout tree",
         ],
     }[name]
-    return sum(resident.get(k, 0) for k in held)
+    return sum(resident.get(k, 0) for k in held) + lora_beside.get(name, 0)
+
+
+def _lora_beside(trainer, state) -> dict[str, int]:
+    """Per device, the LoRA base kernels and factors the rollout and the evaluation do not
+    take: those merged up front (outside scanned runs), whose merged copies they take."""
+    if trainer.adapter is None:
+        return {}
+    base, factors = trainer.adapter.merged_up_front(state.params)
+    with_kl = trainer.kl_reference is not None  # then the evaluation takes the whole base
+    return {
+        "rollout": _bytes(base) + _bytes(factors),
+        "evaluate": (not with_kl) * _bytes(base) + _bytes(factors),
+    }
 
 
 def _not_planned(config, model, measured, names) -> tuple[str, ...]:
@@ -408,11 +421,11 @@ def plan_memory(
         programs.append(("decode", decode_what, decode))
     elif model.decode is not None:
         programs.append(("decode", "", None))
-    lora_run = trainer.adapter is not None
+    beside = _lora_beside(trainer, state)
     platform = devices[0].platform
     options = compile_options(platform)
     measured = [
-        compile_memory(name, what, program, _held(name, resident, lora_run), progress, options)
+        compile_memory(name, what, program, _held(name, resident, beside), progress, options)
         for name, what, program in programs
         if name in chosen
     ]

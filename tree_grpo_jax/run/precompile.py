@@ -159,12 +159,15 @@ def _held(trainer, state) -> dict[str, int]:
     # the trained weights stay: the same bytes either way
     old = old_params(state)
     optimizer = device_bytes(state.opt_state) + (0 if old is None else device_bytes(old))
-    if trainer.adapter is not None:  # the programs take the merged weights; base, factors stay
-        kept = optimizer + device_bytes(trainer.adapter.base) + device_bytes(state.params)
-        with_kl = trainer.kl_reference is not None  # then the eval takes the base
+    if trainer.adapter is not None:
+        # the programs take the base and the factors, less the kernels merged up front
+        # (outside scanned runs) whose merged copies they take instead
+        base, factors = trainer.adapter.merged_up_front(state.params)
+        kept = optimizer + device_bytes(factors)
+        with_kl = trainer.kl_reference is not None  # then the eval takes the whole base
         return {
-            "rollout": kept,
-            "evaluation": kept - with_kl * device_bytes(trainer.adapter.base),
+            "rollout": kept + device_bytes(base),
+            "evaluation": kept + (not with_kl) * device_bytes(base),
             "train step": 0,  # it takes them all; the rollout's tree is small beside it
         }
     # full fine-tuning keeps a copy of the initial weights for the KL (taken by the eval)

@@ -64,19 +64,41 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
         float(train.adam_eps),
         float(train.weight_decay),
         int(train.grad_accumulation),
+        str(train.get("optimizer_state_dtype", "float32")),
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _optimizer(max_grad_norm, b1, b2, eps, weight_decay, grad_accumulation):
+def _optimizer(max_grad_norm, b1, b2, eps, weight_decay, grad_accumulation, state_dtype):
     tx = optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        _adam(b1, b2, eps, state_dtype),
         optax.add_decayed_weights(weight_decay),
     )
     if grad_accumulation > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=grad_accumulation)
+        # the accumulated gradient is optimizer state too, kept in `state_dtype` (each
+        # minibatch's mean is taken in float32 and rounded to it)
+        tx = optax.MultiSteps(tx, every_k_schedule=grad_accumulation, accumulator_dtype=state_dtype)
     return tx
+
+
+def _adam(b1, b2, eps, state_dtype: str) -> optax.GradientTransformation:
+    """Adam's scaling, its two moments kept in `state_dtype` (train.optimizer_state_dtype):
+    float32 is optax's own; bfloat16 halves their memory, each update computing optax's
+    float32 arithmetic on them and rounding the new moments to bfloat16 to keep them."""
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    if state_dtype == "float32":
+        return adam
+
+    def kept(state, dtype):
+        cast = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)  # noqa: E731
+        return state._replace(mu=cast(state.mu), nu=cast(state.nu))
+
+    def update(updates, state, params=None):
+        updates, state = adam.update(updates, kept(state, jnp.float32), params)
+        return updates, kept(state, state_dtype)
+
+    return optax.GradientTransformation(lambda p: kept(adam.init(p), state_dtype), update)
 
 
 def learning_rate(train: ml_collections.ConfigDict, iteration: int) -> float:
@@ -179,23 +201,25 @@ def _apply_to_one_vector(tx, state: TrainState, grads, lr, loss):
     order)."""
     vector, unravel = ravel_pytree(state.params)
     treedef = jax.tree_util.tree_structure(state.params)
-    kinds = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state.params)]
+    shapes = [x.shape for x in jax.tree_util.tree_leaves(state.params)]
 
-    def like_params(x) -> bool:
+    def like_params(x) -> bool:  # (in any one dtype: Adam's moments may be kept in bfloat16)
         leaves = jax.tree_util.tree_leaves(x)
         return (
             jax.tree_util.tree_structure(x) == treedef
-            and [(y.shape, y.dtype) for y in leaves] == kinds
+            and [y.shape for y in leaves] == shapes
+            and len({y.dtype for y in leaves}) == 1
         )
 
     parts, parts_def = jax.tree_util.tree_flatten(state.opt_state, is_leaf=like_params)
-    raveled = [like_params(part) for part in parts]
-    flat_parts = [ravel_pytree(p)[0] if r else p for p, r in zip(parts, raveled, strict=True)]
+    # each part raveled in its own dtype, and unraveled by its own function
+    raveled = [ravel_pytree(p) if like_params(p) else None for p in parts]
+    flat_parts = [p if r is None else r[0] for p, r in zip(parts, raveled, strict=True)]
     flat_state = state.replace(params=vector, opt_state=parts_def.unflatten(flat_parts))
     flat_grads = ravel_pytree(grads)[0]
     new, applied = _apply(tx, flat_state, flat_grads, lr, loss)
     new_parts = parts_def.flatten_up_to(new.opt_state)
-    opt_state = [unravel(p) if r else p for p, r in zip(new_parts, raveled, strict=True)]
+    opt_state = [p if r is None else r[1](p) for p, r in zip(new_parts, raveled, strict=True)]
     return new.replace(
         params=unravel(new.params), opt_state=parts_def.unflatten(opt_state)
     ), applied

@@ -172,8 +172,9 @@ class Trainer:
         return self.uncond is not None
 
     def model_params(self, params):
-        """The denoiser's weights for the trained `params` (LoRA: the base, factors merged)."""
-        return params if self.adapter is None else self.adapter.merged(params)
+        """The denoiser's weights for the trained `params` (LoRA: the base with the factors,
+        merged block by block in scanned runs, `lora.attach`)."""
+        return params if self.adapter is None else self.adapter.weights(params)
 
     def _step_args(self) -> tuple:
         return () if self.adapter is None else (self.adapter.base,)
@@ -489,17 +490,17 @@ class Trainer:
         `train.updates_per_iteration` and when `accumulating`, "accumulate" and "apply"."""
         c = self.config
         weights = state.params
-        if self.adapter is not None:  # the merged weights' shapes, laid out as the base
+        if self.adapter is not None:  # the base with the factors, laid out as the params are
             adapter = self.adapter
-            merged = jax.eval_shape(
-                lambda base, p: dataclasses.replace(adapter, base=base).merged(p),
+            weights = jax.eval_shape(
+                lambda base, p: dataclasses.replace(adapter, base=base).weights(p),
                 adapter.base,
                 state.params,
             )
             weights = jax.tree_util.tree_map(
-                lambda s, b: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=b.sharding),
-                merged,
-                adapter.base,
+                lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                weights,
+                sharding.param_shardings(self.mesh, weights),
             )
         key = jax.random.split(jax.random.fold_in(self.key, 0))[0]
         lowered = {"rollout": self._rollout_program(weights, cond, key, 0, lower=True)}
