@@ -130,3 +130,54 @@ def test_a_server_failing_mid_run_stops_with_the_iteration_saved(tmp_path):
     assert saved >= 1 and len(trained) == saved  # every iteration trained is kept
     assert f"To resume from the checkpoint after iteration {saved}:" in line
     assert f"--workdir={tmp_path}" in line
+
+
+def test_each_images_prompt_metadata_reaches_the_server_in_training_and_evaluation(tmp_path):
+    """A GenEval-like prompt file: every image the server scores comes with its own prompt's
+    metadata, unchanged, in training (each leaf of a prompt's tree) and in evaluation."""
+    words = ["zero", "one", "two", "three"]
+    source = tmp_path / "prompts.jsonl"
+    with open(source, "w") as f:
+        for i, word in enumerate(words):
+            meta = {"tag": "counting", "include": [{"class": word, "count": i}]}
+            f.write(json.dumps({"prompt": f"a handwritten digit {word}", **meta}) + "\n")
+    expected = {
+        f"a handwritten digit {w}": {"tag": "counting", "include": [{"class": w, "count": i}]}
+        for i, w in enumerate(words)
+    }
+
+    def answer(index, body):
+        return json_answer({"scores": [0.5] * len(body["images"])})
+
+    with scripted(answer) as (url, record):
+        flags = _remote(
+            url,
+            f"--config.prompts.source={source}",
+            "--config.prompts.eval_source=",
+            "--config.train.iterations=1",
+        )
+        result = run_main(*flags, f"--workdir={tmp_path / 'run'}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        trained = len(record.requests)
+        from tree_grpo_jax.cli import evaluate  # the command's chunks carry it too
+
+        evaluated = run_in_process(
+            evaluate, f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'eval'}"
+        )
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert len(record.requests) > trained
+    # the start's check scores blank images, without metadata: the others are samples
+    scored = [
+        body
+        for _, _, body in record.requests
+        if any(remote.decode_item(item).any() for item in body["images"])
+    ]
+    images = 0
+    for body in scored:
+        assert len(body["metadata"]) == len(body["prompts"]) == len(body["images"])
+        for prompt, meta in zip(body["prompts"], body["metadata"]):
+            assert meta == expected[prompt], (prompt, meta)
+            images += 1
+    # the training batch's leaves (2 prompts x 4 leaves), the run's two evaluations of 4
+    # prompts, the command's base and checkpoint
+    assert images >= 2 * 4 + 2 * 4 + 2 * 4

@@ -157,10 +157,10 @@ class _Chunks:
         return sum(n.endswith(".npz") and ".tmp." not in n for n in os.listdir(self.folder))
 
 
-def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl) -> dict:
+def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata=None) -> dict:
     """The results of prompts `ids` (one chunk): metric values (sample-major), each
     prompt's diversity, the KL of each sample, a video's temporal distance, and the grid's
-    images among them."""
+    images among them. `metadata` (one per prompt, or None) reaches the rewards taking it."""
     import numpy as np
 
     from tree_grpo_jax.evaluation import diversity
@@ -172,8 +172,15 @@ def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl) -> dict:
     rows = (np.arange(k)[:, None] * n + padded[None]).reshape(-1)  # sample-major
     # each of the chunk's own prompts with its k noises (rows j * len(padded) + p)
     groups = [p + len(padded) * np.arange(k) for p in range(len(ids))] if k > 1 else []
+    chosen = rows % n
     measured = eval_metrics.measure(
-        trainer, params, [prompts[i] for i in rows % n], noise[rows], groups, with_kl
+        trainer,
+        params,
+        [prompts[i] for i in chosen],
+        noise[rows],
+        groups,
+        with_kl,
+        None if metadata is None else [metadata[i] for i in chosen],
     )
 
     def per_prompt(values):  # [K * padded, ...] -> [chunk prompts, K, ...]
@@ -196,7 +203,9 @@ def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl) -> dict:
     return done
 
 
-def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl, categories=()):
+def _evaluate_model(
+    trainer, params, label, prompts, k, size, chunks, with_kl, categories=(), metadata=None
+):
     """Every chunk of `size` prompts for one model (chunks already saved are read back);
     the model's row and its grid images (None on the processes that do not write). With
     `categories` (one per prompt, None for none), the row's `by_category` has each reward's
@@ -217,7 +226,7 @@ def _evaluate_model(trainer, params, label, prompts, k, size, chunks, with_kl, c
         # the primary process's folder decides; every process samples the chunk together
         if sharding.agree(float(chunks is not None and done is None)) > 0:
             t0 = time.time()
-            done = _chunk(trainer, params, prompts, ids, size, k, noise, with_kl)
+            done = _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata)
             if chunks is not None:
                 chunks.save(label, index, done)
                 print(
@@ -432,6 +441,7 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     config = _evaluation_config(config, k, names, with_kl=workdir is not None)
     trainer, state = setup(config, out)
     prompts, categories = list(prompt_set.prompts), prompt_set.categories
+    metadata = list(prompt_set.metadata) if any(prompt_set.metadata) else None
     # Before anything is written in `out`: a prompt the model cannot read is one sentence.
     check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
     models, step = _models(trainer, state, ckpt, step)
@@ -439,7 +449,12 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
         "run": os.path.abspath(workdir) if workdir else None,
         "step": step,
         "model": [config.model.name, config.model.path],
-        "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        # the prompts and, where the file gives any, their metadata (a reward reads it)
+        "prompts": hashlib.sha256(
+            (
+                "\n".join(prompts) + (json.dumps(metadata, sort_keys=True) if metadata else "")
+            ).encode()
+        ).hexdigest(),
         "samples_per_prompt": k,
         "metrics": names,
         "seed": config.eval.seed,
@@ -453,7 +468,7 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     for label, params in models:
         with_kl = label != "base"
         row, grid = _evaluate_model(
-            trainer, params, label, prompts, k, size, chunks, with_kl, categories
+            trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
         )
         rows.append(row)
         if primary:

@@ -32,13 +32,19 @@ class Measures:
 
 
 def measure(
-    trainer, params, prompts: Sequence[str], noise, groups: Sequence, with_kl: bool
+    trainer,
+    params,
+    prompts: Sequence[str],
+    noise,
+    groups: Sequence,
+    with_kl: bool,
+    metadata: Sequence | None = None,
 ) -> Measures:
     """Samples `prompts` from `noise` [N, *S] with `params` and measures them. `groups`: the
     row indices of each prompt's samples (two or more each) whose diversity is measured;
     empty, or a trainer without a diversity embedding, for none. `with_kl`: also the KL to
-    the trainer's `kl_reference`."""
-    batch = trainer.eval_batch(params, prompts, noise, with_kl)
+    the trainer's `kl_reference`. `metadata`: each prompt's, for the rewards that take it."""
+    batch = trainer.eval_batch(params, prompts, noise, with_kl, metadata)
     metrics = {name: batch.values(reward) for name, reward in trainer.eval_rewards.items()}
     distances = embeddings = spread = None
     if trainer.frame_embed is not None:  # videos: each frame embedded once, for both figures

@@ -87,10 +87,16 @@ class EvalSamples:
     prompts: list[str]  # their prompts
     count: int  # rows of the real batch; the rest is padding
     kl: np.ndarray | None = None  # [count] per-sample KL to the reference, every process's
+    metadata: list | None = None  # this process's rows' prompt metadata (None: none known)
 
     def values(self, fn) -> np.ndarray:
-        """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`)."""
-        return sharding.gather(np.asarray(fn(self.images, self.prompts), np.float64))[: self.count]
+        """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`); a
+        reward that takes metadata gets the rows' metadata too."""
+        if self.metadata is not None and getattr(fn, "takes_metadata", False):
+            out = fn(self.images, self.prompts, metadata=self.metadata)
+        else:
+            out = fn(self.images, self.prompts)
+        return sharding.gather(np.asarray(out, np.float64))[: self.count]
 
     def all_images(self) -> np.ndarray:
         return sharding.gather(np.asarray(self.images))[: self.count]
@@ -227,12 +233,15 @@ class Trainer:
             **self.method.objective.rollout_options(c),
         )
 
-    def score(self, images, prompts: list[str], where: str) -> tuple[np.ndarray, dict, Any]:
+    def score(
+        self, images, prompts: list[str], where: str, metadata=None
+    ) -> tuple[np.ndarray, dict, Any]:
         """Rewards of this process's images, then every process's, in process order: all
         processes check, log and normalise the same values. Also each reward's scores and,
-        for videos scored frame by frame, the total frame by frame [N, T] (else None)."""
+        for videos scored frame by frame, the total frame by frame [N, T] (else None).
+        `metadata`: each image's prompt metadata, for the rewards that take it."""
         with _reward_failures():
-            total, parts, frames = self.reward.with_frames(images, prompts)
+            total, parts, frames = self.reward.with_frames(images, prompts, metadata)
         total = sharding.gather(np.asarray(total, np.float64))
         parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
         if frames is not None:
@@ -378,7 +387,10 @@ class Trainer:
         num_prompts, num_leaves = leaves.shape[:2]
         images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
         leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
-        rewards, parts, frames = self.score(images, leaf_prompts, f"at iteration {iteration}")
+        metadata = self.prompt_metadata(prompts, sampled.rows, num_leaves)
+        rewards, parts, frames = self.score(
+            images, leaf_prompts, f"at iteration {iteration}", metadata
+        )
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
         timings["time_reward"] = time.perf_counter() - t1
 
@@ -397,16 +409,19 @@ class Trainer:
         }
         return state, metrics
 
-    def eval_batch(self, params, prompts: Sequence[str], noise, with_kl: bool = False):
+    def eval_batch(
+        self, params, prompts: Sequence[str], noise, with_kl: bool = False, metadata=None
+    ):
         """The deterministic sampler's images of `prompts` from `noise` [N, *S], decoded.
 
         The batch is topped up with repeats to a multiple of the devices it splits over;
         every device samples its share and every process decodes its own rows. `with_kl`
-        also measures the exact KL of every sample's trajectory to `kl_reference`."""
+        also measures the exact KL of every sample's trajectory to `kl_reference`.
+        `metadata` (one per prompt) travels with the rows to the rewards that take it."""
         count = len(prompts)
         if with_kl and self.kl_reference is None:
             raise ValueError("the eval KL needs a reference; this trainer keeps none.")
-        rows, mine_prompts, args = self._eval_args(prompts, noise)
+        rows, mine, args = self._eval_args(prompts, noise)
         outputs = self._eval_program(self.model_params(params), args, with_kl)
         kl = None
         if with_kl:
@@ -420,11 +435,13 @@ class Trainer:
             samples = sharding.local_rows(samples, rows)
         if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
             raise DivergenceError(self._diverged("the evaluation samples"))
-        return EvalSamples(self.model.decode(samples), mine_prompts, count, kl)
+        mine_metadata = None if metadata is None else [metadata[i] for i in mine]
+        images = self.model.decode(samples)
+        return EvalSamples(images, [prompts[i] for i in mine], count, kl, mine_metadata)
 
-    def _eval_args(self, prompts: Sequence[str], noise) -> tuple[slice, list[str], tuple]:
-        """This process's rows of the eval batch padded to a multiple of the devices, their
-        prompts, and the sampler's arguments after the weights."""
+    def _eval_args(self, prompts: Sequence[str], noise) -> tuple[slice, np.ndarray, tuple]:
+        """This process's rows of the eval batch padded to a multiple of the devices, the
+        index of each of them in `prompts`, and the sampler's arguments after the weights."""
         count = len(prompts)
         shards = sharding.num_batch_shards(self.mesh)
         padded = np.arange(-(-count // shards) * shards) % count
@@ -438,7 +455,7 @@ class Trainer:
             self.uncond,
             self.config.sampling.guidance_scale,
         )
-        return rows, mine_prompts, args
+        return rows, mine, args
 
     def _eval_program(self, weights, args: tuple, with_kl: bool, lower: bool = False):
         if with_kl:
@@ -557,10 +574,14 @@ class Trainer:
         prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
         groups = diversity.groups_by_text(prompts)
+        k = self.config.eval.get("samples_per_prompt", 1)
+        metadata = list(self.eval_metadata) * k if self.eval_metadata else None
         with _reward_failures():  # a held-out reward served over HTTP
-            measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl)
+            measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl, metadata)
         batch = measured.samples
-        total, parts, frames = self.score(batch.images, batch.prompts, "in evaluation")
+        total, parts, frames = self.score(
+            batch.images, batch.prompts, "in evaluation", batch.metadata
+        )
         total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
         if len(parts) > 1:
