@@ -57,6 +57,7 @@ setup(
             "peft>=0.13",
             "nbclient>=0.10",  # runs notebooks/quickstart.ipynb headless
             "ipykernel>=6",
+            "pyarrow>=14",  # the .parquet prompt files' test reads a real one
             # tests/parity/test_imagereward.py compares with the image-reward package (1.5),
             # which is not listed: it pins timm==0.6.13, which open-clip-torch 3 refuses
             # (timm>=1.0.17).
