@@ -285,6 +285,8 @@ def test_bad_server_flags_are_one_sentence(capsys):
         (["--callable=no_such_module_xyz:f"], "module 'no_such_module_xyz' could not be"),
         (["--callable=json"], "must be module:function"),
         (["--port=x"], "invalid int value"),
+        (["--reward=jpeg_compressibility", "--port=99999"], "--port=99999 is not a port"),
+        (["--reward=jpeg_compressibility", "--host=no.such.host.invalid"], "cannot listen"),
     ]:
         assert serve.main(flags) == 2
         err = capsys.readouterr().err

@@ -162,12 +162,14 @@ def handler(score, lock: threading.Lock):
 
 def make_server(args) -> tuple[http.server.ThreadingHTTPServer, str]:
     """(the server, bound but not serving yet, and what it serves)."""
+    if not 0 <= args.port <= 65535:
+        raise BadFlags(f"--port={args.port} is not a port; give 0 to 65535 (0: any free one).")
     what, score = scorer_of(args)
     try:
         server = http.server.ThreadingHTTPServer(
             (args.host, args.port), handler(score, threading.Lock())
         )
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # in use, not allowed, a host that is not one
         raise BadFlags(
             f"cannot listen on {args.host}:{args.port} ({(e.strerror or str(e)).lower()})."
         ) from None
