@@ -5,7 +5,9 @@ schema   `base_config()`: the shared fields, and the sections the registered mod
          and rewards declare, each default written once (in the record that reads it);
          `saved_config` (a run's config.json read today); `flatten` (a ConfigDict as dotted
          fields)
-checks   `validate`, `check_shape`, `check_types`, `ConfigError`, the reward string's syntax
+shape    `check_shape`, `check_types` (every field present, of its default's type),
+         `ConfigError`
+checks   `validate` (each value), the reward string's syntax
 
 An experiment file starts from the schema:
 
@@ -21,15 +23,9 @@ from tree_grpo_jax.config.checks import (
     GUARD_ACTIONS,
     LR_SCHEDULES,
     SEED_LIMIT,
-    TUPLE_FIELDS,
     WIDTH_PRUNING,
-    ConfigError,
-    check_shape,
-    check_types,
     guard_on,
-    moved_fields,
     parse_rewards,
-    tuple_fields,
     validate,
 )
 from tree_grpo_jax.config.schema import (
@@ -38,6 +34,14 @@ from tree_grpo_jax.config.schema import (
     registered_sections,
     saved_config,
     shared_config,
+)
+from tree_grpo_jax.config.shape import (
+    TUPLE_FIELDS,
+    ConfigError,
+    check_shape,
+    check_types,
+    moved_fields,
+    tuple_fields,
 )
 
 __all__ = [

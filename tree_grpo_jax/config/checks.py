@@ -1,21 +1,27 @@
 """The checks that turn a bad config value into one clear sentence before anything heavy
-starts, and the reward string's syntax. The fields and their defaults are schema.py's."""
+starts, and the reward string's syntax. The fields and their defaults are schema.py's; a
+config's shape and types are shape.py's."""
 
 from __future__ import annotations
 
-import difflib
-import functools
 import importlib.util
 import math
-import numbers
 
 import ml_collections
 
-from tree_grpo_jax.config.schema import flatten, registered_sections, shared_config
+from tree_grpo_jax.config.schema import flatten
+from tree_grpo_jax.config.shape import (
+    ConfigError,
+    check_shape,
+    check_types,
+    describe,
+    is_int,
+    is_number,
+    require,
+)
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
 from tree_grpo_jax.core.sampling import FLOW_SDES
-from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.models import attention
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, REMAT_MODES
@@ -26,27 +32,6 @@ LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 # jax.random.PRNGKey keeps 32 bits without x64: 2**32 would be seed 0 again, 2**64 overflows.
 SEED_LIMIT = 2**32
-# Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
-# (the command line reads the text as a Python literal; a bare word is a one-entry tuple).
-TUPLE_FIELDS = {
-    "tree.split_steps": (int, "'(0,3,6,9)'"),
-    "advantage.depth_pruning": (int, "'(2,3)'"),
-    "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
-    "lora.targets": (str, "\"('to_q','to_v')\""),
-}
-
-
-def tuple_fields() -> dict:
-    """`TUPLE_FIELDS` and those the model families declare in their records."""
-    found = dict(TUPLE_FIELDS)
-    for family in model_registry.families():
-        for field, kind in family.tuple_fields.items():
-            found[f"model.{family.name}.{field}"] = kind
-    return found
-
-
-class ConfigError(UserError):
-    """A config value that cannot work; the message is one sentence for the user."""
 
 
 def parse_rewards(text: str) -> dict[str, float]:
@@ -74,186 +59,6 @@ def parse_rewards(text: str) -> dict[str, float]:
     return weights
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def moved_fields() -> dict[str, str]:
-    """Config fields that moved into a model family's or a reward's own section
-    (old path -> new path), from their records."""
-    moved = reward_registry.moved_fields()
-    for family in model_registry.families():
-        moved.update(family.moved_fields)
-    return moved
-
-
-def _has_field(config, path: str) -> bool:
-    node = config
-    for part in path.split("."):
-        if not hasattr(node, "keys") or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _check_moved(config, source: str = "the config") -> None:
-    for old, new in moved_fields().items():
-        _require(
-            not _has_field(config, old),
-            f"{source} sets {old}, which moved to {new}; set that instead.",
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Shape and types: a config holds every shared field of the schema, each of its default's type.
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _describe(value) -> str:
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, ml_collections.ConfigDict):
-        return "a section"
-    if isinstance(value, (tuple, list)):
-        return repr(tuple(value))
-    if value is None or isinstance(value, numbers.Number):
-        return repr(value)
-    return f"a {type(value).__name__}"
-
-
-@functools.lru_cache(maxsize=1)
-def _shared_fields() -> dict:
-    """The fields every config must hold (read only): schema.py's shared ones."""
-    return flatten(shared_config())
-
-
-def _known_fields() -> tuple[dict, dict, tuple[str, ...]]:
-    """The fields a config must hold, every field it may hold (path -> default), and the
-    sections whose fields no record declares (any go). The registered records' sections
-    may be left out: their records' defaults apply."""
-    shared, fields, open_sections = _shared_fields(), {}, []
-    for path, default in registered_sections().items():
-        fields[path] = ml_collections.ConfigDict() if default is None else default
-        if default is None:
-            open_sections.append(path)
-        elif isinstance(default, ml_collections.ConfigDict):
-            fields.update(flatten(default, f"{path}."))
-    return shared, {**fields, **shared}, tuple(open_sections)
-
-
-def check_shape(config, source: str = "the config") -> None:
-    """Refuses, in one sentence, a config that is not a ConfigDict holding every shared
-    section and field of the schema (`base_config()`), or that
-    sets a field nothing reads (a typo). `source` names the config in the sentence (the
-    command line: its file's get_config())."""
-    what = "None" if config is None else f"a {type(config).__name__}"
-    _require(
-        isinstance(config, ml_collections.ConfigDict),
-        f"{source} is {what}, not an ml_collections ConfigDict; start it from "
-        "tree_grpo_jax.config.base_config().",
-    )
-    _check_moved(config, source)
-    shared, fields, open_sections = _known_fields()
-    have = flatten(config)
-    for path, default in shared.items():
-        _require(
-            path in have,
-            f"{source} lacks {path}; start it from tree_grpo_jax.config.base_config().",
-        )
-        if isinstance(default, ml_collections.ConfigDict):  # its fields are checked next
-            _require(
-                isinstance(have[path], ml_collections.ConfigDict),
-                f"{path} must be a section (a ConfigDict, as in "
-                f"tree_grpo_jax.config.base_config()), got {_describe(have[path])}.",
-            )
-    for path in have:
-        if path in fields or any(path.startswith(f"{s}.") for s in open_sections):
-            continue
-        close = difflib.get_close_matches(path, list(fields), n=1)
-        hint = (
-            f"; did you mean {close[0]}?"
-            if close
-            else " (tree_grpo_jax.config.base_config() holds them all)."
-        )
-        raise ConfigError(f"{source} sets {path}, which is not a config field{hint}")
-
-
-def _element_sentence(path: str, kind, example: str, value) -> str | None:
-    names = {int: "ints", float: "numbers", str: "strings", bool: "bools"}
-    fits = {int: _is_int, float: _is_number, bool: lambda v: isinstance(v, bool)}.get(
-        kind, lambda v: isinstance(v, kind)
-    )
-    if not isinstance(value, (tuple, list)) or (
-        kind is not None and not all(fits(v) for v in value)
-    ):
-        of = f" of {names.get(kind, kind.__name__ + 's')}" if kind is not None else ""
-        return (
-            f"{path} must be a tuple{of}, e.g. --config.{path}={example}; got {_describe(value)}."
-        )
-    comma = next((v for v in value if isinstance(v, str) and "," in v), None)
-    if comma is not None:  # `--config.x=a,b` is the one entry 'a,b'
-        return f"{path} entry {comma!r} holds a comma; quote each entry: --config.{path}={example}."
-    return None
-
-
-def _type_sentence(path: str, default, value) -> str | None:
-    """One sentence when `value` is not of the type of `default` (the schema's), else None."""
-    got = _describe(value)
-    if isinstance(default, ml_collections.ConfigDict):
-        if isinstance(value, ml_collections.ConfigDict):
-            return None
-        return (
-            f"{path} must be a section (a ConfigDict, as in "
-            f"tree_grpo_jax.config.base_config()), got {got}."
-        )
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return None
-        return f"{path} must be True or False, e.g. --config.{path}={not default}; got {got}."
-    if isinstance(default, int):
-        if _is_int(value):
-            return None
-        return f"{path} must be a whole number, e.g. --config.{path}={default}; got {got}."
-    if isinstance(default, float):
-        if _is_number(value):
-            return None
-        return f"{path} must be a finite number, e.g. --config.{path}={default}; got {got}."
-    if isinstance(default, str):
-        if isinstance(value, str):
-            return None
-        example = f", e.g. --config.{path}={default}" if default else ""
-        return f"{path} must be a string{example}; got {got}."
-    if isinstance(default, tuple):
-        kind = type(default[0]) if default else None
-        kind, example = tuple_fields().get(path, (kind, f"'{default!r}'"))
-        return _element_sentence(path, kind, example, value)
-    return None
-
-
-# Fields that take values of more than one type, checked with their values instead.
-CHECKED_BY_VALUE = ("model.remat",)
-
-
-def check_types(config) -> None:
-    """Every field of the schema (the registered sections' too) has its default's type: a
-    bool is True/False, an int a whole number, a float a finite number, a tuple a tuple (or
-    list) of its elements' type."""
-    _, fields, _ = _known_fields()
-    have = flatten(config)
-    for path, default in fields.items():
-        if path in have and path not in CHECKED_BY_VALUE:
-            sentence = _type_sentence(path, default, have[path])
-            _require(sentence is None, sentence)
-
-
 # ---------------------------------------------------------------------------------------------
 # Values.
 
@@ -267,7 +72,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
 
     check_shape(config)
     check_types(config)
-    _require(
+    require(
         bool(config.name) and "/" not in config.name,
         f"name must be a folder name without '/' (runs/<name>/<time>), got {config.name!r}.",
     )
@@ -277,11 +82,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _check_sampling(config.sampling)
 
     t = config.tree
-    _require(
+    require(
         t.split_log_prob in rollout.SPLIT_LOG_PROBS,
         f"tree.split_log_prob must be one of {rollout.SPLIT_LOG_PROBS}, got {t.split_log_prob!r}.",
     )
-    _require(t.window_slide_every >= 0, "tree.window_slide_every must be 0 (fixed) or positive.")
+    require(t.window_slide_every >= 0, "tree.window_slide_every must be 0 (fixed) or positive.")
     try:
         spec = methods.spec_at(config, 0)
     except methods.UnknownMethodError as e:
@@ -290,11 +95,11 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         raise ConfigError(f"tree: {e}") from e
     for objective in methods.objectives():  # every objective's own section, whichever is used
         sentence = objective.check_section(config)
-        _require(sentence is None, sentence)
+        require(sentence is None, sentence)
     _check_unused_sections(config)
     sentence = methods.get(t.method).objective.check_run(config, spec)
-    _require(sentence is None, sentence)
-    _require(
+    require(sentence is None, sentence)
+    require(
         spec.leaves >= 2,
         f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
         "need at least 2 (raise tree.group_size, tree.k or tree.num_trees).",
@@ -323,7 +128,7 @@ def _check_accumulation_applies(config) -> None:
     minibatches = num_minibatches(rows * config.prompts.batch_size, tr.rows_per_minibatch)
     per_iteration = minibatches * tr.inner_epochs
     in_all = per_iteration * tr.iterations
-    _require(
+    require(
         tr.grad_accumulation <= in_all,
         f"train.grad_accumulation={tr.grad_accumulation} gathers that many minibatches per "
         f"update, but the whole run trains {in_all} ({per_iteration} per iteration x "
@@ -356,36 +161,36 @@ def _check_model(m) -> None:
         family = model_registry.family_of(m.name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _require(
+    require(
         not family.needs_path or bool(m.path),
         f"model.name {m.name!r} needs model.path: set --config.model.path to {family.path_hint}.",
     )
     for other in sorted(model_registry.families(), key=lambda f: f is not family):
         if other.check_options is not None:  # every family's section, the run's first
             sentence = other.check_options(model_registry.options_of(other, m))
-            _require(sentence is None, sentence)
+            require(sentence is None, sentence)
     dtypes = tuple(DTYPES)
     for field in ("param_dtype", "compute_dtype"):
-        _require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
+        require(m[field] in dtypes, f"model.{field} must be one of {dtypes}, got {m[field]!r}.")
     remat = m.get("remat", False)
-    _require(
+    require(
         isinstance(remat, bool) or remat in REMAT_MODES,
         f"model.remat must be True, False or one of {', '.join(REMAT_MODES)}, e.g. "
-        f"--config.model.remat=block; got {_describe(remat)}.",
+        f"--config.model.remat=block; got {describe(remat)}.",
     )
     chosen = m.get("attention", "xla")
-    _require(
+    require(
         chosen in attention.BACKENDS,
         f"model.attention must be one of {', '.join(attention.BACKENDS)}, got {chosen!r}.",
     )
 
 
 def _check_prompts(p) -> None:
-    _require(bool(p.source), "prompts.source must name a prompt set or file.")
-    _require(p.batch_size >= 1, "prompts.batch_size must be at least 1.")
-    _require(p.eval_count >= 1, "prompts.eval_count must be at least 1.")
+    require(bool(p.source), "prompts.source must name a prompt set or file.")
+    require(p.batch_size >= 1, "prompts.batch_size must be at least 1.")
+    require(p.eval_count >= 1, "prompts.eval_count must be at least 1.")
     field, category = p.get("field", ""), p.get("category_field", "")
-    _require(
+    require(
         not field or field != category,
         f"prompts.field and prompts.category_field both name {field!r}; a column is either "
         "the prompt or its category.",
@@ -396,102 +201,102 @@ MAX_GUIDANCE_SCALE = 100.0
 
 
 def _check_sampling(s) -> None:
-    _require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
-    _require(
+    require(s.num_steps >= 2, f"sampling.num_steps must be at least 2, got {s.num_steps}.")
+    require(
         0 < s.eta <= 1,
         f"sampling.eta must be in (0, 1] (DDIM's stochasticity; 1 is DDPM-like), got {s.eta}.",
     )
-    _require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
+    require(s.noise_level > 0, f"sampling.noise_level must be positive, got {s.noise_level}.")
     flow_sde = s.get("flow_sde", "flow_grpo")
-    _require(
+    require(
         flow_sde in FLOW_SDES,
         f"sampling.flow_sde must be one of {FLOW_SDES}, got {flow_sde!r}.",
     )
-    _require(s.shift > 0, f"sampling.shift (the flow sigma shift) must be positive, got {s.shift}.")
+    require(s.shift > 0, f"sampling.shift (the flow sigma shift) must be positive, got {s.shift}.")
     # Classifier-free guidance is used at 1-10 (SD1.5 7.5, FLUX 3.5); far beyond, the
     # guided prediction overflows and the run diverges for no reason the loss can show.
-    _require(
+    require(
         0 <= s.guidance_scale <= MAX_GUIDANCE_SCALE,
         f"sampling.guidance_scale must be in [0, {MAX_GUIDANCE_SCALE:g}], got {s.guidance_scale}.",
     )
-    _require(
+    require(
         s.log_prob_reduce in ("mean", "sum"),
         f"sampling.log_prob_reduce must be 'mean' or 'sum', got {s.log_prob_reduce!r}.",
     )
     rows = s.get("denoise_rows", 0)
-    _require(
+    require(
         isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0,
         f"sampling.denoise_rows must be a whole number >= 0 (0: every row at once), got {rows!r}.",
     )
 
 
 def _check_advantage(a, num_steps: int) -> None:
-    _require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
-    _require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
-    _require(
+    require(a.clip > 0, f"advantage.clip must be positive, got {a.clip}.")
+    require(a.std_ddof in (0, 1), f"advantage.std_ddof must be 0 or 1, got {a.std_ddof}.")
+    require(
         a.edge_normalization in adv.EDGE_NORMALIZATIONS,
         f"advantage.edge_normalization must be one of {adv.EDGE_NORMALIZATIONS}, "
         f"got {a.edge_normalization!r}.",
     )
-    _require(
+    require(
         a.branch_normalization in adv.BRANCH_NORMALIZATIONS,
         f"advantage.branch_normalization must be one of {adv.BRANCH_NORMALIZATIONS}, "
         f"got {a.branch_normalization!r}.",
     )
-    _require(
+    require(
         a.pruning_step_ratio >= 0,
         f"advantage.pruning_step_ratio must be >= 0, got {a.pruning_step_ratio}.",
     )
-    _require(
+    require(
         a.depth_pruning_count_from in (0, 1),
         f"advantage.depth_pruning_count_from must be 0 or 1, got {a.depth_pruning_count_from}.",
     )
     _check_depth_pruning(a, num_steps)
-    _require(
+    require(
         a.fusion in adv.FUSIONS, f"advantage.fusion must be one of {adv.FUSIONS}, got {a.fusion!r}."
     )
-    _require(
+    require(
         a.fusion_alpha > 0,
         f"advantage.fusion_alpha (a softmax temperature) must be positive, got {a.fusion_alpha}.",
     )
-    _require(
+    require(
         a.width_pruning in WIDTH_PRUNING,
         f"advantage.width_pruning must be one of {WIDTH_PRUNING}, got {a.width_pruning!r}.",
     )
-    _require(0 < a.width_pruning_ratio <= 1, "advantage.width_pruning_ratio must be in (0, 1].")
-    _require(
+    require(0 < a.width_pruning_ratio <= 1, "advantage.width_pruning_ratio must be in (0, 1].")
+    require(
         a.tracker_min_count >= 1 and a.tracker_buffer >= a.tracker_min_count,
         "advantage.tracker_buffer must be at least advantage.tracker_min_count (>= 1).",
     )
 
 
 def _check_train(tr) -> None:
-    _require(tr.iterations >= 1, f"train.iterations must be at least 1, got {tr.iterations}.")
-    _require(
+    require(tr.iterations >= 1, f"train.iterations must be at least 1, got {tr.iterations}.")
+    require(
         tr.learning_rate > 0 and math.isfinite(tr.learning_rate),
         f"train.learning_rate must be a positive number, got {tr.learning_rate}.",
     )
-    _require(tr.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {LR_SCHEDULES}.")
-    _require(
+    require(tr.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {LR_SCHEDULES}.")
+    require(
         tr.warmup_iterations >= 0,
         f"train.warmup_iterations must be >= 0 (0: no warmup), got {tr.warmup_iterations}.",
     )
     _check_adam(tr)
-    _require(tr.inner_epochs >= 1, "train.inner_epochs must be at least 1.")
-    _require(tr.rows_per_minibatch >= 1, "train.rows_per_minibatch must be at least 1.")
-    _require(tr.grad_accumulation >= 1, "train.grad_accumulation must be at least 1.")
-    _require(
+    require(tr.inner_epochs >= 1, "train.inner_epochs must be at least 1.")
+    require(tr.rows_per_minibatch >= 1, "train.rows_per_minibatch must be at least 1.")
+    require(tr.grad_accumulation >= 1, "train.grad_accumulation must be at least 1.")
+    require(
         tr.get("updates_per_iteration", 0) >= 0,
         "train.updates_per_iteration must be 0 (off) or a number of updates per iteration.",
     )
-    _require(
+    require(
         not (tr.get("updates_per_iteration", 0) and tr.grad_accumulation > 1),
         "set train.updates_per_iteration or train.grad_accumulation, not both: each decides "
         "how many minibatches an update spans.",
     )
-    _require(tr.clip_range > 0, f"train.clip_range must be positive, got {tr.clip_range}.")
-    _require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
-    _require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
+    require(tr.clip_range > 0, f"train.clip_range must be positive, got {tr.clip_range}.")
+    require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
+    require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
 
 
 def _check_rewards(config, known_rewards) -> dict[str, float]:
@@ -499,13 +304,13 @@ def _check_rewards(config, known_rewards) -> dict[str, float]:
     valid settings; returns the parsed weights."""
     rewards = parse_rewards(config.rewards)
     for name, weight in rewards.items():
-        _require(
+        require(
             not known_rewards or name in known_rewards or reward_registry.split_name(name),
             f"unknown reward {name!r}; known rewards: {', '.join(sorted(known_rewards))}.",
         )
-        _require(math.isfinite(weight), f"reward weight for {name!r} must be finite.")
+        require(math.isfinite(weight), f"reward weight for {name!r} must be finite.")
     for name in config.eval.extra_rewards:
-        _require(
+        require(
             not known_rewards or name in known_rewards or reward_registry.split_name(name),
             f"unknown eval.extra_rewards entry {name!r}; known rewards: "
             f"{', '.join(sorted(known_rewards))}.",
@@ -514,22 +319,22 @@ def _check_rewards(config, known_rewards) -> dict[str, float]:
     for name in used:
         if name in reward_registry.available_rewards():
             sentence = reward_registry.missing_weights(name, config.reward_models.get(name))
-            _require(sentence is None, sentence)
+            require(sentence is None, sentence)
     for name in sorted(reward_registry.available_rewards(), key=lambda n: n not in used):
         sentence = reward_registry.check_options(name, config.reward_options)  # the used first
-        _require(sentence is None, sentence)
+        require(sentence is None, sentence)
     sentence = reward_registry.check_instances(used, config.reward_options)  # remote:<name>
-    _require(sentence is None, sentence)
+    require(sentence is None, sentence)
     return rewards
 
 
 def _check_lora(lo) -> None:
-    _require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
-    _require(
+    require(lo.rank >= 0, f"lora.rank must be >= 0 (0: full fine-tuning), got {lo.rank}.")
+    require(
         lo.alpha >= 0 and math.isfinite(lo.alpha),
         f"lora.alpha must be >= 0 (0: alpha = rank), got {lo.alpha}.",
     )
-    _require(
+    require(
         all(isinstance(t, str) and t for t in lo.targets),
         f"lora.targets must be module names, got {tuple(lo.targets)!r}.",
     )
@@ -537,21 +342,21 @@ def _check_lora(lo) -> None:
 
 def _check_reward_options(opts) -> None:
     """The settings shared by the rewards that read a model."""
-    _require(
+    require(
         opts.dtype in DTYPES,
         f"reward_options.dtype must be one of {tuple(DTYPES)}, got {opts.dtype!r}.",
     )
-    _require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
+    require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
 
 
 def _check_outputs(config) -> None:
     """Evaluation, checkpoints, the device mesh and logging."""
-    _require(config.eval.every >= 0, "eval.every must be >= 0.")
+    require(config.eval.every >= 0, "eval.every must be >= 0.")
     _check_eval(config.eval)
-    _require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
-    _require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
+    require(config.checkpoint.every >= 0, "checkpoint.every must be >= 0.")
+    require(config.checkpoint.keep >= 1, "checkpoint.keep must be at least 1.")
     _check_mesh(config.mesh)
-    _require(
+    require(
         not config.log.wandb_project or importlib.util.find_spec("wandb") is not None,
         f"log.wandb_project is {config.log.wandb_project!r} but wandb is not installed; "
         "pip install wandb, or leave log.wandb_project empty.",
@@ -559,8 +364,8 @@ def _check_outputs(config) -> None:
 
 
 def _check_seed(field: str, seed) -> None:
-    _require(
-        _is_int(seed) and 0 <= seed < SEED_LIMIT,
+    require(
+        is_int(seed) and 0 <= seed < SEED_LIMIT,
         f"{field} must be a whole number in [0, 2**32) (what jax.random.PRNGKey keeps), "
         f"got {seed!r}.",
     )
@@ -568,16 +373,16 @@ def _check_seed(field: str, seed) -> None:
 
 def _check_tree_fields(t) -> None:
     """The tree fields, whichever method reads them (its own tree was built already)."""
-    _require(t.group_size >= 1, f"tree.group_size must be at least 1, got {t.group_size}.")
-    _require(t.window >= 1, f"tree.window must hold at least 1 step, got {t.window}.")
-    _require(t.window_start >= 0, f"tree.window_start must be >= 0, got {t.window_start}.")
-    _require(t.k >= 2, f"tree.k (children per branch) must be at least 2, got {t.k}.")
-    _require(t.num_trees >= 1, f"tree.num_trees must be at least 1, got {t.num_trees}.")
-    _require(
+    require(t.group_size >= 1, f"tree.group_size must be at least 1, got {t.group_size}.")
+    require(t.window >= 1, f"tree.window must hold at least 1 step, got {t.window}.")
+    require(t.window_start >= 0, f"tree.window_start must be >= 0, got {t.window_start}.")
+    require(t.k >= 2, f"tree.k (children per branch) must be at least 2, got {t.k}.")
+    require(t.num_trees >= 1, f"tree.num_trees must be at least 1, got {t.num_trees}.")
+    require(
         all(step >= 0 for step in t.split_steps),
         f"tree.split_steps must be step indices >= 0, got {tuple(t.split_steps)}.",
     )
-    _require(
+    require(
         t.split_noise_scale > 0,
         f"tree.split_noise_scale must be positive, got {t.split_noise_scale}.",
     )
@@ -586,18 +391,18 @@ def _check_tree_fields(t) -> None:
 def _check_depth_pruning(a, num_steps: int) -> None:
     """Depth d is the node made by step d - 1 (pruning.py), so depths run 1..num_steps."""
     bad = [d for d in a.depth_pruning if not 1 <= d <= num_steps]
-    _require(
+    require(
         not bad,
         f"advantage.depth_pruning holds depth(s) {bad} outside 1..{num_steps}: depth d is the "
         f"node made by step d - 1 of the {num_steps} steps.",
     )
-    _require(
+    require(
         a.depth_pruning_slide_every >= 0,
         "advantage.depth_pruning_slide_every must be 0 (no slide) or a number of iterations, "
         f"got {a.depth_pruning_slide_every}.",
     )
     stop = a.depth_pruning_stop
-    _require(
+    require(
         stop == -1 or 0 <= stop <= num_steps,
         f"advantage.depth_pruning_stop must be -1 (the last split step) or a depth in "
         f"0..{num_steps}, got {stop}.",
@@ -606,24 +411,24 @@ def _check_depth_pruning(a, num_steps: int) -> None:
 
 def _check_adam(tr) -> None:
     for field in ("adam_b1", "adam_b2"):
-        _require(0 <= tr[field] < 1, f"train.{field} must be in [0, 1), got {tr[field]}.")
-    _require(tr.adam_eps > 0, f"train.adam_eps must be positive, got {tr.adam_eps}.")
-    _require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
+        require(0 <= tr[field] < 1, f"train.{field} must be in [0, 1), got {tr[field]}.")
+    require(tr.adam_eps > 0, f"train.adam_eps must be positive, got {tr.adam_eps}.")
+    require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
     state_dtype = tr.get("optimizer_state_dtype", "float32")
-    _require(
+    require(
         state_dtype in OPTIMIZER_STATE_DTYPES,
         f"train.optimizer_state_dtype must be one of {', '.join(OPTIMIZER_STATE_DTYPES)} (the "
-        f"dtype Adam's two moments are kept in), got {_describe(state_dtype)}.",
+        f"dtype Adam's two moments are kept in), got {describe(state_dtype)}.",
     )
 
 
 def _check_mesh(mesh) -> None:
     for field in ("data", "fsdp"):
-        _require(
+        require(
             mesh[field] == -1 or mesh[field] >= 1,
             f"mesh.{field} must be -1 (every remaining device) or at least 1, got {mesh[field]}.",
         )
-    _require(
+    require(
         not (mesh.data == -1 and mesh.fsdp == -1), "only one of mesh.data and mesh.fsdp may be -1."
     )
 
@@ -639,33 +444,33 @@ def guard_on(config) -> bool:
 
 def _check_eval(e) -> None:
     _check_seed("eval.seed", e.seed)
-    _require(
+    require(
         e.num_steps == 0 or e.num_steps >= 2,
         f"eval.num_steps must be 0 (the training steps) or at least 2, got {e.num_steps}.",
     )
     k = e.get("samples_per_prompt", 1)
-    _require(
+    require(
         isinstance(k, int) and not isinstance(k, bool) and k >= 1,
         f"eval.samples_per_prompt must be a whole number >= 1, got {k!r}.",
     )
-    _require(isinstance(e.get("kl", False), bool), f"eval.kl must be True or False, got {e.kl!r}.")
+    require(isinstance(e.get("kl", False), bool), f"eval.kl must be True or False, got {e.kl!r}.")
     g = e.get("guard")
     if g is None:
         return
     fraction = g.min_diversity_fraction
-    _require(
-        _is_number(fraction) and 0 <= fraction < 1,
+    require(
+        is_number(fraction) and 0 <= fraction < 1,
         f"eval.guard.min_diversity_fraction must be in [0, 1) (0: off), got {fraction!r}.",
     )
-    _require(
-        _is_number(g.held_out_drop) and g.held_out_drop >= 0,
+    require(
+        is_number(g.held_out_drop) and g.held_out_drop >= 0,
         f"eval.guard.held_out_drop must be a number >= 0 (0: off), got {g.held_out_drop!r}.",
     )
-    _require(
+    require(
         g.held_out_drop == 0 or len(e.extra_rewards) > 0,
         "eval.guard.held_out_drop needs held-out metrics: name them in eval.extra_rewards.",
     )
-    _require(
+    require(
         g.action in GUARD_ACTIONS,
         f"eval.guard.action must be one of {GUARD_ACTIONS}, got {g.action!r}.",
     )

@@ -16,14 +16,38 @@ from typing import Any
 
 import numpy as np
 
+from tree_grpo_jax import sharding
 from tree_grpo_jax.evaluation import diversity, temporal
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSamples:
+    """Decoded evaluation samples: this process's rows of a batch padded over the devices."""
+
+    images: Any  # this process's rows
+    prompts: list[str]  # their prompts
+    count: int  # rows of the real batch; the rest is padding
+    kl: np.ndarray | None = None  # [count] per-sample KL to the reference, every process's
+    metadata: list | None = None  # this process's rows' prompt metadata (None: none known)
+
+    def values(self, fn) -> np.ndarray:
+        """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`); a
+        reward that takes metadata gets the rows' metadata too."""
+        if self.metadata is not None and getattr(fn, "takes_metadata", False):
+            out = fn(self.images, self.prompts, metadata=self.metadata)
+        else:
+            out = fn(self.images, self.prompts)
+        return sharding.gather(np.asarray(out, np.float64))[: self.count]
+
+    def all_images(self) -> np.ndarray:
+        return sharding.gather(np.asarray(self.images))[: self.count]
 
 
 @dataclasses.dataclass(frozen=True)
 class Measures:
     """The figures of a batch of N samples, every process's rows in order."""
 
-    samples: Any  # trainer.EvalSamples: the decoded batch (this process's rows)
+    samples: EvalSamples  # the decoded batch (this process's rows)
     metrics: dict[str, np.ndarray]  # each eval reward's value per sample, [N]
     temporal_distance: np.ndarray | None  # [N], videos only
     embeddings: np.ndarray | None  # [N, D], the diversity's embedding; None without groups

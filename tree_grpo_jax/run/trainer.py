@@ -80,29 +80,6 @@ class Rollout:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSamples:
-    """Decoded evaluation samples: this process's rows of a batch padded over the devices."""
-
-    images: Any  # this process's rows
-    prompts: list[str]  # their prompts
-    count: int  # rows of the real batch; the rest is padding
-    kl: np.ndarray | None = None  # [count] per-sample KL to the reference, every process's
-    metadata: list | None = None  # this process's rows' prompt metadata (None: none known)
-
-    def values(self, fn) -> np.ndarray:
-        """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`); a
-        reward that takes metadata gets the rows' metadata too."""
-        if self.metadata is not None and getattr(fn, "takes_metadata", False):
-            out = fn(self.images, self.prompts, metadata=self.metadata)
-        else:
-            out = fn(self.images, self.prompts)
-        return sharding.gather(np.asarray(out, np.float64))[: self.count]
-
-    def all_images(self) -> np.ndarray:
-        return sharding.gather(np.asarray(self.images))[: self.count]
-
-
-@dataclasses.dataclass(frozen=True)
 class _TrackerRows:
     """The stat tracker as one process's advantages see it: updated with the whole batch,
     so every process keeps the same statistics, and answering this process's rows."""
@@ -437,7 +414,9 @@ class Trainer:
             raise DivergenceError(self._diverged("the evaluation samples"))
         mine_metadata = None if metadata is None else [metadata[i] for i in mine]
         images = self.model.decode(samples)
-        return EvalSamples(images, [prompts[i] for i in mine], count, kl, mine_metadata)
+        return eval_metrics.EvalSamples(
+            images, [prompts[i] for i in mine], count, kl, mine_metadata
+        )
 
     def _eval_args(self, prompts: Sequence[str], noise) -> tuple[slice, np.ndarray, tuple]:
         """This process's rows of the eval batch padded to a multiple of the devices, the
