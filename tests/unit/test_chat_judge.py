@@ -227,6 +227,15 @@ def test_a_chat_judge_config_passes():
     assert cfg.validate(_config(score_from="logprobs"), rewards.available_rewards())
 
 
+def test_a_chat_setting_without_the_chat_protocol_is_one_sentence():
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.validate(_config(protocol="scores"), rewards.available_rewards())
+    assert str(info.value) == (
+        "reward_options.remote.judge sets 'model', which only protocol 'chat' reads; set "
+        "--config.reward_options.remote.judge.protocol=chat or leave it out."
+    )
+
+
 @pytest.mark.parametrize(
     "fields, said",
     [

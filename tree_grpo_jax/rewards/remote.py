@@ -99,6 +99,7 @@ def settings() -> ml_collections.ConfigDict:
 
 
 FIELDS = tuple(settings().keys())
+CHAT_FIELDS = ("model", "question", "score_from", "scale", "max_tokens", "top_logprobs")
 
 
 def urls_of(text: str) -> list[str]:
@@ -169,7 +170,15 @@ def check_settings(instance: str, s) -> str | None:
         return f"{where}.header {s['header']!r} is not a header name."
     if s["protocol"] not in chat.PROTOCOLS:
         return f"{where}.protocol must be one of {chat.PROTOCOLS}, got {s['protocol']!r}."
-    return _check_chat(where, s) if s["protocol"] == "chat" else None
+    if s["protocol"] == "chat":
+        return _check_chat(where, s)
+    unread = [f for f in CHAT_FIELDS if s[f] != settings()[f]]
+    if unread:
+        return (
+            f"{where} sets {unread[0]!r}, which only protocol 'chat' reads; set "
+            f"--config.{where}.protocol=chat or leave it out."
+        )
+    return None
 
 
 def _check_chat(where: str, s: dict) -> str | None:
