@@ -2,10 +2,13 @@
 the reference server's jpeg_compressibility (the same scores as the package's own) and on a
 tiny PyTorch scorer behind `--callable`; a server down at start is one sentence before
 anything is written; a server failing mid-run stops the run with its iterations saved and
-the resume command; the token is in no file the run writes."""
+the resume command; the token is in no file the run writes; a VLM judge behind a
+chat endpoint scores a run through the same family."""
 
 import json
+import math
 import os
+import re
 
 import numpy as np
 from in_process import one_error_line, run_in_process, run_main
@@ -181,3 +184,46 @@ def test_each_images_prompt_metadata_reaches_the_server_in_training_and_evaluati
     # the training batch's leaves (2 prompts x 4 leaves), the run's two evaluations of 4
     # prompts, the command's base and checkpoint
     assert images >= 2 * 4 + 2 * 4 + 2 * 4
+
+
+def test_train_on_a_vlm_judge_behind_a_chat_endpoint(tmp_path):
+    """`protocol=chat`: a stub OpenAI-compatible server answers every question with the
+    first token's log-probabilities of yes (0.6) and no (0.2), so every image scores
+    0.6 / (0.6 + 0.2) = 0.75; each request carries one image and the question with its
+    prompt."""
+
+    def answer(index, body):
+        top = [
+            {"token": "Yes", "logprob": math.log(0.6)},
+            {"token": " no", "logprob": math.log(0.2)},
+            {"token": "The", "logprob": math.log(0.1)},
+        ]
+        logprobs = {"content": [{"token": "Yes", "logprob": math.log(0.6), "top_logprobs": top}]}
+        choice = {"message": {"role": "assistant", "content": "Yes"}, "logprobs": logprobs}
+        return json_answer({"choices": [choice]})
+
+    judge = "--config.reward_options.remote.judge"
+    with scripted(answer) as (url, record):
+        flags = _remote(
+            url,
+            f"{judge}.protocol=chat",
+            f"{judge}.model=judge-model",
+            f"{judge}.question=Does this image show {{prompt}}? Answer yes or no.",
+            f"{judge}.score_from=logprobs",
+            f"{judge}.in_flight=4",
+            "--config.train.iterations=1",
+            "--config.eval.every=0",
+            name="judge",
+        )
+        result = run_main(*flags, f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [m for m in reporting.read_metrics(str(tmp_path)) if "train/reward_mean" in m]
+    assert len(train) == 1
+    np.testing.assert_allclose(train[0]["train/reward_mean"], 0.75, rtol=1e-5)
+    assert record.requests and all(path == "/v1/chat/completions" for path, _, _ in record.requests)
+    for _, _, body in record.requests:
+        text, image = body["messages"][0]["content"]
+        asked = re.fullmatch(r"Does this image show (.+)\? Answer yes or no\.", text["text"])
+        assert asked and asked.group(1).strip(), text["text"]  # the prompt filled in
+        assert image["image_url"]["url"].startswith("data:image/png;base64,")
+        assert body["model"] == "judge-model" and body["top_logprobs"] == 5

@@ -6,7 +6,8 @@ Importing this package registers the built-in rewards: `jpeg_compressibility`,
 `load_reward("hpsv2", "/models/hpsv2.1")`). Model families bring the rewards of their own
 world on first look-up: the tiny family's `digit_alignment`, `digit_probability`,
 `digit_accuracy` (its digit classifier, in `models/tiny/rewards.py`). The `remote` family's
-rewards, `remote:<name>`, are scored by a server over HTTP (`remote.py`).
+rewards, `remote:<name>`, are scored by a server over HTTP (`remote.py`), or by a
+vision-language judge behind an OpenAI-compatible chat endpoint (`chat.py`).
 
 A new reward is one `register` (or `register_model`, for one that reads a folder, with its
 own settings as `options`) in its own module, imported here.
@@ -18,6 +19,7 @@ preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four CLIP-based preference rewards
 imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Flax
 remote      rewards served over HTTP (`remote:<name>`), the wire format and its client
+chat        the remote rewards' `chat` protocol: a VLM judge asked a question per image
 serve       the reference server: any registered reward or Python callable over HTTP
 convert     the pickled HPS-v2.1, aesthetic and ImageReward releases -> folders these load
 """

@@ -25,6 +25,10 @@ is one sentence naming the server and the field. A redirect is followed only to 
 host; the token read from the environment variable `token_env` goes only to the hosts of
 `url`, and no config, log or model card holds it (only the variable's name is set).
 
+With `protocol="chat"` the same client asks a vision-language judge behind an
+OpenAI-compatible chat endpoint one question per image and reads its answer (`chat.py`);
+the transport and its fault rules are the ones above.
+
 Standard library only (http.client, concurrent.futures); `serve.py` is the reference server.
 """
 
@@ -52,7 +56,7 @@ import numpy as np
 from PIL import Image
 
 from tree_grpo_jax.models import media as media_kinds
-from tree_grpo_jax.rewards import registry
+from tree_grpo_jax.rewards import chat, registry
 
 FAMILY = "remote"
 FORMATS = ("png", "raw")
@@ -82,10 +86,20 @@ def settings() -> ml_collections.ConfigDict:
     c.media = media_kinds.IMAGE  # "image": videos go frame by frame; "video": whole
     c.header = ""  # a header carrying the token, e.g. "Authorization" ("" = none)
     c.token_env = ""  # the environment variable holding the header's value
+    # the protocol: "scores" (the wire format above) or "chat" (an OpenAI-compatible chat
+    # endpoint asked `question` per image; `chat.py`), whose settings follow
+    c.protocol = "scores"
+    c.model = ""  # chat: the served model's name
+    c.question = ""  # chat: a template; {prompt} and the prompt's metadata fields
+    c.score_from = "answer"  # chat: "answer" (yes/no or a number) or "logprobs" (P(yes))
+    c.scale = 1.0  # chat: an answer's number is divided by it
+    c.max_tokens = 8  # chat: the longest answer
+    c.top_logprobs = 5  # chat: the first token's alternatives read by "logprobs"
     return c
 
 
 FIELDS = tuple(settings().keys())
+CHAT_FIELDS = ("model", "question", "score_from", "scale", "max_tokens", "top_logprobs")
 
 
 def urls_of(text: str) -> list[str]:
@@ -154,6 +168,34 @@ def check_settings(instance: str, s) -> str | None:
         )
     if s["header"] and not _HEADER_NAME.match(s["header"]):
         return f"{where}.header {s['header']!r} is not a header name."
+    if s["protocol"] not in chat.PROTOCOLS:
+        return f"{where}.protocol must be one of {chat.PROTOCOLS}, got {s['protocol']!r}."
+    if s["protocol"] == "chat":
+        return _check_chat(where, s)
+    unread = [f for f in CHAT_FIELDS if s[f] != settings()[f]]
+    if unread:
+        return (
+            f"{where} sets {unread[0]!r}, which only protocol 'chat' reads; set "
+            f"--config.{where}.protocol=chat or leave it out."
+        )
+    return None
+
+
+def _check_chat(where: str, s: dict) -> str | None:
+    if not s["model"]:
+        return f"{where}.model is missing: set the name the chat server serves its model under."
+    sentence = chat.check_question(where, s["question"])
+    if sentence:
+        return sentence
+    if s["score_from"] not in chat.SCORE_FROM:
+        return f"{where}.score_from must be one of {chat.SCORE_FROM}, got {s['score_from']!r}."
+    if s["scale"] <= 0:
+        return f"{where}.scale must be positive, got {s['scale']}."
+    for field in ("max_tokens", "top_logprobs"):
+        if s[field] < 1:
+            return f"{where}.{field} must be at least 1, got {s[field]}."
+    if s["media"] != media_kinds.IMAGE:
+        return f"{where}.media must be 'image' with protocol 'chat' (one image per question)."
     return None
 
 
@@ -260,6 +302,9 @@ class RemoteReward:
         self.where = _where(instance)
         self.urls = urls_of(s["url"])
         self.hosts = {_origin(u) for u in self.urls}
+        self.chat = s["protocol"] == "chat"
+        if self.chat:
+            self.urls = [chat.endpoint(u) for u in self.urls]
         self.s = s
         self._turn = itertools.count()
         self._lock = threading.Lock()
@@ -268,7 +313,7 @@ class RemoteReward:
         images = to_uint8(images)
         count = len(images)
         metadata = [None] * count if metadata is None else list(metadata)
-        size = self.s["batch_size"]
+        size = 1 if self.chat else self.s["batch_size"]  # a chat request asks of one image
         starts = list(range(0, count, size))
         if not starts:
             return registry.Scores.of(np.zeros(0, np.float32))
@@ -302,7 +347,10 @@ class RemoteReward:
         return headers
 
     def _score(self, url: str, images, prompts, metadata):
-        body = request_body(images, prompts, metadata, self.s["format"])
+        if self.chat:
+            body = chat.request_body(self.s, images[0], self._ask(prompts[0], metadata[0]))
+        else:
+            body = request_body(images, prompts, metadata, self.s["format"])
         tries = self.s["retries"] + 1
         for attempt in range(tries):
             try:
@@ -316,6 +364,15 @@ class RemoteReward:
             f"last with {why}; check that it is up and answers within {self.where}.timeout_s "
             f"({self.s['timeout_s']:g}s)."
         )
+
+    def _ask(self, prompt: str, metadata) -> str:
+        try:
+            return chat.ask(self.s["question"], prompt, metadata)
+        except KeyError as e:
+            raise RemoteRewardError(
+                f"remote reward {self.name!r}: {self.where}.question names {{{e.args[0]}}}, "
+                f"which the metadata of the prompt {prompt!r} does not hold."
+            ) from None
 
     def _post(self, url: str, body: bytes, count: int):
         target = url
@@ -377,6 +434,8 @@ class RemoteReward:
             raise bad(f"answered malformed JSON ({str(e).split(':')[0]})") from None
         if not isinstance(answer, dict):
             raise bad("answered JSON that is not an object")
+        if self.chat:
+            return np.asarray([chat.read_score(answer, self.s, bad)], np.float32), {}
         field = self.s["score_field"]
         if field not in answer:
             raise bad(f"answered no {field!r} field")
