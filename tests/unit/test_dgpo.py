@@ -259,3 +259,41 @@ def test_a_tiny_run_raises_its_reward(tmp_path):
     summary = train.train(c, str(tmp_path))
     first, last = summary["first_eval_reward"], summary["last_eval_reward"]
     assert last > first + 0.002, (first, last)
+
+
+def test_the_initial_model_is_kept_as_reference_without_a_kl_term(tmp_path):
+    """`dgpo.reference=initial` at `train.kl_beta=0` (the release's compressibility setting,
+    configs/sd35m_dgpo_jpeg.py): the run keeps a copy of the initial weights for the
+    preference alone, trains on it, and keeps none with the EMA copy as reference."""
+    from configs import tiny_flow_dgpo
+    from tree_grpo_jax.run import loop as train
+
+    c = tiny_flow_dgpo.get_config()
+    c.rewards = "jpeg_compressibility"
+    c.eval.extra_rewards = ()
+    c.prompts.batch_size = 2
+    c.tree.group_size = 4
+    c.train.kl_beta = 0.0
+    c.dgpo.reference = "initial"
+    c.log.progress = False
+    c.log.tensorboard = False
+    trainer, state = train.setup(c, str(tmp_path / "initial"))
+    assert trainer.ref_params is not None
+    for kept, initial in zip(
+        jax.tree_util.tree_leaves(trainer.ref_params),
+        jax.tree_util.tree_leaves(state.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(kept), np.asarray(initial))
+    state, metrics = trainer.iteration(state, 0)
+    assert np.isfinite(metrics["loss"]) and metrics["trained_edges"] > 0
+    moved = [
+        np.abs(np.asarray(a) - np.asarray(b)).max()
+        for a, b in zip(
+            jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(trainer.ref_params)
+        )
+    ]
+    assert max(moved) > 0  # the weights moved; the reference did not
+    c.dgpo.reference = "ema"
+    ema_trainer, _ = train.setup(c, str(tmp_path / "ema"))
+    assert ema_trainer.ref_params is None

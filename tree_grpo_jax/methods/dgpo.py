@@ -267,12 +267,10 @@ class DGPOObjective(Objective):
                 f"dgpo.trunc_steps={d.trunc_steps} must be below sampling.num_steps="
                 f"{config.sampling.num_steps}."
             )
-        if d.reference == "initial" and not config.train.kl_beta > 0:
-            return (
-                "dgpo.reference=initial compares with the initial model, which is kept for "
-                "train.kl_beta > 0 (the release's 0.02); set it, or dgpo.reference=ema."
-            )
         return None
+
+    def needs_initial_model(self, config):
+        return config.dgpo.reference == "initial"  # with or without a KL term, as the release
 
     def check_model(self, config, model):
         return nft.NFT.check_model(config, model)

@@ -122,6 +122,11 @@ class Objective(abc.ABC):
         """`rows` rows of zeros of this objective's kind (`make=jax.ShapeDtypeStruct`: their
         shapes alone); `max_k` is the tree's widest branch."""
 
+    def needs_initial_model(self, config: ml_collections.ConfigDict) -> bool:
+        """Whether the loss compares with the initial weights (`ref_params`) besides any KL
+        term: the run then keeps them even at `train.kl_beta=0`."""
+        return False
+
     def samples_with_old_policy(self, config: ml_collections.ConfigDict, iteration: int) -> bool:
         """Whether iteration `iteration` rolls out with the old policy (when one is kept)
         rather than the trained weights."""

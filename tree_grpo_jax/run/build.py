@@ -225,20 +225,26 @@ def step_layout(
         loss_fn,
         merge=functools.partial(lora.merge, alpha=float(config.lora.alpha or rank), rank=rank),
         frozen_shardings=base_shardings,
-        ref_shardings=base_shardings if config.train.kl_beta > 0 else None,
+        ref_shardings=base_shardings if keeps_reference(config, objective) else None,
     )
 
 
+def keeps_reference(config, objective) -> bool:
+    """Whether the train step takes the initial weights: for a KL term, or for a loss that
+    compares with them (DGPO's `dgpo.reference=initial`)."""
+    return config.train.kl_beta > 0 or objective.needs_initial_model(config)
+
+
 def references(config, params, base):
-    """(the train step's KL reference, the evaluation's KL reference) of a run training
+    """(the train step's reference, the evaluation's KL reference) of a run training
     `params` (LoRA: on `base`): the base itself under LoRA, else `params`' initial values
     (for a real run, pass a copy); None where the run keeps none."""
-    use_kl = config.train.kl_beta > 0
+    keep = keeps_reference(config, methods.get(config.tree.method).objective)
     # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
-    # KL term whose reference is kept anyway
-    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or use_kl
+    # reference kept anyway
+    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or keep
     initial = params if base is None else base
-    return (initial if use_kl else None), (initial if eval_kl else None)
+    return (initial if keep else None), (initial if eval_kl else None)
 
 
 _kept_steps = reuse.Kept(4)  # a resume, or an evaluation after training, reuses its steps
