@@ -213,10 +213,10 @@ def _evaluate_model(
     import numpy as np
 
     from tree_grpo_jax import sharding
-    from tree_grpo_jax.run import trainer as trainer_lib
+    from tree_grpo_jax.run import eval_metrics
 
     n = len(prompts)
-    noise = trainer_lib.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
+    noise = eval_metrics.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
     count = -(-n // size)
     parts, order = [], []  # order: the prompt of each value, as the chunks list them
     for index in range(count):

@@ -201,11 +201,11 @@ def _draw(trainer, params, prompts: list[str], batch: int):
     row of the noise."""
     import numpy as np
 
-    from tree_grpo_jax.run import trainer as trainer_lib
+    from tree_grpo_jax.run import eval_metrics
 
     c = trainer.config
     n = len(prompts)
-    noise = trainer_lib.eval_noise(c.eval.seed, n, trainer.model.sample_shape)
+    noise = eval_metrics.eval_noise(c.eval.seed, n, trainer.model.sample_shape)
     size = min(batch, n)
     parts = []
     for start in range(0, n, size):

@@ -11,12 +11,16 @@ run to means, the command to means and spreads over all of its chunks.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tree_grpo_jax import sharding
+from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity, temporal
 
 
@@ -82,3 +86,29 @@ def measure(
     else:
         embeddings = None
     return Measures(batch, metrics, distances, embeddings, spread, batch.kl)
+
+
+@functools.lru_cache(maxsize=8)
+def check_eval_noise_fits(count: int, sample_shape: tuple[int, ...]) -> None:
+    """Raises UserError (one sentence naming the settings) when the fixed evaluation noise
+    of `count` samples would take more than half of this machine's memory (it is drawn on
+    the host, twice over while copied), before any of it is allocated."""
+    needed = 2 * 4 * count * int(np.prod(sample_shape))
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
+        return
+    if needed > host // 2:
+        raise UserError(
+            f"the fixed evaluation noise of {count:,} samples of shape {tuple(sample_shape)} "
+            f"needs about {needed / 2**30:.1f} GiB of host memory, more than half of this "
+            f"machine's {host / 2**30:.1f} GiB; lower prompts.eval_count (or "
+            "eval.samples_per_prompt)."
+        )
+
+
+def eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
+    """The fixed evaluation noise [count, *S]. Its rows depend on `count`: a caller that
+    evaluates in parts draws the whole set and takes its rows."""
+    check_eval_noise_fits(count, sample_shape)
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))

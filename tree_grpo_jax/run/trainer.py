@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +34,6 @@ import numpy as np
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import rollout, transitions
-from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
@@ -456,7 +454,9 @@ class Trainer:
         """The fixed eval prompts (`eval.samples_per_prompt` rounds of them) and noise."""
         k = self.config.eval.get("samples_per_prompt", 1)
         prompts = list(self.eval_prompts) * k
-        return prompts, eval_noise(self.config.eval.seed, len(prompts), self.model.sample_shape)
+        return prompts, eval_metrics.eval_noise(
+            self.config.eval.seed, len(prompts), self.model.sample_shape
+        )
 
     def lowered_programs(self, state: TrainState) -> dict:
         """The rollout's, the evaluation's and the train step's programs lowered for the
@@ -626,29 +626,3 @@ def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | N
     return adv.PerPromptStatTracker(
         config.advantage.tracker_buffer, config.advantage.tracker_min_count
     )
-
-
-@functools.lru_cache(maxsize=8)
-def check_eval_noise_fits(count: int, sample_shape: tuple[int, ...]) -> None:
-    """Raises UserError (one sentence naming the settings) when the fixed evaluation noise
-    of `count` samples would take more than half of this machine's memory (it is drawn on
-    the host, twice over while copied), before any of it is allocated."""
-    needed = 2 * 4 * count * int(np.prod(sample_shape))
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
-        return
-    if needed > host // 2:
-        raise UserError(
-            f"the fixed evaluation noise of {count:,} samples of shape {tuple(sample_shape)} "
-            f"needs about {needed / 2**30:.1f} GiB of host memory, more than half of this "
-            f"machine's {host / 2**30:.1f} GiB; lower prompts.eval_count (or "
-            "eval.samples_per_prompt)."
-        )
-
-
-def eval_noise(seed: int, count: int, sample_shape: tuple[int, ...]) -> np.ndarray:
-    """The fixed evaluation noise [count, *S]. Its rows depend on `count`: a caller that
-    evaluates in parts draws the whole set and takes its rows."""
-    check_eval_noise_fits(count, sample_shape)
-    return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (count, *sample_shape)))
