@@ -247,3 +247,20 @@ def test_every_study_setting_is_a_valid_config_with_its_overrides():
     lr = tree_study.config_of("treegrpo_lr2e-4", settings)
     assert lr.train.learning_rate == 2 * settings.learning_rate
     assert lr.train.inner_epochs == 1
+
+
+@pytest.mark.slow
+def test_reward_overlap_smoke_writes_both_ways_of_scoring(tmp_path):
+    """`benchmarks.reward_overlap --smoke`: a VAE decode and a served reward with a latency,
+    timed after decoding and overlapped, both figures positive and the parts as asked."""
+    import json
+
+    from benchmarks import reward_overlap
+
+    assert reward_overlap.main(["--smoke", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "reward_overlap.json").read_text())
+    (row,) = record["rows"]
+    assert row["parts"] == 2 and row["requests"] == 1
+    for name in ("decode_s", "score_s", "after_decoding_s", "overlapped_s"):
+        assert row[name] > 0, name
+    assert row["score_s"] >= row["latency_s"]  # the server's sleep is inside every request

@@ -122,6 +122,7 @@ def test_a_server_failing_mid_run_stops_with_the_iteration_saved(tmp_path):
             "--config.reward_options.remote.r.retries=1",
             "--config.reward_options.remote.r.backoff_s=0.01",
             "--config.reward_options.remote.r.batch_size=1024",
+            "--config.reward_options.decode_chunks=1",  # one request per batch, as counted
             "--config.train.iterations=4",
             "--config.eval.every=0",
         )

@@ -50,6 +50,7 @@ def test_nan_reward_stops_with_one_sentence_and_keeps_progress(tmp_path):
     registry.register("test_flaky", flaky, on_host=True, overwrite=True)
     c = small_config("treegrpo")
     c.rewards = "test_flaky"
+    c.reward_options.decode_chunks = 1  # one call per batch, as counted
     c.train.iterations = 5
     c.eval.every = 0
     c.checkpoint.every = 0

@@ -305,6 +305,7 @@ RANGE_CASES = [
     ("lora.rank", -1, "lora.rank must be >= 0"),
     ("lora.alpha", -1.0, "lora.alpha must be >= 0"),
     ("reward_options.chunk_size", 0, "reward_options.chunk_size must be at least 1"),
+    ("reward_options.decode_chunks", 0, "reward_options.decode_chunks must be at least 1"),
     ("reward_options.pickscore.divisor", 0.0, "reward_options.pickscore.divisor must be positive"),
     ("eval.every", -1, "eval.every must be >= 0"),
     ("eval.seed", -5, "eval.seed must be a whole number in [0, 2**32)"),

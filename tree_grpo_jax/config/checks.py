@@ -347,6 +347,11 @@ def _check_reward_options(opts) -> None:
         f"reward_options.dtype must be one of {tuple(DTYPES)}, got {opts.dtype!r}.",
     )
     require(opts.chunk_size >= 1, "reward_options.chunk_size must be at least 1.")
+    require(
+        opts.decode_chunks >= 1,
+        f"reward_options.decode_chunks must be at least 1 (1: decode all, then score), got "
+        f"{opts.decode_chunks}.",
+    )
 
 
 def _check_outputs(config) -> None:

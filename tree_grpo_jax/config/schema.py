@@ -262,6 +262,10 @@ def _reward_options() -> ml_collections.ConfigDict:
     s = ml_collections.ConfigDict()
     s.dtype = "float32"  # the reward models' compute dtype (or "bfloat16")
     s.chunk_size = 16  # images through a reward model at once (bounds memory)
+    # The decoded images come in this many parts, and a reward on the host (numpy, or a
+    # server over HTTP) scores each part while the next ones decode; 1: decode all, then
+    # score. Cut along a prompt's leaves: the largest divisor of them not above this.
+    s.decode_chunks = 4
     # A reward's own settings are its sub-section (see its module in tree_grpo_jax/rewards).
     return s
 

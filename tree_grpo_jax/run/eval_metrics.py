@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -22,25 +21,36 @@ import numpy as np
 from tree_grpo_jax import sharding
 from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.evaluation import diversity, temporal
+from tree_grpo_jax.run import scoring
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalSamples:
     """Decoded evaluation samples: this process's rows of a batch padded over the devices."""
 
-    images: Any  # this process's rows
+    decoded: scoring.Decoded  # this process's rows, decoded in parts
     prompts: list[str]  # their prompts
     count: int  # rows of the real batch; the rest is padding
     kl: np.ndarray | None = None  # [count] per-sample KL to the reference, every process's
     metadata: list | None = None  # this process's rows' prompt metadata (None: none known)
 
+    @property
+    def images(self):
+        """This process's rows, whole."""
+        return self.decoded.whole
+
     def values(self, fn) -> np.ndarray:
         """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`); a
-        reward that takes metadata gets the rows' metadata too."""
-        if self.metadata is not None and getattr(fn, "takes_metadata", False):
-            out = fn(self.images, self.prompts, metadata=self.metadata)
-        else:
-            out = fn(self.images, self.prompts)
+        reward that takes metadata gets the rows' metadata too, and one that runs on the
+        host scores part by part as the parts are decoded."""
+        with_metadata = self.metadata is not None and getattr(fn, "takes_metadata", False)
+
+        def call(images, prompts, metadata):
+            out = fn(images, prompts, metadata=metadata) if with_metadata else fn(images, prompts)
+            return out, {}, None
+
+        on_host = getattr(fn, "on_host", False)
+        out, _, _ = scoring.scored(call, self.decoded, self.prompts, self.metadata, on_host)
         return sharding.gather(np.asarray(out, np.float64))[: self.count]
 
     def all_images(self) -> np.ndarray:

@@ -37,7 +37,7 @@ from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
-from tree_grpo_jax.run import eval_metrics, reporting
+from tree_grpo_jax.run import eval_metrics, reporting, scoring
 from tree_grpo_jax.run.prompts import PromptIterator, config_prompt_set, leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -209,14 +209,17 @@ class Trainer:
         )
 
     def score(
-        self, images, prompts: list[str], where: str, metadata=None
+        self, decoded: scoring.Decoded, prompts: list[str], where: str, metadata=None
     ) -> tuple[np.ndarray, dict, Any]:
-        """Rewards of this process's images, then every process's, in process order: all
-        processes check, log and normalise the same values. Also each reward's scores and,
-        for videos scored frame by frame, the total frame by frame [N, T] (else None).
-        `metadata`: each image's prompt metadata, for the rewards that take it."""
+        """Rewards of this process's images (decoded in parts: a host-side reward scores
+        each part as it comes), then every process's, in process order: all processes
+        check, log and normalise the same values. Also each reward's scores and, for videos
+        scored frame by frame, the total frame by frame [N, T] (else None). `metadata`: each
+        image's prompt metadata, for the rewards that take it."""
         with _reward_failures():
-            total, parts, frames = self.reward.with_frames(images, prompts, metadata)
+            total, parts, frames = scoring.scored(
+                self.reward.with_frames, decoded, prompts, metadata, self.reward.on_host
+            )
         total = sharding.gather(np.asarray(total, np.float64))
         parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
         if frames is not None:
@@ -360,7 +363,12 @@ class Trainer:
         t1 = time.perf_counter()
         leaves = sampled.tree.leaves
         num_prompts, num_leaves = leaves.shape[:2]
-        images = self.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
+        images = scoring.decode(
+            self.model.decode,
+            leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]),
+            groups=num_prompts,  # parts cut along the leaves keep the prompts' devices
+            parts=self.decode_parts(self.reward.on_host),
+        )
         leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
         metadata = self.prompt_metadata(prompts, sampled.rows, num_leaves)
         rewards, parts, frames = self.score(
@@ -383,6 +391,11 @@ class Trainer:
             **timings,
         }
         return state, metrics
+
+    def decode_parts(self, on_host: bool) -> int:
+        """Parts to decode in: `reward_options.decode_chunks` when a reward scores on the
+        host (it scores each part while the next decode), else 1."""
+        return self.config.reward_options.decode_chunks if on_host else 1
 
     def eval_batch(
         self, params, prompts: Sequence[str], noise, with_kl: bool = False, metadata=None
@@ -411,7 +424,9 @@ class Trainer:
         if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
             raise DivergenceError(self._diverged("the evaluation samples"))
         mine_metadata = None if metadata is None else [metadata[i] for i in mine]
-        images = self.model.decode(samples)
+        on_host = self.reward.on_host or any(r.on_host for r in self.eval_rewards.values())
+        groups = sharding.num_batch_shards(self.mesh) // jax.process_count()  # local devices
+        images = scoring.decode(self.model.decode, samples, groups, self.decode_parts(on_host))
         return eval_metrics.EvalSamples(
             images, [prompts[i] for i in mine], count, kl, mine_metadata
         )
@@ -559,7 +574,7 @@ class Trainer:
             measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl, metadata)
         batch = measured.samples
         total, parts, frames = self.score(
-            batch.images, batch.prompts, "in evaluation", batch.metadata
+            batch.decoded, batch.prompts, "in evaluation", batch.metadata
         )
         total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}

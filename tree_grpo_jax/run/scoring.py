@@ -1,0 +1,113 @@
+"""Decoding and scoring overlapped: the leaves (or the evaluation's samples) decode in
+parts, and a reward that runs on the host (numpy, or a server over HTTP) scores each part
+as soon as it is decoded while the accelerator decodes the next ones.
+
+Every part's decode is dispatched before any is waited for (JAX dispatches asynchronously),
+so scoring part j on the host runs beside the decodes of parts j+1 ... The rows are G
+groups of B (a prompt's leaves; a device's share of the evaluation batch); part j holds rows
+j*c .. (j+1)*c - 1 of every group, so each part keeps the groups' layout over the devices
+and every device decodes its share of every part. A JAX-native reward gets the whole batch
+once: it runs on the accelerator, behind the decodes, and gains nothing from parts.
+
+Scores do not depend on the parts: each image is scored alone by every reward, so a run
+scores the same with `reward_options.decode_chunks` 1 (decode everything, then score) or
+more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def chunk_count(per_group: int, asked: int) -> int:
+    """The parts a group of `per_group` rows is cut into: the largest divisor of
+    `per_group` not above `asked` (equal parts: one decode program for all of them)."""
+    asked = max(1, min(int(asked), per_group))
+    return next(n for n in range(asked, 0, -1) if per_group % n == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """Decoded media in parts: `chunks[j]` [G*c, ...] holds rows j*c .. (j+1)*c - 1 of each
+    of the G groups of B = c * len(chunks) rows, group-major. The arrays may still be
+    decoding (device arrays dispatched in order)."""
+
+    chunks: tuple
+    groups: int
+
+    @property
+    def count(self) -> int:
+        return len(self.chunks)
+
+    def take(self, j: int, items: Sequence | None) -> list | None:
+        """Part j's entries of `items` (one per row, in row order); None stays None."""
+        if items is None:
+            return None
+        per_group = len(items) // self.groups
+        size = per_group // self.count
+        return [
+            items[g * per_group + i]
+            for g in range(self.groups)
+            for i in range(j * size, (j + 1) * size)
+        ]
+
+    def restore(self, values: Sequence) -> Any:
+        """The parts' values (one [G*c, ...] each) as one [G*B, ...] in row order."""
+        if len(values) == 1:
+            return values[0]
+        xp = np if all(isinstance(v, np.ndarray) for v in values) else jnp
+        split = [xp.reshape(v, (self.groups, -1, *v.shape[1:])) for v in values]
+        whole = xp.concatenate(split, axis=1)
+        return xp.reshape(whole, (-1, *whole.shape[2:]))
+
+    @functools.cached_property
+    def whole(self) -> Any:
+        """Every row in row order (waits for every part)."""
+        return self.restore(list(self.chunks))
+
+
+def decode(decode_fn: Callable, latents, groups: int, parts: int) -> Decoded:
+    """`decode_fn` of `latents` [G*B, *S] in `chunk_count(B, parts)` parts, each dispatched
+    before any is waited for."""
+    rows = latents.shape[0]
+    if groups < 1 or rows % groups:
+        groups = 1
+    per_group = rows // groups
+    count = chunk_count(per_group, parts) if per_group else 1
+    if count == 1:
+        return Decoded((decode_fn(latents),), groups)
+    size = per_group // count
+    grouped = latents.reshape(groups, per_group, *latents.shape[1:])
+    chunks = tuple(
+        decode_fn(grouped[:, j * size : (j + 1) * size].reshape(-1, *latents.shape[1:]))
+        for j in range(count)
+    )
+    return Decoded(chunks, groups)
+
+
+def scored(
+    call: Callable, decoded: Decoded, prompts: Sequence[str], metadata, on_host: bool
+) -> tuple:
+    """`call(images, prompts, metadata)` -> (scores [N], {name: [N]}, frames [N, T] | None)
+    over every row of `decoded`, in row order: part by part as each is decoded when the
+    reward runs `on_host`, else once on the whole batch."""
+    if not on_host or decoded.count == 1:
+        return call(decoded.whole, prompts, metadata)
+    answers = [
+        call(np.asarray(chunk), decoded.take(j, prompts), decoded.take(j, metadata))
+        for j, chunk in enumerate(decoded.chunks)
+    ]
+    total = decoded.restore([np.asarray(a[0]) for a in answers])
+    names = set.intersection(*(set(a[1]) for a in answers))
+    order = [n for n in answers[0][1] if n in names]
+    parts = {n: decoded.restore([np.asarray(a[1][n]) for a in answers]) for n in order}
+    frames = None
+    if answers[0][2] is not None:
+        frames = decoded.restore([np.asarray(a[2]) for a in answers])
+    return total, parts, frames
