@@ -103,6 +103,15 @@ def work(d: dict) -> int:
     return d["rollout_rows"] + 3 * d["train_rows"]
 
 
+def row_equivalents(d: dict, inner_epochs: int = 1) -> float:
+    """One iteration's cost per prompt in forward-row equivalents: the rollout's denoiser
+    rows, and per inner epoch the train step's forwards plus two for each that the gradient
+    flows back through (a backward costs about two forwards). Guidance, reference and old
+    copies counted as the objective counts them (`Objective.training_counts`)."""
+    train = d["train_forward_rows"] + 2 * d["train_grad_rows"]
+    return d["rollout_rows"] + inner_epochs * train
+
+
 def ratio_table(results: dict, baseline: str = "grpo") -> str:
     """Markdown: each preset's costs relative to the baseline (derived counts)."""
     base = results[baseline]["derived_per_prompt"]
@@ -128,4 +137,11 @@ def ratio_table(results: dict, baseline: str = "grpo") -> str:
     return markdown_table(header, rows)
 
 
-__all__ = ["derived_counts", "check", "cost_table", "ratio_table", "fmt_stats"]
+__all__ = [
+    "derived_counts",
+    "check",
+    "cost_table",
+    "ratio_table",
+    "row_equivalents",
+    "fmt_stats",
+]

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import training
+from benchmarks import costs, training
 from benchmarks.common import _plain, default_out, fmt_stats, machine, pyplot, smoke_rng, stats
 from benchmarks.presets import Settings, load_model, make_config, minibatches_per_iteration
 from tree_grpo_jax import methods
@@ -430,23 +430,32 @@ def eval_iterations(iterations: int) -> list[int]:
     return sorted({*range(1, min(iterations, 6) + 1), *range(6, iterations + 1, 2), iterations})
 
 
+def iteration_rows(config, iteration: int) -> float:
+    """Iteration `iteration`'s cost in forward-row equivalents over its prompts, as the
+    method counts its rows (`benchmarks.costs.row_equivalents`): exact, whatever the load."""
+    counts = costs.derived_counts(config, iteration)
+    return config.prompts.batch_size * costs.row_equivalents(counts, config.train.inner_epochs)
+
+
 def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: float) -> dict:
     """Trains a fresh copy for `iterations` iterations (the same images for every setting:
     every preset has 16 leaves per prompt), or until its training clock passes `max_s`.
     The clock and the evaluations are those of `training.train_for_budget`."""
     trainer, state = training.fresh_run(pr, seed)
     leaves = trainer.spec().leaves * pr.config.prompts.batch_size
-    curve = [training._eval_point(trainer, state.params, 0.0, 0, 0)]
-    clock, images, times, clipped = 0.0, 0, [], []
+    curve = [{**training._eval_point(trainer, state.params, 0.0, 0, 0), "rows": 0.0}]
+    clock, images, rows, times, clipped = 0.0, 0, 0.0, [], []
     at = set(eval_iterations(iterations))
     for iteration in range(iterations):
         state, metrics = trainer.iteration(state, iteration)
         clock += metrics["time_iteration"]
         images += leaves
+        rows += iteration_rows(pr.config, iteration)
         times.append(metrics["time_iteration"])
         clipped.append(metrics.get("clip_fraction", 0.0))
         if iteration + 1 in at or clock >= max_s:
-            curve.append(training._eval_point(trainer, state.params, clock, images, iteration + 1))
+            point = training._eval_point(trainer, state.params, clock, images, iteration + 1)
+            curve.append({**point, "rows": rows})
         if clock >= max_s:
             break
     return {
@@ -536,6 +545,8 @@ def summarize(curves: dict, mode: dict) -> dict:
             else None,
             "to": {},
         }
+        counted = all("rows" in p for r in results for p in r["curve"])  # older runs: none
+        s["rows"] = stats([r["curve"][-1]["rows"] for r in results]) if counted else None
         for base, target in out["targets"].items():
             img, img_seeds = _crossing(results, "images", target, common)
             sec, sec_seeds = _crossing(results, "time", target)
@@ -546,6 +557,8 @@ def summarize(curves: dict, mode: dict) -> dict:
                 "per_seed_time_s": sec_seeds,
                 "seeds_reaching": sum(v is not None for v in img_seeds),
             }
+            if counted:  # forward-row equivalents to the target, on the median curve
+                s["to"][base]["rows"] = _crossing(results, "rows", target)[0]
     for target in out["targets"]:
         for base in BASELINES:
             if base not in out["settings"]:
@@ -590,10 +603,11 @@ def table(summary: dict, labels: dict) -> str:
             f"Target: {describe_target(target)}, {value:.4f} (start "
             f"{summary['start_reward']:.4f}).",
             "",
-            "| setting | images to target (median curve) | s to target | images: mixgrpo / "
-            "setting | s: mixgrpo / setting | images: grpo / setting | per seed: images "
-            "ratio vs mixgrpo | per seed: s ratio vs mixgrpo | seeds reaching |",
-            "|" + "---|" * 9,
+            "| setting | images to target (median curve) | forward-row equivalents to target "
+            "| s to target | images: mixgrpo / setting | s: mixgrpo / setting | images: grpo / "
+            "setting | per seed: images ratio vs mixgrpo | per seed: s ratio vs mixgrpo | seeds "
+            "reaching |",
+            "|" + "---|" * 10,
         ]
         for name, s in summary["settings"].items():
             t = s["to"][target]
@@ -603,7 +617,7 @@ def table(summary: dict, labels: dict) -> str:
             )
             rows.append(
                 f"| {labels.get(name, name)} | {_f(t['images'], '.0f')} | "
-                f"{_f(t['time_s'], '.2f')} | "
+                f"{_f(t.get('rows'), '.0f')} | {_f(t['time_s'], '.2f')} | "
                 f"{_f(t.get('images_ratio_vs_mixgrpo'), '.2f')} | "
                 f"{_f(t.get('time_ratio_vs_mixgrpo'), '.1f')} | "
                 f"{_f(t.get('images_ratio_vs_grpo'), '.2f')} | "

@@ -97,6 +97,10 @@ def test_cost_counts_by_hand():
     assert (nft["rollout_rows"], nft["train_rows"], nft["train_forward_rows"]) == (160, 144, 288)
     nft_tree = count("diffusion_nft_tree")  # treegrpo's rollout, the same rows
     assert (nft_tree["rollout_rows"], nft_tree["train_rows"]) == (111, 144)
+    # forward-row equivalents: a row the gradient flows through costs 3, the old copy's 1
+    assert costs.row_equivalents(count("grpo")) == 160 + 3 * 160
+    assert costs.row_equivalents(tree, inner_epochs=2) == 111 + 2 * 3 * 15
+    assert costs.row_equivalents(nft) == 160 + 288 + 2 * 144
 
 
 def test_one_update_per_iteration():

@@ -328,6 +328,7 @@ class DGPOObjective(Objective):
             "trained_edges": samples,
             "train_rows": d.train_timesteps,
             "train_forward_rows": samples * (1 + initial + ema),
+            "train_grad_rows": samples,  # the trained weights' only
             "spec_trainable_edges": 0,
             "spec_train_rows": 0,
         }

@@ -237,14 +237,16 @@ def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
 
 def leaf_row_counts(spec, rows: int, forwards: int) -> dict:
     """`Objective.training_counts` of an objective that trains `rows` rows of the rollout's
-    final samples per prompt (no edge of the tree), each through `forwards` denoiser calls;
-    the rollout samples without guidance."""
+    final samples per prompt (no edge of the tree), each through `forwards` denoiser calls
+    of which one, the trained weights', is differentiated; the rollout samples without
+    guidance."""
     return {
         "guidance": False,
         "rollout_rows": spec.rollout_denoiser_calls(False),
         "trained_edges": rows,
         "train_rows": rows,
         "train_forward_rows": rows * forwards,
+        "train_grad_rows": rows,
         "spec_trainable_edges": 0,
         "spec_train_rows": 0,
     }

@@ -150,5 +150,7 @@ class Objective(abc.ABC):
     ) -> dict:
         """Per prompt, counted from `spec` and the settings alone: whether the rollout and the
         train step run with guidance, the rollout's denoiser rows, the trained edges, the
-        training rows and their denoiser forwards, and the spec's own unpruned counts
-        (`spec_trainable_edges`, `spec_train_rows`). `prunes`: the method prunes edges."""
+        training rows, their denoiser forwards (`train_forward_rows`) and of those the ones
+        the gradient flows back through (`train_grad_rows`: a reference's or an old copy's
+        are not), and the spec's own unpruned counts (`spec_trainable_edges`,
+        `spec_train_rows`). `prunes`: the method prunes edges."""

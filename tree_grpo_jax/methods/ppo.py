@@ -145,6 +145,7 @@ class PPOObjective(Objective):
             "trained_edges": edges,
             "train_rows": rows,
             "train_forward_rows": rows * (2 if guidance else 1),
+            "train_grad_rows": rows * (2 if guidance else 1),  # both halves are trained
             # Unpruned and un-amortized, for reference: the spec's own counts.
             "spec_trainable_edges": spec.trainable_edges,
             "spec_train_rows": spec.training_forward_rows(True, False),
