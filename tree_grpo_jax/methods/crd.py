@@ -32,6 +32,7 @@ setting).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import chex
 import jax
@@ -267,6 +268,11 @@ class CRDObjective(Objective):
             return f"crd.beta must be positive, got {d.beta}."
         if d.loss_type not in LOSS_TYPES:
             return f"crd.loss_type must be mse or bce, got {d.loss_type!r}."
+        if not math.isfinite(d.weight_temp):
+            return (
+                f"crd.weight_temp must be a finite number (< 0: uniform centring), got "
+                f"{d.weight_temp}."
+            )
         if not d.train_timesteps >= 0:
             return (
                 f"crd.train_timesteps must be >= 0 (0: from the sampling steps), got "

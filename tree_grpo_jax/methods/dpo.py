@@ -25,6 +25,7 @@ hparams/training_args.py (DPOTrainingArguments) with examples/dpo/lora/sd3_5/def
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import chex
 import jax
@@ -196,6 +197,8 @@ class DPOObjective(Objective):
             return f"dpo.train_timesteps must be at least 1, got {d.train_timesteps}."
         if not 0 < d.timestep_range <= 1:
             return f"dpo.timestep_range must be in (0, 1], got {d.timestep_range}."
+        if not math.isfinite(d.logit_mean):
+            return f"dpo.logit_mean must be a finite number, got {d.logit_mean}."
         if not d.logit_std > 0:
             return f"dpo.logit_std must be positive, got {d.logit_std}."
         if not d.time_shift > 0:
