@@ -700,7 +700,8 @@ def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_pat
 @pytest.mark.parametrize(
     "method, field",
     [("awm", "grpo_guard.enabled=True"), ("diffusion_nft", "grpo_guard.enabled=True"),
-     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0")],
+     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0"),
+     ("dpo", "crd.beta=2.0")],
 )  # fmt: skip
 def test_another_methods_section_is_refused_not_dropped(tmp_path, method, field):
     result = run_in_process(

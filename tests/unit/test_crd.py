@@ -281,7 +281,10 @@ def test_one_iteration_of_the_tiny_flow_twin_trains_and_moves_the_old_copy(tmp_p
     c.rewards = "jpeg_compressibility"
     c.eval.extra_rewards = ()
     c.prompts.batch_size = 2
-    c.crd.train_timesteps = 2
+    c.prompts.eval_count = 2
+    c.sampling.num_steps = 4
+    c.eval.every = 0
+    c.crd.train_timesteps = 1
     c.crd.kl_cfg = 1.0
     c.train.kl_beta = 0.1
     c.train.updates_per_iteration = 1

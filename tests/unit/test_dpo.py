@@ -165,6 +165,9 @@ def test_one_iteration_of_the_tiny_flow_twin_trains_against_the_initial_model(tm
     c.rewards = "jpeg_compressibility"
     c.eval.extra_rewards = ()
     c.prompts.batch_size = 2
+    c.prompts.eval_count = 2
+    c.sampling.num_steps = 4
+    c.eval.every = 0
     c.train.kl_beta = 0.0
     c.train.updates_per_iteration = 1
     c.log.progress = False
