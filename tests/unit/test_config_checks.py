@@ -401,8 +401,8 @@ def test_every_number_of_the_base_has_a_range_case():
             "tree.method=dpo pairs each prompt's best sample with its worst",
         ),
         (
-            {"tree__method": "crd", "model__name": "tiny_flow", "train__kl_beta": 0.1},
-            "crd.kl_cfg=4.5 guides the KL's reference with the empty prompt",
+            {"tree__method": "crd", "model__name": "tiny_flow", "tree__group_size": 1},
+            "tree.method=crd centres rewards within each prompt's group",
         ),
     ],
 )

@@ -270,8 +270,10 @@ def test_rows_hold_each_group_at_one_sigma_with_its_normalised_rewards():
 
 
 def test_one_iteration_of_the_tiny_flow_twin_trains_and_moves_the_old_copy(tmp_path):
-    """`tree.method=crd` through the in-process runner: one iteration gives a finite loss,
-    moves the weights and moves the old copy (d = 0.255 after one step) towards them."""
+    """`tree.method=crd` through the in-process runner, unguided with the KL's reference
+    guided (the release's setting): the loss alone gets the empty prompt's embedding; one
+    iteration gives a finite loss, moves the weights and moves the old copy (d = 0.255
+    after one step) towards them."""
     from configs import tiny_flow
     from tree_grpo_jax.run import loop as train
 
@@ -285,12 +287,12 @@ def test_one_iteration_of_the_tiny_flow_twin_trains_and_moves_the_old_copy(tmp_p
     c.sampling.num_steps = 4
     c.eval.every = 0
     c.crd.train_timesteps = 1
-    c.crd.kl_cfg = 1.0
     c.train.kl_beta = 0.1
     c.train.updates_per_iteration = 1
     c.log.progress = False
     c.log.tensorboard = False
     trainer, state = train.setup(c, str(tmp_path))
+    assert trainer.uncond is None and trainer.loss_uncond is not None
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
     state, metrics = trainer.iteration(state, 0)
     assert np.isfinite(metrics["loss"]) and metrics["trained_edges"] > 0

@@ -18,7 +18,8 @@ its own noise, x_t = (1 - sigma) x0 + sigma eps, u = eps - x0 the data velocity,
 
 with A_i the sample's advantage (its prompt's rewards less their mean, over the batch's std),
 v_old the state's old copy (`use_old_for_loss`; else the initial model), v_ref the initial
-model, guided with scale kl_cfg when the run has the unconditional embedding, and k_i = m +
+model, guided with scale kl_cfg (the empty prompt's embedding given to the loss whatever the
+sampling's guidance), and k_i = m +
 a_i (1 - m), m = 1e-4 / kl_beta, with `reward_adaptive_kl` (else 1). The old copy follows
 old <- d old + (1 - d) new after every iteration, d = min(d0 + slope * (steps - start),
 d_max) once `steps` optimizer steps are done (d0 before `start`).
@@ -254,7 +255,7 @@ class CRDObjective(Objective):
         d.time_sampling = "discrete"  # one of awm.TIME_SAMPLINGS
         d.timestep_range = 0.99
         d.time_shift = 3.0
-        d.kl_cfg = 4.5  # guidance of the KL's reference (needs a guided run's embedding)
+        d.kl_cfg = 4.5  # guidance of the KL's reference (1: none)
         d.reward_adaptive_kl = True
         d.old_decay_start = 0  # optimizer steps before the old copy's decay starts rising
         d.old_decay_initial = 0.25
@@ -300,19 +301,15 @@ class CRDObjective(Objective):
         return None
 
     def check_run(self, config, spec):
-        d = config.crd
         if config.tree.group_size < 2:
             return (
                 f"tree.method={config.tree.method} centres rewards within each prompt's "
                 f"group: tree.group_size must be at least 2, got {config.tree.group_size}."
             )
-        if config.train.kl_beta > 0 and d.kl_cfg > 1 and config.sampling.guidance_scale == 1:
-            return (
-                f"crd.kl_cfg={d.kl_cfg} guides the KL's reference with the empty prompt, "
-                "which only a guided run encodes: set sampling.guidance_scale (not 1) or "
-                "crd.kl_cfg=1."
-            )
         return None
+
+    def loss_reads_empty_prompt(self, config):
+        return config.train.kl_beta > 0 and config.crd.kl_cfg > 1  # the guided KL reference
 
     def needs_initial_model(self, config):
         return not config.crd.use_old_for_loss  # the implicit reward against it
@@ -388,7 +385,7 @@ class CRDObjective(Objective):
         c, d = config, config.crd
         steps = self.train_timesteps(c)
         samples = spec.leaves * steps
-        guided = d.kl_cfg > 1 and c.sampling.guidance_scale != 1.0
+        guided = d.kl_cfg > 1
         kl = 0 if c.train.kl_beta == 0 else (2 if guided else 1)
         return {
             "guidance": c.sampling.guidance_scale != 1.0,
