@@ -335,7 +335,7 @@ class ModelBench:
         batch = transitions.minibatches(rows, jax.random.PRNGKey(4), self.train_rows)[0]
         batch = sharding.shard_batch(trainer.mesh, batch)
         lr = jnp.float32(trainer.config.train.learning_rate)
-        args = (sampled.cond, trainer.schedule(), trainer.uncond, trainer.ref_params, lr)
+        args = (sampled.cond, trainer.schedule(), trainer.train_uncond, trainer.ref_params, lr)
         start = time.perf_counter()
         compiled = trainer.train_step.lower(state, batch, *args).compile()
         flops = flops_of(compiled, trainer.mesh.size)

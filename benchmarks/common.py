@@ -70,6 +70,8 @@ FLOW_PRESETS: dict[str, dict] = {
     "diffusion_nft_tree": {"tree.method": "diffusion_nft_tree", "tree.window": 4, "tree.k": 2},
     "awm": {"tree.method": "awm", "tree.group_size": 16},
     "dgpo": {"tree.method": "dgpo", "tree.group_size": 16},
+    "dpo": {"tree.method": "dpo", "tree.group_size": 16},
+    "crd": {"tree.method": "crd", "tree.group_size": 16},
 }
 
 LABELS = {
@@ -84,6 +86,8 @@ LABELS = {
     "diffusion_nft_tree": "diffusion_nft on treegrpo's tree (w=4, k=2)",
     "awm": "awm (16 ODE samples)",
     "dgpo": "dgpo (16 ODE samples)",
+    "dpo": "dpo (16 ODE samples, best against worst)",
+    "crd": "crd (16 ODE samples)",
 }
 
 

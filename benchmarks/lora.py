@@ -118,7 +118,7 @@ def step_times(reps: int) -> dict:
 
     def call(name):
         t, holder = runs[name][0], holders[name]
-        args = (sampled.cond, t.schedule(), t.uncond, t.ref_params, jnp.float32(1e-5))
+        args = (sampled.cond, t.schedule(), t.train_uncond, t.ref_params, jnp.float32(1e-5))
         extra = () if t.adapter is None else (t.adapter.base,)
         t0 = time.perf_counter()
         holder["state"], metrics = t.train_step(holder["state"], batch, *args, *extra)

@@ -334,6 +334,22 @@ RANGE_CASES = [
     ("dgpo.switch_ema_ref", -1, "dgpo.switch_ema_ref must be >= 0"),
     ("dgpo.train_timesteps", 0, "dgpo.train_timesteps must be at least 1"),
     ("dgpo.trunc_steps", -1, "dgpo.trunc_steps must be >= 0"),
+    ("dpo.beta", 0.0, "dpo.beta must be positive"),
+    ("dpo.train_timesteps", 0, "dpo.train_timesteps must be at least 1"),
+    ("dpo.timestep_range", 1.5, "dpo.timestep_range must be in (0, 1]"),
+    ("dpo.logit_mean", float("inf"), "dpo.logit_mean must be a finite number"),
+    ("dpo.logit_std", 0.0, "dpo.logit_std must be positive"),
+    ("dpo.time_shift", -1.0, "dpo.time_shift must be positive"),
+    ("crd.beta", 0.0, "crd.beta must be positive"),
+    ("crd.weight_temp", float("nan"), "crd.weight_temp must be a finite number"),
+    ("crd.train_timesteps", -1, "crd.train_timesteps must be >= 0"),
+    ("crd.timestep_range", 0.0, "crd.timestep_range must be in (0, 1]"),
+    ("crd.time_shift", 0.0, "crd.time_shift must be positive"),
+    ("crd.kl_cfg", 0.5, "crd.kl_cfg must be at least 1"),
+    ("crd.old_decay_start", -1, "crd.old_decay_start must be >= 0"),
+    ("crd.old_decay_initial", 1.5, "crd.old_decay_initial must be in [0, 1]"),
+    ("crd.old_decay_slope", -0.1, "crd.old_decay_slope must be >= 0"),
+    ("crd.old_decay_max", -0.1, "crd.old_decay_max must be in [0, 1]"),
 ]
 # Strings, checked against their choices (or as names) in their own tests or here.
 NAME_CASES = [
@@ -342,6 +358,8 @@ NAME_CASES = [
     ("prompts.source", "", "prompts.source must name a prompt set or file"),
     ("train.optimizer_state_dtype", "float16", "train.optimizer_state_dtype must be one of"),
     ("train.optimizer_state_dtype", "bf16", "float32, bfloat16 (the dtype Adam's two moments"),
+    ("crd.loss_type", "l1", "crd.loss_type must be mse or bce"),
+    ("crd.time_sampling", "sometimes", "crd.time_sampling must be one of discrete"),
 ]
 
 
@@ -378,6 +396,14 @@ def test_every_number_of_the_base_has_a_range_case():
         (
             {"tree__method": "diffusion_nft", "tree__group_size": 1},
             "the diffusion_nft tree has 1 leaf per prompt",
+        ),
+        (
+            {"tree__method": "dpo", "model__name": "tiny_flow", "tree__group_size": 1},
+            "tree.method=dpo pairs each prompt's best sample with its worst",
+        ),
+        (
+            {"tree__method": "crd", "model__name": "tiny_flow", "tree__group_size": 1},
+            "tree.method=crd centres rewards within each prompt's group",
         ),
     ],
 )
@@ -675,7 +701,8 @@ def test_a_config_without_a_registered_section_resumes_a_run_that_had_it(tmp_pat
 @pytest.mark.parametrize(
     "method, field",
     [("awm", "grpo_guard.enabled=True"), ("diffusion_nft", "grpo_guard.enabled=True"),
-     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0")],
+     ("treegrpo", "awm.train_timesteps=3"), ("grpo", "dgpo.beta_dpo=50.0"),
+     ("dpo", "crd.beta=2.0")],
 )  # fmt: skip
 def test_another_methods_section_is_refused_not_dropped(tmp_path, method, field):
     result = run_in_process(

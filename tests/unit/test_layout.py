@@ -391,8 +391,9 @@ BENCHMARK_SOURCES = {
 
 
 def test_no_objective_branch_outside_the_methods_package():
-    assert {"ppo", "nft", "awm", "dgpo"} <= OBJECTIVE_NAMES
+    assert {"ppo", "nft", "awm", "dgpo", "dpo", "crd"} <= OBJECTIVE_NAMES
     assert {"PPOObjective", "NFTObjective", "AWMObjective", "DGPOObjective"} <= OBJECTIVE_CLASSES
+    assert {"DPOObjective", "CRDObjective"} <= OBJECTIVE_CLASSES
     assert not objective_branches({**SOURCES, **BENCHMARK_SOURCES})
     # the methods package itself may: it is where an objective is chosen
     assert "tree_grpo_jax.methods.table" in SOURCES

@@ -7,8 +7,8 @@ from the record, which holds their defaults: `model.<family>` from each model fa
 (models/<family>/family.py), `reward_options.<name>` from each reward with settings of its
 own and `reward_models.<name>` (its folder, "" = none configured) from each reward that reads
 a model (tree_grpo_jax/rewards), and an objective's options from the objective
-(`diffusion_nft` from tree_grpo_jax/methods/nft.py, `awm`, `dgpo`, and `grpo_guard` of
-the PPO objective).
+(`diffusion_nft` from tree_grpo_jax/methods/nft.py, `awm`, `dgpo`, `dpo`, `crd`, and
+`grpo_guard` of the PPO objective).
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def _tree() -> ml_collections.ConfigDict:
     # The tree: one of "grpo", "mixgrpo", "treegrpo", "branchgrpo", "branchgrpo_mix", or the
     # forward-process methods "diffusion_nft" (tree.group_size ODE samples per prompt) and
     # "diffusion_nft_tree" (the leaves of treegrpo's tree), "awm" / "awm_tree" (Advantage
-    # Weighted Matching, likewise) and "dgpo" (tree.group_size ODE samples per prompt), flow
-    # models only (their sections below).
+    # Weighted Matching, likewise), "dgpo", "dpo" (online Diffusion-DPO) and "crd" (Centered
+    # Reward Distillation), each on tree.group_size ODE samples per prompt, flow models only
+    # (their sections below).
     s = ml_collections.ConfigDict()
     s.method = "treegrpo"
     s.group_size = 16  # grpo / mixgrpo: chains per prompt

@@ -3,6 +3,7 @@
     objective.py  what an objective is to the run (`Objective`, `RowSource`)
     ppo.py        PPO-clip on the rollout's own steps (`PPO`)
     nft.py        DiffusionNFT on forward-noised leaves, with its old policy (`NFT`)
+    awm.py, dgpo.py, dpo.py, crd.py   AWM, DGPO, online Diffusion-DPO and CRD, likewise
     table.py      every method as one `Method` entry; `get(name)` looks one up
 
 A new objective is one module subclassing `Objective` and the table entries that use it.

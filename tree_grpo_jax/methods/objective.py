@@ -127,6 +127,11 @@ class Objective(abc.ABC):
         term: the run then keeps them even at `train.kl_beta=0`."""
         return False
 
+    def loss_reads_empty_prompt(self, config: ml_collections.ConfigDict) -> bool:
+        """Whether the loss needs the empty prompt's embedding (its `uncond`) in a run that
+        samples without guidance too (a guided reference of the loss's own)."""
+        return False
+
     def samples_with_old_policy(self, config: ml_collections.ConfigDict, iteration: int) -> bool:
         """Whether iteration `iteration` rolls out with the old policy (when one is kept)
         rather than the trained weights."""

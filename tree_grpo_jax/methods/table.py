@@ -6,8 +6,9 @@ flags the trainer reads: whether its window slides, whether it can use DDPO's pe
 tracker. The objective is an `objective.Objective`: `ppo.PPO` (PPO-clip on the rollout's own
 steps), `nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the
 leaves; its advantages are one array per leaf, [P, L], and it samples from an old copy of the
-policy), `awm.AWM` (Advantage Weighted Matching) or `dgpo.DGPO` (Direct Group Preference
-Optimization), both forward-process objectives on the leaves too. This is the one place
+policy), `awm.AWM` (Advantage Weighted Matching), `dgpo.DGPO` (Direct Group Preference
+Optimization), `dpo.DPO` (online Diffusion-DPO) or `crd.CRD` (Centered Reward Distillation),
+forward-process objectives on the leaves too. This is the one place
 that maps a method name to behaviour: the config checks look a method up here, and the run
 holds the `Method` it got and calls it.
 
@@ -28,7 +29,7 @@ import numpy as np
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, tree_spec
 from tree_grpo_jax.core.rollout import Tree
-from tree_grpo_jax.methods import awm, dgpo, nft
+from tree_grpo_jax.methods import awm, crd, dgpo, dpo, nft
 from tree_grpo_jax.methods.objective import Objective
 from tree_grpo_jax.methods.ppo import PPO
 
@@ -247,6 +248,10 @@ METHODS: dict[str, Method] = {
         # DGPO on G ODE samples per prompt, as its release samples; the batch-std credit (its
         # rows take each prompt's own std with dgpo.global_std=False: dgpo.advantages)
         _on_ode_samples("dgpo", dgpo.DGPO, "dgpo"),
+        # online Diffusion-DPO (each group's best against its worst) and CRD (rewards centred
+        # within each group), on G ODE samples per prompt as their release samples
+        _on_ode_samples("dpo", dpo.DPO, "dpo"),
+        _on_ode_samples("crd", crd.CRD, "crd"),
     )
 }
 

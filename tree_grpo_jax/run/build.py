@@ -301,11 +301,14 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
     ref_params, kl_reference = references(
         config, state.params, None if adapter is None else adapter.base
     )
-    uncond = None
+    uncond = loss_uncond = None
+    embedding = jax.ShapeDtypeStruct(
+        model.cond_shape, jnp.float32, sharding=sharding.replicated(mesh)
+    )
     if config.sampling.guidance_scale != 1.0:
-        uncond = jax.ShapeDtypeStruct(
-            model.cond_shape, jnp.float32, sharding=sharding.replicated(mesh)
-        )
+        uncond = embedding
+    elif method.objective.loss_reads_empty_prompt(config):
+        loss_uncond = embedding
     trainer = Trainer(
         config=config,
         workdir="",
@@ -317,6 +320,7 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         prompts=None,
         eval_prompts=[],
         uncond=uncond,
+        loss_uncond=loss_uncond,
         tracker=None,
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
@@ -438,7 +442,9 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         config, model, method, reward, eval_rewards, prompts, list(eval_set.prompts)
     )
     guidance = config.sampling.guidance_scale != 1.0
-    uncond = np.asarray(model.encode_prompts([""])[0]) if guidance else None
+    empty = guidance or objective.loss_reads_empty_prompt(config)
+    empty = np.asarray(model.encode_prompts([""])[0]) if empty else None
+    uncond, loss_uncond = (empty, None) if guidance else (None, empty)
 
     adapter = _make_adapter(config, model, mesh)
     state, built, (ref_params, kl_reference) = _initial_state(
@@ -455,6 +461,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         prompts=prompts,
         eval_prompts=eval_prompts,
         uncond=uncond,
+        loss_uncond=loss_uncond,
         tracker=make_tracker(config, method),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),

@@ -143,6 +143,14 @@ class Trainer:
     # each of `eval_prompts`' metadata, in their order (the fields its prompt file gives
     # beside the prompt; {} each for a text file or a built-in set)
     eval_metadata: tuple = ()
+    # the empty prompt's embedding for the loss alone, in a run that samples without guidance
+    # (`Objective.loss_reads_empty_prompt`); None: the loss gets `uncond`
+    loss_uncond: jax.Array | None = None
+
+    @property
+    def train_uncond(self) -> jax.Array | None:
+        """What the loss receives as `uncond`: the guided rollout's, else the loss's own."""
+        return self.uncond if self.uncond is not None else self.loss_uncond
 
     @property
     def denoise(self):
@@ -287,7 +295,7 @@ class Trainer:
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
-        context = (sampled.cond, schedule, self.uncond, self.ref_params)
+        context = (sampled.cond, schedule, self.train_uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
@@ -523,7 +531,7 @@ class Trainer:
             self._zero_minibatch(tree),
             _replicated_like(self.mesh, cond),
             self.schedule(),
-            self.uncond,
+            self.train_uncond,
             self.ref_params,
         )
         lr = jnp.float32(learning_rate(c.train, 0))
