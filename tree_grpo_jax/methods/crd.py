@@ -393,6 +393,7 @@ class CRDObjective(Objective):
             "trained_edges": samples,
             "train_rows": steps,
             "train_forward_rows": samples * (2 + kl),
+            "train_grad_rows": samples,  # the trained weights' only
             "spec_trainable_edges": 0,
             "spec_train_rows": 0,
         }

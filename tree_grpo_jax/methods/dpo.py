@@ -261,6 +261,7 @@ class DPOObjective(Objective):
             "trained_edges": 2 * d.train_timesteps,
             "train_rows": d.train_timesteps,
             "train_forward_rows": 4 * d.train_timesteps,
+            "train_grad_rows": 2 * d.train_timesteps,  # the trained weights' pair
             "spec_trainable_edges": 0,
             "spec_train_rows": 0,
         }
