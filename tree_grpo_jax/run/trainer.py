@@ -33,7 +33,7 @@ import numpy as np
 
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
-from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.core import replay, rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
@@ -143,6 +143,8 @@ class Trainer:
     # each of `eval_prompts`' metadata, in their order (the fields its prompt file gives
     # beside the prompt; {} each for a text file or a built-in set)
     eval_metadata: tuple = ()
+    # `train.replay`: the last iterations' rows, trained again (core/replay.py); None: off
+    replay: replay.ReplayBuffer | None = None
 
     @property
     def denoise(self):
@@ -272,7 +274,12 @@ class Trainer:
         rows_key = None
         if objective.draws_rows:
             rows_key, key = jax.random.split(key)
-        rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
+        fresh = rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
+        cond = sampled.cond
+        if self.replay is not None:  # the held iterations' rows beside this one's
+            host_cond = np.asarray(cond)
+            rows, cond = self.replay.mixed(fresh, host_cond)
+            cond = sharding.replicate(self.mesh, cond)
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
@@ -284,7 +291,7 @@ class Trainer:
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
-        context = (sampled.cond, schedule, self.uncond, self.ref_params)
+        context = (cond, schedule, self.uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
@@ -323,6 +330,9 @@ class Trainer:
             if "ratio_min" in step_metrics[0]:
                 metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+        if self.replay is not None:  # this iteration's own rows are held for the next ones
+            metrics["replayed_rows"] = int(sharding.agree(rows.num_rows - fresh.num_rows, "sum"))
+            self.replay.push(iteration, fresh, host_cond)
         if old_params(state) is not None:  # the old policy's move towards the new weights
             old, moved = objective.after_update(c, old_params(state), state.params, iteration)
             state = state.replace(old_params=old)
@@ -506,7 +516,7 @@ class Trainer:
         tree = lowered["rollout"].out_info
         rest = (
             self._zero_minibatch(tree),
-            _replicated_like(self.mesh, cond),
+            self._train_cond_like(cond),
             self.schedule(),
             self.uncond,
             self.ref_params,
@@ -520,6 +530,15 @@ class Trainer:
             lowered["accumulate"] = step.accumulate.lower(acc, state, *rest, *self._step_args())
             lowered["apply"] = step.apply.lower(state, acc, lr)
         return lowered
+
+    def _train_cond_like(self, cond):
+        """The conditioning the train step takes for a prompt batch's `cond`: replicated,
+        and with replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
+        if self.replay is None:
+            return _replicated_like(self.mesh, cond)
+        slots = self.replay.capacity + 1
+        shape = (cond.shape[0] * slots, *cond.shape[1:])
+        return jax.ShapeDtypeStruct(shape, cond.dtype, sharding=sharding.replicated(self.mesh))
 
     def _zero_minibatch(self, tree):
         """The shapes of a minibatch as `transitions.minibatches` cuts them from `tree`
@@ -592,6 +611,7 @@ class Trainer:
             config=config,
             prompts=prompt_iterator(config),
             tracker=make_tracker(config, self.method),
+            replay=make_replay(config),
             key=jax.random.PRNGKey(seed),
         )
 
@@ -626,3 +646,9 @@ def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | N
     return adv.PerPromptStatTracker(
         config.advantage.tracker_buffer, config.advantage.tracker_min_count
     )
+
+
+def make_replay(config) -> replay.ReplayBuffer | None:
+    """The replay buffer `train.replay` asks for (None at 0: off)."""
+    n = int(config.train.get("replay", 0))
+    return replay.ReplayBuffer(n) if n else None
