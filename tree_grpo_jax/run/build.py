@@ -330,6 +330,7 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         eval_prompts=[],
         uncond=uncond,
         tracker=None,
+        replay=make_replay(config),  # the train step's conditioning holds its batches
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
