@@ -121,10 +121,12 @@ class PPOObjective(Objective):
         return sum(b.num_steps * b.nodes_in for b in spec.segment_blocks)
 
     def replay_samples(self, config, spec):
-        """Every trained parent's row before pruning: its state, its actions padded to the
-        widest branch, and (GRPO-Guard) its step mean."""
-        max_k = max((s.k for s in spec.steps), default=1)
-        rows = sum(spec.nodes_in[i] for i in spec.trainable_steps)
+        """Every recorded parent's row before pruning: its state, its actions padded to the
+        widest branch, and (GRPO-Guard) its step mean (a sliding window's blocks are the
+        same at every position)."""
+        blocks = spec.segment_blocks
+        max_k = max((b.step.k for b in blocks), default=1)
+        rows = sum(b.num_steps * b.nodes_in for b in blocks)
         return rows * (1 + max_k + int(config.grpo_guard.enabled))
 
     def training_counts(self, config, spec: TreeSpec, prunes: bool) -> dict:

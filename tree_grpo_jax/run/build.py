@@ -95,9 +95,9 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_
         )
     # train.replay keeps N iterations' rows on the host (numpy, outside the device's memory)
     replay = config.train.get("replay", 0)
-    held = replay * prompts * objective.replay_samples(config, spec) * sample_bytes
-    free = _host_available()
-    if held and free is not None and held > free:
+    held = replay and replay * prompts * objective.replay_samples(config, spec) * sample_bytes
+    free = _host_available() if held else None
+    if free is not None and held > free:
         raise cfg.ConfigError(
             f"train.replay={replay} keeps about {gib(held)} of past rows on the host ("
             f"{replay} iterations of {prompts} prompts' trained parents and their actions, "
