@@ -205,6 +205,8 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "identity": identity.of_run(trainer.config),  # taken once, by check_resume
         "history": history,
         **{k: v for k, v in host.items() if k != REPLAY},
+        # each process saved its own replayed rows: a resume needs as many processes
+        **({"replay_processes": jax.process_count()} if host.get(REPLAY) else {}),
     }
 
 
@@ -262,6 +264,13 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
     state, meta, step = ckpt.restore(state)
     trainer.prompts.load_state_dict(meta["prompt_iterator"])
     if trainer.replay is not None:
+        saved = meta.get("replay_processes", jax.process_count())
+        if saved != jax.process_count():
+            raise CheckpointError(
+                f"checkpoint {step} in {ckpt.directory} holds the replay buffers of {saved} "
+                f"processes, each its own rows; resume it with {saved} processes, not "
+                f"{jax.process_count()}."
+            )
         trainer.replay.load(ckpt.read_host_arrays(step))
     if trainer.tracker is not None and meta.get("stat_tracker"):
         trainer.tracker.load_state_dict(meta["stat_tracker"])

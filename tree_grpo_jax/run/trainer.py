@@ -279,7 +279,7 @@ class Trainer:
         if self.replay is not None:  # the held iterations' rows beside this one's
             host_cond = np.asarray(cond)
             rows, cond = self.replay.mixed(fresh, host_cond)
-            cond = sharding.replicate(self.mesh, cond)
+            cond = sharding.replicate_host(self.mesh, cond)  # the same on every process
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
