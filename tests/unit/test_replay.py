@@ -270,3 +270,20 @@ def test_checkpoints_keep_each_steps_buffer_beside_it_and_drop_it_with_the_step(
     with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* lacks readable host arrays"):
         ckpt.read_host_arrays(3)
     ckpt.close()
+
+
+def test_a_buffer_the_free_host_memory_cannot_hold_is_one_sentence(monkeypatch):
+    from tree_grpo_jax.run import build
+
+    c = _small("grpo")
+    method = methods.get("grpo")
+    spec, shape = method.run_spec(c), (4, 8, 8)
+    build.check_sizes(c, spec, shape, method.objective)  # replay off: no bound asked
+    c.train.replay = 3
+    # grpo on 4 steps, G = 4: 16 rows a prompt, each a state and its action (K = 1)
+    held = 3 * 2 * 16 * 2 * 4 * 4 * 8 * 8
+    monkeypatch.setattr(build, "_host_available", lambda: held)
+    build.check_sizes(c, spec, shape, method.objective)  # it fits, just
+    monkeypatch.setattr(build, "_host_available", lambda: held - 1)
+    with pytest.raises(cfg.ConfigError, match=r"^train.replay=3 keeps about .* of past rows"):
+        build.check_sizes(c, spec, shape, method.objective)

@@ -59,6 +59,10 @@ class ReplayBuffer:
         slot = Slot(int(iteration), host, np.asarray(cond))
         self.slots = (*self.slots, slot)[-self.capacity :]
 
+    def cond_shape(self, shape) -> tuple[int, ...]:
+        """`train_cond`'s shape for a prompt batch's conditioning of `shape`."""
+        return ((self.capacity + 1) * shape[0], *shape[1:])
+
     def train_cond(self, cond) -> np.ndarray:
         """[(capacity + 1) * P, L, D]: `cond` (this iteration's batch), then each held
         iteration's oldest first, then zeros for the empty slots."""
@@ -144,6 +148,11 @@ class ReplayBuffer:
                 f"{self.capacity}."
             )
         self.slots = saved.slots
+
+
+def buffer(iterations: int) -> ReplayBuffer | None:
+    """The buffer `train.replay=iterations` asks for; None at 0 (off)."""
+    return ReplayBuffer(int(iterations)) if iterations else None
 
 
 def _dtype(name: str):

@@ -16,6 +16,7 @@ import numpy as np
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core import replay
 from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
@@ -33,7 +34,7 @@ from tree_grpo_jax.run.train_step import (
     make_optimizer,
     make_train_step,
 )
-from tree_grpo_jax.run.trainer import Trainer, make_replay, make_tracker, prompt_iterator
+from tree_grpo_jax.run.trainer import Trainer, make_tracker, prompt_iterator
 
 
 def check_batches(config, mesh) -> None:
@@ -94,13 +95,13 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_
             f"prompts.batch_size (at most {limit // per_prompt} fit) or the tree's size."
         )
     # train.replay keeps N iterations' rows on the host (numpy, outside the device's memory)
-    replay = config.train.get("replay", 0)
-    held = replay and replay * prompts * objective.replay_samples(config, spec) * sample_bytes
+    kept = config.train.get("replay", 0)
+    held = kept and kept * prompts * objective.replay_samples(config, spec) * sample_bytes
     free = _host_available() if held else None
     if free is not None and held > free:
         raise cfg.ConfigError(
-            f"train.replay={replay} keeps about {gib(held)} of past rows on the host ("
-            f"{replay} iterations of {prompts} prompts' trained parents and their actions, "
+            f"train.replay={kept} keeps about {gib(held)} of past rows on the host ("
+            f"{kept} iterations of {prompts} prompts' trained parents and their actions, "
             f"each {gib(sample_bytes)} of latents {tuple(sample_shape)}), more than the "
             f"{gib(free)} of free host memory; lower train.replay or prompts.batch_size."
         )
@@ -330,7 +331,7 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         eval_prompts=[],
         uncond=uncond,
         tracker=None,
-        replay=make_replay(config),  # the train step's conditioning holds its batches
+        replay=replay.buffer(config.train.get("replay", 0)),  # sizes the step's conditioning
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -469,7 +470,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         eval_prompts=eval_prompts,
         uncond=uncond,
         tracker=make_tracker(config, method),
-        replay=make_replay(config),
+        replay=replay.buffer(config.train.get("replay", 0)),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,

@@ -277,8 +277,7 @@ class Trainer:
         fresh = rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         cond = sampled.cond
         if self.replay is not None:  # the held iterations' rows beside this one's
-            host_cond = np.asarray(cond)
-            rows, cond = self.replay.mixed(fresh, host_cond)
+            rows, cond = self.replay.mixed(fresh, cond)
             cond = sharding.replicate_host(self.mesh, cond)  # the same on every process
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
@@ -332,7 +331,7 @@ class Trainer:
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
         if self.replay is not None:  # this iteration's own rows are held for the next ones
             metrics["replayed_rows"] = int(sharding.agree(rows.num_rows - fresh.num_rows, "sum"))
-            self.replay.push(iteration, fresh, host_cond)
+            self.replay.push(iteration, fresh, sampled.cond)
         if old_params(state) is not None:  # the old policy's move towards the new weights
             old, moved = objective.after_update(c, old_params(state), state.params, iteration)
             state = state.replace(old_params=old)
@@ -532,13 +531,11 @@ class Trainer:
         return lowered
 
     def _train_cond_like(self, cond):
-        """The conditioning the train step takes for a prompt batch's `cond`: replicated,
-        and with replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
-        if self.replay is None:
-            return _replicated_like(self.mesh, cond)
-        slots = self.replay.capacity + 1
-        shape = (cond.shape[0] * slots, *cond.shape[1:])
-        return jax.ShapeDtypeStruct(shape, cond.dtype, sharding=sharding.replicated(self.mesh))
+        """The train step's conditioning for a prompt batch's `cond`: replicated, with
+        replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
+        if self.replay is not None:
+            cond = jax.ShapeDtypeStruct(self.replay.cond_shape(cond.shape), cond.dtype)
+        return _replicated_like(self.mesh, cond)
 
     def _zero_minibatch(self, tree):
         """The shapes of a minibatch as `transitions.minibatches` cuts them from `tree`
@@ -611,7 +608,7 @@ class Trainer:
             config=config,
             prompts=prompt_iterator(config),
             tracker=make_tracker(config, self.method),
-            replay=make_replay(config),
+            replay=replay.buffer(config.train.get("replay", 0)),
             key=jax.random.PRNGKey(seed),
         )
 
@@ -646,9 +643,3 @@ def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | N
     return adv.PerPromptStatTracker(
         config.advantage.tracker_buffer, config.advantage.tracker_min_count
     )
-
-
-def make_replay(config) -> replay.ReplayBuffer | None:
-    """The replay buffer `train.replay` asks for (None at 0: off)."""
-    n = int(config.train.get("replay", 0))
-    return replay.ReplayBuffer(n) if n else None
