@@ -160,6 +160,13 @@ def global_batch(mesh: Mesh, tree, axis: int = 0):
     )
 
 
+def replicate_host(mesh: Mesh, x) -> jax.Array:
+    """A host array every process holds the same copy of -> copies on every device."""
+    if not multi_process():
+        return jax.device_put(np.asarray(x), replicated(mesh))
+    return jax.make_array_from_process_local_data(replicated(mesh), np.asarray(x))
+
+
 def replicate(mesh: Mesh, tree):
     """(Global) arrays -> copies on every device of the mesh."""
     return jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)

@@ -256,3 +256,25 @@ def test_processes_started_with_different_configs_are_refused(tmp_path):
         assert p.returncode == 2, err[-2000:]
         assert len(errors) == 1 and "started with different configs" in errors[0], err[-2000:]
     assert not workdir.exists()
+
+
+def test_replay_in_two_killed_processes_trains_what_one_process_trains(tmp_path):
+    """`train.replay=1`: each process holds its own rows and saves them beside every
+    checkpoint; killed after the second and restarted, the two end where one uninterrupted
+    process ends (one update per iteration over the fresh and the replayed rows)."""
+    extra = ("--config.train.replay=1", "--config.train.rows_per_minibatch=48")
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs_one, procs_two = _start(one, 1, *extra), _start(two, 2, *extra)
+    _kill_after_checkpoint(procs_two, two, 2)
+    _train(two, 2, *extra)
+    _wait(procs_one, one)
+    _assert_same_update(_params(two, 3), _params(one, 3), _initial_params(one))
+    for run in (one, two):
+        rows = [
+            (m["train/train_rows"], m["train/replayed_rows"])
+            for m in _metrics(run)
+            if "train/loss" in m
+        ]
+        assert rows == [(12, 0), (24, 12), (24, 12)]
+    held = sorted(p.name for p in (two / "checkpoints" / "host_state").iterdir())
+    assert {"3.process0.npz", "3.process1.npz"} <= set(held)

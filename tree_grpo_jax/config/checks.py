@@ -97,8 +97,15 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         sentence = objective.check_section(config)
         require(sentence is None, sentence)
     _check_unused_sections(config)
-    sentence = methods.get(t.method).objective.check_run(config, spec)
+    objective = methods.get(t.method).objective
+    sentence = objective.check_run(config, spec)
     require(sentence is None, sentence)
+    require(
+        not config.train.get("replay", 0) or objective.replays_rows,
+        f"train.replay trains past iterations' PPO transitions again, but {t.method} trains "
+        f"through the {objective.name} objective, whose rows are not PPO transitions; set "
+        "train.replay=0.",
+    )
     require(
         spec.leaves >= 2,
         f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
@@ -295,6 +302,10 @@ def _check_train(tr) -> None:
         "how many minibatches an update spans.",
     )
     require(tr.clip_range > 0, f"train.clip_range must be positive, got {tr.clip_range}.")
+    require(
+        tr.get("replay", 0) >= 0,
+        f"train.replay must be 0 (off) or a number of past iterations, got {tr.get('replay')}.",
+    )
     require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
     require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")
 

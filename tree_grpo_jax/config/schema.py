@@ -244,6 +244,10 @@ def _train() -> ml_collections.ConfigDict:
     # the count, one update per minibatch, said in one `note:` line
     s.updates_per_iteration = 0
     s.clip_range = 1e-4  # PPO clip epsilon
+    # Replay (PPO methods): the rows of the last N iterations trained again beside each
+    # iteration's own, with their own advantages and sampling log-probs (core/replay.py;
+    # held on the host, N x one iteration's rows); 0: off
+    s.replay = 0
     s.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
     return s
 

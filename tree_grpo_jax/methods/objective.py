@@ -59,6 +59,9 @@ class Objective(abc.ABC):
     keeps_old_policy: ClassVar[bool] = False
     # its rows are drawn at random: the update gives them a key of their own
     draws_rows: ClassVar[bool] = False
+    # its rows are PPO transitions (each action's sampling log-prob stored): `train.replay`
+    # may train them again in later iterations (core/replay.py)
+    replays_rows: ClassVar[bool] = False
     # its loss's own figures, averaged over an iteration's minibatches into metrics.jsonl
     # (TensorBoard) and shown on the progress line
     reported_metrics: ClassVar[tuple[str, ...]] = ()
@@ -147,6 +150,11 @@ class Objective(abc.ABC):
     # -- sizes and counts ------------------------------------------------------------------------
     def row_samples(self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec) -> int:
         """Samples per prompt its rows store beside the rollout's recorded states."""
+        return 0
+
+    def replay_samples(self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec) -> int:
+        """Samples per prompt one iteration's rows hold in the replay buffer, at most
+        (0 for an objective that does not replay)."""
         return 0
 
     @abc.abstractmethod

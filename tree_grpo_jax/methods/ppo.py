@@ -36,6 +36,7 @@ def _width_keep_fraction(spec: TreeSpec, split: int, mode: str, ratio: float) ->
 class PPOObjective(Objective):
     name = "ppo"
     section = "grpo_guard"
+    replays_rows = True
 
     def options(self):
         """GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
@@ -118,6 +119,15 @@ class PPOObjective(Objective):
         if not config.grpo_guard.enabled:
             return 0
         return sum(b.num_steps * b.nodes_in for b in spec.segment_blocks)
+
+    def replay_samples(self, config, spec):
+        """Every recorded parent's row before pruning: its state, its actions padded to the
+        widest branch, and (GRPO-Guard) its step mean (a sliding window's blocks are the
+        same at every position)."""
+        blocks = spec.segment_blocks
+        max_k = max((b.step.k for b in blocks), default=1)
+        rows = sum(b.num_steps * b.nodes_in for b in blocks)
+        return rows * (1 + max_k + int(config.grpo_guard.enabled))
 
     def training_counts(self, config, spec: TreeSpec, prunes: bool) -> dict:
         """Trained edges and rows (one row = one parent, whose single forward scores all its

@@ -133,6 +133,15 @@ class Method:
         (`Objective.training_counts`, after the tree's description and leaves)."""
         spec = self.spec_at(config, iteration)
         counts = self.objective.training_counts(config, spec, self.pruning)
+        replay = config.train.get("replay", 0)
+        if replay:  # the rows of the last `replay` iterations are trained again
+            past = [
+                self.objective.training_counts(config, self.spec_at(config, i), self.pruning)
+                for i in range(max(iteration - replay, 0), iteration)
+            ]
+            counts["replayed_rows"] = sum(p["train_rows"] for p in past)
+            for name in ("trained_edges", "train_rows", "train_forward_rows", "train_grad_rows"):
+                counts[name] += sum(p[name] for p in past)
         return {"spec": spec.describe(), "leaves": spec.leaves, **counts}
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
+from tree_grpo_jax.core import replay
 from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.evaluation import diversity
@@ -24,7 +25,7 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import denoiser, precompile, reuse
-from tree_grpo_jax.run.prompts import config_prompt_set
+from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
 from tree_grpo_jax.run.train_step import (
     StepLayout,
     TrainState,
@@ -33,7 +34,7 @@ from tree_grpo_jax.run.train_step import (
     make_optimizer,
     make_train_step,
 )
-from tree_grpo_jax.run.trainer import Trainer, make_tracker, prompt_iterator
+from tree_grpo_jax.run.trainer import Trainer, make_tracker
 
 
 def check_batches(config, mesh) -> None:
@@ -60,7 +61,8 @@ def check_batches(config, mesh) -> None:
 def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_shape=None) -> None:
     """Refuses, before anything is compiled, a rollout or eval set whose stored samples
     alone cannot fit in memory (float32 states of every trained step, and the leaves, and
-    what the objective's rows store beside them, and the leaves' decoded pictures). When
+    what the objective's rows store beside them, and the leaves' decoded pictures; and the
+    rows `train.replay` keeps on the host). When
     not even one prompt's fit, the batch is not at fault: the sentence names the tree and
     the settings that size a sample, the latter first when two samples (the least a group
     compares) would not fit on their own."""
@@ -91,6 +93,17 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_
             f"({prompts} prompts x {spec.leaves} leaves, {states} stored states or training "
             f"rows per prompt), more than the {gib(limit)} of {where}; lower "
             f"prompts.batch_size (at most {limit // per_prompt} fit) or the tree's size."
+        )
+    # train.replay keeps N iterations' rows on the host (numpy, outside the device's memory)
+    kept = config.train.get("replay", 0)
+    held = kept and kept * prompts * objective.replay_samples(config, spec) * sample_bytes
+    free = _host_available() if held else None
+    if free is not None and held > free:
+        raise cfg.ConfigError(
+            f"train.replay={kept} keeps about {gib(held)} of past rows on the host ("
+            f"{kept} iterations of {prompts} prompts' trained parents and their actions, "
+            f"each {gib(sample_bytes)} of latents {tuple(sample_shape)}), more than the "
+            f"{gib(free)} of free host memory; lower train.replay or prompts.batch_size."
         )
     # The eval set is held on the host as well: what is free there now bounds it too.
     free, free_where = _host_available(), "free host memory"
@@ -322,6 +335,7 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         uncond=uncond,
         loss_uncond=loss_uncond,
         tracker=None,
+        replay=replay.buffer(config.train.get("replay", 0)),  # sizes the step's conditioning
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -463,6 +477,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         uncond=uncond,
         loss_uncond=loss_uncond,
         tracker=make_tracker(config, method),
+        replay=replay.buffer(config.train.get("replay", 0)),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,

@@ -15,6 +15,11 @@ over what it read, so bits changed on disk since the save (files that still read
 count as damage like any other (`run.digests`). Checkpoints saved without digests restore
 unchecked.
 
+Host arrays that differ between processes (the replay buffer's rows, each process its own)
+are saved beside the steps, one numpy archive per step and process in `host_state/`, written
+before the step itself (a step that exists has them) and removed with it; the archive's own
+checksums tell damage.
+
 The folder may be local or a URL that etils' `epath` reaches (gs:// on TPU pods). With
 several processes all of them save and restore together; the primary one tidies the folder.
 """
@@ -44,6 +49,8 @@ from tree_grpo_jax.run.digests import (
     state_digests,
 )
 from tree_grpo_jax.weights import stacking
+
+HOST_FOLDER = "host_state"
 
 
 class CheckpointError(RuntimeError):
@@ -333,8 +340,40 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
-        """Saves `state` (its arrays' digests recorded in the meta document) and `meta`."""
+    def _host_file(self, step: int) -> epath.Path:
+        name = f"{step}.process{jax.process_index()}.npz"
+        return as_path(self.directory) / HOST_FOLDER / name
+
+    def _write_host_arrays(self, step: int, arrays: dict) -> None:
+        path = self._host_file(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.parent / f"{path.name}.partial"
+        with partial.open("wb") as f:
+            np.savez(f, **arrays)
+        partial.rename(path)
+
+    def read_host_arrays(self, step: int) -> dict[str, np.ndarray]:
+        """This process's host arrays saved with checkpoint `step`; one sentence
+        (CheckpointError) when they are missing or damaged."""
+        path = self._host_file(step)
+        try:
+            with path.open("rb") as f, np.load(f) as saved:
+                return {name: saved[name] for name in saved.files}
+        except Exception as e:  # noqa: BLE001 - missing, cut short or failing its checksum
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} lacks readable host arrays for process "
+                f"{jax.process_index()} ({path.name}: {reason(e)}); resume from another "
+                "checkpoint or start over in another --workdir."
+            ) from e
+
+    def _delete_host_arrays(self, step: int) -> None:
+        path = self._host_file(step)  # each process its own
+        if path.exists():
+            path.unlink()
+
+    def save(self, step: int, state: Any, meta: dict, host_arrays: dict | None = None) -> None:
+        """Saves `state` (its arrays' digests recorded in the meta document) and `meta`;
+        `host_arrays` (numpy arrays, each process its own) beside them."""
         if step in self._manager.all_steps():
             return
         meta = {**meta, DIGESTS_KEY: state_digests(state)}
@@ -347,6 +386,8 @@ class Checkpointer:
         try:
             # a second signal (which stops at once) waits for the checkpoint to be whole
             with interrupts.critical():
+                if host_arrays is not None:  # before the step: a step that exists has them
+                    self._write_host_arrays(step, host_arrays)
                 self._manager.save(step, args=args)
                 self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - any failure: the earlier checkpoints stand
@@ -363,6 +404,7 @@ class Checkpointer:
         for old in steps[: max(len(steps) - self.keep, 0)]:
             if old not in self.protected:
                 self._manager.delete(old)
+                self._delete_host_arrays(old)
 
     def protect(self, step: int | None) -> None:
         """Keeps checkpoint `step` whatever `keep` says (None: no step is protected)."""

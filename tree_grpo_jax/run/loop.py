@@ -182,11 +182,16 @@ class _Signals:
             signal.signal(signum, handler)
 
 
+REPLAY = "replay"  # the host state's key of the replay buffer (saved as arrays)
+
+
 def _host_state(trainer: Trainer) -> dict:
-    """What besides the arrays decides the next iteration, taken between iterations."""
+    """What besides the arrays decides the next iteration, taken between iterations (the
+    replay buffer's rows are saved as arrays beside the checkpoint, not in its meta)."""
     return {
         "prompt_iterator": trainer.prompts.state_dict(),
         "stat_tracker": trainer.tracker.state_dict() if trainer.tracker else None,
+        REPLAY: trainer.replay.snapshot() if trainer.replay else None,
     }
 
 
@@ -199,7 +204,9 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "base_weights": trainer.adapter.base_fingerprint if trainer.adapter else None,
         "identity": identity.of_run(trainer.config),  # taken once, by check_resume
         "history": history,
-        **host,
+        **{k: v for k, v in host.items() if k != REPLAY},
+        # each process saved its own replayed rows: a resume needs as many processes
+        **({"replay_processes": jax.process_count()} if host.get(REPLAY) else {}),
     }
 
 
@@ -254,8 +261,17 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
     if ckpt.latest_step is None:
         return state, 0, {"eval": [], "wall_time": 0.0}
     check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
-    state, meta, _ = ckpt.restore(state)
+    state, meta, step = ckpt.restore(state)
     trainer.prompts.load_state_dict(meta["prompt_iterator"])
+    if trainer.replay is not None:
+        saved = meta.get("replay_processes", jax.process_count())
+        if saved != jax.process_count():
+            raise CheckpointError(
+                f"checkpoint {step} in {ckpt.directory} holds the replay buffers of {saved} "
+                f"processes, each its own rows; resume it with {saved} processes, not "
+                f"{jax.process_count()}."
+            )
+        trainer.replay.load(ckpt.read_host_arrays(step))
     if trainer.tracker is not None and meta.get("stat_tracker"):
         trainer.tracker.load_state_dict(meta["stat_tracker"])
     return state, int(meta["next_iteration"]), meta["history"]
@@ -483,7 +499,8 @@ class _Run:
     def save(self, done: int) -> None:
         self.history["wall_time"] = time.time() - self.wall_start
         meta = _meta(self.trainer, done, self.history, self.host)
-        self.ckpt.save(done, self.state, meta)
+        replay = self.host[REPLAY]
+        self.ckpt.save(done, self.state, meta, None if replay is None else replay.arrays())
 
     def evaluated(self, done: int) -> str | None:
         """Evaluates after `done` iterations; with the guard on, checkpoints a new best

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from tree_grpo_jax.errors import echo, reason
@@ -432,3 +433,16 @@ class PromptIterator:
                     f"{key}={mine}; resume with the same prompts and seed."
                 )
         self.position = int(state["position"])
+
+
+def prompt_iterator(config) -> PromptIterator:
+    """The run's training prompt stream, this process's shard of it."""
+    prompts = config_prompt_set(config)
+    return PromptIterator(
+        prompts.prompts,
+        config.prompts.batch_size,
+        seed=config.seed,
+        shard_index=jax.process_index(),
+        num_shards=jax.process_count(),
+        metadata=prompts.metadata,
+    )

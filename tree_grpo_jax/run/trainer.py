@@ -33,12 +33,12 @@ import numpy as np
 
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import advantages as adv
-from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.core import replay, rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, reporting, scoring
-from tree_grpo_jax.run.prompts import PromptIterator, config_prompt_set, leaf_metadata
+from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
@@ -146,6 +146,8 @@ class Trainer:
     # the empty prompt's embedding for the loss alone, in a run that samples without guidance
     # (`Objective.loss_reads_empty_prompt`); None: the loss gets `uncond`
     loss_uncond: jax.Array | None = None
+    # `train.replay`: the last iterations' rows, trained again (core/replay.py); None: off
+    replay: replay.ReplayBuffer | None = None
 
     @property
     def train_uncond(self) -> jax.Array | None:
@@ -283,7 +285,11 @@ class Trainer:
         rows_key = None
         if objective.draws_rows:
             rows_key, key = jax.random.split(key)
-        rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
+        fresh = rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
+        cond = sampled.cond
+        if self.replay is not None:  # the held iterations' rows beside this one's
+            rows, cond = self.replay.mixed(fresh, cond)
+            cond = sharding.replicate_host(self.mesh, cond)  # the same on every process
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
@@ -295,7 +301,7 @@ class Trainer:
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
-        context = (sampled.cond, schedule, self.train_uncond, self.ref_params)
+        context = (cond, schedule, self.train_uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
@@ -334,6 +340,9 @@ class Trainer:
             if "ratio_min" in step_metrics[0]:
                 metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
+        if self.replay is not None:  # this iteration's own rows are held for the next ones
+            metrics["replayed_rows"] = int(sharding.agree(rows.num_rows - fresh.num_rows, "sum"))
+            self.replay.push(iteration, fresh, sampled.cond)
         if old_params(state) is not None:  # the old policy's move towards the new weights
             old, moved = objective.after_update(c, old_params(state), state.params, iteration)
             state = state.replace(old_params=old)
@@ -529,7 +538,7 @@ class Trainer:
         tree = lowered["rollout"].out_info
         rest = (
             self._zero_minibatch(tree),
-            _replicated_like(self.mesh, cond),
+            self._train_cond_like(cond),
             self.schedule(),
             self.train_uncond,
             self.ref_params,
@@ -543,6 +552,13 @@ class Trainer:
             lowered["accumulate"] = step.accumulate.lower(acc, state, *rest, *self._step_args())
             lowered["apply"] = step.apply.lower(state, acc, lr)
         return lowered
+
+    def _train_cond_like(self, cond):
+        """The train step's conditioning for a prompt batch's `cond`: replicated, with
+        replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
+        if self.replay is not None:
+            cond = jax.ShapeDtypeStruct(self.replay.cond_shape(cond.shape), cond.dtype)
+        return _replicated_like(self.mesh, cond)
 
     def _zero_minibatch(self, tree):
         """The shapes of a minibatch as `transitions.minibatches` cuts them from `tree`
@@ -615,6 +631,7 @@ class Trainer:
             config=config,
             prompts=prompt_iterator(config),
             tracker=make_tracker(config, self.method),
+            replay=replay.buffer(config.train.get("replay", 0)),
             key=jax.random.PRNGKey(seed),
         )
 
@@ -626,19 +643,6 @@ def _replicated_like(mesh, tree):
     rep = sharding.replicated(mesh)
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree
-    )
-
-
-def prompt_iterator(config) -> PromptIterator:
-    """The run's training prompt stream, this process's shard of it."""
-    prompts = config_prompt_set(config)
-    return PromptIterator(
-        prompts.prompts,
-        config.prompts.batch_size,
-        seed=config.seed,
-        shard_index=jax.process_index(),
-        num_shards=jax.process_count(),
-        metadata=prompts.metadata,
     )
 
 
