@@ -145,7 +145,7 @@ def summary_line(name: str, run: dict) -> str:
     peak = int(np.argmax(rewards))
     return (
         f"{name} seed {run['seed']}: start {rewards[0]:.4f}, peak {rewards[peak]:.4f} "
-        f"(iteration {peak}), end {rewards[-1]:.4f}"
+        f"(iteration {run['curve'][peak]['iteration']}), end {rewards[-1]:.4f}"
     )
 
 
@@ -346,6 +346,7 @@ def main(argv=None):
     p.add_argument("--runs", default="ema,ema_kl", help=f"comma-separated, of {tuple(RUNS)}")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--iterations", type=int, default=24)
+    p.add_argument("--reward", default=REWARD, help="the twin's reward (a JPEG reward)")
     p.add_argument("--every", type=int, default=1, help="evaluate every this many iterations")
     p.add_argument("--batch", action="store_true", help="the one-batch check, no curves")
     p.add_argument("--warm", default="0,4,8", help="--batch: iterations trained before it")
@@ -365,7 +366,7 @@ def main(argv=None):
         compile_cache.enable()
     settings = Settings(
         model="tiny_flow",
-        reward=REWARD,
+        reward=args.reward,
         num_steps=5 if args.smoke else 10,
         prompts=2 if args.smoke else 4,
         eval_count=10 if args.smoke else 50,
