@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -372,7 +373,8 @@ def main(argv=None):
         eval_count=10 if args.smoke else 50,
     )
     payload = {
-        "command": "python -m benchmarks.dgpo_kl " + " ".join(argv or []),
+        "command": "python -m benchmarks.dgpo_kl "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "reward": settings.reward,
         "iterations": iterations,
