@@ -208,6 +208,97 @@ def test_the_clip_holds_a_sample_that_has_moved_too_far_its_way():
     assert float(metrics["clip_fraction"]) == pytest.approx(1 / 3)
 
 
+def release_velocity_gradient(v, v_ema, v_init, target, a, mask, s, clip_range):
+    """The release's loss differentiated by hand in the trained velocity, one sample at a
+    time in float64: the preference against the EMA copy (its sigmoid held), the DSM clip
+    against it, and d/dv of beta * mean((v - v_init)^2) towards the initial model, every
+    term over the batch's n real samples. Returns (dL/dv, the KL term's part)."""
+    v, v_ema, v_init, target = (np.asarray(x, np.float64) for x in (v, v_ema, v_init, target))
+    n, size = int(mask.sum()), v[0, 0].size
+    grad, grad_kl = np.zeros_like(v), np.zeros_like(v)
+    for r in range(v.shape[0]):
+        dsm = [np.mean((target[r, g] - v[r, g]) ** 2) for g in range(v.shape[1])]
+        old = [np.mean((target[r, g] - v_ema[r, g]) ** 2) for g in range(v.shape[1])]
+        real = [g for g in range(v.shape[1]) if mask[r, g]]
+        group_sum = sum(a[r, g] * s["beta_dpo"] * (dsm[g] - old[g]) for g in real)
+        weight = 1 / (1 + np.exp(-group_sum / s["group_size"]))
+        for g in real:
+            ratio = np.exp(old[g] - dsm[g])
+            held = ratio > 1 + clip_range if a[r, g] > 0 else ratio < 1 - clip_range
+            if not held:
+                grad[r, g] = weight * a[r, g] * -2 * (target[r, g] - v[r, g]) / size / n
+            grad_kl[r, g] = s["kl_beta"] * 2 * (v[r, g] - v_init[r, g]) / size / n
+    return grad + grad_kl, grad_kl
+
+
+def test_the_kl_pulls_towards_the_initial_model_with_the_ema_copy_as_reference():
+    """`dgpo.reference=ema` with `train.kl_beta` > 0 (the setting whose runs fell): the
+    gradient in the trained velocity is the release's, its KL part points from the trained
+    velocity to the initial model's (not to the EMA copy's), and the clip and the
+    preference act against the EMA copy alone."""
+    rng = np.random.default_rng(11)
+    rows, groups = 2, GROUP
+    batch = dgpo.DGPORows(
+        x0=rng.normal(size=(rows, groups, *SHAPE)).astype(np.float32),
+        noise=rng.normal(size=(rows, groups, *SHAPE)).astype(np.float32),
+        step=np.array([1, 3], np.int32),
+        prompt=np.zeros(rows, np.int32),
+        advantage=np.array([[1.2, -0.4, -0.8], [0.5, -1.5, 1.0]], np.float32),
+        mask=np.array([[True, True, True], [True, True, False]]),
+    )
+    target = batch.noise - batch.x0
+    v = target + rng.normal(scale=0.3, size=target.shape).astype(np.float32)
+    v_ema = v + rng.normal(scale=0.05, size=target.shape).astype(np.float32)
+    v_ema[0, 0] = v[0, 0] + 0.6  # the winner has moved far its way since the EMA copy: held
+    v_init = v + rng.normal(scale=0.5, size=target.shape).astype(np.float32)
+    s = dict(beta_dpo=100.0, group_size=16, kl_beta=0.02)
+
+    def stored_velocity(params, x, t, cond):  # each sample's velocity is a parameter
+        return params["v"].reshape(x.shape)
+
+    def loss(params, kl_beta):
+        return dgpo.dgpo_loss(
+            params,
+            batch,
+            dgpo.DGPOSettings(
+                stored_velocity,
+                kl_beta=kl_beta,
+                beta_dpo=s["beta_dpo"],
+                group_size=s["group_size"],
+                reference="ema",
+                clip_dsm=True,
+                clip_range=1e-2,
+            ),
+            schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
+            cond=jnp.zeros((1, 1, 1)),
+            old_params={"v": jnp.asarray(v_ema)},
+            ref_params={"v": jnp.asarray(v_init)},
+        )
+
+    p = {"v": jnp.asarray(v)}
+    (_, metrics), grad = jax.value_and_grad(lambda q: loss(q, s["kl_beta"]), has_aux=True)(p)
+    grad_no_kl = jax.grad(lambda q: loss(q, 0.0)[0])(p)
+    expected, expected_kl = release_velocity_gradient(
+        v, v_ema, v_init, target, batch.advantage, batch.mask, s, 1e-2
+    )
+    g = np.asarray(grad["v"], np.float64)
+    g_kl = g - np.asarray(grad_no_kl["v"], np.float64)
+    np.testing.assert_allclose(g, expected, rtol=2e-4, atol=1e-8)
+    np.testing.assert_allclose(g_kl, expected_kl, rtol=2e-3, atol=1e-9)
+    # a descent step on the KL part moves each real velocity towards the initial model's
+    real = batch.mask
+    toward_init = np.sum(-g_kl[real] * (v_init - v)[real], axis=tuple(range(1, g_kl.ndim - 1)))
+    assert np.all(toward_init > 0)
+    assert np.sum(np.abs(g_kl[~real])) == 0.0
+    # the KL metric is the mean squared gap to the initial model's velocity
+    kl = np.mean(((v - v_init).astype(np.float64) ** 2)[real].reshape(int(real.sum()), -1), 1)
+    assert float(metrics["kl"]) == pytest.approx(kl.mean(), rel=1e-5)
+    # the held winner gives only its KL gradient; the clip reads the EMA copy alone
+    np.testing.assert_allclose(g[0, 0], expected_kl[0, 0], rtol=2e-3, atol=1e-9)
+    assert float(metrics["clip_fraction"]) == pytest.approx(1 / real.sum())
+    assert 0.05 < float(metrics["group_weight"]) < 0.95
+
+
 def test_advantages_by_hand_with_the_prompt_s_std_or_the_batch_s():
     rewards = np.array([[1.0, 2.0, 3.0], [10.0, 10.0, 16.0]])
     per_prompt = dgpo.advantages(rewards, global_std=False)
