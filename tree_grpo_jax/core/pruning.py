@@ -258,3 +258,91 @@ def branchgrpo_masks(
         )
         masks = combine_masks(masks, width)
     return masks
+
+
+# ---------------------------------------------------------------------------------------------
+# Node pruning on node values (Pro-GRPO's early pruning, on a static tree).
+#
+# At each BRANCH step whose parents a BRANCH step made (structural level >= 1), the prompt's
+# live parents (all its trees) are compared by their node value, the reward of their x0
+# estimate; those the rule drops are not expanded further: they, their chain up to the branch
+# that made them, and everything below leave the credit and the loss. The tree keeps its
+# static shape, so the rollout still computes the dropped subtrees; `saved_rollout_rows`
+# counts the denoiser rows a sampler that stopped there would not run.
+
+NODE_PRUNINGS = ("none", "cluster", "quantile")
+KEEP_AT_LEAST = 2  # a level keeps at least two live nodes per prompt: a group to compare
+
+
+def _drop(values: np.ndarray, mode: str, threshold: float, quantile: float) -> np.ndarray:
+    """Which of one prompt's live values [m] the rule drops: "cluster", those within
+    `threshold` standard deviations of their mean (|z| < threshold, Pro-GRPO's
+    reward-clustered nodes); "quantile", those below the `quantile` quantile."""
+    if mode == "cluster":
+        z = (values - values.mean()) / (values.std() + 1e-8)
+        return np.abs(z) < threshold
+    return values < np.quantile(values, quantile)
+
+
+def node_survival(
+    tree: Tree,
+    node_values,
+    *,
+    mode: str = "cluster",
+    threshold: float = 0.5,
+    quantile: float = 0.25,
+) -> tuple[list[np.ndarray], list[tuple[int, int, np.ndarray]]]:
+    """(alive, decisions): per structural level, which nodes live ([P, n] bool; a node dies
+    with its ancestor); and per pruning point (level, step index, dropped [P, n]). A prompt
+    whose level would keep fewer than two live nodes drops none there."""
+    if mode not in NODE_PRUNINGS:
+        raise ValueError(f"node pruning must be one of {NODE_PRUNINGS}, got {mode!r}.")
+    num_prompts = tree.leaves.shape[0]
+    sizes = {0: tree.segments[0].parents.shape[2]} if tree.segments else {0: 1}
+    for seg in tree.segments:
+        sizes[seg.level] = seg.log_probs.shape[2]
+    alive = [np.ones((num_prompts, sizes[b]), bool) for b in range(max(sizes) + 1)]
+    decisions = []
+    for j, seg in enumerate(tree.segments):
+        level = seg.level - 1
+        if mode == "none" or seg.k == 1 or level < 1:
+            continue
+        values = np.asarray(node_values[j], np.float64)[0]  # [P, n]
+        dropped = np.zeros_like(alive[level])
+        for p in range(num_prompts):
+            live = np.flatnonzero(alive[level][p])
+            drop = _drop(values[p, live], mode, threshold, quantile)
+            if live.size - drop.sum() >= KEEP_AT_LEAST:
+                dropped[p, live[drop]] = True
+        decisions.append((level, int(seg.step_indices[0]), dropped))
+        for b in range(level, len(alive)):  # the dropped nodes' descendants die with them
+            alive[b] &= ~np.repeat(dropped, alive[b].shape[1] // dropped.shape[1], axis=1)
+    return alive, decisions
+
+
+def alive_edge_masks(tree: Tree, alive: Sequence[np.ndarray]) -> Masks:
+    """False on every edge whose child is dead (`node_survival`'s alive levels)."""
+    return tuple(
+        mask & np.asarray(alive[seg.level], bool)[None]
+        for seg, mask in zip(tree.segments, full_masks(tree))
+    )
+
+
+def saved_rollout_rows(
+    plain: TreeSpec, decisions: Sequence[tuple[int, int, np.ndarray]], guidance: bool = False
+) -> int:
+    """Denoiser rows (all prompts) a sampler that stops the dropped nodes would skip: the
+    rows of every later depth's nodes below them. `plain`: the spec at this rollout's window
+    position. The dropped nodes' own rows at the pruning step are run (their x0 estimate is
+    what decided)."""
+    saved = 0
+    for depth in range(plain.num_steps):
+        n = plain.nodes_in[depth]
+        dead = None
+        for _, step, dropped in decisions:
+            if step < depth:
+                below = np.repeat(dropped, n // dropped.shape[1], axis=1)
+                dead = below if dead is None else dead | below
+        if dead is not None:
+            saved += int(dead.sum())
+    return saved * (2 if guidance else 1)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax.core import sampling, transitions
+from tree_grpo_jax.core import pruning, sampling, transitions
 from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -77,12 +77,20 @@ class PPOObjective(Objective):
         )
 
     def rollout_options(self, config):
-        """The parents' step means, for GRPO-Guard's ratio."""
-        return {"record_means": True} if config.grpo_guard.enabled else {}
+        """The parents' step means, for GRPO-Guard's ratio; their x0 estimates, for node
+        rewards."""
+        options = {"record_means": True} if config.grpo_guard.enabled else {}
+        if config.advantage.node_rewards != "none":
+            options["record_x0"] = config.advantage.node_rewards
+        return options
 
     def rows(self, method, config, source: RowSource, key=None) -> transitions.Transitions:
         """The trainable edges of this process's trees with their clipped advantages (the
-        stat tracker updated when the method uses one), less the edges the masks drop."""
+        stat tracker updated when the method uses one), less the edges the masks drop (the
+        method's pruning, and node pruning's dead subtrees)."""
+        nodes = source.local_node_values()
+        survival = method.node_survival(config, source.tree, nodes)
+        alive = None if survival is None else survival[0]
         advantages = method.clipped_advantages(
             config,
             source.spec,
@@ -90,10 +98,14 @@ class PPOObjective(Objective):
             jnp.asarray(source.rewards[source.rows]),
             prompt_ids=source.prompts[source.rows],
             tracker=source.tracker,
+            node_values=nodes,
+            alive=alive,
         )
         masks = method.edge_masks_at(
             config, source.spec, source.tree, advantages, source.iteration, source.window_start
         )
+        if alive is not None:
+            masks = pruning.combine_masks(masks, pruning.alive_edge_masks(source.tree, alive))
         rows = transitions.gather_transitions(source.tree, advantages, masks)
         return source.in_global_batch(rows)
 

@@ -37,7 +37,7 @@ from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
-from tree_grpo_jax.run import eval_metrics, reporting, scoring
+from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring
 from tree_grpo_jax.run.prompts import PromptIterator, config_prompt_set, leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -241,12 +241,18 @@ class Trainer:
         return total, parts, frames
 
     def trainable_rows(
-        self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
+        self,
+        sampled: Rollout,
+        rewards,
+        iteration: int = 0,
+        key: jax.Array | None = None,
+        node_values=None,
     ):
         """This process's training rows of a rollout (rewards [P, L] of the global batch), as
         the method's objective makes them: PPO's trainable edges with their advantages
         (updating the stat tracker when the method uses one), DiffusionNFT's leaves noised
-        again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`)."""
+        again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`).
+        `node_values`: node rewards' scores of the kept x0 estimates (`node_scoring`)."""
         rewards = np.asarray(rewards, np.float32)
         tracker = self.tracker
         if tracker is not None:
@@ -261,6 +267,7 @@ class Trainer:
             iteration=iteration,
             tracker=tracker,
             schedule=self.schedule(),
+            node_values=node_values,
         )
         return self.method.objective.rows(self.method, self.config, source, key)
 
@@ -274,7 +281,13 @@ class Trainer:
         return old
 
     def update(
-        self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
+        self,
+        state: TrainState,
+        sampled: Rollout,
+        rewards,
+        iteration: int,
+        key: jax.Array,
+        node_values=None,
     ) -> tuple[TrainState, dict]:
         """Advantages, pruning and every minibatch step of one iteration's rollout (and,
         for a method that keeps one, the old policy's move towards the new weights)."""
@@ -283,7 +296,7 @@ class Trainer:
         rows_key = None
         if objective.draws_rows:
             rows_key, key = jax.random.split(key)
-        rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
+        rows = self.trainable_rows(sampled, rewards, iteration, rows_key, node_values)
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
@@ -383,10 +396,13 @@ class Trainer:
             images, leaf_prompts, f"at iteration {iteration}", metadata
         )
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
+        node_values = node_scoring.score_nodes(self, sampled, prompts, iteration)  # or None
         timings["time_reward"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        state, update_metrics = self.update(state, sampled, rewards, iteration, shuffle_key)
+        state, update_metrics = self.update(
+            state, sampled, rewards, iteration, shuffle_key, node_values
+        )
         timings["time_update"] = time.perf_counter() - t2
         timings["time_iteration"] = time.perf_counter() - t0
         metrics = {
@@ -395,6 +411,7 @@ class Trainer:
             **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
             **reporting.frame_rewards(frames),
             **update_metrics,
+            **node_scoring.node_metrics(self, sampled, node_values),
             "window_start": self.window_start(iteration),
             **timings,
         }
