@@ -109,7 +109,7 @@ def _config(method, mix=1.0, ddof=0, record="all_steps", pruning_mode="none", **
 
 
 CASES = [  # (method, spec, window start, x0 kept)
-    ("treegrpo", ts.treegrpo(6, window=3, k=2, window_start=ts.FAMILY, num_trees=2), 1, "all_steps"),
+    ("treegrpo", ts.treegrpo(6, 3, 2, window_start=ts.FAMILY, num_trees=2), 1, "all_steps"),
     ("grpo", ts.grpo(5, 4), 0, "all_steps"),
     ("grpo", ts.grpo(4, 3, shared_init_noise=True), 0, "all_steps"),
     ("mixgrpo", ts.mixgrpo(6, 3, window=3, window_start=ts.FAMILY), 2, "all_steps"),
@@ -289,7 +289,6 @@ def test_the_tiny_tree_decodes_fifteen_node_estimates_per_prompt():
 )
 def test_bad_node_settings_are_refused_in_one_sentence(method, field, value, words):
     from configs import tiny
-
     from tree_grpo_jax.config import checks
 
     c = tiny.get_config()
@@ -301,7 +300,6 @@ def test_bad_node_settings_are_refused_in_one_sentence(method, field, value, wor
 
 def test_node_pruning_refuses_a_credit_it_cannot_recompute():
     from configs import tiny
-
     from tree_grpo_jax.config import checks
 
     c = tiny.get_config()
@@ -350,7 +348,6 @@ def test_one_tiny_iteration_with_node_rewards_and_pruning(tmp_path):
     per prompt), some nodes are dropped, their edges leave the loss, and the rows a pruned
     sampler would skip are reported."""
     from configs import tiny
-
     from tree_grpo_jax.run import loop as train
 
     c = tiny.get_config()
