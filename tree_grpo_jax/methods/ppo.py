@@ -126,10 +126,17 @@ class PPOObjective(Objective):
         return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make, means)
 
     def row_samples(self, config, spec):
-        """GRPO-Guard: each recorded parent's step mean beside the recorded states."""
-        if not config.grpo_guard.enabled:
-            return 0
-        return sum(b.num_steps * b.nodes_in for b in spec.segment_blocks)
+        """GRPO-Guard: each recorded parent's step mean beside the recorded states; node
+        rewards: each kept parent's x0 estimate."""
+        blocks = spec.segment_blocks
+        means = sum(b.num_steps * b.nodes_in for b in blocks) if config.grpo_guard.enabled else 0
+        kept = config.advantage.get("node_rewards", "none")
+        x0 = sum(
+            b.num_steps * b.nodes_in
+            for b in blocks
+            if kept == "all_steps" or (kept == "branch_points" and b.step.k > 1)
+        )
+        return means + x0
 
     def training_counts(self, config, spec: TreeSpec, prunes: bool) -> dict:
         """Trained edges and rows (one row = one parent, whose single forward scores all its
