@@ -361,10 +361,26 @@ def node_gain_reference(forest, recorded, ddof: int = 0, dead=frozenset()) -> di
     return out
 
 
-def node_pruning_reference(forest, spec: TreeSpec, recorded, mode: str, threshold, quantile):
+def _variance_drop(values: list[float], keep: float) -> list[bool]:
+    """Drop all but the subset of max(2, round(keep * m)) values with the largest population
+    variance, found by trying every subset of that size (itertools.combinations)."""
+    import itertools
+
+    size = min(len(values), max(2, round(keep * len(values))))
+    best = max(
+        itertools.combinations(range(len(values)), size),
+        key=lambda c: statistics.pvariance([values[i] for i in c]),
+    )
+    return [i not in best for i in range(len(values))]
+
+
+def node_pruning_reference(
+    forest, spec: TreeSpec, recorded, mode: str, threshold, quantile, keep=0.5
+):
     """(dead nodes, dropped nodes): at each BRANCH step after the first, in step order, each
     prompt's live parents are dropped by the rule (cluster: |z| < threshold with the
-    population std; quantile: below the quantile) unless fewer than two would stay; a dropped
+    population std; quantile: below the quantile; variance: outside the largest-variance
+    subset of its size) unless fewer than two would stay; a dropped
     node kills its chain up to the node the last BRANCH step made, and all below it."""
     branch_steps = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
     dead: set[Node] = set()
@@ -378,6 +394,8 @@ def node_pruning_reference(forest, spec: TreeSpec, recorded, mode: str, threshol
             if mode == "cluster":
                 mean, std = _mean(values), statistics.pstdev(values)
                 drop = [abs((v - mean) / (std + 1e-8)) < threshold for v in values]
+            elif mode == "variance":
+                drop = _variance_drop(values, keep)
             else:
                 cut = float(np.quantile(np.asarray(values), quantile))
                 drop = [v < cut for v in values]

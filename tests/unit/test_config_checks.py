@@ -270,6 +270,7 @@ RANGE_CASES = [
     ("advantage.node_mix", -0.1, "advantage.node_mix must be in [0, 1]"),
     ("advantage.node_pruning_threshold", 1.0, "advantage.node_pruning_threshold must be in (0, 1)"),
     ("advantage.node_pruning_quantile", 0.0, "advantage.node_pruning_quantile must be in (0, 1)"),
+    ("advantage.node_pruning_keep", 0.0, "advantage.node_pruning_keep must be in (0, 1]"),
     ("advantage.tracker_buffer", 8, "advantage.tracker_buffer must be at least"),
     ("advantage.tracker_min_count", 0, "advantage.tracker_buffer must be at least"),
     ("advantage.depth_pruning", (0,), "advantage.depth_pruning holds depth(s) [0] outside 1..10"),

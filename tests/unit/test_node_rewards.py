@@ -104,6 +104,7 @@ def _config(method, mix=1.0, ddof=0, record="all_steps", pruning_mode="none", **
         "node_pruning": pruning_mode,
         "node_pruning_threshold": extra.get("threshold", 0.5),
         "node_pruning_quantile": extra.get("quantile", 0.25),
+        "node_pruning_keep": extra.get("keep", 0.5),
     }
     return ml_collections.ConfigDict({"tree": {"method": method}, "advantage": a})
 
@@ -199,8 +200,11 @@ PRUNE_CASES = [  # (method, spec, window start)
 ]
 
 
-@pytest.mark.parametrize("rule", [("cluster", 0.5), ("cluster", 0.9), ("quantile", 0.25),
-                                  ("quantile", 0.6)])  # fmt: skip
+RULES = [("cluster", 0.5), ("cluster", 0.9), ("quantile", 0.25), ("quantile", 0.6),
+         ("variance", 0.5), ("variance", 0.7)]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("case", range(len(PRUNE_CASES)))
 def test_node_pruning_matches_a_loop_over_explicit_nodes(case, rule):
     method, spec, start = PRUNE_CASES[case]
@@ -210,11 +214,11 @@ def test_node_pruning_matches_a_loop_over_explicit_nodes(case, rule):
     tree = ref.random_tree(spec, num_prompts, rng, start)
     rewards = rng.normal(size=(num_prompts, spec.leaves)).astype(np.float32)
     values = _random_values(tree, rng, "all_steps", num_prompts)
-    config = _config(method, 0.5, pruning_mode=mode, threshold=level, quantile=level)
+    config = _config(method, 0.5, pruning_mode=mode, threshold=level, quantile=level, keep=level)
     forest = ref.build_forest(spec, tree, rewards, start)
     recorded = ref.recorded_values(tree, values)
     plain = spec.at(start)
-    dead, dropped = ref.node_pruning_reference(forest, plain, recorded, mode, level, level)
+    dead, dropped = ref.node_pruning_reference(forest, plain, recorded, mode, level, level, level)
 
     alive, decisions = methods.get(method).node_survival(config, tree, values)
     masks = pruning.alive_edge_masks(tree, alive)
@@ -234,6 +238,14 @@ def test_node_pruning_matches_a_loop_over_explicit_nodes(case, rule):
     # a node dropped before the last step leaves rows below it (the reference is not empty)
     assert (saved > 0) == any(m.depth < plain.num_steps - 1 for m in dropped)
     assert pruning.saved_rollout_rows(plain, decisions, guidance=True) == 2 * saved
+
+
+def test_variance_filtering_keeps_both_tails():
+    """Pro-GRPO's OVF keeps the most spread subset: of 0, 1, 4.9, 5, 5.1, 9, 10 keep 4 ->
+    the two lowest and the two highest, never the cluster at 5."""
+    values = np.array([5.0, 0.0, 4.9, 10.0, 1.0, 5.1, 9.0])
+    drop = pruning._drop(values, "variance", 0.5, 0.25, keep=4 / 7)
+    np.testing.assert_array_equal(values[~drop], [0.0, 10.0, 1.0, 9.0])
 
 
 def test_a_level_that_would_keep_fewer_than_two_nodes_drops_none():

@@ -292,6 +292,10 @@ def _check_node_options(a) -> None:
         0 < a.node_pruning_quantile < 1,
         f"advantage.node_pruning_quantile must be in (0, 1), got {a.node_pruning_quantile}.",
     )
+    require(
+        0 < a.node_pruning_keep <= 1,
+        f"advantage.node_pruning_keep must be in (0, 1], got {a.node_pruning_keep}.",
+    )
 
 
 def _check_train(tr) -> None:

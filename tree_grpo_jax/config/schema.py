@@ -226,11 +226,14 @@ def _advantage() -> ml_collections.ConfigDict:
     # value(child) - value(parent) (Stepwise-Flow-GRPO); the rest is the method's leaf credit
     s.node_mix = 1.0
     # Node pruning on node values (Pro-GRPO): "none", "cluster" (drop the nodes within
-    # node_pruning_threshold stds of their level's mean) or "quantile" (drop those below the
-    # node_pruning_quantile quantile); the dropped subtrees leave the credit and the loss
+    # node_pruning_threshold stds of their level's mean), "quantile" (drop those below the
+    # node_pruning_quantile quantile) or "variance" (keep the node_pruning_keep share whose
+    # values vary most, Pro-GRPO's Optimal Variance Filtering); the dropped subtrees leave
+    # the credit and the loss
     s.node_pruning = "none"
     s.node_pruning_threshold = 0.5
     s.node_pruning_quantile = 0.25
+    s.node_pruning_keep = 0.5
     return s
 
 

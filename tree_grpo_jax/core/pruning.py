@@ -270,17 +270,38 @@ def branchgrpo_masks(
 # static shape, so the rollout still computes the dropped subtrees; `saved_rollout_rows`
 # counts the denoiser rows a sampler that stopped there would not run.
 
-NODE_PRUNINGS = ("none", "cluster", "quantile")
+NODE_PRUNINGS = ("none", "cluster", "quantile", "variance")
 KEEP_AT_LEAST = 2  # a level keeps at least two live nodes per prompt: a group to compare
 
 
-def _drop(values: np.ndarray, mode: str, threshold: float, quantile: float) -> np.ndarray:
+def _max_variance_keep(values: np.ndarray, keep: int) -> np.ndarray:
+    """The `keep` of `values` whose variance is largest (Pro-GRPO's Optimal Variance
+    Filtering): such a subset is always the i lowest and keep - i highest values for some i,
+    so trying every i finds it; ties in the variance go to the smaller i, in the order to
+    the lower index."""
+    order = np.argsort(values, kind="stable")
+    best, chosen = -1.0, None
+    for low in range(keep + 1):
+        picked = np.concatenate([order[:low], order[len(order) - (keep - low) :]])
+        variance = float(np.var(values[picked]))
+        if variance > best + 1e-12:
+            best, chosen = variance, picked
+    kept = np.zeros(len(values), bool)
+    kept[chosen] = True
+    return kept
+
+
+def _drop(values: np.ndarray, mode: str, threshold: float, quantile: float, keep: float):
     """Which of one prompt's live values [m] the rule drops: "cluster", those within
     `threshold` standard deviations of their mean (|z| < threshold, Pro-GRPO's
-    reward-clustered nodes); "quantile", those below the `quantile` quantile."""
+    reward-clustered nodes); "quantile", those below the `quantile` quantile; "variance",
+    all but the max(2, round(keep * m)) whose variance is largest (Pro-GRPO's OVF)."""
     if mode == "cluster":
         z = (values - values.mean()) / (values.std() + 1e-8)
         return np.abs(z) < threshold
+    if mode == "variance":
+        count = min(len(values), max(KEEP_AT_LEAST, round(keep * len(values))))
+        return ~_max_variance_keep(values, count)
     return values < np.quantile(values, quantile)
 
 
@@ -291,6 +312,7 @@ def node_survival(
     mode: str = "cluster",
     threshold: float = 0.5,
     quantile: float = 0.25,
+    keep: float = 0.5,
 ) -> tuple[list[np.ndarray], list[tuple[int, int, np.ndarray]]]:
     """(alive, decisions): per structural level, which nodes live ([P, n] bool; a node dies
     with its ancestor); and per pruning point (level, step index, dropped [P, n]). A prompt
@@ -311,7 +333,7 @@ def node_survival(
         dropped = np.zeros_like(alive[level])
         for p in range(num_prompts):
             live = np.flatnonzero(alive[level][p])
-            drop = _drop(values[p, live], mode, threshold, quantile)
+            drop = _drop(values[p, live], mode, threshold, quantile, keep)
             if live.size - drop.sum() >= KEEP_AT_LEAST:
                 dropped[p, live[drop]] = True
         decisions.append((level, int(seg.step_indices[0]), dropped))

@@ -136,6 +136,7 @@ class Method:
             mode=o.node_pruning,
             threshold=o.node_pruning_threshold,
             quantile=o.node_pruning_quantile,
+            keep=o.node_pruning_keep,
         )
 
     def check_node_rewards(self, config: ml_collections.ConfigDict, spec) -> str | None:
