@@ -238,6 +238,10 @@ def test_node_pruning_matches_a_loop_over_explicit_nodes(case, rule):
     # a node dropped before the last step leaves rows below it (the reference is not empty)
     assert (saved > 0) == any(m.depth < plain.num_steps - 1 for m in dropped)
     assert pruning.saved_rollout_rows(plain, decisions, guidance=True) == 2 * saved
+    # the rules whose count follows from the tree: the plan (per prompt) is what the loop dropped
+    planned = pruning.planned_node_pruning(plain, mode, quantile=level, keep=level)
+    if mode != "cluster":
+        assert (planned[0] * num_prompts, planned[1] * num_prompts) == (len(dropped), saved)
 
 
 def test_variance_filtering_keeps_both_tails():
@@ -328,9 +332,10 @@ def test_node_pruning_refuses_a_credit_it_cannot_recompute():
 
 def test_one_small_iteration_with_node_rewards_and_pruning(tmp_path):
     """The tests' small TreeGRPO run (random tiny model, 4 steps, a window of 3 BRANCH(2)
-    steps, guidance on) with node rewards and quantile pruning: 1 + 2 + 4 estimates per
-    prompt are scored, nodes are dropped at the last split, their edges leave the loss, and
-    the saved rows are the dropped nodes' children at the last step, twice with guidance."""
+    steps, guidance on) with node rewards and variance filtering: 1 + 2 + 4 estimates per
+    prompt are scored, two of each prompt's four nodes are dropped at the last split, their
+    edges leave the loss, and the saved rows are the dropped nodes' children at the last
+    step, twice with guidance."""
     from small_configs import small_config
 
     from tree_grpo_jax.run import loop as train
@@ -340,8 +345,8 @@ def test_one_small_iteration_with_node_rewards_and_pruning(tmp_path):
     c.eval.every = 0
     c.checkpoint.every = 0
     c.advantage.node_rewards = "all_steps"
-    c.advantage.node_pruning = "quantile"
-    c.advantage.node_pruning_quantile = 0.4
+    c.advantage.node_pruning = "variance"
+    c.advantage.node_pruning_keep = 0.5
     trainer, state = train.setup(c, str(tmp_path))
     state, metrics = trainer.iteration(state, 0)
     assert methods.get("treegrpo").training_counts(c)["node_decodes"] == 1 + 2 + 4
@@ -350,6 +355,10 @@ def test_one_small_iteration_with_node_rewards_and_pruning(tmp_path):
     dropped = metrics["node_pruned"]
     assert dropped > 0
     assert metrics["node_saved_rollout_rows"] == dropped * 2 * 2  # k children, x2 guidance
+    # variance filtering keeps a set number: the counts planned from the tree are the run's
+    planned = methods.get("treegrpo").training_counts(c)
+    assert dropped == planned["node_pruned"] * c.prompts.batch_size == 2 * 2
+    assert metrics["node_saved_rollout_rows"] == planned["node_saved_rollout_rows"] * 2
     # each dropped node takes its split edge and its two children's edges out of the loss
     assert metrics["trained_edges"] == (2 + 4 + 8) * c.prompts.batch_size - 3 * dropped
 

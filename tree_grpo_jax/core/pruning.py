@@ -23,6 +23,7 @@ These run once per iteration on the host (numpy), between the advantages and the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -368,3 +369,35 @@ def saved_rollout_rows(
         if dead is not None:
             saved += int(dead.sum())
     return saved * (2 if guidance else 1)
+
+
+def planned_node_pruning(
+    plain: TreeSpec, mode: str, quantile: float = 0.25, keep: float = 0.5
+) -> tuple[int, int] | None:
+    """(nodes dropped, rollout rows saved) per prompt without guidance, counted from the
+    tree alone, for the rules whose drop count depends on the number of live nodes only:
+    "variance", and "quantile" when a level's values are distinct (np.quantile's linear
+    interpolation puts ceil(q * (m - 1)) of m distinct values strictly below it). None for
+    "cluster" (data-dependent) and "none"."""
+    if mode not in ("quantile", "variance"):
+        return None
+    steps = plain.steps
+    splits = [i for i, s in enumerate(steps) if s.kind is Kind.BRANCH]
+
+    def per_node(first: int, depth: int) -> int:  # nodes at `depth` below one at `first`
+        return math.prod(steps[j].k for j in range(first, depth))
+
+    dropped = saved = 0
+    live, previous = None, None
+    for split in splits[1:]:
+        m = plain.nodes_in[split] if live is None else live * per_node(previous, split)
+        if mode == "variance":
+            kept = min(m, max(KEEP_AT_LEAST, round(keep * m)))
+        else:
+            kept = m - math.ceil(quantile * (m - 1))
+        if kept < KEEP_AT_LEAST:
+            kept = m
+        dropped += m - kept
+        saved += (m - kept) * sum(per_node(split, d) for d in range(split + 1, plain.num_steps))
+        live, previous = kept, split
+    return dropped, saved

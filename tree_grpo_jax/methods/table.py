@@ -196,25 +196,33 @@ class Method:
         (`Objective.training_counts`, after the tree's description and leaves)."""
         spec = self.spec_at(config, iteration)
         counts = self.objective.training_counts(config, spec, self.pruning)
-        return {
-            "spec": spec.describe(),
-            "leaves": spec.leaves,
-            **counts,
-            **self.node_counts(config),
-        }
+        nodes = self.node_counts(config, spec)
+        return {"spec": spec.describe(), "leaves": spec.leaves, **counts, **nodes}
 
-    def node_counts(self, config: ml_collections.ConfigDict) -> dict:
+    def node_counts(self, config: ml_collections.ConfigDict, spec) -> dict:
         """Per prompt, the x0 estimates node rewards decode and score each iteration beside
-        the leaves (the parents of the rollout's recorded steps; no extra denoiser rows):
-        empty when off."""
-        kept = config.advantage.node_rewards
-        if kept == "none":
+        the leaves (the parents of the rollout's recorded steps; no extra denoiser rows), and
+        where node pruning's count follows from the tree (`pruning.planned_node_pruning`)
+        the nodes it drops and the rollout rows a sampler that stopped them would save (the
+        static rollout still runs them): empty when off. `spec`: the plain tree."""
+        o = config.advantage
+        if o.node_rewards == "none":
             return {}
         blocks = self.run_spec(config).segment_blocks  # the rollout's (a family's) segments
         per_prompt = sum(
-            b.num_steps * b.nodes_in for b in blocks if kept == "all_steps" or b.step.k > 1
+            b.num_steps * b.nodes_in
+            for b in blocks
+            if o.node_rewards == "all_steps" or b.step.k > 1
         )
-        return {"node_decodes": per_prompt, "node_reward_calls": per_prompt}
+        counts = {"node_decodes": per_prompt, "node_reward_calls": per_prompt}
+        planned = pruning.planned_node_pruning(
+            spec, o.node_pruning, o.node_pruning_quantile, o.node_pruning_keep
+        )
+        if planned is not None:
+            guidance = 2 if config.sampling.guidance_scale != 1.0 else 1
+            counts["node_pruned"] = planned[0]
+            counts["node_saved_rollout_rows"] = planned[1] * guidance
+        return counts
 
 
 def _grpo_credit(spec, tree, rewards, credit: Credit):
