@@ -37,6 +37,12 @@ only in what that value is:
   `normalization="leaf"` the prompt's leaves are normalized first and fused up the tree with
   no depth-wise step.
 
+- node rewards (any of the above, `advantage.node_rewards`): the gain of an edge,
+  value(child) - value(parent) with a node's value the reward of its x0 estimate, normalized
+  over the prompt's edges of each step (`node_gain_advantages`, Stepwise-Flow-GRPO), mixed
+  with the method's credit; with node pruning, TreeGRPO's credit over the kept leaves
+  (`surviving_leaf_advantages`).
+
 Exact under a constant shift: every normalization first subtracts a member of its own group
 (the prompt's first leaf; for BranchGRPO, each tree's first leaf, and then the mean of the
 differences, before fusing), so constant rewards give exact zeros and adding a constant to a
