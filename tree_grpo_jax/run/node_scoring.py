@@ -2,18 +2,21 @@
 
 The rollout keeps Tweedie's estimate of the clean sample at the parents of its recorded
 steps (`Segment.x0_hats`, from the predictions it made anyway: no extra denoiser rows);
-here they are decoded and scored by the run's reward like the leaves, one batch per
-iteration, and laid back out per segment, [T, P, n], for the method's credit
+here they are decoded and scored by the run's reward like the leaves (`run/scoring.py`),
+one batch per iteration, and laid back out per segment, [T, P, n], for the method's credit
 (`Method.clipped_advantages`) and node pruning (`Method.node_survival`). The decodes and
 reward calls are extra: `Method.node_counts` counts them per prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tree_grpo_jax.core import pruning
 from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.run import scoring
 
 
 def estimates(tree: Tree) -> tuple[np.ndarray | None, list[tuple[int, int] | None]]:
@@ -47,25 +50,33 @@ def per_segment(values: np.ndarray, shapes) -> tuple:
     return tuple(out)
 
 
-def score_nodes(trainer, sampled, batch, iteration: int):
-    """The rewards of the rollout's kept x0 estimates, per segment [T, P, n] for the global
-    batch, or None when node rewards are off (nothing kept)."""
+def with_node_values(trainer, sampled, batch, iteration: int):
+    """`sampled` (a `trainer.Rollout`) with the rewards of its kept x0 estimates, per
+    segment [T, P, n] for the global batch; unchanged when node rewards are off (nothing
+    kept). Decoded in parts and scored as the leaves are (`Trainer.score`)."""
     x0, shapes = estimates(sampled.tree)
     if x0 is None:
-        return None
+        return sampled
     num_prompts, per_prompt = x0.shape[:2]
-    images = trainer.model.decode(x0.reshape(num_prompts * per_prompt, *x0.shape[2:]))
+    decoded = scoring.decode(
+        trainer.model.decode,
+        x0.reshape(num_prompts * per_prompt, *x0.shape[2:]),
+        groups=num_prompts,
+        parts=trainer.decode_parts(trainer.reward.on_host),
+    )
     prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(per_prompt)]
     metadata = trainer.prompt_metadata(batch, sampled.rows, per_prompt)
     where = f"on the node estimates of iteration {iteration}"
-    values, _, _ = trainer.score(images, prompts, where, metadata)
-    return per_segment(values.reshape(len(sampled.prompts), per_prompt), shapes)
+    values, _, _ = trainer.score(decoded, prompts, where, metadata)
+    values = per_segment(values.reshape(len(sampled.prompts), per_prompt), shapes)
+    return dataclasses.replace(sampled, node_values=values)
 
 
-def node_metrics(trainer, sampled, node_values) -> dict:
+def node_metrics(trainer, sampled) -> dict:
     """The iteration's node figures: their mean reward, the estimates scored, and with node
     pruning the nodes dropped and the denoiser rows a sampler that stopped them would save
     (the static-shape rollout still computes those rows)."""
+    node_values = sampled.node_values
     if node_values is None:
         return {}
     kept = [v for v in node_values if v is not None]

@@ -75,6 +75,7 @@ class Rollout:
     window_start: int  # the family's window position in this rollout
     tree: rollout.Tree  # this process's rows
     rows: slice  # which rows of the global batch `tree` holds
+    node_values: Any = None  # node rewards: the kept x0 estimates' scores (node_scoring.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,18 +242,12 @@ class Trainer:
         return total, parts, frames
 
     def trainable_rows(
-        self,
-        sampled: Rollout,
-        rewards,
-        iteration: int = 0,
-        key: jax.Array | None = None,
-        node_values=None,
+        self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
     ):
         """This process's training rows of a rollout (rewards [P, L] of the global batch), as
         the method's objective makes them: PPO's trainable edges with their advantages
         (updating the stat tracker when the method uses one), DiffusionNFT's leaves noised
-        again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`).
-        `node_values`: node rewards' scores of the kept x0 estimates (`node_scoring`)."""
+        again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`)."""
         rewards = np.asarray(rewards, np.float32)
         tracker = self.tracker
         if tracker is not None:
@@ -267,7 +262,7 @@ class Trainer:
             iteration=iteration,
             tracker=tracker,
             schedule=self.schedule(),
-            node_values=node_values,
+            node_values=sampled.node_values,
         )
         return self.method.objective.rows(self.method, self.config, source, key)
 
@@ -281,13 +276,7 @@ class Trainer:
         return old
 
     def update(
-        self,
-        state: TrainState,
-        sampled: Rollout,
-        rewards,
-        iteration: int,
-        key: jax.Array,
-        node_values=None,
+        self, state: TrainState, sampled: Rollout, rewards, iteration: int, key: jax.Array
     ) -> tuple[TrainState, dict]:
         """Advantages, pruning and every minibatch step of one iteration's rollout (and,
         for a method that keeps one, the old policy's move towards the new weights)."""
@@ -296,7 +285,7 @@ class Trainer:
         rows_key = None
         if objective.draws_rows:
             rows_key, key = jax.random.split(key)
-        rows = self.trainable_rows(sampled, rewards, iteration, rows_key, node_values)
+        rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
         # Each process cuts its own rows; a global minibatch is every process's part, and
@@ -396,13 +385,11 @@ class Trainer:
             images, leaf_prompts, f"at iteration {iteration}", metadata
         )
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
-        node_values = node_scoring.score_nodes(self, sampled, prompts, iteration)  # or None
+        sampled = node_scoring.with_node_values(self, sampled, prompts, iteration)
         timings["time_reward"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        state, update_metrics = self.update(
-            state, sampled, rewards, iteration, shuffle_key, node_values
-        )
+        state, update_metrics = self.update(state, sampled, rewards, iteration, shuffle_key)
         timings["time_update"] = time.perf_counter() - t2
         timings["time_iteration"] = time.perf_counter() - t0
         metrics = {
@@ -411,7 +398,7 @@ class Trainer:
             **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
             **reporting.frame_rewards(frames),
             **update_metrics,
-            **node_scoring.node_metrics(self, sampled, node_values),
+            **node_scoring.node_metrics(self, sampled),
             "window_start": self.window_start(iteration),
             **timings,
         }
