@@ -42,6 +42,8 @@ def check(config, measured: dict) -> dict:
             d["train_rows"] * p, config.train.rows_per_minibatch, d["guidance"]
         ),
     }
+    if "node_decodes" in d:  # node rewards: x0 estimates decoded and scored beside the leaves
+        expected["node_decodes"] = d["node_decodes"] * p
     matches = {k: int(measured[k]) == int(v) for k, v in expected.items()}
     return {
         "derived_per_prompt": d,

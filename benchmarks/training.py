@@ -82,6 +82,7 @@ def measure_counts(pr: PresetRun, counter: RowCounter) -> dict:
         "train_rows": metrics["train_rows"],
         "rollout_denoiser_calls": counter.calls["rollout"],
         "minibatches": metrics["minibatches"],
+        "node_decodes": metrics.get("node_decodes", 0),  # node rewards' extra decodes
     }
     counter.reset()
     result = costs.check(c, measured)

@@ -308,3 +308,127 @@ def width_pruning_reference(forest, spec: TreeSpec, advantage_of, mode: str, rat
             if n is not branch and n.trainable:
                 kept[n] = False
     return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Node rewards and node pruning.
+
+
+def recorded_values(tree: Tree, node_values) -> dict[int, np.ndarray]:
+    """step index -> [P, n] node values of that step's parents, for every recorded step."""
+    out = {}
+    for seg, values in zip(tree.segments, node_values):
+        if values is None:
+            continue
+        for t, step in enumerate(np.asarray(seg.steps)):
+            out[int(step)] = np.asarray(values[t], np.float64)
+    return out
+
+
+def node_value(node: Node, recorded: dict[int, np.ndarray]) -> float:
+    """A node's value: the reward of its x0 estimate where its step recorded one, a leaf's
+    reward, else its only child's value."""
+    if node.depth in recorded:
+        return float(recorded[node.depth][node.prompt, node.index])
+    if not node.children:
+        return node.reward
+    assert len(node.children) == 1, "an unrecorded node with several children"
+    return node_value(node.children[0], recorded)
+
+
+def _normalized(values: list[float], ddof: int, floor: float) -> list[float]:
+    if len(values) < 2:
+        return [0.0] * len(values)
+    std = statistics.pstdev(values) if ddof == 0 else statistics.stdev(values)
+    if floor > 0 and std < floor:
+        return [0.0] * len(values)
+    mean = _mean(values)
+    return [(v - mean) / (std + 1e-8) for v in values]
+
+
+def node_gain_reference(forest, recorded, ddof: int = 0, dead=frozenset()) -> dict[Node, float]:
+    """Edge parent -> child: value(child) - value(parent), normalized over the prompt's live
+    edges of the same step (0 for a group of one, or one with std below 1e-6)."""
+    out = {n: 0.0 for n in edges(forest)}
+    groups: dict[tuple[int, int], list[Node]] = {}
+    for n in edges(forest):
+        if n not in dead:
+            groups.setdefault((n.prompt, n.step), []).append(n)
+    for nodes in groups.values():
+        gains = [node_value(n, recorded) - node_value(n.parent, recorded) for n in nodes]
+        for n, a in zip(nodes, _normalized(gains, ddof, 1e-6)):
+            out[n] = a
+    return out
+
+
+def _variance_drop(values: list[float], keep: float) -> list[bool]:
+    """Drop all but the subset of max(2, round(keep * m)) values with the largest population
+    variance, found by trying every subset of that size (itertools.combinations)."""
+    import itertools
+
+    size = min(len(values), max(2, round(keep * len(values))))
+    best = max(
+        itertools.combinations(range(len(values)), size),
+        key=lambda c: statistics.pvariance([values[i] for i in c]),
+    )
+    return [i not in best for i in range(len(values))]
+
+
+def node_pruning_reference(
+    forest, spec: TreeSpec, recorded, mode: str, threshold, quantile, keep=0.5
+):
+    """(dead nodes, dropped nodes): at each BRANCH step after the first, in step order, each
+    prompt's live parents are dropped by the rule (cluster: |z| < threshold with the
+    population std; quantile: below the quantile; variance: outside the largest-variance
+    subset of its size) unless fewer than two would stay; a dropped
+    node kills its chain up to the node the last BRANCH step made, and all below it."""
+    branch_steps = [i for i, s in enumerate(spec.steps) if s.kind is Kind.BRANCH]
+    dead: set[Node] = set()
+    dropped_all: list[Node] = []
+    for step in branch_steps[1:]:
+        for roots in forest:
+            live = [
+                n for root in roots for n in descendants(root) if n.depth == step and n not in dead
+            ]
+            values = [node_value(n, recorded) for n in live]
+            if mode == "cluster":
+                mean, std = _mean(values), statistics.pstdev(values)
+                drop = [abs((v - mean) / (std + 1e-8)) < threshold for v in values]
+            elif mode == "variance":
+                drop = _variance_drop(values, keep)
+            else:
+                cut = float(np.quantile(np.asarray(values), quantile))
+                drop = [v < cut for v in values]
+            if len(live) - sum(drop) < 2:
+                continue
+            for n, d in zip(live, drop):
+                if not d:
+                    continue
+                dropped_all.append(n)
+                head = n
+                while head.kind is not Kind.BRANCH:
+                    head = head.parent
+                dead.update(descendants(head))
+    return dead, dropped_all
+
+
+def surviving_leaf_reference(forest, dead, ddof: int = 0) -> dict[Node, float]:
+    """TreeGRPO's credit over the live leaves: leaves normalized over the prompt's live
+    leaves, an edge the mean of the live leaf advantages below it (0 if none)."""
+    leaf_adv = {}
+    for roots in forest:
+        leaves = [leaf for root in roots for leaf in leaves_below(root) if leaf not in dead]
+        for leaf, a in zip(leaves, _normalized([x.reward for x in leaves], ddof, 0.0)):
+            leaf_adv[leaf] = a
+    out = {}
+    for n in edges(forest):
+        kept = [leaf_adv[leaf] for leaf in leaves_below(n) if leaf in leaf_adv]
+        out[n] = _mean(kept) if kept else 0.0
+    return out
+
+
+def saved_rows_reference(forest, dropped, num_steps: int) -> int:
+    """Nodes at depths below num_steps strictly below a dropped node: the denoiser rows a
+    sampler that stopped the dropped nodes would not run."""
+    below = {d for m in dropped for d in descendants(m) if d is not m}
+    return sum(1 for n in below if n.depth < num_steps)

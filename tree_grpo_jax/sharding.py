@@ -245,6 +245,7 @@ def local_tree(tree, rows: slice):
             steps=to_host(seg.steps),
             active=to_host(seg.active),
             means=None if seg.means is None else local_rows(seg.means, rows, axis=1),
+            x0_hats=None if seg.x0_hats is None else local_rows(seg.x0_hats, rows, axis=1),
         )
         for seg in tree.segments
     )

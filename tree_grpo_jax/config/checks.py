@@ -114,6 +114,8 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     _check_tree_fields(t)  # what the method in use does not read, after its own tree's checks
 
     _check_advantage(config.advantage, spec.num_steps)
+    sentence = methods.get(t.method).check_node_rewards(config, spec)
+    require(sentence is None, sentence)
     _check_train(config.train)
     _check_accumulation_applies(config)
     rewards = _check_rewards(config, known_rewards)
@@ -271,9 +273,35 @@ def _check_advantage(a, num_steps: int) -> None:
         f"advantage.width_pruning must be one of {WIDTH_PRUNING}, got {a.width_pruning!r}.",
     )
     require(0 < a.width_pruning_ratio <= 1, "advantage.width_pruning_ratio must be in (0, 1].")
+    _check_node_options(a)
     require(
         a.tracker_min_count >= 1 and a.tracker_buffer >= a.tracker_min_count,
         "advantage.tracker_buffer must be at least advantage.tracker_min_count (>= 1).",
+    )
+
+
+def _check_node_options(a) -> None:
+    require(
+        a.node_rewards in adv.NODE_REWARDS,
+        f"advantage.node_rewards must be one of {adv.NODE_REWARDS}, got {a.node_rewards!r}.",
+    )
+    require(0 <= a.node_mix <= 1, f"advantage.node_mix must be in [0, 1], got {a.node_mix}.")
+    require(
+        a.node_pruning in pruning.NODE_PRUNINGS,
+        f"advantage.node_pruning must be one of {pruning.NODE_PRUNINGS}, got {a.node_pruning!r}.",
+    )
+    require(
+        0 < a.node_pruning_threshold < 1,
+        "advantage.node_pruning_threshold must be in (0, 1) (standard deviations from the "
+        f"level's mean; at 1 or more every node could go), got {a.node_pruning_threshold}.",
+    )
+    require(
+        0 < a.node_pruning_quantile < 1,
+        f"advantage.node_pruning_quantile must be in (0, 1), got {a.node_pruning_quantile}.",
+    )
+    require(
+        0 < a.node_pruning_keep <= 1,
+        f"advantage.node_pruning_keep must be in (0, 1], got {a.node_pruning_keep}.",
     )
 
 

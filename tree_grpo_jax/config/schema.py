@@ -218,6 +218,22 @@ def _advantage() -> ml_collections.ConfigDict:
     # Count iterations for the depth-pruning slide from 0, or from 1 as the released
     # BranchGRPO code does (its window has already moved once when the slide interval is 1).
     s.depth_pruning_count_from = 0
+    # Node rewards (the PPO methods): whose x0 estimates are decoded and scored by the run's
+    # reward besides the leaves: "none" (off), "all_steps" (the parents of every recorded
+    # stochastic step) or "branch_points" (the parents of the BRANCH steps only)
+    s.node_rewards = "none"
+    # With node rewards, the share of an edge's credit that is its normalized gain,
+    # value(child) - value(parent) (Stepwise-Flow-GRPO); the rest is the method's leaf credit
+    s.node_mix = 1.0
+    # Node pruning on node values (Pro-GRPO): "none", "cluster" (drop the nodes within
+    # node_pruning_threshold stds of their level's mean), "quantile" (drop those below the
+    # node_pruning_quantile quantile) or "variance" (keep the node_pruning_keep share whose
+    # values vary most, Pro-GRPO's Optimal Variance Filtering); the dropped subtrees leave
+    # the credit and the loss
+    s.node_pruning = "none"
+    s.node_pruning_threshold = 0.5
+    s.node_pruning_quantile = 0.25
+    s.node_pruning_keep = 0.5
     return s
 
 

@@ -37,6 +37,12 @@ only in what that value is:
   `normalization="leaf"` the prompt's leaves are normalized first and fused up the tree with
   no depth-wise step.
 
+- node rewards (any of the above, `advantage.node_rewards`): the gain of an edge,
+  value(child) - value(parent) with a node's value the reward of its x0 estimate, normalized
+  over the prompt's edges of each step (`node_gain_advantages`, Stepwise-Flow-GRPO), mixed
+  with the method's credit; with node pruning, TreeGRPO's credit over the kept leaves
+  (`surviving_leaf_advantages`).
+
 Exact under a constant shift: every normalization first subtracts a member of its own group
 (the prompt's first leaf; for BranchGRPO, each tree's first leaf, and then the mean of the
 differences, before fusing), so constant rewards give exact zeros and adding a constant to a
@@ -474,3 +480,102 @@ def branchgrpo_advantages(
         return per_segment(tree, fused_rewards(spec, tree, leaf, fusion=fusion, alpha=alpha))
     levels = fused_rewards(spec, tree, rewards, fusion=fusion, alpha=alpha, relative=True)
     return per_segment(tree, [depthwise_normalize(spec, level) for level in levels])
+
+
+# ---------------------------------------------------------------------------------------------
+# Node rewards: credit from the rewards of the nodes' x0 estimates.
+#
+# `node_values` holds, per segment, the reward of each parent's x0 estimate at each of its
+# steps, [T, P, n], or None where the segment kept none (`record_x0="branch_points"` keeps
+# only the BRANCH steps'). A node's value is that reward where it was recorded, the leaf's
+# reward at a leaf, and otherwise the value of its only child (an unrecorded node is the
+# parent of an SDE step, one child). ODE steps pass values through: a segment's last
+# children are the next segment's parents, or the leaves.
+
+NodeValues = tuple  # per segment: [T, P, n] rewards of the parents' x0 estimates, or None
+NODE_REWARDS = ("none", "all_steps", "branch_points")
+
+
+def edge_end_values(
+    tree: Tree, rewards: jax.Array, node_values: NodeValues
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Per segment, (parent values [T, P, n], child values [T, P, n * k]) of its edges."""
+    if len(node_values) != len(tree.segments):
+        raise ValueError(f"{len(node_values)} node-value arrays for {len(tree.segments)} segments.")
+    below = jnp.asarray(rewards, jnp.float32)
+    out = []
+    for seg, values in reversed(list(zip(tree.segments, node_values))):
+        if values is None and seg.k > 1:
+            raise ValueError("a BRANCH segment needs its parents' node values.")
+        parents, children = [], []
+        for t in reversed(range(seg.num_steps)):
+            chex.assert_shape(below, seg.log_probs.shape[1:])
+            parent = below if values is None else jnp.asarray(values[t], jnp.float32)
+            parents.insert(0, parent)
+            children.insert(0, below)
+            below = parent
+        out.insert(0, (jnp.stack(parents), jnp.stack(children)))
+    return out
+
+
+def masked_normalize(
+    values: jax.Array, mask: jax.Array | None, *, ddof: int = 0, floor: float = 0.0
+) -> jax.Array:
+    """(v - mean) / (std + 1e-8) along the last axis over the members `mask` keeps (all when
+    None); 0 for the others, for a group of fewer than two, or one whose std is below
+    `floor`. Shifted by the group's first entry first, so a constant group gives exact 0."""
+    values = values.astype(jnp.float32)
+    keep = jnp.ones(values.shape, bool) if mask is None else jnp.asarray(mask, bool)
+    weight = keep.astype(jnp.float32)
+    count = jnp.sum(weight, axis=-1, keepdims=True)
+    shifted = values - values[..., :1]
+    mean = jnp.sum(shifted * weight, axis=-1, keepdims=True) / jnp.maximum(count, 1.0)
+    deviations = (shifted - mean) * weight
+    dof = jnp.maximum(count - _check_ddof(ddof), 1.0)
+    std = jnp.sqrt(jnp.sum(deviations**2, axis=-1, keepdims=True) / dof)
+    flat = (count < 2) | (std < floor) if floor > 0 else count < 2
+    return jnp.where(flat | ~keep, 0.0, deviations / (std + EPS))
+
+
+def node_gain_advantages(
+    tree: Tree,
+    rewards: jax.Array,
+    node_values: NodeValues,
+    *,
+    ddof: int = 0,
+    alive: Sequence[jax.Array] | None = None,
+) -> Advantages:
+    """Stepwise-Flow-GRPO's credit: an edge's gain, value(child) - value(parent), normalized
+    over the prompt's edges of the same step (all its trees; (g - mean) / (std + 1e-8), the
+    std of `ddof`, 0 for a step of one edge or one flatter than 1e-6). `alive` (per
+    structural level, [P, n] bool: node pruning) leaves the pruned nodes' edges out of the
+    normalization and gives them 0."""
+    out = []
+    for seg, (parents, children) in zip(tree.segments, edge_end_values(tree, rewards, node_values)):
+        gains = children - jnp.repeat(parents, seg.k, axis=-1)
+        mask = None
+        if alive is not None:
+            mask = jnp.broadcast_to(jnp.asarray(alive[seg.level], bool)[None], gains.shape)
+        out.append(masked_normalize(gains, mask, ddof=ddof, floor=DEPTH_STD_FLOOR))
+    return tuple(out)
+
+
+def surviving_leaf_advantages(
+    spec: TreeSpec, tree: Tree, rewards: jax.Array, leaf_alive: jax.Array, *, ddof: int = 0
+) -> Advantages:
+    """TreeGRPO's credit over the leaves node pruning keeps (`leaf_alive` [P, L]): the kept
+    leaves normalized over the prompt's kept leaves, an edge the mean over the kept leaves
+    below its child (0 where none is kept). With every leaf kept: `treegrpo_advantages`."""
+    check_tree(spec, tree, rewards)
+    keep = jnp.asarray(leaf_alive, jnp.float32)
+    leaf = masked_normalize(rewards, leaf_alive, ddof=ddof)
+    sums, counts = backup_mean(spec, leaf * keep), backup_mean(spec, keep)
+    levels = [jnp.where(c > 0, s / jnp.maximum(c, 1e-30), 0.0) for s, c in zip(sums, counts)]
+    return per_segment(tree, levels)
+
+
+def mix_credit(gains: Advantages, leaves: Advantages, mix: float) -> Advantages:
+    """mix * gain credit + (1 - mix) * leaf credit, edge by edge."""
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"the node credit's mix must be in [0, 1], got {mix}.")
+    return tuple(mix * g + (1.0 - mix) * a for g, a in zip(gains, leaves))

@@ -23,6 +23,7 @@ These run once per iteration on the host (numpy), between the advantages and the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -258,3 +259,145 @@ def branchgrpo_masks(
         )
         masks = combine_masks(masks, width)
     return masks
+
+
+# ---------------------------------------------------------------------------------------------
+# Node pruning on node values (Pro-GRPO's early pruning, on a static tree).
+#
+# At each BRANCH step whose parents a BRANCH step made (structural level >= 1), the prompt's
+# live parents (all its trees) are compared by their node value, the reward of their x0
+# estimate; those the rule drops are not expanded further: they, their chain up to the branch
+# that made them, and everything below leave the credit and the loss. The tree keeps its
+# static shape, so the rollout still computes the dropped subtrees; `saved_rollout_rows`
+# counts the denoiser rows a sampler that stopped there would not run.
+
+NODE_PRUNINGS = ("none", "cluster", "quantile", "variance")
+KEEP_AT_LEAST = 2  # a level keeps at least two live nodes per prompt: a group to compare
+
+
+def _max_variance_keep(values: np.ndarray, keep: int) -> np.ndarray:
+    """The `keep` of `values` whose variance is largest (Pro-GRPO's Optimal Variance
+    Filtering): such a subset is always the i lowest and keep - i highest values for some i,
+    so trying every i finds it; ties in the variance go to the smaller i, in the order to
+    the lower index."""
+    order = np.argsort(values, kind="stable")
+    best, chosen = -1.0, None
+    for low in range(keep + 1):
+        picked = np.concatenate([order[:low], order[len(order) - (keep - low) :]])
+        variance = float(np.var(values[picked]))
+        if variance > best + 1e-12:
+            best, chosen = variance, picked
+    kept = np.zeros(len(values), bool)
+    kept[chosen] = True
+    return kept
+
+
+def _drop(values: np.ndarray, mode: str, threshold: float, quantile: float, keep: float):
+    """Which of one prompt's live values [m] the rule drops: "cluster", those within
+    `threshold` standard deviations of their mean (|z| < threshold, Pro-GRPO's
+    reward-clustered nodes); "quantile", those below the `quantile` quantile; "variance",
+    all but the max(2, round(keep * m)) whose variance is largest (Pro-GRPO's OVF)."""
+    if mode == "cluster":
+        z = (values - values.mean()) / (values.std() + 1e-8)
+        return np.abs(z) < threshold
+    if mode == "variance":
+        count = min(len(values), max(KEEP_AT_LEAST, round(keep * len(values))))
+        return ~_max_variance_keep(values, count)
+    return values < np.quantile(values, quantile)
+
+
+def node_survival(
+    tree: Tree,
+    node_values,
+    *,
+    mode: str = "cluster",
+    threshold: float = 0.5,
+    quantile: float = 0.25,
+    keep: float = 0.5,
+) -> tuple[list[np.ndarray], list[tuple[int, int, np.ndarray]]]:
+    """(alive, decisions): per structural level, which nodes live ([P, n] bool; a node dies
+    with its ancestor); and per pruning point (level, step index, dropped [P, n]). A prompt
+    whose level would keep fewer than two live nodes drops none there."""
+    if mode not in NODE_PRUNINGS:
+        raise ValueError(f"node pruning must be one of {NODE_PRUNINGS}, got {mode!r}.")
+    num_prompts = tree.leaves.shape[0]
+    sizes = {0: tree.segments[0].parents.shape[2]} if tree.segments else {0: 1}
+    for seg in tree.segments:
+        sizes[seg.level] = seg.log_probs.shape[2]
+    alive = [np.ones((num_prompts, sizes[b]), bool) for b in range(max(sizes) + 1)]
+    decisions = []
+    for j, seg in enumerate(tree.segments):
+        level = seg.level - 1
+        if mode == "none" or seg.k == 1 or level < 1:
+            continue
+        values = np.asarray(node_values[j], np.float64)[0]  # [P, n]
+        dropped = np.zeros_like(alive[level])
+        for p in range(num_prompts):
+            live = np.flatnonzero(alive[level][p])
+            drop = _drop(values[p, live], mode, threshold, quantile, keep)
+            if live.size - drop.sum() >= KEEP_AT_LEAST:
+                dropped[p, live[drop]] = True
+        decisions.append((level, int(seg.step_indices[0]), dropped))
+        for b in range(level, len(alive)):  # the dropped nodes' descendants die with them
+            alive[b] &= ~np.repeat(dropped, alive[b].shape[1] // dropped.shape[1], axis=1)
+    return alive, decisions
+
+
+def alive_edge_masks(tree: Tree, alive: Sequence[np.ndarray]) -> Masks:
+    """False on every edge whose child is dead (`node_survival`'s alive levels)."""
+    return tuple(
+        mask & np.asarray(alive[seg.level], bool)[None]
+        for seg, mask in zip(tree.segments, full_masks(tree))
+    )
+
+
+def saved_rollout_rows(
+    plain: TreeSpec, decisions: Sequence[tuple[int, int, np.ndarray]], guidance: bool = False
+) -> int:
+    """Denoiser rows (all prompts) a sampler that stops the dropped nodes would skip: the
+    rows of every later depth's nodes below them. `plain`: the spec at this rollout's window
+    position. The dropped nodes' own rows at the pruning step are run (their x0 estimate is
+    what decided)."""
+    saved = 0
+    for depth in range(plain.num_steps):
+        n = plain.nodes_in[depth]
+        dead = None
+        for _, step, dropped in decisions:
+            if step < depth:
+                below = np.repeat(dropped, n // dropped.shape[1], axis=1)
+                dead = below if dead is None else dead | below
+        if dead is not None:
+            saved += int(dead.sum())
+    return saved * (2 if guidance else 1)
+
+
+def planned_node_pruning(
+    plain: TreeSpec, mode: str, quantile: float = 0.25, keep: float = 0.5
+) -> tuple[int, int] | None:
+    """(nodes dropped, rollout rows saved) per prompt without guidance, counted from the
+    tree alone, for the rules whose drop count depends on the number of live nodes only:
+    "variance", and "quantile" when a level's values are distinct (np.quantile's linear
+    interpolation puts ceil(q * (m - 1)) of m distinct values strictly below it). None for
+    "cluster" (data-dependent) and "none"."""
+    if mode not in ("quantile", "variance"):
+        return None
+    steps = plain.steps
+    splits = [i for i, s in enumerate(steps) if s.kind is Kind.BRANCH]
+
+    def per_node(first: int, depth: int) -> int:  # nodes at `depth` below one at `first`
+        return math.prod(steps[j].k for j in range(first, depth))
+
+    dropped = saved = 0
+    live, previous = None, None
+    for split in splits[1:]:
+        m = plain.nodes_in[split] if live is None else live * per_node(previous, split)
+        if mode == "variance":
+            kept = min(m, max(KEEP_AT_LEAST, round(keep * m)))
+        else:
+            kept = m - math.ceil(quantile * (m - 1))
+        if kept < KEEP_AT_LEAST:
+            kept = m
+        dropped += m - kept
+        saved += (m - kept) * sum(per_node(split, d) for d in range(split + 1, plain.num_steps))
+        live, previous = kept, split
+    return dropped, saved

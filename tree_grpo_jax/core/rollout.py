@@ -41,6 +41,9 @@ from tree_grpo_jax.core.tree_spec import Block, TreeSpec
 # drawn from, std widened by the split's noise_scale. "unscaled": under the unscaled std,
 # as BranchGRPO's released code does; the loss follows through the transitions' noise_scale.
 SPLIT_LOG_PROBS = ("sampled", "unscaled")
+# Which segments keep their parents' x0 estimates (node rewards): none, every stochastic
+# step's ("all_steps") or only the BRANCH steps' ("branch_points").
+X0_RECORDS = ("none", "all_steps", "branch_points")
 
 
 @struct.dataclass
@@ -65,6 +68,9 @@ class Segment:
     means:     [T, P, n, *S]      the step Gaussian's mean at each parent under the rollout's
                                   parameters, recorded only when the rollout is asked to
                                   (`record_means`: GRPO-Guard's ratio normalisation); else None
+    x0_hats:   [T, P, n, *S]      Tweedie's estimate of the clean sample at each parent, from
+                                  the prediction the step already made (`record_x0`: node
+                                  rewards); else None
     """
 
     parents: jax.Array
@@ -77,6 +83,7 @@ class Segment:
     score_scale: float = struct.field(pytree_node=False)
     level: int = struct.field(pytree_node=False)
     means: jax.Array | None = None
+    x0_hats: jax.Array | None = None
 
     @property
     def num_steps(self) -> int:
@@ -207,6 +214,7 @@ class RolloutOptions(NamedTuple):
     reduce: str
     split_log_prob: str
     record_means: bool
+    record_x0: str = "none"  # whose parents' x0 estimates to keep: X0_RECORDS
 
 
 def rollout(
@@ -225,6 +233,7 @@ def rollout(
     split_log_prob: str = "sampled",
     lower: bool = False,
     record_means: bool = False,
+    record_x0: str = "none",
 ) -> Tree:
     """Rolls out `spec.num_trees` trees for each of the P prompts in `cond` [P, L, D].
 
@@ -233,7 +242,9 @@ def rollout(
     Python int is checked against the spec, a traced one is clipped into range.
     `split_log_prob` is "sampled" (score split children under the widened Gaussian they were
     drawn from) or "unscaled" (under the unscaled std, BranchGRPO's released code).
-    `record_means` keeps each parent's step mean in its segment (`Segment.means`).
+    `record_means` keeps each parent's step mean in its segment (`Segment.means`);
+    `record_x0` each parent's x0 estimate (`Segment.x0_hats`) in every segment
+    ("all_steps") or in the BRANCH steps' ("branch_points"): no extra denoiser rows.
 
     Compiles once per spec, batch shape, denoiser and options, for every window position;
     the same key gives the same tree. `lower=True` returns the program lowered for these
@@ -248,10 +259,12 @@ def rollout(
         raise ValueError(
             f"split_log_prob must be one of {SPLIT_LOG_PROBS}, got {split_log_prob!r}."
         )
+    if record_x0 not in X0_RECORDS:
+        raise ValueError(f"record_x0 must be one of {X0_RECORDS}, got {record_x0!r}.")
     if spec.sliding and not isinstance(window_start, jax.core.Tracer):
         spec.at(int(window_start))  # raises SpecError for a window that does not fit
     fn = _rollout.lower if lower else _rollout
-    options = RolloutOptions(tuple(sample_shape), reduce, split_log_prob, record_means)
+    options = RolloutOptions(tuple(sample_shape), reduce, split_log_prob, record_means, record_x0)
     return fn(
         denoise_fn,
         params,
@@ -342,6 +355,14 @@ def _segment(block, spec, begin, start, x, noise, level_predict, schedule, optio
         """The parents' step mean (XLA shares it with the draw's), or None unrecorded."""
         return schedule.transition(i, x, pred)[0] if options.record_means else None
 
+    keeps_x0 = options.record_x0 == "all_steps" or (
+        options.record_x0 == "branch_points" and step.k > 1
+    )
+
+    def step_x0(i, x, pred):
+        """The parents' x0 estimate from the prediction already made, or None unrecorded."""
+        return schedule.predict_x0(i, x, pred) if keeps_x0 else None
+
     if block.kind == "stochastic":
         active = jnp.ones((block.num_steps,), bool)
 
@@ -349,7 +370,8 @@ def _segment(block, spec, begin, start, x, noise, level_predict, schedule, optio
             i, noise, _ = inputs
             pred = level_predict(i, x)
             children, log_probs = draw(i, x, pred, noise)
-            return children, (x, children, log_probs, step_mean(i, x, pred))
+            record = (x, children, log_probs)
+            return children, (*record, step_mean(i, x, pred), step_x0(i, x, pred))
 
     else:  # mixed: stochastic inside the window, deterministic outside
         active = _window_flags(block, spec, steps, start)
@@ -360,7 +382,7 @@ def _segment(block, spec, begin, start, x, noise, level_predict, schedule, optio
             drawn, log_probs = draw(i, x, pred, noise)
             children = jnp.where(stochastic, drawn, schedule.deterministic_step(i, x, pred))
             record = (x, children, jnp.where(stochastic, log_probs, 0.0))
-            return children, (*record, step_mean(i, x, pred))
+            return children, (*record, step_mean(i, x, pred), step_x0(i, x, pred))
 
     inputs = (steps, noise, active)
     if block.num_steps == 1:  # a BRANCH step changes the level's size: no scan
@@ -368,7 +390,7 @@ def _segment(block, spec, begin, start, x, noise, level_predict, schedule, optio
         record = jax.tree_util.tree_map(lambda a: a[None], record)
     else:
         x, record = jax.lax.scan(body, x, inputs)
-    parents, children, log_probs, means = record
+    parents, children, log_probs, means, x0_hats = record
     segment = Segment(
         parents,
         children,
@@ -380,6 +402,7 @@ def _segment(block, spec, begin, start, x, noise, level_predict, schedule, optio
         score_scale=score_scale,
         level=block.level,
         means=means,
+        x0_hats=x0_hats,
     )
     return x, segment
 

@@ -123,6 +123,12 @@ class DDIMSchedule:
         # v-prediction: v = sqrt(a) eps - sqrt(1 - a) x0.
         return sqrt_a * prediction + sqrt_1ma * x, sqrt_a * x - sqrt_1ma * prediction
 
+    def predict_x0(self, i, x, prediction):
+        """Tweedie's estimate of the clean sample at step i: (x - sqrt(1-a) eps) / sqrt(a)
+        for an epsilon model, sqrt(a) x - sqrt(1-a) v for a v-prediction one."""
+        x, prediction = x.astype(jnp.float32), prediction.astype(jnp.float32)
+        return self.predict_eps_x0(i, x, prediction)[1]
+
     def transition(self, i, x, prediction, stochastic: bool = True) -> Transition:
         """The Gaussian of step i; `stochastic=False` is the deterministic (eta 0) step.
 
@@ -279,6 +285,11 @@ class FlowSchedule:
 
     def deterministic_step(self, i, x, prediction):
         return self.transition(i, x, prediction, stochastic=False).mean
+
+    def predict_x0(self, i, x, prediction):
+        """Tweedie's estimate of the clean sample at step i: x0_hat = x - sigma_i v (for
+        x = (1 - sigma) x0 + sigma eps and v = eps - x0)."""
+        return x.astype(jnp.float32) - self.sigmas[i] * prediction.astype(jnp.float32)
 
 
 def make_flow_schedule(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax.core import sampling, transitions
+from tree_grpo_jax.core import pruning, sampling, transitions
 from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -78,12 +78,20 @@ class PPOObjective(Objective):
         )
 
     def rollout_options(self, config):
-        """The parents' step means, for GRPO-Guard's ratio."""
-        return {"record_means": True} if config.grpo_guard.enabled else {}
+        """The parents' step means, for GRPO-Guard's ratio; their x0 estimates, for node
+        rewards."""
+        options = {"record_means": True} if config.grpo_guard.enabled else {}
+        if config.advantage.node_rewards != "none":
+            options["record_x0"] = config.advantage.node_rewards
+        return options
 
     def rows(self, method, config, source: RowSource, key=None) -> transitions.Transitions:
         """The trainable edges of this process's trees with their clipped advantages (the
-        stat tracker updated when the method uses one), less the edges the masks drop."""
+        stat tracker updated when the method uses one), less the edges the masks drop (the
+        method's pruning, and node pruning's dead subtrees)."""
+        nodes = source.local_node_values()
+        survival = method.node_survival(config, source.tree, nodes)
+        alive = None if survival is None else survival[0]
         advantages = method.clipped_advantages(
             config,
             source.spec,
@@ -91,10 +99,14 @@ class PPOObjective(Objective):
             jnp.asarray(source.rewards[source.rows]),
             prompt_ids=source.prompts[source.rows],
             tracker=source.tracker,
+            node_values=nodes,
+            alive=alive,
         )
         masks = method.edge_masks_at(
             config, source.spec, source.tree, advantages, source.iteration, source.window_start
         )
+        if alive is not None:
+            masks = pruning.combine_masks(masks, pruning.alive_edge_masks(source.tree, alive))
         rows = transitions.gather_transitions(source.tree, advantages, masks)
         return source.in_global_batch(rows)
 
@@ -115,10 +127,17 @@ class PPOObjective(Objective):
         return transitions.zero_transitions(rows, sample_shape, max_k, dtype, make, means)
 
     def row_samples(self, config, spec):
-        """GRPO-Guard: each recorded parent's step mean beside the recorded states."""
-        if not config.grpo_guard.enabled:
-            return 0
-        return sum(b.num_steps * b.nodes_in for b in spec.segment_blocks)
+        """GRPO-Guard: each recorded parent's step mean beside the recorded states; node
+        rewards: each kept parent's x0 estimate."""
+        blocks = spec.segment_blocks
+        means = sum(b.num_steps * b.nodes_in for b in blocks) if config.grpo_guard.enabled else 0
+        kept = config.advantage.get("node_rewards", "none")
+        x0 = sum(
+            b.num_steps * b.nodes_in
+            for b in blocks
+            if kept == "all_steps" or (kept == "branch_points" and b.step.k > 1)
+        )
+        return means + x0
 
     def replay_samples(self, config, spec):
         """Every recorded parent's row before pruning: its state, its actions padded to the

@@ -63,6 +63,11 @@ class Method:
     stat_tracker: bool = False  # may normalise with DDPO's per-prompt stat tracker
     edge_masks: EdgeMaskFn | None = None  # which trainable edges train; None: all of them
     objective: Objective = PPO  # what it trains on and how (ppo.py, nft.py)
+    # may credit edges from node rewards (`advantage.node_rewards`: the x0 estimates' gains)
+    node_credit: bool = False
+    # (advantage section) -> whether its leaf credit is TreeGRPO's, the credit node pruning
+    # recomputes over the kept leaves; None: node pruning is not offered
+    treegrpo_leaf_credit: Callable[[ml_collections.ConfigDict], bool] | None = None
 
     @property
     def pruning(self) -> bool:
@@ -98,13 +103,71 @@ class Method:
         *,
         prompt_ids: Sequence[Hashable] = (),
         tracker: adv.PerPromptStatTracker | None = None,
+        node_values: adv.NodeValues | None = None,
+        alive: Sequence[np.ndarray] | None = None,
     ) -> adv.Advantages:
         """The method's advantages, clipped once to +-advantage.clip: one array per segment
-        (per-edge credit), or one [P, L] array of the leaves (DiffusionNFT's)."""
-        credit = Credit(config.advantage, prompt_ids, tracker)
-        raw = self.advantages(spec, tree, rewards, credit)
-        clip = config.advantage.clip
-        return tuple(jnp.clip(a, -clip, clip) for a in raw)
+        (per-edge credit), or one [P, L] array of the leaves (DiffusionNFT's).
+
+        With `node_values` (node rewards on) an edge's credit is `advantage.node_mix` times
+        its normalized gain plus the rest times the leaf credit; with `alive` (node pruning)
+        the leaf credit is TreeGRPO's over the kept leaves and dead edges get 0."""
+        o = config.advantage
+        if alive is not None:
+            leaf = adv.surviving_leaf_advantages(spec, tree, rewards, alive[-1], ddof=o.std_ddof)
+        else:
+            leaf = self.advantages(spec, tree, rewards, Credit(o, prompt_ids, tracker))
+        raw = leaf
+        if node_values is not None and o.node_mix > 0:
+            gains = adv.node_gain_advantages(
+                tree, rewards, node_values, ddof=o.std_ddof, alive=alive
+            )
+            raw = adv.mix_credit(gains, leaf, float(o.node_mix))
+        return tuple(jnp.clip(a, -o.clip, o.clip) for a in raw)
+
+    def node_survival(self, config: ml_collections.ConfigDict, tree: Tree, node_values):
+        """Node pruning's (alive levels, decisions) for this rollout, or None when off."""
+        o = config.advantage
+        if node_values is None or o.node_pruning == "none":
+            return None
+        return pruning.node_survival(
+            tree,
+            node_values,
+            mode=o.node_pruning,
+            threshold=o.node_pruning_threshold,
+            quantile=o.node_pruning_quantile,
+            keep=o.node_pruning_keep,
+        )
+
+    def check_node_rewards(self, config: ml_collections.ConfigDict, spec) -> str | None:
+        """One sentence where the `advantage` section's node rewards or node pruning do not
+        apply to this method and tree (`spec`: its tree at iteration 0)."""
+        o, name = config.advantage, self.name
+        if o.node_rewards == "none":
+            if o.node_pruning != "none":
+                return "advantage.node_pruning needs node values: set advantage.node_rewards."
+            return None
+        if not self.node_credit:
+            return f"advantage.node_rewards credits the rollout's edges; {name} trains none."
+        if o.node_rewards == "branch_points" and not spec.branch_ks:
+            return (
+                f"advantage.node_rewards='branch_points' needs BRANCH steps; the {name} tree "
+                "has none (use 'all_steps')."
+            )
+        if o.node_pruning == "none":
+            return None
+        if self.treegrpo_leaf_credit is None or not self.treegrpo_leaf_credit(o):
+            return (
+                "advantage.node_pruning recomputes TreeGRPO's leaf credit over the kept leaves: "
+                "use treegrpo with edge_normalization='none', or branchgrpo with "
+                "branch_normalization='leaf' and fusion='mean'."
+            )
+        if len(spec.branch_ks) < 2:
+            return (
+                "advantage.node_pruning drops nodes a BRANCH step made before they branch "
+                f"again: the {name} tree needs at least two BRANCH steps."
+            )
+        return None
 
     def edge_masks_at(
         self,
@@ -142,7 +205,33 @@ class Method:
             counts["replayed_rows"] = sum(p["train_rows"] for p in past)
             for name in ("trained_edges", "train_rows", "train_forward_rows", "train_grad_rows"):
                 counts[name] += sum(p[name] for p in past)
-        return {"spec": spec.describe(), "leaves": spec.leaves, **counts}
+        nodes = self.node_counts(config, spec)
+        return {"spec": spec.describe(), "leaves": spec.leaves, **counts, **nodes}
+
+    def node_counts(self, config: ml_collections.ConfigDict, spec) -> dict:
+        """Per prompt, the x0 estimates node rewards decode and score each iteration beside
+        the leaves (the parents of the rollout's recorded steps; no extra denoiser rows), and
+        where node pruning's count follows from the tree (`pruning.planned_node_pruning`)
+        the nodes it drops and the rollout rows a sampler that stopped them would save (the
+        static rollout still runs them): empty when off. `spec`: the plain tree."""
+        o = config.advantage
+        if o.node_rewards == "none":
+            return {}
+        blocks = self.run_spec(config).segment_blocks  # the rollout's (a family's) segments
+        per_prompt = sum(
+            b.num_steps * b.nodes_in
+            for b in blocks
+            if o.node_rewards == "all_steps" or b.step.k > 1
+        )
+        counts = {"node_decodes": per_prompt, "node_reward_calls": per_prompt}
+        planned = pruning.planned_node_pruning(
+            spec, o.node_pruning, o.node_pruning_quantile, o.node_pruning_keep
+        )
+        if planned is not None:
+            guidance = 2 if config.sampling.guidance_scale != 1.0 else 1
+            counts["node_pruned"] = planned[0]
+            counts["node_saved_rollout_rows"] = planned[1] * guidance
+        return counts
 
 
 def _grpo_credit(spec, tree, rewards, credit: Credit):
@@ -177,6 +266,14 @@ def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
         alpha=o.fusion_alpha,
         normalization=o.get("branch_normalization", "depthwise"),
     )
+
+
+def _treegrpo_leaf_credit(options) -> bool:
+    return options.get("edge_normalization", "none") == "none"
+
+
+def _branch_leaf_credit(options) -> bool:
+    return options.branch_normalization == "leaf" and options.fusion == "mean"
 
 
 def _nft_credit(spec, tree, rewards, credit: Credit):
@@ -216,6 +313,7 @@ METHODS: dict[str, Method] = {
             ),
             advantages=_grpo_credit,
             stat_tracker=True,
+            node_credit=True,
         ),
         Method(
             "mixgrpo",
@@ -223,12 +321,15 @@ METHODS: dict[str, Method] = {
             advantages=_grpo_credit,
             windowed=True,
             stat_tracker=True,
+            node_credit=True,
         ),
         Method(
             "treegrpo",
             spec=lambda t, n: tree_spec.treegrpo(n, t.window, t.k, tree_spec.FAMILY, t.num_trees),
             advantages=_treegrpo_credit,
             windowed=True,
+            node_credit=True,
+            treegrpo_leaf_credit=_treegrpo_leaf_credit,
         ),
         Method(
             "branchgrpo",
@@ -237,6 +338,8 @@ METHODS: dict[str, Method] = {
             ),
             advantages=_branchgrpo_credit,
             edge_masks=pruning.branchgrpo_masks,
+            node_credit=True,
+            treegrpo_leaf_credit=_branch_leaf_credit,
         ),
         Method(
             "branchgrpo_mix",
@@ -246,6 +349,8 @@ METHODS: dict[str, Method] = {
             advantages=_branchgrpo_credit,
             windowed=True,
             edge_masks=pruning.branchgrpo_masks,
+            node_credit=True,
+            treegrpo_leaf_credit=_branch_leaf_credit,
         ),
         # DiffusionNFT on G deterministic (ODE) samples per prompt, the released sampler's;
         # and on the leaves of TreeGRPO's tree: shared prefixes make samples cheaper

@@ -164,6 +164,7 @@ def _tree_shardings(tree, mesh):
             steps=rep,
             active=rep,
             means=None if s.means is None else on_prompts,
+            x0_hats=None if s.x0_hats is None else on_prompts,
         )
         for s in tree.segments
     )

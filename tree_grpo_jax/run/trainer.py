@@ -37,7 +37,7 @@ from tree_grpo_jax.core import replay, rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
-from tree_grpo_jax.run import eval_metrics, reporting, scoring
+from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring
 from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -75,6 +75,7 @@ class Rollout:
     window_start: int  # the family's window position in this rollout
     tree: rollout.Tree  # this process's rows
     rows: slice  # which rows of the global batch `tree` holds
+    node_values: Any = None  # node rewards: the kept x0 estimates' scores (node_scoring.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +264,7 @@ class Trainer:
             iteration=iteration,
             tracker=tracker,
             schedule=self.schedule(),
+            node_values=sampled.node_values,
         )
         return self.method.objective.rows(self.method, self.config, source, key)
 
@@ -392,6 +394,7 @@ class Trainer:
             images, leaf_prompts, f"at iteration {iteration}", metadata
         )
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
+        sampled = node_scoring.with_node_values(self, sampled, prompts, iteration)
         timings["time_reward"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -404,6 +407,7 @@ class Trainer:
             **{f"reward_{n}": float(v.mean()) for n, v in parts.items() if len(parts) > 1},
             **reporting.frame_rewards(frames),
             **update_metrics,
+            **node_scoring.node_metrics(self, sampled),
             "window_start": self.window_start(iteration),
             **timings,
         }

@@ -1,0 +1,97 @@
+"""Node rewards in the trainer: the x0 estimates the rollout kept, decoded and scored.
+
+The rollout keeps Tweedie's estimate of the clean sample at the parents of its recorded
+steps (`Segment.x0_hats`, from the predictions it made anyway: no extra denoiser rows);
+here they are decoded and scored by the run's reward like the leaves (`run/scoring.py`),
+one batch per iteration, and laid back out per segment, [T, P, n], for the method's credit
+(`Method.clipped_advantages`) and node pruning (`Method.node_survival`). The decodes and
+reward calls are extra: `Method.node_counts` counts them per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tree_grpo_jax.core import pruning
+from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.run import scoring
+
+
+def estimates(tree: Tree) -> tuple[np.ndarray | None, list[tuple[int, int] | None]]:
+    """(every kept x0 estimate [P, M, *S] prompt by prompt, each segment's (T, n) or None
+    where it kept none); (None, ...) when no segment kept any."""
+    parts, shapes = [], []
+    for seg in tree.segments:
+        if seg.x0_hats is None:
+            shapes.append(None)
+            continue
+        x0 = np.asarray(seg.x0_hats)  # [T, P, n, *S]
+        t, p, n = x0.shape[:3]
+        parts.append(np.swapaxes(x0, 0, 1).reshape(p, t * n, *x0.shape[3:]))
+        shapes.append((t, n))
+    if not parts:
+        return None, shapes
+    return np.concatenate(parts, axis=1), shapes
+
+
+def per_segment(values: np.ndarray, shapes) -> tuple:
+    """[P, M] rewards in `estimates`' order -> per segment [T, P, n] (None where none)."""
+    out, at = [], 0
+    for shape in shapes:
+        if shape is None:
+            out.append(None)
+            continue
+        t, n = shape
+        block = values[:, at : at + t * n].reshape(values.shape[0], t, n)
+        out.append(np.ascontiguousarray(np.swapaxes(block, 0, 1), np.float32))
+        at += t * n
+    return tuple(out)
+
+
+def with_node_values(trainer, sampled, batch, iteration: int):
+    """`sampled` (a `trainer.Rollout`) with the rewards of its kept x0 estimates, per
+    segment [T, P, n] for the global batch; unchanged when node rewards are off (nothing
+    kept). Decoded in parts and scored as the leaves are (`Trainer.score`)."""
+    x0, shapes = estimates(sampled.tree)
+    if x0 is None:
+        return sampled
+    num_prompts, per_prompt = x0.shape[:2]
+    decoded = scoring.decode(
+        trainer.model.decode,
+        x0.reshape(num_prompts * per_prompt, *x0.shape[2:]),
+        groups=num_prompts,
+        parts=trainer.decode_parts(trainer.reward.on_host),
+    )
+    prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(per_prompt)]
+    metadata = trainer.prompt_metadata(batch, sampled.rows, per_prompt)
+    where = f"on the node estimates of iteration {iteration}"
+    values, _, _ = trainer.score(decoded, prompts, where, metadata)
+    values = per_segment(values.reshape(len(sampled.prompts), per_prompt), shapes)
+    return dataclasses.replace(sampled, node_values=values)
+
+
+def node_metrics(trainer, sampled) -> dict:
+    """The iteration's node figures: their mean reward, the estimates scored, and with node
+    pruning the nodes dropped and the denoiser rows a sampler that stopped them would save
+    (the static-shape rollout still computes those rows)."""
+    node_values = sampled.node_values
+    if node_values is None:
+        return {}
+    kept = [v for v in node_values if v is not None]
+    metrics = {
+        "node_reward_mean": float(np.mean(np.concatenate([v.ravel() for v in kept]))),
+        "node_decodes": int(sum(v.size for v in kept)),
+    }
+    config = trainer.config
+    local = tuple(None if v is None else v[:, sampled.rows] for v in node_values)
+    survival = trainer.method.node_survival(config, sampled.tree, local)
+    if survival is not None:
+        _, decisions = survival
+        plain = sampled.spec.at(sampled.window_start)
+        metrics["node_pruned"] = int(sum(d[2].sum() for d in decisions))
+        metrics["node_saved_rollout_rows"] = pruning.saved_rollout_rows(
+            plain, decisions, trainer.guidance
+        )
+    return metrics
