@@ -11,6 +11,7 @@
     python -m benchmarks.tree_study --group nft_cost   # the same seconds each, fewer sigmas too
     python -m benchmarks.tree_study --group nft_screen # DiffusionNFT's learning rate, beta, tree
     python -m benchmarks.tree_study --group methods    # AWM, DGPO, GRPO-Guard beside them all
+    python -m benchmarks.tree_study --group credit --resume    # node rewards, pruning, replay
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
@@ -84,6 +85,8 @@ TREES4 = (("tree.num_trees", 4), ("tree.window", 2))  # 4 trees x 4 leaves
 BMIX_TREES2 = (("tree.num_trees", 2), ("tree.split_steps", (0, 2, 4)))  # 2 trees x 8 leaves
 LR2 = (("train.learning_rate", 2e-4),)
 LR3 = (("train.learning_rate", 3e-4),)
+NODES = (("advantage.node_rewards", "branch_points"), ("advantage.node_mix", 0.5))
+REPLAY = (("train.replay", 1),)
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
 NFT_BETA01 = (("diffusion_nft.beta", 0.1),)
@@ -186,6 +189,29 @@ SETTINGS: dict[str, Setting] = {
         "dgpo",
         LR3 + (("train.kl_beta", 0.02), ("train.rows_per_minibatch", 4)),
         label="dgpo, lr 3e-4",
+    ),
+    # the tree's credit sharpened (docs/methods.md): node values at the branch points, their
+    # gains half of an edge's credit; Pro-GRPO's variance filter on them; the last
+    # iteration's rows trained again; and Stepwise-Flow-GRPO (flat chains, every step)
+    "treegrpo_nodes_lr3e-4": Setting(
+        "treegrpo", LR3 + NODES, label="treegrpo + node rewards, lr 3e-4"
+    ),
+    "treegrpo_prune_lr3e-4": Setting(
+        "treegrpo",
+        LR3 + NODES + (("advantage.node_pruning", "variance"),),
+        label="treegrpo + node rewards + pruning, lr 3e-4",
+    ),
+    "treegrpo_replay_lr3e-4": Setting("treegrpo", LR3 + REPLAY, label="treegrpo + replay, lr 3e-4"),
+    "branchgrpo_mix_nodes_lr3e-4": Setting(
+        "branchgrpo_mix", LR3 + NODES, label="branchgrpo_mix + node rewards, lr 3e-4"
+    ),
+    "branchgrpo_mix_replay_lr3e-4": Setting(
+        "branchgrpo_mix", LR3 + REPLAY, label="branchgrpo_mix + replay, lr 3e-4"
+    ),
+    "grpo_stepwise_lr3e-4": Setting(
+        "grpo",
+        LR3 + (("advantage.node_rewards", "all_steps"),),
+        label="grpo, Stepwise-Flow-GRPO credit, lr 3e-4",
     ),
 }
 
@@ -310,9 +336,31 @@ GROUPS = {
         "dgpo_lr3e-4",
         "treegrpo_guard_lr3e-4",
     ),
+    # the tree's credit with and without node rewards, pruning and replay, against the flat
+    # methods and the forward-process ones at their best rate; cost in forward rows
+    "credit": (
+        "grpo_lr3e-4",
+        "grpo_stepwise_lr3e-4",
+        "mixgrpo_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "awm_lr3e-4",
+        "treegrpo_lr3e-4",
+        "treegrpo_nodes_lr3e-4",
+        "treegrpo_prune_lr3e-4",
+        "treegrpo_replay_lr3e-4",
+        "branchgrpo_mix_lr3e-4",
+        "branchgrpo_mix_nodes_lr3e-4",
+        "branchgrpo_mix_replay_lr3e-4",
+    ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
-FLOW_GROUPS = {"nft": "flow", "nft_cost": "flow_time", "nft_screen": "flow", "methods": "flow1"}
+FLOW_GROUPS = {
+    "nft": "flow",
+    "nft_cost": "flow_time",
+    "nft_screen": "flow",
+    "methods": "flow1",
+    "credit": "flow",
+}
 
 MODES = {
     # seeds; budget: training seconds per run (a cap when `iterations` is set); iterations:
@@ -430,11 +478,14 @@ def eval_iterations(iterations: int) -> list[int]:
     return sorted({*range(1, min(iterations, 6) + 1), *range(6, iterations + 1, 2), iterations})
 
 
-def iteration_rows(config, iteration: int) -> float:
-    """Iteration `iteration`'s cost in forward-row equivalents over its prompts, as the
-    method counts its rows (`benchmarks.costs.row_equivalents`): exact, whatever the load."""
+def iteration_cost(config, iteration: int) -> tuple[float, int]:
+    """Iteration `iteration`'s cost over its prompts, as the method counts it: forward-row
+    equivalents (`benchmarks.costs.row_equivalents`) and decodes scored (the leaves and any
+    node estimates). Exact, whatever the machine's load."""
     counts = costs.derived_counts(config, iteration)
-    return config.prompts.batch_size * costs.row_equivalents(counts, config.train.inner_epochs)
+    prompts = config.prompts.batch_size
+    rows = prompts * costs.row_equivalents(counts, config.train.inner_epochs)
+    return rows, prompts * (counts["leaves"] + counts.get("node_decodes", 0))
 
 
 def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: float) -> dict:
@@ -443,19 +494,20 @@ def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: 
     The clock and the evaluations are those of `training.train_for_budget`."""
     trainer, state = training.fresh_run(pr, seed)
     leaves = trainer.spec().leaves * pr.config.prompts.batch_size
-    curve = [{**training._eval_point(trainer, state.params, 0.0, 0, 0), "rows": 0.0}]
-    clock, images, rows, times, clipped = 0.0, 0, 0.0, [], []
+    curve = [{**training._eval_point(trainer, state.params, 0.0, 0, 0), "rows": 0.0, "decodes": 0}]
+    clock, images, rows, decodes, times, clipped = 0.0, 0, 0.0, 0, [], []
     at = set(eval_iterations(iterations))
     for iteration in range(iterations):
         state, metrics = trainer.iteration(state, iteration)
         clock += metrics["time_iteration"]
         images += leaves
-        rows += iteration_rows(pr.config, iteration)
+        iteration_rows, iteration_decodes = iteration_cost(pr.config, iteration)
+        rows, decodes = rows + iteration_rows, decodes + iteration_decodes
         times.append(metrics["time_iteration"])
         clipped.append(metrics.get("clip_fraction", 0.0))
         if iteration + 1 in at or clock >= max_s:
             point = training._eval_point(trainer, state.params, clock, images, iteration + 1)
-            curve.append({**point, "rows": rows})
+            curve.append({**point, "rows": rows, "decodes": decodes})
         if clock >= max_s:
             break
     return {
