@@ -118,9 +118,9 @@ def test_interrupt_inside_an_iteration_resumes_exactly(
     else:
         real = Checkpointer.save
 
-        def save(self, step, state, meta):
+        def save(self, step, state, meta, *host_arrays):
             fire_once(step == 2)
-            return real(self, step, state, meta)
+            return real(self, step, state, meta, *host_arrays)
 
         monkeypatch.setattr(Checkpointer, "save", save)
 
