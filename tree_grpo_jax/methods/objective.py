@@ -9,8 +9,9 @@ config checks, and the per-prompt training counts the benchmarks derive. The tra
 build, the memory plan and the benchmarks call these and never ask which objective they hold:
 a new objective is one module subclassing `Objective` and one table entry.
 
-The objectives: `ppo.PPO` (PPO-clip on the rollout's own steps, core/loss.py) and
-`nft.NFT` (DiffusionNFT: the velocity trained on forward-noised copies of the leaves).
+The objectives: `ppo.PPO` (PPO-clip on the rollout's own steps, core/loss.py), and the
+forward-process ones on the leaves: `nft.NFT` (DiffusionNFT), `awm.AWM`, `dgpo.DGPO`,
+`dpo.DPO` and `crd.CRD`.
 """
 
 from __future__ import annotations

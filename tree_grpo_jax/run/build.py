@@ -26,6 +26,7 @@ from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import denoiser, precompile, reuse
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
+from tree_grpo_jax.run.tracking import make_tracker
 from tree_grpo_jax.run.train_step import (
     StepLayout,
     TrainState,
@@ -34,7 +35,7 @@ from tree_grpo_jax.run.train_step import (
     make_optimizer,
     make_train_step,
 )
-from tree_grpo_jax.run.trainer import Trainer, make_tracker
+from tree_grpo_jax.run.trainer import Trainer
 
 
 def check_batches(config, mesh) -> None:

@@ -37,7 +37,7 @@ from tree_grpo_jax.core import replay, rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
-from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring
+from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
 from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -76,25 +76,6 @@ class Rollout:
     tree: rollout.Tree  # this process's rows
     rows: slice  # which rows of the global batch `tree` holds
     node_values: Any = None  # node rewards: the kept x0 estimates' scores (node_scoring.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TrackerRows:
-    """The stat tracker as one process's advantages see it: updated with the whole batch,
-    so every process keeps the same statistics, and answering this process's rows."""
-
-    tracker: adv.PerPromptStatTracker
-    prompts: list[str]  # the global batch
-    rewards: np.ndarray  # [P, L], the global batch
-    rows: slice
-
-    def update(self, prompt_ids, rewards) -> np.ndarray:
-        """`prompt_ids` and `rewards` are this process's rows: they take their place in the
-        global batch, with which the tracker is updated; their advantages come back."""
-        prompts, all_rewards = list(self.prompts), np.array(self.rewards, np.float64)
-        prompts[self.rows] = list(prompt_ids)
-        all_rewards[self.rows] = np.asarray(rewards, np.float64)
-        return self.tracker.update(prompts, all_rewards)[self.rows]
 
 
 @functools.cache  # once per run (per count), not once per iteration
@@ -253,7 +234,7 @@ class Trainer:
         rewards = np.asarray(rewards, np.float32)
         tracker = self.tracker
         if tracker is not None:
-            tracker = _TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
+            tracker = tracking.TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
         source = methods.RowSource(
             spec=sampled.spec,
             window_start=sampled.window_start,
@@ -634,7 +615,7 @@ class Trainer:
             self,
             config=config,
             prompts=prompt_iterator(config),
-            tracker=make_tracker(config, self.method),
+            tracker=tracking.make_tracker(config, self.method),
             replay=replay.buffer(config.train.get("replay", 0)),
             key=jax.random.PRNGKey(seed),
         )
@@ -647,13 +628,4 @@ def _replicated_like(mesh, tree):
     rep = sharding.replicated(mesh)
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree
-    )
-
-
-def make_tracker(config, method: methods.Method) -> adv.PerPromptStatTracker | None:
-    """DDPO's per-prompt stat tracker when the config asks for it and the method uses it."""
-    if not (config.advantage.stat_tracker and method.stat_tracker):
-        return None
-    return adv.PerPromptStatTracker(
-        config.advantage.tracker_buffer, config.advantage.tracker_min_count
     )
