@@ -359,7 +359,7 @@ FLOW_GROUPS = {
     "nft_cost": "flow_time",
     "nft_screen": "flow",
     "methods": "flow1",
-    "credit": "flow",
+    "credit": "flow3",
 }
 
 MODES = {
@@ -402,6 +402,16 @@ MODES = {
         iterations=16,
         evals=0,
         rewards=("jpeg_compressibility", "jpeg_incompressibility"),
+    ),
+    # "flow" with a third reward: the classifier's log-odds of the prompted digit, which
+    # (unlike the digit rewards' log-probability) has room above the twin's start
+    "flow3": dict(
+        model="tiny_flow",
+        seeds=(0, 1, 2),
+        budget=150.0,
+        iterations=16,
+        evals=0,
+        rewards=("jpeg_compressibility", "jpeg_incompressibility", "digit_log_odds"),
     ),
     # "flow" with one seed: a run that a shared machine finishes in about half an hour
     "flow1": dict(
@@ -825,10 +835,15 @@ def report(payload: dict, out: str, group: str) -> str:
     labels = {n: s.label or n for n, s in SETTINGS.items()}
     parts = []
     for reward, block in payload["rewards"].items():
-        # Seed by seed in the same order for every setting (ratios pair seed s with seed s).
-        curves = {n: sorted(r, key=lambda x: x["seed"]) for n, r in block["curves"].items() if r}
-        if "grpo" not in curves or any(len(r) != len(curves["grpo"]) for r in curves.values()):
-            continue  # a reward whose runs are not all in yet
+        # Seed by seed in the same order for every setting (ratios pair seed s with seed s),
+        # over the seeds every setting has finished (a study still running reports those)
+        seeds = set.intersection(*({r["seed"] for r in runs} for runs in block["curves"].values()))
+        if not seeds or "grpo" not in block["curves"]:
+            continue  # a reward without one seed finished by every setting
+        curves = {
+            n: sorted((r for r in runs if r["seed"] in seeds), key=lambda x: x["seed"])
+            for n, runs in block["curves"].items()
+        }
         summary = summarize(curves, payload["mode"])
         block["summary"] = summary
         title = f"{reward} ({len(curves['grpo'])} seeds)"
@@ -935,6 +950,8 @@ def main(argv=None) -> dict:
     if args.resume and os.path.exists(os.path.join(out, f"tree_study_{tag}.json")):
         with open(os.path.join(out, f"tree_study_{tag}.json")) as f:
             done = json.load(f)["rewards"]
+    # a resumed file keeps the rewards this invocation does not run (`--rewards`)
+    payload["rewards"] = {r: b for r, b in done.items() if r not in mode["rewards"]}
     start = time.perf_counter()
     rng = smoke_rng() if args.smoke else contextlib.nullcontext()
     with rng, tempfile.TemporaryDirectory() as workdir:

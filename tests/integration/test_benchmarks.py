@@ -268,3 +268,49 @@ def test_reward_overlap_smoke_writes_both_ways_of_scoring(tmp_path):
     for name in ("decode_s", "score_s", "after_decoding_s", "overlapped_s"):
         assert row[name] > 0, name
     assert row["score_s"] >= row["latency_s"]  # the server's sleep is inside every request
+
+
+def _study_run(seed: int, start: float, gain: float) -> dict:
+    """One made-up run of the tree study: 4 evaluations, 64 images and 1000 rows apart."""
+    curve = [
+        {"reward": start + gain * k / 3, "accuracy": 1.0, "images": 64 * k, "time": 2.0 * k}
+        | {"rows": 1000.0 * k, "decodes": 64 * k}
+        for k in range(4)
+    ]
+    return {
+        "seed": seed,
+        "curve": curve,
+        "iterations": 3,
+        "iteration_times": [2.0] * 3,
+        "clip_fractions": [0.0] * 3,
+    }
+
+
+def test_study_report_uses_the_seeds_every_setting_has_finished(tmp_path):
+    """A study still running (grpo on seeds 0 and 1, the tree on seed 0 only) reports seed
+    0 alone; a reward that some setting has not started is left out, not failed on."""
+    from benchmarks import tree_study
+
+    payload = {
+        "mode": {"budget": 100.0, "iterations": 3},
+        "rewards": {
+            "r": {
+                "curves": {
+                    "grpo": [_study_run(0, 0.0, 1.0), _study_run(1, 5.0, 9.0)],
+                    "treegrpo": [_study_run(0, 0.0, 2.0)],
+                }
+            },
+            "unstarted": {"curves": {"grpo": [_study_run(0, 0.0, 1.0)], "treegrpo": []}},
+        },
+    }
+    text = tree_study.report(payload, str(tmp_path), "t")
+    assert "### r" in text and "unstarted" not in text
+    summary = payload["rewards"]["r"]["summary"]
+    assert summary["start_reward"] == 0.0  # seed 1's start (5.0) is not in the median
+    assert summary["settings"]["grpo"]["final_reward"]["median"] == 1.0
+    # halfway from the start to the best final reward (2.0): grpo at the end, the tree at
+    # half of it, in images and in forward rows
+    to = {n: s["to"]["gap50"] for n, s in summary["settings"].items()}
+    assert (to["grpo"]["images"], to["treegrpo"]["images"]) == (192, 96)
+    assert (to["grpo"]["rows"], to["treegrpo"]["rows"]) == (3000, 1500)
+    assert (tmp_path / "tree_study_t.md").read_text().startswith("### r")

@@ -98,6 +98,32 @@ def test_digit_alignment_prefers_the_prompted_digit():
     assert np.mean(np.asarray(rewards.get_reward("digit_accuracy")(images, right))) >= 0.95
 
 
+def test_digit_log_odds_is_the_prompted_digits_log_odds_in_float64():
+    """log(p / (1 - p)) against float64 numpy from the classifier's logits: one sign where the
+    prompt is right and the other where it is wrong, and values far above the ceiling of
+    `digit_alignment`'s 0 (the room a run climbs into)."""
+    images, labels = tiny.digits_dataset("test")
+    images, labels = jnp.asarray(images[:40]), labels[:40]
+    right = [tiny.DIGIT_PROMPTS[int(y)] for y in labels]
+    wrong = [tiny.DIGIT_PROMPTS[(int(y) + 3) % 10] for y in labels]
+    logits = np.asarray(classifier.digit_log_probs(images), np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    reward = rewards.get_reward("digit_log_odds")
+    assert not reward.on_host
+    for prompts, digit in ((right, labels), (wrong, (labels + 3) % 10)):
+        p_y = p[np.arange(40), digit]
+        expected = np.log(p_y) - np.log1p(-p_y)
+        got = np.asarray(reward(images, prompts), np.float64)
+        finite = p_y < 1 - 1e-6  # where float32's 1 - p still has digits
+        assert finite.sum() >= 20
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-4, atol=1e-3)
+    assert np.ptp(got) > 1.0
+    aligned = np.asarray(reward(images, right))
+    assert np.mean(aligned > 0) >= 0.95 and np.mean(np.asarray(reward(images, wrong)) < 0) >= 0.95
+    assert np.median(aligned) > 3.0
+
+
 def test_classifier_takes_rgb_and_larger_images():
     images, labels = tiny.digits_dataset("test")
     images = jnp.asarray(images[:20])

@@ -5,9 +5,9 @@ Importing this package registers the built-in rewards: `jpeg_compressibility`,
 `aesthetic`, `clip_score` and `imagereward` (JAX-native, each read from its folder:
 `load_reward("hpsv2", "/models/hpsv2.1")`). Model families bring the rewards of their own
 world on first look-up: the tiny family's `digit_alignment`, `digit_probability`,
-`digit_accuracy` (its digit classifier, in `models/tiny/rewards.py`). The `remote` family's
-rewards, `remote:<name>`, are scored by a server over HTTP (`remote.py`), or by a
-vision-language judge behind an OpenAI-compatible chat endpoint (`chat.py`).
+`digit_accuracy`, `digit_log_odds` (its digit classifier, in `models/tiny/rewards.py`).
+The `remote` family's rewards, `remote:<name>`, are scored by a server over HTTP
+(`remote.py`), or by a vision-language judge behind an OpenAI-compatible chat endpoint (`chat.py`).
 
 A new reward is one `register` (or `register_model`, for one that reads a folder, with its
 own settings as `options`) in its own module, imported here.

@@ -36,6 +36,19 @@ def digit_probability(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
     return jnp.exp(digit_alignment(images, prompts))
 
 
+def digit_log_odds(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
+    """log(p / (1 - p)) of the prompted digit under the classifier, `[B]`, unbounded both ways.
+
+    The twin's digits start near `digit_alignment`'s ceiling (about -0.02, log-odds about 4);
+    the log-odds keeps rising as the classifier grows surer, as a preference model's score
+    does, so a run has room to climb (and to over-optimise it, as runs do on PickScore).
+    """
+    log_probs = digit_log_probs(images)
+    labels = prompt_labels(prompts, images.shape[0])
+    others = jnp.where(jax.nn.one_hot(labels, log_probs.shape[-1], dtype=bool), -jnp.inf, log_probs)
+    return _prompted(log_probs, labels) - jax.nn.logsumexp(others, axis=-1)
+
+
 def digit_accuracy(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
     """1.0 where the classifier's top class is the prompted digit, else 0.0, `[B]`."""
     predicted = jnp.argmax(digit_log_probs(images), axis=-1)
@@ -47,5 +60,6 @@ def digit_accuracy(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
 REWARDS = {
     "digit_alignment": (digit_alignment, False),
     "digit_probability": (digit_probability, False),
+    "digit_log_odds": (digit_log_odds, False),
     "digit_accuracy": (digit_accuracy, False),
 }
