@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from benchmarks import costs
 from benchmarks.common import FLOW_PRESETS, PRESETS, standin_model
 from tree_grpo_jax.models.base import TextToImageModel
+from tree_grpo_jax.run import time_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +63,9 @@ def make_config(preset: str, settings: Settings, seed: int = 0):
 
 
 def minibatches_per_iteration(config) -> int:
-    """Minibatches one iteration of `config` cuts its rows into (from the derived counts)."""
-    rows = costs.derived_counts(config)["train_rows"] * config.prompts.batch_size
-    return max(1, math.ceil(rows / config.train.rows_per_minibatch))
+    """Minibatches the first iteration of `config` cuts its rows into in one inner epoch
+    (every setting's first iteration is on-policy: a replay buffer is still empty)."""
+    return max(1, time_plan.minibatches_in_epoch(config, 0))
 
 
 def load_model(settings: Settings) -> TextToImageModel:

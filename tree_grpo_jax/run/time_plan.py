@@ -29,18 +29,18 @@ from tree_grpo_jax.run.program_cost import ProgramCost
 # How often each program runs in one iteration.
 
 
+def minibatches_in_epoch(config, iteration: int = 0) -> int:
+    """Train minibatches of one inner epoch of iteration `iteration`: the global rows it
+    trains, as the method counts them, in whole minibatches."""
+    rows = methods.get(config.tree.method).training_counts(config, iteration)["train_rows"]
+    rows *= config.prompts.batch_size
+    return transitions.num_minibatches(rows, config.train.rows_per_minibatch)
+
+
 def minibatches_per_iteration(config) -> float:
-    """Train minibatches of one iteration (every inner epoch), averaged over the run: the
-    global rows each iteration trains, as the method counts them, in whole minibatches."""
-    method = methods.get(config.tree.method)
+    """Train minibatches of one iteration (every inner epoch), averaged over the run."""
     iterations = _iterations(config)
-    prompts, per_minibatch = config.prompts.batch_size, config.train.rows_per_minibatch
-    total = sum(
-        transitions.num_minibatches(
-            method.training_counts(config, i)["train_rows"] * prompts, per_minibatch
-        )
-        for i in iterations
-    )
+    total = sum(minibatches_in_epoch(config, i) for i in iterations)
     return total / len(iterations) * config.train.inner_epochs
 
 
