@@ -238,6 +238,29 @@ def _listed(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names) or "none"
 
 
+def _prompt_and_category(path, have, named, noun: str, where=("", "")) -> tuple[str, str | None]:
+    """The prompt's and the category's field or column (`noun`): `named` (prompts.field,
+    prompts.category_field) when set, else found among PROMPT_FIELDS and CATEGORY_FIELDS in
+    `have` (the names to look for the prompt in, and the category in); `where` places the
+    message (the row it names, "in any row"). The category's is None when there is none."""
+    key = _found(path, have[0], named[0], PROMPT_FIELDS, "prompts.field", f"prompt {noun}s")
+    if not key:
+        wanted = repr(named[0]) if named[0] else " or ".join(map(repr, PROMPT_FIELDS))
+        raise ValueError(
+            f"{where[0]}prompt file {path} has no {wanted} {noun} (its {noun}s: "
+            f"{_listed(have[0])}); name the prompt {noun} with --config.prompts.field."
+        )
+    cat = _found(
+        path, have[1], named[1], CATEGORY_FIELDS, "prompts.category_field", f"category {noun}s"
+    )
+    if cat is False:
+        raise ValueError(
+            f"prompt file {path} has no {named[1]!r} {noun}{where[1]} (its {noun}s: "
+            f"{_listed(have[1])}); fix prompts.category_field."
+        )
+    return key, cat
+
+
 def _from_records(path, records, field, category_field, unit) -> PromptSet:
     """The prompt set of JSON or Parquet rows: (number, object) pairs, `unit` naming a
     number in a message ("line", "entry", "row")."""
@@ -249,23 +272,15 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
                 f"{unit} {number} of prompt file {path} is a JSON {type(row).__name__}, not an "
                 "object with a prompt field."
             )
-    first = records[0][1]
-    key = _found(path, list(first), field, PROMPT_FIELDS, "prompts.field", "prompt fields")
-    if not key:
-        wanted = repr(field) if field else " or ".join(map(repr, PROMPT_FIELDS))
-        raise ValueError(
-            f"{unit} {records[0][0]} of prompt file {path} has no {wanted} field (its fields: "
-            f"{_listed(list(first))}); name the prompt field with --config.prompts.field."
-        )
+    number, first = records[0]
     every = list(dict.fromkeys(k for _, row in records for k in row))
-    cat = _found(
-        path, every, category_field, CATEGORY_FIELDS, "prompts.category_field", "category fields"
+    key, cat = _prompt_and_category(
+        path,
+        (list(first), every),
+        (field, category_field),
+        "field",
+        (f"{unit} {number} of ", f" in any {unit}"),
     )
-    if cat is False:
-        raise ValueError(
-            f"prompt file {path} has no {category_field!r} field in any {unit} (its fields: "
-            f"{_listed(every)}); fix prompts.category_field."
-        )
     prompts, metadata, categories = [], [], []
     for number, row in records:
         if key not in row:
@@ -296,21 +311,7 @@ def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
     if header is None or not any(h.strip() for h in header):
         raise ValueError(f"prompt file {path} has no prompts; it is empty.")
     header = [h.strip() for h in header]
-    key = _found(path, header, field, PROMPT_FIELDS, "prompts.field", "prompt columns")
-    if not key:
-        wanted = repr(field) if field else " or ".join(map(repr, PROMPT_FIELDS))
-        raise ValueError(
-            f"prompt file {path} has no {wanted} column (its columns: {_listed(header)}); name "
-            "the prompt column with --config.prompts.field."
-        )
-    cat = _found(
-        path, header, category_field, CATEGORY_FIELDS, "prompts.category_field", "category columns"
-    )
-    if cat is False:
-        raise ValueError(
-            f"prompt file {path} has no {category_field!r} column (its columns: "
-            f"{_listed(header)}); fix prompts.category_field."
-        )
+    key, cat = _prompt_and_category(path, (header, header), (field, category_field), "column")
     records = []
     for number, cells in enumerate(body, 2):  # the header is row 1
         if not any(c.strip() for c in cells):
