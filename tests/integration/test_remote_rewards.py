@@ -138,7 +138,8 @@ def test_a_server_failing_mid_run_stops_with_the_iteration_saved(tmp_path):
 
 def test_each_images_prompt_metadata_reaches_the_server_in_training_and_evaluation(tmp_path):
     """A GenEval-like prompt file: every image the server scores comes with its own prompt's
-    metadata, unchanged, in training (each leaf of a prompt's tree) and in evaluation."""
+    metadata, unchanged, in training (each leaf of a prompt's tree), in evaluation and in the
+    start's check of every prompt on blank images."""
     words = ["zero", "one", "two", "three"]
     source = tmp_path / "prompts.jsonl"
     with open(source, "w") as f:
@@ -170,14 +171,15 @@ def test_each_images_prompt_metadata_reaches_the_server_in_training_and_evaluati
         )
         assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert len(record.requests) > trained
-    # the start's check scores blank images, without metadata: the others are samples
-    scored = [
+    # the start's check on blank images carries each prompt's metadata too
+    blanks = [
         body
         for _, _, body in record.requests
-        if any(remote.decode_item(item).any() for item in body["images"])
+        if not any(remote.decode_item(item).any() for item in body["images"])
     ]
+    assert blanks and {p for b in blanks for p in b["prompts"]} == set(expected)
     images = 0
-    for body in scored:
+    for _, _, body in record.requests:
         assert len(body["metadata"]) == len(body["prompts"]) == len(body["images"])
         for prompt, meta in zip(body["prompts"], body["metadata"]):
             assert meta == expected[prompt], (prompt, meta)

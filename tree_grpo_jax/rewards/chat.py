@@ -99,8 +99,8 @@ def check_question(where: str, question: str) -> str | None:
 
 def ask(question: str, prompt: str, metadata) -> str:
     """The question with `{prompt}` and the metadata's fields filled; KeyError(name) for a
-    field the image's metadata lacks. An image without metadata (a plain prompt, the start's
-    check on blank images) fills the metadata fields with nothing."""
+    field the image's metadata lacks. An image without metadata (a prompt from a text file or
+    a built-in set) fills the metadata fields with nothing."""
     fields = dict(metadata) if metadata else {}
     if not metadata:
         fields.update({n: "" for n in placeholders(question)})

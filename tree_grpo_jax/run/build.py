@@ -154,15 +154,21 @@ def check_media(model: TextToImageModel, rewards) -> None:
             raise cfg.ConfigError(reward.refusal(model.media))
 
 
-def check_prompts(model: TextToImageModel, rewards, prompts, where: str, chunk: int = 1) -> None:
+def check_prompts(
+    model: TextToImageModel, rewards, prompts, where: str, chunk: int = 1, metadata=None
+) -> None:
     """Every distinct prompt through the model's text encoder and through each reward that
     reads no model, on blank images (or videos), before anything is written: a prompt the
     model or a reward cannot read, or a reward that does not give one score per sample, is
     one sentence (rewards that read a model are built here and their shape is checked when
-    they score). The blanks go `chunk` at a time, as many as a rollout decodes (which
-    `check_sizes` has seen fit): a prompt set's worth of videos may not. `check_media` has
-    passed."""
-    distinct = list(dict.fromkeys(prompts))
+    they score). Each prompt goes with its `metadata` (in the same order; that of its first
+    appearance), as the run will score it. The blanks go `chunk` at a time, as many as a
+    rollout decodes (which `check_sizes` has seen fit): a prompt set's worth of videos may
+    not. `check_media` has passed."""
+    first = {}
+    for prompt, meta in zip(prompts, metadata or [None] * len(prompts)):
+        first.setdefault(prompt, meta)
+    distinct = list(first)
     if not distinct:
         return
     try:
@@ -178,7 +184,7 @@ def check_prompts(model: TextToImageModel, rewards, prompts, where: str, chunk: 
         for start in range(0, len(distinct), chunk):
             part = distinct[start : start + chunk]
             for reward in scored:
-                reward(blank[: len(part)], part)
+                reward(blank[: len(part)], part, [first[p] for p in part])
     except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
         raise cfg.ConfigError(str(e)) from None
     except ValueError as e:
@@ -386,26 +392,33 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
         one = jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
         image_shape = jax.eval_shape(model.decode, one).shape[1:]
     check_sizes(config, method.run_spec(config), model.sample_shape, objective, image_shape)
-    eval_prompts = [eval_set[i % len(eval_set)] for i in range(config.prompts.eval_count)]
+    eval_rows = eval_set.cycled(config.prompts.eval_count)
+    eval_prompts, eval_metadata = list(eval_rows.prompts), list(eval_rows.metadata)
     if model.prepare_prompts is not None:
         said = model.prepare_prompts([*prompts.prompts, *eval_prompts, ""])
         if jax.process_index() == 0 and config.log.progress:
             print(f"text encoders: {said}", flush=True)
     check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
-    trained = list(dict.fromkeys(prompts.prompts))
+    trained = prompts.prompts
     chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
-    check_prompts(model, reward.rewards.values(), trained, "prompts.source", chunk)
+    check_prompts(
+        model, reward.rewards.values(), trained, "prompts.source", chunk, prompts.metadata
+    )
     # the eval's own prompts: through the training reward, and every prompt through the
     # held-out ones
     seen = set(trained)
+    unseen = [i for i, p in enumerate(eval_prompts) if p not in seen]
     check_prompts(
         model,
         reward.rewards.values(),
-        [p for p in eval_prompts if p not in seen],
+        [eval_prompts[i] for i in unseen],
         "the eval prompts",
         chunk,
+        [eval_metadata[i] for i in unseen],
     )
-    check_prompts(model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk)
+    check_prompts(
+        model, eval_rewards.values(), eval_prompts, "the eval prompts", chunk, eval_metadata
+    )
     return eval_prompts
 
 
@@ -454,7 +467,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         model = model_registry.load_model(config.model, seed=config.seed)
     objective = method.objective
     eval_prompts = _check_model_and_prompts(
-        config, model, method, reward, eval_rewards, prompts, list(eval_set.prompts)
+        config, model, method, reward, eval_rewards, prompts, eval_set
     )
     guidance = config.sampling.guidance_scale != 1.0
     empty = guidance or objective.loss_reads_empty_prompt(config)
