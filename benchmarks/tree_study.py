@@ -87,6 +87,7 @@ LR2 = (("train.learning_rate", 2e-4),)
 LR3 = (("train.learning_rate", 3e-4),)
 NODES = (("advantage.node_rewards", "branch_points"), ("advantage.node_mix", 0.5))
 REPLAY = (("train.replay", 1),)
+ONE_UPDATE = (("train.updates_per_iteration", 1),)  # however many minibatches the rows fill
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
 
 NFT_BETA01 = (("diffusion_nft.beta", 0.1),)
@@ -201,12 +202,27 @@ SETTINGS: dict[str, Setting] = {
         LR3 + NODES + (("advantage.node_pruning", "variance"),),
         label="treegrpo + node rewards + pruning, lr 3e-4",
     ),
-    "treegrpo_replay_lr3e-4": Setting("treegrpo", LR3 + REPLAY, label="treegrpo + replay, lr 3e-4"),
+    # replay under `updates="iteration"`: one update per first-iteration's worth of
+    # minibatches, so once the held rows double them an iteration takes two updates
+    "treegrpo_replay_lr3e-4": Setting(
+        "treegrpo", LR3 + REPLAY, label="treegrpo + replay (two updates), lr 3e-4"
+    ),
+    # replay in the same one update per iteration as every other setting: the held rows
+    # join the fresh ones in a larger batch
+    "treegrpo_replay1u_lr3e-4": Setting(
+        "treegrpo", LR3 + REPLAY + ONE_UPDATE, "minibatch", label="treegrpo + replay, lr 3e-4"
+    ),
     "branchgrpo_mix_nodes_lr3e-4": Setting(
         "branchgrpo_mix", LR3 + NODES, label="branchgrpo_mix + node rewards, lr 3e-4"
     ),
     "branchgrpo_mix_replay_lr3e-4": Setting(
-        "branchgrpo_mix", LR3 + REPLAY, label="branchgrpo_mix + replay, lr 3e-4"
+        "branchgrpo_mix", LR3 + REPLAY, label="branchgrpo_mix + replay (two updates), lr 3e-4"
+    ),
+    "branchgrpo_mix_replay1u_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + REPLAY + ONE_UPDATE,
+        "minibatch",
+        label="branchgrpo_mix + replay, lr 3e-4",
     ),
     "grpo_stepwise_lr3e-4": Setting(
         "grpo",
@@ -347,10 +363,10 @@ GROUPS = {
         "treegrpo_lr3e-4",
         "treegrpo_nodes_lr3e-4",
         "treegrpo_prune_lr3e-4",
-        "treegrpo_replay_lr3e-4",
+        "treegrpo_replay1u_lr3e-4",
         "branchgrpo_mix_lr3e-4",
         "branchgrpo_mix_nodes_lr3e-4",
-        "branchgrpo_mix_replay_lr3e-4",
+        "branchgrpo_mix_replay1u_lr3e-4",
     ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
