@@ -583,10 +583,10 @@ def describe_target(name: str) -> str:
     return f"{name}'s median final eval reward"
 
 
-def summarize(curves: dict, mode: dict) -> dict:
+def summarize(curves: dict, mode: dict, references: tuple = ()) -> dict:
     """Per target (grpo's and mixgrpo's median final eval reward): images and training
     seconds each setting needs to reach it, on the seeds' median curve and seed by seed, and
-    the ratios of mixgrpo's and grpo's figures to the setting's."""
+    the ratios of mixgrpo's and grpo's figures (and the `references`') to the setting's."""
     common = min(r["curve"][-1]["images"] for rs in curves.values() for r in rs)
     out = {
         "start_reward": float(np.median([r["curve"][0]["reward"] for r in curves["grpo"]])),
@@ -638,7 +638,7 @@ def summarize(curves: dict, mode: dict) -> dict:
             if counted:  # forward-row equivalents to the target, on the median curve
                 s["to"][base]["rows"] = _crossing(results, "rows", target)[0]
     for target in out["targets"]:
-        for base in BASELINES:
+        for base in dict.fromkeys((*BASELINES, *references)):
             if base not in out["settings"]:
                 continue
             b = out["settings"][base]["to"][target]
@@ -710,6 +710,36 @@ def table(summary: dict, labels: dict) -> str:
         else f"{summary['budget_s']:.0f} s of training wall-clock per run"
     )
     return "\n\n".join(parts) + f"\n\nBudget: {budget}. Ratios above 1: sooner than mixgrpo."
+
+
+# groups whose report adds a cost table against references of their own (ratios above 1:
+# the setting needs fewer images than the reference)
+COST_REFERENCES = {"credit": ("grpo_lr3e-4", "mixgrpo_lr3e-4", "diffusion_nft_lr3e-4")}
+
+
+def cost_table(summary: dict, labels: dict, references: tuple) -> str:
+    """Per setting: its final reward, and for 50% and 80% of the way to the best final
+    reward the images and forward-row equivalents it needs (median curve) with each
+    reference's images over its own, seed by seed (median over the seeds both reached)."""
+    short = {"grpo_lr3e-4": "grpo", "mixgrpo_lr3e-4": "mixgrpo", "diffusion_nft_lr3e-4": "nft"}
+    refs = [r for r in references if r in summary["settings"]]
+    head = ["| setting | final reward |"]
+    for target in ("gap50", "gap80"):
+        head.append(f" images to {target[3:]}% | rows to {target[3:]}% |")
+        head.extend(f" {short.get(r, r)} / it ({target[3:]}%) |" for r in refs)
+    lines = ["".join(head), "|" + "---|" * (2 + 2 * (2 + len(refs)))]
+    for name, s in summary["settings"].items():
+        cells = [f"| {labels.get(name, name)} | {fmt_stats(s['final_reward'], 4)} |"]
+        for target in ("gap50", "gap80"):
+            t = s["to"][target]
+            reached = f"{t['seeds_reaching']}/{s['final_reward']['n']}"
+            images = "-" if t["images"] is None else f"{t['images']:.0f} ({reached})"
+            cells.append(f" {images} | {_f(t.get('rows'), '.0f')} |")
+            for r in refs:
+                ratio = t.get(f"per_seed_images_ratio_vs_{r}")
+                cells.append(f" {_f(ratio and ratio['median'], '.2f')} |")
+        lines.append("".join(cells))
+    return "\n".join(lines)
 
 
 def depth_spread(model, reward: str, names, draws: int = 4, prompts: int = 10) -> dict:
@@ -860,7 +890,8 @@ def report(payload: dict, out: str, group: str) -> str:
             n: sorted((r for r in runs if r["seed"] in seeds), key=lambda x: x["seed"])
             for n, runs in block["curves"].items()
         }
-        summary = summarize(curves, payload["mode"])
+        references = COST_REFERENCES.get(group, ())
+        summary = summarize(curves, payload["mode"], references)
         block["summary"] = summary
         title = f"{reward} ({len(curves['grpo'])} seeds)"
         plot_reward(
@@ -870,6 +901,10 @@ def report(payload: dict, out: str, group: str) -> str:
             summary, labels, title, os.path.join(out, f"tree_study_{group}_{reward}_cost.png")
         )
         parts.append(f"### {reward}\n\n{table(summary, labels)}")
+        if references:
+            parts.append(
+                f"#### {reward}: cost to 50% and 80%\n\n" + cost_table(summary, labels, references)
+            )
     text = "\n\n".join(parts)
     with open(os.path.join(out, f"tree_study_{group}.md"), "w") as f:
         f.write(text + "\n")
