@@ -635,8 +635,9 @@ def summarize(curves: dict, mode: dict, references: tuple = ()) -> dict:
                 "per_seed_time_s": sec_seeds,
                 "seeds_reaching": sum(v is not None for v in img_seeds),
             }
-            if counted:  # forward-row equivalents to the target, on the median curve
+            if counted:  # forward-row equivalents and decodes to it, on the median curve
                 s["to"][base]["rows"] = _crossing(results, "rows", target)[0]
+                s["to"][base]["decodes"] = _crossing(results, "decodes", target)[0]
     for target in out["targets"]:
         for base in dict.fromkeys((*BASELINES, *references)):
             if base not in out["settings"]:
@@ -719,22 +720,25 @@ COST_REFERENCES = {"credit": ("grpo_lr3e-4", "mixgrpo_lr3e-4", "diffusion_nft_lr
 
 def cost_table(summary: dict, labels: dict, references: tuple) -> str:
     """Per setting: its final reward, and for 50% and 80% of the way to the best final
-    reward the images and forward-row equivalents it needs (median curve) with each
-    reference's images over its own, seed by seed (median over the seeds both reached)."""
+    reward the images, forward-row equivalents and decodes scored (leaves and node
+    estimates) it needs (median curve) with each reference's images over its own, seed by
+    seed (median over the seeds both reached)."""
     short = {"grpo_lr3e-4": "grpo", "mixgrpo_lr3e-4": "mixgrpo", "diffusion_nft_lr3e-4": "nft"}
     refs = [r for r in references if r in summary["settings"]]
     head = ["| setting | final reward |"]
     for target in ("gap50", "gap80"):
-        head.append(f" images to {target[3:]}% | rows to {target[3:]}% |")
+        head.append(f" images to {target[3:]}% | rows to {target[3:]}% | decodes |")
         head.extend(f" {short.get(r, r)} / it ({target[3:]}%) |" for r in refs)
-    lines = ["".join(head), "|" + "---|" * (2 + 2 * (2 + len(refs)))]
+    lines = ["".join(head), "|" + "---|" * (2 + 2 * (3 + len(refs)))]
     for name, s in summary["settings"].items():
         cells = [f"| {labels.get(name, name)} | {fmt_stats(s['final_reward'], 4)} |"]
         for target in ("gap50", "gap80"):
             t = s["to"][target]
             reached = f"{t['seeds_reaching']}/{s['final_reward']['n']}"
             images = "-" if t["images"] is None else f"{t['images']:.0f} ({reached})"
-            cells.append(f" {images} | {_f(t.get('rows'), '.0f')} |")
+            cells.append(
+                f" {images} | {_f(t.get('rows'), '.0f')} | {_f(t.get('decodes'), '.0f')} |"
+            )
             for r in refs:
                 ratio = t.get(f"per_seed_images_ratio_vs_{r}")
                 cells.append(f" {_f(ratio and ratio['median'], '.2f')} |")

@@ -317,8 +317,8 @@ def test_study_report_uses_the_seeds_every_setting_has_finished(tmp_path):
     # the cost table: grpo's images over the tree's, seed by seed, to 50% (80%: 2.4 of a
     # gain of 2.0 is reached by the tree alone)
     lines = tree_study.cost_table(summary, {}, ("grpo", "absent")).splitlines()
-    assert lines[0].count("|") == lines[1].count("|") == 2 + 2 * 3 + 1
+    assert lines[0].count("|") == lines[1].count("|") == 2 + 2 * 4 + 1
     tree = next(line for line in lines if line.startswith("| treegrpo"))
     cells = [c.strip() for c in tree.strip("|").split("|")]
-    assert cells[2:5] == ["96 (1/1)", "1500", "2.00"]
-    assert cells[5] == "154 (1/1)" and cells[7] == "-"  # grpo never reaches 80%
+    assert cells[2:6] == ["96 (1/1)", "1500", "96", "2.00"]
+    assert cells[6] == "154 (1/1)" and cells[9] == "-"  # grpo never reaches 80%
