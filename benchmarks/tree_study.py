@@ -218,6 +218,13 @@ SETTINGS: dict[str, Setting] = {
     "branchgrpo_mix_replay_lr3e-4": Setting(
         "branchgrpo_mix", LR3 + REPLAY, label="branchgrpo_mix + replay (two updates), lr 3e-4"
     ),
+    # the same with the truncated importance weight in place of PPO's clip
+    "treegrpo_replay_is_lr3e-4": Setting(
+        "treegrpo",
+        LR3 + REPLAY + ONE_UPDATE + (("train.replay_correction", "truncated"),),
+        "minibatch",
+        label="treegrpo + replay, truncated weights, lr 3e-4",
+    ),
     "branchgrpo_mix_replay1u_lr3e-4": Setting(
         "branchgrpo_mix",
         LR3 + REPLAY + ONE_UPDATE,
@@ -364,6 +371,7 @@ GROUPS = {
         "treegrpo_nodes_lr3e-4",
         "treegrpo_prune_lr3e-4",
         "treegrpo_replay1u_lr3e-4",
+        "treegrpo_replay_is_lr3e-4",
         "branchgrpo_mix_lr3e-4",
         "branchgrpo_mix_nodes_lr3e-4",
         "branchgrpo_mix_replay1u_lr3e-4",

@@ -301,6 +301,7 @@ RANGE_CASES = [
     ("train.clip_range", 0.0, "train.clip_range must be positive"),
     ("train.kl_beta", -1.0, "train.kl_beta must be >= 0"),
     ("train.replay", -1, "train.replay must be 0 (off) or a number of past iterations"),
+    ("train.replay_weight_max", 0.0, "train.replay_weight_max must be positive"),
     ("diffusion_nft.beta", 0.0, "diffusion_nft.beta must be positive"),
     ("diffusion_nft.old_policy_flat", -1, "diffusion_nft.old_policy_flat must be >= 0"),
     ("diffusion_nft.old_policy_rate", -0.1, "diffusion_nft.old_policy_rate must be >= 0"),

@@ -4,6 +4,7 @@ rows against a float64 scipy recomputation, their round trip through the saved a
 counts the benchmarks derive, and the refusal for an objective whose rows are not PPO's."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,73 @@ def test_replayed_rows_ratios_match_a_scipy_recomputation_and_clip_as_ppo():
     np.testing.assert_allclose(float(metrics["policy_loss"]), expected_loss, rtol=1e-4)
 
 
+def test_the_truncated_correction_weights_each_replayed_edge_by_its_capped_ratio():
+    """`train.replay_correction="truncated"`: the loss is mean(-A * min(r, cap)) and its
+    gradient that of mean(-A * w * log pi) with w = min(r, cap) held fixed: against float64
+    scipy log-densities and central differences in the policy's two parameters, with a cap
+    that binds on some replayed edges and not on others."""
+    sampled_with = {"a": jnp.float32(0.8), "b": jnp.float32(0.5)}
+    now = {"a": jnp.float32(0.9), "b": jnp.float32(0.44)}
+    cond_0, cond_1 = _cond(1) / 100.0, _cond(2) / 50.0
+    buffer = ReplayBuffer(1)
+    old_rows = _iteration_rows(sampled_with, cond_0, seed=0)
+    buffer.push(0, old_rows, cond_0)
+    fresh = _iteration_rows(now, cond_1, seed=1)
+    rows, cond = buffer.mixed(fresh, cond_1)
+    mask = rows.mask.astype(bool)
+    behaviour = np.concatenate(
+        [
+            _reference_log_probs(now, fresh, cond_1),
+            _reference_log_probs(sampled_with, old_rows, cond_0),
+        ]
+    )
+
+    def reference_log_probs(a, b):
+        params = {"a": a, "b": b}
+        return np.concatenate(
+            [
+                _reference_log_probs(params, fresh, cond_1),
+                _reference_log_probs(params, old_rows, cond_0),
+            ]
+        )
+
+    ratio = np.exp(reference_log_probs(0.9, 0.44) - behaviour)[mask]
+    held = ratio[fresh.mask.astype(bool).sum() :]
+    cap = float(np.median(held))
+    assert held.min() < cap < held.max()  # the cap binds on some replayed edges
+    weight = np.minimum(ratio, cap)
+    adv = rows.advantages[mask].astype(np.float64)
+
+    def reference_objective(a, b):
+        return np.mean(-adv * weight * reference_log_probs(a, b)[mask])
+
+    h = 1e-4
+    expected_grad = {
+        "a": (reference_objective(0.9 + h, 0.44) - reference_objective(0.9 - h, 0.44)) / (2 * h),
+        "b": (reference_objective(0.9, 0.44 + h) - reference_objective(0.9, 0.44 - h)) / (2 * h),
+    }
+    schedule = sampling.make_flow_schedule(NUM_STEPS, noise_level=NOISE_LEVEL)
+    settings = PPOSettings(
+        denoise_fn=denoiser, clip_range=1e-4, correction="truncated", weight_max=cap
+    )
+
+    def loss(params):
+        return ppo_loss(params, rows, settings, schedule=schedule, cond=jnp.asarray(cond))
+
+    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(now)
+    np.testing.assert_allclose(float(metrics["policy_loss"]), np.mean(-adv * weight), rtol=1e-4)
+    for name in ("a", "b"):
+        assert abs(expected_grad[name]) > 1e-3
+        np.testing.assert_allclose(float(grad[name]), expected_grad[name], rtol=2e-3, atol=1e-5)
+    # PPO's clip at 1e-4 on the same rows: the replayed edges past it on their advantage's
+    # side give nothing, so its gradient differs
+    clipped = PPOSettings(denoise_fn=denoiser, clip_range=1e-4)
+    grad_clip = jax.grad(
+        lambda p: ppo_loss(p, rows, clipped, schedule=schedule, cond=jnp.asarray(cond))[0]
+    )(now)
+    assert abs(float(grad_clip["a"]) - float(grad["a"])) > 1e-3
+
+
 # -- counts and config ---------------------------------------------------------------------------
 
 
@@ -266,6 +334,31 @@ def test_checkpoints_keep_each_steps_buffer_beside_it_and_drop_it_with_the_step(
     with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* lacks readable host arrays"):
         ckpt.read_host_arrays(3)
     ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "changes, sentence",
+    [
+        ({"replay": 0}, "corrects replayed rows; set train.replay=N"),
+        ({"updates_per_iteration": 0}, "set train.updates_per_iteration=1 and"),
+        ({"inner_epochs": 2}, "set train.updates_per_iteration=1 and train.inner_epochs=1"),
+        ({"guard": True}, "GRPO-Guard (grpo_guard.enabled) normalises it"),
+        ({"replay_correction": "truncate"}, "train.replay_correction must be one of"),
+    ],
+)
+def test_the_truncated_correction_needs_replay_and_one_update_per_iteration(changes, sentence):
+    c = _small("treegrpo")
+    c.train.replay = 1
+    c.train.updates_per_iteration = 1
+    c.train.replay_correction = "truncated"
+    cfg.validate(c, known_rewards=rewards.available_rewards())  # as the study runs it
+    for name, value in changes.items():
+        if name == "guard":
+            c.grpo_guard.enabled = value
+        else:
+            c.train[name] = value
+    with pytest.raises(cfg.ConfigError, match=re.escape(sentence)):
+        cfg.validate(c, known_rewards=rewards.available_rewards())
 
 
 def test_a_buffer_the_free_host_memory_cannot_hold_is_one_sentence(monkeypatch):

@@ -21,6 +21,7 @@ from tree_grpo_jax.config.shape import (
 )
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
+from tree_grpo_jax.core.loss import REPLAY_CORRECTIONS
 from tree_grpo_jax.core.sampling import FLOW_SDES
 from tree_grpo_jax.models import attention
 from tree_grpo_jax.models import registry as model_registry
@@ -106,6 +107,22 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         f"through the {objective.name} objective, whose rows are not PPO transitions; set "
         "train.replay=0.",
     )
+    if config.train.get("replay_correction", "clip") == "truncated":
+        tr = config.train
+        require(
+            tr.get("replay", 0) > 0,
+            "train.replay_correction='truncated' corrects replayed rows; set train.replay=N.",
+        )
+        require(
+            tr.get("updates_per_iteration", 0) == 1 and tr.inner_epochs == 1,
+            "train.replay_correction='truncated' drops PPO's clip, which is idle only in one "
+            "update per iteration: set train.updates_per_iteration=1 and train.inner_epochs=1.",
+        )
+        require(
+            not config.grpo_guard.enabled,
+            "train.replay_correction='truncated' weights the plain ratio; GRPO-Guard "
+            "(grpo_guard.enabled) normalises it: use one or the other.",
+        )
     require(
         spec.leaves >= 2,
         f"the {t.method} tree has {spec.leaves} leaf per prompt; group-relative advantages "
@@ -333,6 +350,15 @@ def _check_train(tr) -> None:
     require(
         tr.get("replay", 0) >= 0,
         f"train.replay must be 0 (off) or a number of past iterations, got {tr.get('replay')}.",
+    )
+    require(
+        tr.get("replay_correction", "clip") in REPLAY_CORRECTIONS,
+        f"train.replay_correction must be one of {REPLAY_CORRECTIONS}, got "
+        f"{tr.get('replay_correction')!r}.",
+    )
+    require(
+        tr.get("replay_weight_max", 1.0) > 0,
+        f"train.replay_weight_max must be positive, got {tr.get('replay_weight_max')}.",
     )
     require(tr.kl_beta >= 0, f"train.kl_beta must be >= 0, got {tr.kl_beta}.")
     require(tr.max_grad_norm > 0, "train.max_grad_norm must be positive.")

@@ -264,6 +264,13 @@ def _train() -> ml_collections.ConfigDict:
     # iteration's own, with their own advantages and sampling log-probs (core/replay.py;
     # held on the host, N x one iteration's rows); 0: off
     s.replay = 0
+    # How a replayed row's drift from the policy that drew it is corrected: "clip", PPO's
+    # clip of its ratio to that policy (most replayed rows then sit past a small clip range
+    # and give no gradient); "truncated", every row's term -A * min(r, replay_weight_max)
+    # * grad log-prob with r its ratio to the drawing policy, unclipped (one update per
+    # iteration, where a fresh row's ratio is 1 and PPO's clip is idle)
+    s.replay_correction = "clip"
+    s.replay_weight_max = 1.0
     s.kl_beta = 0.0  # KL to the initial model (0: off, no reference copy kept)
     return s
 

@@ -58,13 +58,21 @@ class LossSettings:
 @dataclasses.dataclass(frozen=True)
 class PPOSettings(LossSettings):
     """`ppo_loss`'s settings. `reduce` must match the rollout's; `guard`: GRPO-Guard's
-    ratio and, with `guard_reweight="dt"`, its per-step weights (module docstring)."""
+    ratio and, with `guard_reweight="dt"`, its per-step weights (module docstring);
+    `correction`: "clip" (PPO) or "truncated" (`truncated_surrogate`, capped at
+    `weight_max`)."""
 
     guidance_scale: float = 1.0
     clip_range: float = 1e-4
     reduce: str = "mean"
     guard: bool = False
     guard_reweight: str = "dt"
+    correction: str = "clip"
+    weight_max: float = 1.0
+
+
+# how a row's ratio to the policy that drew it enters the loss (train.replay_correction)
+REPLAY_CORRECTIONS = ("clip", "truncated")
 
 
 def check_kl_reference(kl_beta: float, ref_params) -> None:
@@ -130,6 +138,16 @@ def clipped_surrogate(advantages: jax.Array, ratio: jax.Array, clip_range: float
     return jnp.maximum(unclipped, clipped)
 
 
+def truncated_surrogate(advantages: jax.Array, log_ratio: jax.Array, weight_max: float):
+    """The truncated importance-weighted policy gradient's per-term loss: its value is
+    -A * min(r, weight_max) and its gradient -A * min(r, weight_max) * grad log pi, the
+    weight held constant; r = exp(log_ratio) to the policy that drew the action, never
+    clipped. Where r = 1 (a fresh row in one update per iteration) it is PPO's term."""
+    fixed = jax.lax.stop_gradient(log_ratio)
+    weight = jnp.minimum(jnp.exp(fixed), weight_max)
+    return -advantages * weight * jnp.exp(log_ratio - fixed)
+
+
 def ratio_metrics(ratio: jax.Array, mask: jax.Array, clip_range: float) -> dict[str, jax.Array]:
     """The clipped share and the mean, least and greatest ratio over the True entries of
     `mask` (1 for the ratios when there are none)."""
@@ -174,7 +192,8 @@ def ppo_loss(
     """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
 
     per edge: max(-A * r, -A * clip(r, 1 - eps, 1 + eps)), r = exp(logp_new - logp_old),
-    A as given (the method table has clipped it). The KL term (when `ref_params` is given)
+    A as given (the method table has clipped it); with `correction="truncated"`,
+    `truncated_surrogate` in its place. The KL term (when `ref_params` is given)
     is the KL between the step Gaussians of the policy and the frozen reference, which
     share the policy's std (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2),
     Flow-GRPO's form; it is averaged over the rows that have a trained edge and costs one
@@ -190,7 +209,10 @@ def ppo_loss(
     log_ratio = _log_ratio(settings, batch, mean, std, mask)
     ratio = jnp.exp(log_ratio)
     advantages = batch.advantages.astype(jnp.float32)  # clipped once, by the method table
-    per_edge = clipped_surrogate(advantages, ratio, settings.clip_range)
+    if settings.correction == "truncated":  # replayed rows weighted, not clipped
+        per_edge = truncated_surrogate(advantages, log_ratio, settings.weight_max)
+    else:
+        per_edge = clipped_surrogate(advantages, ratio, settings.clip_range)
     if settings.guard and settings.guard_reweight == "dt":
         per_edge = per_edge / -schedule.dt[batch.step][:, None]
     policy_loss = masked_mean(per_edge, mask)

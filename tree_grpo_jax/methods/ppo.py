@@ -120,6 +120,8 @@ class PPOObjective(Objective):
             reduce=str(c.sampling.log_prob_reduce),
             guard=bool(c.grpo_guard.enabled),
             guard_reweight=str(c.grpo_guard.reweight),
+            correction=str(c.train.get("replay_correction", "clip")),
+            weight_max=float(c.train.get("replay_weight_max", 1.0)),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
