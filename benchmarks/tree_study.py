@@ -427,16 +427,6 @@ MODES = {
         evals=0,
         rewards=("jpeg_compressibility", "jpeg_incompressibility"),
     ),
-    # "flow" with a third reward: the classifier's log-odds of the prompted digit, which
-    # (unlike the digit rewards' log-probability) has room above the twin's start
-    "flow3": dict(
-        model="tiny_flow",
-        seeds=(0, 1, 2),
-        budget=150.0,
-        iterations=16,
-        evals=0,
-        rewards=("jpeg_compressibility", "jpeg_incompressibility", "digit_log_odds"),
-    ),
     # "flow" with one seed: a run that a shared machine finishes in about half an hour
     "flow1": dict(
         model="tiny_flow",
@@ -456,6 +446,10 @@ MODES = {
         rewards=("jpeg_compressibility", "jpeg_incompressibility"),
     ),
 }
+
+# "flow" with a third reward: the classifier's log-odds of the prompted digit, which (unlike
+# the digit rewards' log-probability) has room above the twin's start
+MODES["flow3"] = {**MODES["flow"], "rewards": (*MODES["flow"]["rewards"], "digit_log_odds")}
 
 
 def config_of(name: str, settings: Settings):
