@@ -516,6 +516,21 @@ def iteration_cost(config, iteration: int) -> tuple[float, int]:
     return rows, prompts * (counts["leaves"] + counts.get("node_decodes", 0))
 
 
+def resumed(old: dict, names, seeds) -> tuple[dict, list]:
+    """A resumed reward's curves {setting: runs} and the (seed, setting) runs still to do:
+    the file's runs of other seeds stay as they are, its runs of `seeds` are kept, and each
+    (seed, setting) without one is to do, seed by seed."""
+    curves = {n: [r for r in old.get(n, []) if r["seed"] not in seeds] for n in names}
+    todo = []
+    for seed in seeds:
+        for name in names:
+            kept = [r for r in old.get(name, []) if r["seed"] == seed]
+            curves[name] += kept
+            if not kept:
+                todo.append((seed, name))
+    return curves, todo
+
+
 def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: float) -> dict:
     """Trains a fresh copy for `iterations` iterations (the same images for every setting:
     every preset has 16 leaves per prompt), or until its training clock passes `max_s`.
@@ -1007,8 +1022,9 @@ def main(argv=None) -> dict:
     if args.resume and os.path.exists(os.path.join(out, f"tree_study_{tag}.json")):
         with open(os.path.join(out, f"tree_study_{tag}.json")) as f:
             done = json.load(f)["rewards"]
-    # a resumed file keeps the rewards this invocation does not run (`--rewards`)
-    payload["rewards"] = {r: b for r, b in done.items() if r not in mode["rewards"]}
+    # a resumed file keeps every reward it had until this invocation reruns it (those it does
+    # not run, `--rewards`, for good): a run stopped before a later reward loses none of its
+    payload["rewards"] = dict(done)
     start = time.perf_counter()
     rng = smoke_rng() if args.smoke else contextlib.nullcontext()
     with rng, tempfile.TemporaryDirectory() as workdir:
@@ -1022,14 +1038,8 @@ def main(argv=None) -> dict:
                 eval_count=mode.get("eval_count", 50),
             )
             old = done.get(reward, {}).get("curves", {})
-            block = payload["rewards"][reward] = {"curves": {n: [] for n in names}}
-            todo = []
-            for seed in mode["seeds"]:
-                for name in names:
-                    kept = [r for r in old.get(name, []) if r["seed"] == seed]
-                    block["curves"][name] += kept
-                    if not kept:
-                        todo.append((seed, name))
+            curves, todo = resumed(old, names, mode["seeds"])
+            block = payload["rewards"][reward] = {"curves": curves}
             runs = setup_runs(
                 sorted({n for _, n in todo}, key=names.index), settings, model, workdir
             )

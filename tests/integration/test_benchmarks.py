@@ -322,3 +322,20 @@ def test_study_report_uses_the_seeds_every_setting_has_finished(tmp_path):
     cells = [c.strip() for c in tree.strip("|").split("|")]
     assert cells[2:6] == ["96 (1/1)", "1500", "96", "2.00"]
     assert cells[6] == "154 (1/1)" and cells[9] == "-"  # grpo never reaches 80%
+
+
+def test_a_resumed_study_keeps_the_runs_of_seeds_it_does_not_rerun():
+    """`--resume --seeds 2` on a file with seeds 0 and 1: both stay, seed 2 is to do for
+    every setting but the one that has it; a setting the file lacks is to do."""
+    from benchmarks import tree_study
+
+    old = {
+        "grpo": [{"seed": 0}, {"seed": 1}],
+        "treegrpo": [{"seed": 1}, {"seed": 2}, {"seed": 0}],
+        "dropped": [{"seed": 0}],  # a setting no longer in the group
+    }
+    curves, todo = tree_study.resumed(old, ("grpo", "treegrpo", "new"), (2,))
+    assert [r["seed"] for r in curves["grpo"]] == [0, 1]
+    assert sorted(r["seed"] for r in curves["treegrpo"]) == [0, 1, 2]
+    assert curves["new"] == [] and "dropped" not in curves
+    assert todo == [(2, "grpo"), (2, "new")]
