@@ -252,6 +252,32 @@ def test_variance_filtering_keeps_both_tails():
     np.testing.assert_array_equal(values[~drop], [0.0, 10.0, 1.0, 9.0])
 
 
+@pytest.mark.parametrize("spread", [1.0, 1e-6, 1e-7, 1e3])
+def test_variance_filtering_keeps_the_largest_variance_subset_at_any_scale(spread):
+    """Against the search over every subset of the kept size (exact variances): the choice
+    must not depend on the reward's units, as it did with an absolute tolerance (values 1e-7
+    apart kept the first subset tried)."""
+    import statistics
+
+    rng = np.random.default_rng(int(-np.log10(spread)) + 20)
+    for draw in range(100):
+        m = int(rng.integers(3, 9))
+        keep = float(rng.choice([0.3, 0.5, 0.7]))
+        values = spread * rng.random(m)
+        kept = ~pruning._drop(values, "variance", 0.5, 0.25, keep=keep)
+        best = ~np.asarray(ref._variance_drop(list(values), keep))
+        assert kept.sum() == best.sum(), (draw, values, keep)
+        got, want = (statistics.pvariance(values[k].tolist()) for k in (kept, best))
+        assert got == pytest.approx(want, rel=1e-9, abs=0), (draw, values, keep)
+
+
+def test_variance_filtering_of_closely_spaced_values():
+    """The issue's case: of 0, 1e-7, 2e-7, 9e-7 keep 2 -> the ends (variance 2.025e-13), not
+    the two highest (1.225e-13)."""
+    drop = pruning._drop(np.array([0.0, 1e-7, 2e-7, 9e-7]), "variance", 0.5, 0.25, keep=0.5)
+    np.testing.assert_array_equal(np.flatnonzero(~drop), [0, 3])
+
+
 def test_a_level_that_would_keep_fewer_than_two_nodes_drops_none():
     spec = ts.treegrpo(4, window=2, k=2, window_start=0)
     tree = ref.random_tree(spec, 1, np.random.default_rng(1))

@@ -228,8 +228,9 @@ def _advantage() -> ml_collections.ConfigDict:
     # Node pruning on node values (Pro-GRPO): "none", "cluster" (drop the nodes within
     # node_pruning_threshold stds of their level's mean), "quantile" (drop those below the
     # node_pruning_quantile quantile) or "variance" (keep the node_pruning_keep share whose
-    # values vary most, Pro-GRPO's Optimal Variance Filtering); the dropped subtrees leave
-    # the credit and the loss
+    # values vary most, Pro-GRPO's Optimal Variance Filtering: max(2, round(keep * nodes)),
+    # rounded half to even, so 0.5 of 5 nodes keeps 2 and of 7 keeps 4); the dropped
+    # subtrees leave the credit and the loss
     s.node_pruning = "none"
     s.node_pruning_threshold = 0.5
     s.node_pruning_quantile = 0.25

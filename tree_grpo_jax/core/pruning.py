@@ -275,17 +275,23 @@ NODE_PRUNINGS = ("none", "cluster", "quantile", "variance")
 KEEP_AT_LEAST = 2  # a level keeps at least two live nodes per prompt: a group to compare
 
 
+# Two candidate subsets whose variances differ by less than this share of the larger are a
+# tie (float rounding, about 1e-16 of it, decides nothing): relative, so the choice is the
+# same whatever the reward's units (values 1e-7 apart choose as values 1 apart do).
+_VARIANCE_TIE = 1e-9
+
+
 def _max_variance_keep(values: np.ndarray, keep: int) -> np.ndarray:
     """The `keep` of `values` whose variance is largest (Pro-GRPO's Optimal Variance
     Filtering): such a subset is always the i lowest and keep - i highest values for some i,
-    so trying every i finds it; ties in the variance go to the smaller i, in the order to
-    the lower index."""
+    so trying every i finds it; ties in the variance (within _VARIANCE_TIE of each other)
+    go to the smaller i, in the order to the lower index."""
     order = np.argsort(values, kind="stable")
-    best, chosen = -1.0, None
+    best, chosen = 0.0, None
     for low in range(keep + 1):
         picked = np.concatenate([order[:low], order[len(order) - (keep - low) :]])
         variance = float(np.var(values[picked]))
-        if variance > best + 1e-12:
+        if chosen is None or variance > best * (1 + _VARIANCE_TIE):
             best, chosen = variance, picked
     kept = np.zeros(len(values), bool)
     kept[chosen] = True
@@ -296,7 +302,8 @@ def _drop(values: np.ndarray, mode: str, threshold: float, quantile: float, keep
     """Which of one prompt's live values [m] the rule drops: "cluster", those within
     `threshold` standard deviations of their mean (|z| < threshold, Pro-GRPO's
     reward-clustered nodes); "quantile", those below the `quantile` quantile; "variance",
-    all but the max(2, round(keep * m)) whose variance is largest (Pro-GRPO's OVF)."""
+    all but the max(2, round(keep * m)) whose variance is largest (Pro-GRPO's OVF; Python's
+    `round`, half to even: keep=0.5 of 5 nodes keeps 2, of 7 keeps 4)."""
     if mode == "cluster":
         z = (values - values.mean()) / (values.std() + 1e-8)
         return np.abs(z) < threshold
