@@ -501,6 +501,10 @@ def test_a_bad_config_file_is_one_sentence_and_writes_nothing(tmp_path, which):
         (["--config.train.adam_b1=1.0"], "train.adam_b1 must be in [0, 1)"),
         (["--config.tree.split_steps=0,3", "--config.tree.method=branchgrpo",
           "--config.advantage.depth_pruning=11"], "advantage.depth_pruning holds depth(s) [11]"),
+        # an option without its switch, as node_pruning without node rewards
+        (["--config.advantage.node_mix=0.5"], "advantage.node_mix=0.5 shares an edge's credit "
+         "between its node-reward gain and the leaf credit, but node rewards are off: set "
+         "advantage.node_rewards, or leave node_mix at 1."),
     ],
 )  # fmt: skip
 def test_a_bad_command_line_is_one_sentence_and_writes_nothing(tmp_path, args, message):

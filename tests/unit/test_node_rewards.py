@@ -327,6 +327,7 @@ def test_the_tiny_tree_decodes_fifteen_node_estimates_per_prompt():
         ("grpo", "node_rewards", "branch_points", "needs BRANCH steps"),
         ("diffusion_nft", "node_rewards", "all_steps", "trains none"),
         ("treegrpo", "node_pruning", "cluster", "needs node values"),
+        ("treegrpo", "node_mix", 0.5, "but node rewards are off: set advantage.node_rewards"),
     ],
 )
 def test_bad_node_settings_are_refused_in_one_sentence(method, field, value, words):

@@ -18,6 +18,7 @@ from tree_grpo_jax.config.shape import (
     is_int,
     is_number,
     require,
+    shared_default,
 )
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout, tree_spec
@@ -303,6 +304,13 @@ def _check_node_options(a) -> None:
         f"advantage.node_rewards must be one of {adv.NODE_REWARDS}, got {a.node_rewards!r}.",
     )
     require(0 <= a.node_mix <= 1, f"advantage.node_mix must be in [0, 1], got {a.node_mix}.")
+    mix = shared_default("advantage.node_mix")
+    require(  # as node pruning, it acts only with node rewards on: never dropped silently
+        a.node_rewards != "none" or a.node_mix == mix,
+        f"advantage.node_mix={a.node_mix:g} shares an edge's credit between its node-reward "
+        "gain and the leaf credit, but node rewards are off: set advantage.node_rewards, or "
+        f"leave node_mix at {mix:g}.",
+    )
     require(
         a.node_pruning in pruning.NODE_PRUNINGS,
         f"advantage.node_pruning must be one of {pruning.NODE_PRUNINGS}, got {a.node_pruning!r}.",

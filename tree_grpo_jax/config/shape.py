@@ -101,6 +101,11 @@ def _shared_fields() -> dict:
     return flatten(shared_config())
 
 
+def shared_default(path: str):
+    """The schema's default of the shared field `path` (`advantage.node_mix`)."""
+    return _shared_fields()[path]
+
+
 def _known_fields() -> tuple[dict, dict, tuple[str, ...]]:
     """The fields a config must hold, every field it may hold (path -> default), and the
     sections whose fields no record declares (any go). The registered records' sections
