@@ -390,6 +390,42 @@ def test_one_small_iteration_with_node_rewards_and_pruning(tmp_path):
     assert metrics["trained_edges"] == (2 + 4 + 8) * c.prompts.batch_size - 3 * dropped
 
 
+@pytest.mark.parametrize(
+    "extra, shown",
+    [
+        ({}, ""),  # the demo's line, as docs/reading-a-run.md shows it
+        ({"replayed_rows": 120}, " replayed_rows=120"),  # train.replay
+        ({"node_decodes": 28, "node_pruned": 4, "node_saved_rollout_rows": 16}, " node_pruned=4"),
+    ],
+)
+def test_the_progress_line_shows_replayed_rows_and_node_pruned_only_when_on(capsys, extra, shown):
+    """An iteration of the loop with a stand-in trainer: its metrics, as the trainer reports
+    them (with replay, with node pruning), become the line."""
+    from types import SimpleNamespace
+
+    from configs import tiny
+    from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.run import reporting
+
+    metrics = {"reward_mean": -0.101, "loss": 1.89e-08, "approx_kl": 3.43e-15,
+               "clip_fraction": 0.0, "time_iteration": 4.06, "train_rows": 60, **extra}  # fmt: skip
+    trainer = SimpleNamespace(
+        config=tiny.get_config(),
+        iteration=lambda state, iteration: (state, dict(metrics)),
+        prompts=SimpleNamespace(state_dict=dict),
+        tracker=None,
+        replay=None,
+        method=methods.get("treegrpo"),
+        workdir="",
+    )
+    run = train._Run(trainer, None, {"eval": []}, reporting.NullWriter(), None, {}, 0.0)
+    assert run._iteration(0, 0, reporting.Progress(10)) == 1
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[   1/10]   4.06s/it elapsed 0:00 eta -:-- | "), line
+    fields = "reward_mean=-0.101 loss=1.89e-08 approx_kl=3.43e-15 clip_fraction=0"
+    assert line.endswith(f" | {fields}{shown}"), line
+
+
 @pytest.mark.slow
 def test_one_tiny_iteration_with_node_rewards_and_pruning(tmp_path):
     """configs/tiny.py's tree at two prompts: the node estimates are decoded and scored (15

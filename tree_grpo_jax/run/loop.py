@@ -568,6 +568,8 @@ class _Run:
             self.writer.write(done, metrics, prefix="train/")
         shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")
         shown += self.trainer.method.objective.reported_metrics
+        # in the metrics only with train.replay, and with node pruning
+        shown += ("replayed_rows", "node_pruned")
         progress.update(
             iteration, metrics["time_iteration"], {k: metrics[k] for k in shown if k in metrics}
         )
