@@ -636,6 +636,35 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("tensorboard", [True, False])
+def test_the_done_lines_say_where_the_metrics_events_and_checkpoints_are(
+    tmp_path, monkeypatch, tensorboard
+):
+    """The README's promise: the run prints where its metrics, TensorBoard events, pictures
+    and checkpoints went (`checkpoint.dir` when it is set elsewhere)."""
+    from tree_grpo_jax.run import loop as train
+
+    summary = {
+        "first_eval_reward": -0.5, "last_eval_reward": -0.1, "session_s": 1.0,
+        "wall_time_s": 1.0, "rollout_denoiser_calls_per_leaf": 6.94, "first_grid": "a.png",
+        "last_grid": "b.png", "reward_curve": "c.png", "iterations": 4,
+    }  # fmt: skip
+    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    workdir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
+    result = run_in_process(
+        "--config=configs/tiny.py", f"--workdir={workdir}", "--config.compile_cache.enabled=False",
+        f"--config.checkpoint.dir={elsewhere}", f"--config.log.tensorboard={tensorboard}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    metrics = f"  metrics:        {workdir / 'metrics.jsonl'}"
+    if tensorboard:
+        metrics += f" (TensorBoard: tensorboard --logdir {workdir / 'tensorboard'})"
+    assert metrics in lines, lines
+    assert f"  checkpoints:    {elsewhere}" in lines, lines
+    assert "  samples after:  b.png" in lines  # the pictures, as before
+
+
 def test_a_run_older_than_a_field_resumes_at_its_default():
     from tree_grpo_jax.run.checkpoint import fingerprint_mismatch
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import sys
 
 from tree_grpo_jax import interrupts
@@ -145,8 +146,11 @@ def _train(config, workdir: str) -> dict:
         fail(f"{e}{after}", EXIT_FAILED)
 
 
-def _report(summary: dict, workdir: str) -> None:
-    """The last lines: the run's outcome and the command that trains it further."""
+def _report(summary: dict, workdir: str, config) -> None:
+    """The last lines: the run's outcome, where its files are, and the command that trains
+    it further."""
+    from tree_grpo_jax.run import loop as train
+
     if summary.get("guard_stop"):  # the loop printed why, and which checkpoint is best
         return
     further = run_command("main", workdir, train__iterations=2 * summary["iterations"])
@@ -158,6 +162,10 @@ def _report(summary: dict, workdir: str) -> None:
             flush=True,
         )
         return
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    if config.log.tensorboard:
+        board = shlex.quote(os.path.join(workdir, "tensorboard"))
+        metrics += f" (TensorBoard: tensorboard --logdir {board})"
     print(
         f"done: eval reward {summary['first_eval_reward']:.4g} -> "
         f"{summary['last_eval_reward']:.4g}; this process ran {summary['session_s']:.0f}s "
@@ -167,7 +175,8 @@ def _report(summary: dict, workdir: str) -> None:
         f"  samples before: {summary['first_grid']}\n"
         f"  samples after:  {summary['last_grid']}\n"
         f"  reward curve:   {summary['reward_curve']}\n"
-        f"  metrics:        {os.path.join(workdir, 'metrics.jsonl')}\n"
+        f"  metrics:        {metrics}\n"
+        f"  checkpoints:    {train.checkpoint_dir(config, workdir)}\n"
         f"  train further:  {further}",
         flush=True,
     )
@@ -187,7 +196,7 @@ def main(argv=None) -> None:
     from tree_grpo_jax import sharding
 
     if sharding.is_primary():  # the primary process reports for all
-        _report(summary, workdir)
+        _report(summary, workdir, config)
 
 
 def run() -> None:
