@@ -205,6 +205,44 @@ def test_field_settings_that_conflict(tmp_path):
     assert load_prompt_set(tags, "", "tag").categories == ("y",)
 
 
+@pytest.mark.parametrize("name, sep", [("twice.csv", ","), ("twice.tsv", "\t")])
+def test_a_column_named_twice_is_refused_naming_it(tmp_path, name, sep):
+    """csv would keep the last of two `prompt` cells of a row without a word."""
+    source = _write(tmp_path / name, f"prompt{sep}tag{sep}prompt\na{sep}x{sep}b\n")
+    message = _error(source)
+    assert f"prompt file {source} has 2 columns named 'prompt' (columns 1 and 3)" in message
+    three = _write(tmp_path / f"3{name}", f"prompt{sep}tag{sep}tag{sep}tag\na{sep}x{sep}y{sep}z\n")
+    assert "has 3 columns named 'tag' (columns 2, 3 and 4)" in _error(three)
+    # columns without a name (a spreadsheet's trailing delimiters) are no collision
+    trailing = _write(tmp_path / f"t{name}", f"prompt{sep}tag{sep}{sep}\na{sep}x{sep}{sep}\n")
+    assert load_prompt_set(trailing).categories == ("x",)
+
+
+def test_a_key_given_twice_in_a_json_object_is_refused(tmp_path):
+    lines = '{"prompt": "a"}\n{"prompt": "b", "tag": "x", "prompt": "c"}\n'
+    message = _error(_write(tmp_path / "twice.jsonl", lines))
+    assert message.startswith("line 2 of prompt file") and "the key 'prompt' twice" in message
+    nested = _write(tmp_path / "twice.json", '[{"prompt": "a", "meta": {"k": 1, "k": 2}}]')
+    assert "has the key 'k' twice in one object" in _error(nested)
+
+
+@pytest.mark.parametrize("value", [["animals", "cats"], {"kind": "animal"}])
+@pytest.mark.parametrize("name", ["c.jsonl", "c.json"])
+def test_a_category_that_is_a_list_or_an_object_is_refused(tmp_path, name, value):
+    rows = [{"prompt": "a", "category": "x"}, {"prompt": "b", "category": value}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) if name.endswith("l") else json.dumps(rows)
+    source = _write(tmp_path / name, text)
+    message = _error(source)
+    unit = "line" if name.endswith("l") else "entry"
+    assert message.startswith(f"{unit} 2 of prompt file {source} has a "), message
+    assert f"{type(value).__name__} as its category 'category' ({json.dumps(value)!r})" in message
+    # with another field named the category, the same value is metadata, kept as it is
+    rows = [{**r, "tag": "t"} for r in rows]
+    text = "".join(json.dumps(r) + "\n" for r in rows) if name.endswith("l") else json.dumps(rows)
+    named = load_prompt_set(_write(tmp_path / name, text), "", "tag")
+    assert named.categories == ("t", "t") and named.metadata[1]["category"] == value
+
+
 def test_config_check_refuses_one_name_for_both():
     config = tiny.get_config()
     config.prompts.field = config.prompts.category_field = "text"

@@ -7,10 +7,12 @@ prompt files with what each prompt carries: a `.jsonl` (one JSON object a line, 
 field kept as that prompt's metadata, unchanged; a `.csv`, `.tsv` or `.parquet` table
 (DrawBench, PartiPrompts, HPDv2) with a prompt column, every other column its metadata. A
 category (a column or field: "category", "Category" or "tag" unless named) groups prompts
-in `evaluate`'s report. `PromptIterator` walks the prompts in a fresh seeded shuffle every
-epoch, each batch carrying its prompts' metadata (`PromptBatch`). Its only state is
-`position`, the number of prompts drawn by all hosts together, so saving `state_dict()` and
-restoring it continues the exact same stream.
+in `evaluate`'s report: one text or number, a list or object there is refused, as is a
+column name (or an object's key) given twice, whose cells a row would silently lose.
+`PromptIterator` walks the prompts in a fresh seeded shuffle every epoch, each batch
+carrying its prompts' metadata (`PromptBatch`). Its only state is `position`, the number of
+prompts drawn by all hosts together, so saving `state_dict()` and restoring it continues
+the exact same stream.
 """
 
 from __future__ import annotations
@@ -173,6 +175,26 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"prompt file {path} cannot be read: {e.strerror or e}.") from None
 
 
+class _KeyTwice(Exception):
+    """An object of a JSON prompt file names a key twice (json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _KeyTwice(key)
+        seen[key] = value
+    return seen
+
+
+def _key_twice(where: str, key: str) -> ValueError:
+    return ValueError(
+        f"{where} has the key {echo(key)} twice in one object; a row keeps only one of them: "
+        "rename or remove the other."
+    )
+
+
 def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
     """(line number, object) of every non-blank line."""
     rows = []
@@ -180,23 +202,27 @@ def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append((number, json.loads(line)))
+            rows.append((number, json.loads(line, object_pairs_hook=_unique_keys)))
         except json.JSONDecodeError as e:
             raise ValueError(
                 f"line {number} of prompt file {path} is not valid JSON ({e.msg} at column "
                 f"{e.colno}); write one JSON object per line."
             ) from None
+        except _KeyTwice as e:
+            raise _key_twice(f"line {number} of prompt file {path}", e.args[0]) from None
     return rows
 
 
 def _json_rows(path: Path, text: str) -> list[tuple[int, Any]]:
     """(entry number from 1, object) of the file's list."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"prompt file {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})."
         ) from None
+    except _KeyTwice as e:
+        raise _key_twice(f"prompt file {path}", e.args[0]) from None
     if not isinstance(data, list):
         raise ValueError(
             f"prompt file {path} holds a JSON {type(data).__name__}, not a list of objects "
@@ -297,6 +323,13 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
         prompts.append(prompt.strip())
         metadata.append({k: v for k, v in row.items() if k != key})
         value = row.get(cat) if cat else None
+        if isinstance(value, (list, tuple, dict)):  # its text would group nothing usefully
+            raise ValueError(
+                f"{unit} {number} of prompt file {path} has a {type(value).__name__} as its "
+                f"category {cat!r} ({echo(json.dumps(value, default=str))}); a category is one "
+                "text or number: write one, or name another field with "
+                "--config.prompts.category_field."
+            )
         categories.append(None if value is None or value == "" else str(value))
     return PromptSet(tuple(prompts), tuple(metadata), tuple(categories))
 
@@ -311,6 +344,7 @@ def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
     if header is None or not any(h.strip() for h in header):
         raise ValueError(f"prompt file {path} has no prompts; it is empty.")
     header = [h.strip() for h in header]
+    _check_unique_columns(path, header)
     key, cat = _prompt_and_category(path, (header, header), (field, category_field), "column")
     records = []
     for number, cells in enumerate(body, 2):  # the header is row 1
@@ -325,6 +359,20 @@ def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
     if not records:
         raise ValueError(f"prompt file {path} has no prompts; it has a header and no rows.")
     return _from_records(path, records, key, cat or "", "row")
+
+
+def _check_unique_columns(path, header: list[str]) -> None:
+    """A name given to two columns would keep only the last one's cells in each row. Columns
+    without a name (a spreadsheet's trailing delimiters) are left alone."""
+    twice = next((h for i, h in enumerate(header) if h and h in header[:i]), None)
+    if twice is None:
+        return
+    numbers = [str(i) for i, h in enumerate(header, 1) if h == twice]
+    listed = " and ".join([", ".join(numbers[:-1]), numbers[-1]])
+    raise ValueError(
+        f"prompt file {path} has {len(numbers)} columns named {echo(twice)} (columns "
+        f"{listed}); a row keeps only one of them: rename all but one."
+    )
 
 
 class PromptBatch(list):
