@@ -9,6 +9,7 @@ sentence. This module imports nothing of the package, so every layer may use it.
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class UserError(ValueError):
@@ -18,6 +19,12 @@ class UserError(ValueError):
 # The longest first line an error sentence keeps: user input echoed whole (a 20 MB prompt)
 # would otherwise become the line.
 LINE_LIMIT = 1000
+# A run of characters without a space longer than WORD_LIMIT is user input (a 100,000-digit
+# override, a 300-byte file name): a sentence keeps its first WORD_KEPT characters and its
+# length. No word of the sentences' own comes near.
+WORD_LIMIT = 200
+WORD_KEPT = 60
+_LONG_WORD = re.compile(rf"\S{{{WORD_LIMIT + 1},}}")
 
 
 def echo(text, limit: int = 80) -> str:
@@ -29,12 +36,27 @@ def echo(text, limit: int = 80) -> str:
     return f"{text[:limit]!r}... ({len(text):,} characters)"
 
 
+def _short_word(match: re.Match) -> str:
+    word = match.group()
+    body = word.rstrip(".,;:)") or word  # the sentence's own punctuation stays after the count
+    tail = word[len(body) :]
+    quote = body[-1] if body[-1] in "'\"" else ""  # a quoted value stays quoted
+    body = body[: len(body) - len(quote)]
+    return f"{body[:WORD_KEPT]}...{quote} ({len(body):,} characters){tail}"
+
+
+def shorten(text: str) -> str:
+    """`text` with every word longer than WORD_LIMIT characters cut to its first WORD_KEPT
+    and its length: how every sentence quotes user input, whichever sentence it is."""
+    return _LONG_WORD.sub(_short_word, text)
+
+
 def first_line(error: BaseException | str, default: str | None = None) -> str:
-    """The first line of an error's message (or of a message), at most LINE_LIMIT characters;
-    `default`, or the error's class name, when it is empty."""
+    """The first line of an error's message (or of a message), its long words `shorten`ed,
+    at most LINE_LIMIT characters; `default`, or the error's class name, when it is empty."""
     text = str(error).strip()
     if text:
-        line = text.splitlines()[0]
+        line = shorten(text.splitlines()[0])
         if len(line) > LINE_LIMIT:
             line = f"{line[:LINE_LIMIT]}... (a line of {len(line):,} characters, cut)"
         return line

@@ -117,9 +117,12 @@ def test_a_20mb_prompt_is_not_echoed_whole(tmp_path):
 def test_any_error_line_is_cut_at_its_limit():
     from tree_grpo_jax.errors import LINE_LIMIT, first_line
 
-    line = first_line(ValueError("y" * 50_000 + "\nsecond line"))
-    assert line.startswith("y" * LINE_LIMIT + "... ") and len(line) < LINE_LIMIT + 60
+    line = first_line(ValueError("y " * 25_000 + "\nsecond line"))
+    assert line.startswith("y " * (LINE_LIMIT // 2) + "... ") and len(line) < LINE_LIMIT + 60
     assert line.endswith("(a line of 50,000 characters, cut)")
+    # a word that long is user input: its start and its length
+    line = first_line(ValueError("bad value '" + "y" * 50_000 + "'.\nsecond line"))
+    assert line == f"bad value '{'y' * 59}...' (50,001 characters).", line
 
 
 def test_a_symlink_loop_workdir_is_named_as_such(tmp_path):
@@ -235,3 +238,97 @@ def test_an_eval_set_too_large_for_the_host_is_refused_before_it_is_drawn(tmp_pa
     assert line.startswith("error: prompts.eval_count=1000000000 (1,000,000,000 samples) needs")
     assert line.endswith("lower prompts.eval_count or eval.samples_per_prompt."), line
     assert not workdir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths the system refuses to look at, values too long to quote, flags given twice
+
+
+@pytest.mark.parametrize(
+    "field, name", [("prompts.source", "p" * 300), ("prompts.eval_source", "p" * 300 + ".jsonl")]
+)
+def test_a_prompt_source_too_long_for_a_file_name_is_one_sentence(tmp_path, field, name):
+    """A name over 255 bytes makes stat() fail (ENAMETOOLONG) instead of answering "no such
+    file": one sentence, and the new workdir gone."""
+    workdir = tmp_path / "run"
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", f"--config.{field}={name}", f"--workdir={workdir}")
+    )
+    assert line.startswith(f"error: prompt source '{name[:60]}"), line
+    assert f"({len(name)} characters) cannot be looked up as a file (" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prompt_source_in_an_unknown_users_home_is_one_sentence(tmp_path):
+    """`~nobody/x`: pathlib's expanduser raises RuntimeError; the file is simply not there."""
+    workdir = tmp_path / "run"
+    source = "~no_such_user_of_tree_grpo_jax/prompts.txt"
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", f"--config.prompts.source={source}",
+                 f"--workdir={workdir}")
+    )  # fmt: skip
+    assert line.startswith(f"error: prompt source '{source}' is neither a built-in set"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_and_checkpoint_paths_too_long_for_a_file_name_are_one_sentence(tmp_path):
+    long = tmp_path / ("m" * 300)
+    line = one_error_line(
+        run_main("--config=configs/sd15.py", f"--config.model.path={long}",
+                 f"--workdir={tmp_path / 'run'}")
+    )  # fmt: skip
+    assert line.startswith(f"error: model path {str(long)[:60]}..."), line
+    assert "cannot be looked up (" in line and "--config.model.path" in line
+    checkpoints = tmp_path / "elsewhere" / ("c" * 300)
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", f"--config.checkpoint.dir={checkpoints}",
+                 f"--workdir={tmp_path / 'run'}")
+    )  # fmt: skip
+    assert line.startswith(f"error: cannot write checkpoints to {str(checkpoints)[:60]}..."), line
+    assert list(tmp_path.iterdir()) == []  # neither the workdir nor the checkpoints' parent
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", "--config.eval.extra_rewards=hpsv2",
+                 f"--config.reward_models.hpsv2={long}", f"--workdir={tmp_path / 'run'}")
+    )  # fmt: skip
+    assert line.startswith(f"error: reward model path {str(long)[:60]}..."), line
+    assert "cannot be looked up (" in line and "--config.reward_models.hpsv2" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("train.iterations", "1" * 100_000),  # the override's own sentence (its type)
+        ("name", "n" * 100_000 + "/"),  # a config check's sentence
+        ("rewards", "r" * 100_000),
+    ],
+)
+def test_a_huge_override_value_is_quoted_shortened(tmp_path, field, value):
+    workdir = tmp_path / "run"
+    line = one_error_line(
+        run_main("--config=configs/tiny.py", f"--config.{field}={value}", f"--workdir={workdir}")
+    )
+    assert len(line) < 300, len(line)
+    assert value[:30] in line, line
+    quoted = {"train.iterations": f"--config.{field}={value}"}.get(field, f"'{value}")
+    assert f"({len(quoted):,} characters)" in line, line
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--config=configs/tiny.py", "--config=configs/sd15.py"],
+         "--config is given twice (--config=configs/tiny.py and --config=configs/sd15.py)"),
+        (["--config", "configs/tiny.py", "--config", "configs/sd15.py"],
+         "--config is given twice (--config configs/tiny.py and --config configs/sd15.py)"),
+        (["--config=configs/tiny.py", "--workdir=WORK/a", "--workdir", "WORK/b"],
+         "--workdir is given twice (--workdir=WORK/a and --workdir WORK/b)"),
+    ],
+)  # fmt: skip
+def test_a_flag_given_twice_is_one_sentence(tmp_path, args, said):
+    """argparse keeps the last without a word; each flag, as each field, is given once."""
+    args = [a.replace("WORK", str(tmp_path)) for a in args]
+    line = one_error_line(run_main(*args))
+    assert line == f"error: {said.replace('WORK', str(tmp_path))}; give each flag once.", line
+    assert list(tmp_path.iterdir()) == []

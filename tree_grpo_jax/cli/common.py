@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import OneLineErrors, UserError
+from tree_grpo_jax.errors import OneLineErrors, UserError, shorten
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -60,7 +60,8 @@ def quiet_orbax() -> None:
 
 
 def fail(message: str, status: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """The `error:` line, user input in it shortened (`errors.shorten`), and the exit."""
+    print(f"error: {shorten(message)}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

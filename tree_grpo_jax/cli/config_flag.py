@@ -457,12 +457,31 @@ def _print_and_exit(text: str) -> None:
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
+def _given_twice(words: list[str], parser: argparse.ArgumentParser) -> None:
+    """Each of the command's flags at most once, as each field: argparse would keep the
+    last `--config` (or `--workdir`) without a word."""
+    seen = {}
+    for at, word in enumerate(words):
+        name, eq, _ = word.partition("=")
+        action = parser._option_string_actions.get(name)
+        if action is None or not name.startswith("--"):
+            continue
+        if not eq and action.nargs != 0 and at + 1 < len(words):  # `--config FILE`
+            word = f"{word} {words[at + 1]}"
+        if name in seen:
+            raise BadCommandLine(
+                f"{name} is given twice ({seen[name]} and {word}); give each flag once."
+            )
+        seen[name] = word
+
+
 def _parse(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     words = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
     after = argv[argv.index("--") + 1 :] if "--" in argv else []
     if any(w.split("=", 1)[0] in HELP_FLAGS for w in words):
         _print_and_exit(parser.format_help())
     overrides, others = _split_overrides(words)
+    _given_twice(others, parser)
     path = parser.parse_known_args(others)[0].config
     config = load_config(path) if path is not None else None
     if config is not None:  # now the fields' types tell `--config.f 3` from a bare bool
@@ -501,7 +520,7 @@ def _parse(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
 def parse_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """The command line `argv` parsed by `parser` (a `config_parser`): the config file loaded
     and its overrides applied, every flag's `.value` set; a missing or broken file, an
-    unknown field or flag, a wrong type, a field given twice is one sentence (exit 2)."""
+    unknown field or flag, a wrong type, a field or flag given twice is one sentence (exit 2)."""
     try:
         return _parse(argv, parser)
     except BadCommandLine as e:

@@ -102,7 +102,7 @@ def _enable_compile_cache(config) -> None:
 
     try:
         compile_cache.enable(cache.dir or None)
-    except OSError as e:  # a cold start, not a failure
+    except (OSError, RuntimeError) as e:  # a cold start, not a failure (RuntimeError: `~x`)
         print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
 
 

@@ -17,6 +17,7 @@ Each builder takes its folder and returns `fn(images [B, H, W, C] in [0, 1], pro
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,9 +56,9 @@ SAFETENSORS_HINT = "fetch the folder's model.safetensors instead (the hub reposi
 
 def _check_converted(path: str, reward: str) -> None:
     """A converted folder says which reward it was converted for; refuse any other."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return  # load_clip says what is wrong with the path
+    folder = Path(os.path.expanduser(path))
+    if not os.path.isdir(folder):
+        return  # load_clip says what is wrong with the path (or why it cannot be looked at)
     marker = folder / REWARD_CONFIG
     if not marker.is_file():
         raise ModelLoadError(

@@ -266,14 +266,25 @@ def broken_link(directory: str) -> str | None:
     return None
 
 
+def missing_folders(directory: str) -> list[str]:
+    """`directory` (local) and those of its parents that do not exist yet, deepest first."""
+    missing, path = [], os.path.abspath(directory)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def check_writable(directory: str) -> None:
-    """Fails before training starts rather than after the first hour."""
+    """Fails before training starts rather than after the first hour; the folders it made
+    before failing go again."""
     link = broken_link(directory)
     if link is not None:
         raise CheckpointError(
             f"cannot write to {directory}: {link} is a symbolic link that leads nowhere (a "
             "loop or a missing target); remove it or choose another folder."
         )
+    made = [] if "://" in str(directory) else missing_folders(directory)
     try:
         path = as_path(directory)
         path.mkdir(parents=True, exist_ok=True)
@@ -281,6 +292,9 @@ def check_writable(directory: str) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
+        for folder in made:  # deepest first; one not empty is not ours alone: kept
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         raise CheckpointError(f"cannot write checkpoints to {directory}: {e.strerror or e}.") from e
     except ImportError as e:  # fsspec's filesystem for the URL's scheme is not installed
         scheme = str(directory).split("://", 1)[0]

@@ -150,8 +150,8 @@ def _frozen_folders(config) -> dict[str, str]:
     family = model_registry.family_of(config.model.name)
     path = config.model.get("path", "") or ""
     if family.needs_path and path:
-        root = pathlib.Path(path).expanduser()
-        if not root.is_dir():
+        root = pathlib.Path(os.path.expanduser(path))
+        if not os.path.isdir(root):  # not a folder, or not one to look at: the loader says
             parts[MODEL] = path
         else:
             # full fine-tuning replaces the denoiser: its base files are not what it resumes

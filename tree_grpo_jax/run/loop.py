@@ -39,6 +39,7 @@ from tree_grpo_jax.run.checkpoint import (
     SaveError,
     check_writable,
     fingerprint_mismatch,
+    missing_folders,
 )
 from tree_grpo_jax.run.train_step import TrainState
 from tree_grpo_jax.run.trainer import DivergenceError, RewardError, Trainer
@@ -312,7 +313,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sharding.maybe_initialize_distributed()
     _check_same_config(config)
     primary = sharding.is_primary()
-    created = _missing_folders(workdir)
+    created = missing_folders(workdir)
     lock = WorkdirLock(workdir) if primary else None
 
     def stopped() -> None:  # a signal ends the process: the lock, and a new empty run, go
@@ -329,15 +330,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if primary and created:  # a new run that could not start leaves nothing behind
             _remove_new_run(workdir, created, checkpoint_dir(config, workdir))
         raise
-
-
-def _missing_folders(workdir: str) -> list[str]:
-    """`workdir` and those of its parents that do not exist yet, deepest first."""
-    missing, path = [], os.path.abspath(workdir)
-    while not os.path.exists(path) and path != os.path.dirname(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
 
 
 def _remove_new_run(workdir: str, created: list[str], checkpoints: str) -> None:

@@ -21,6 +21,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,15 @@ def load_prompt_set(source: str, field: str = "", category_field: str = "") -> P
     sets = prompt_sets()
     if source in sets:
         return PromptSet.plain(sets[source])
-    path = Path(source).expanduser()
-    if not path.is_file():
+    path = Path(os.path.expanduser(source))  # `~nosuchuser` stays as written
+    try:
+        is_file = path.is_file()
+    except OSError as e:  # a name over 255 bytes, a folder that may not be looked into
+        raise ValueError(
+            f"prompt source {echo(source)} cannot be looked up as a file ({e.strerror or e}); "
+            "give a built-in set or an existing prompt file."
+        ) from None
+    if not is_file:
         names = ", ".join(sorted(sets))
         raise ValueError(
             f"prompt source {echo(source)} is neither a built-in set ({names}) nor an existing "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -196,10 +197,16 @@ def resolve_folder(path: str, what: str, hint: str, hub_patterns: list[str]) -> 
 
     `what` names the path in the sentence ("model path", "reward model path").
     """
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists():
+    local = Path(os.path.expanduser(path))  # `~nosuchuser` stays as written
+    try:
+        if local.is_dir():
+            return local
+        exists = local.exists()
+    except OSError as e:  # a name over 255 bytes, a folder that may not be looked into
+        raise ModelLoadError(
+            f"{what} {path} cannot be looked up ({e.strerror or e}); {hint}."
+        ) from None
+    if exists:
         raise ModelLoadError(f"{what} {path} is a file, not a folder; {hint}.")
     if looks_local(str(path)):
         raise ModelLoadError(f"{what} {path} does not exist (no such folder); {hint}.")
