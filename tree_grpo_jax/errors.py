@@ -9,10 +9,17 @@ sentence. This module imports nothing of the package, so every layer may use it.
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class UserError(ValueError):
     """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
+
+
+class PromptError(UserError):
+    """A prompt that a model's text encoder or a reward cannot read; one sentence naming it.
+    A start's check of the prompts blames the prompt source for this error only: any other
+    error of a reward is the reward's."""
 
 
 # The longest first line an error sentence keeps: user input echoed whole (a 20 MB prompt)
@@ -27,6 +34,16 @@ def echo(text, limit: int = 80) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+# A URL's user name and password, `scheme://user:pass@`, in running text.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#'\"]*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it (`http://user:pass@host`) replaced by
+    `***`: a URL's password, like a token, is in no printed line."""
+    return _USERINFO.sub(r"\1***@", str(text))
 
 
 def first_line(error: BaseException | str, default: str | None = None) -> str:

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import OneLineErrors, UserError
+from tree_grpo_jax.errors import OneLineErrors, UserError, redact
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -60,7 +60,8 @@ def quiet_orbax() -> None:
 
 
 def fail(message: str, status: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    # a URL's password, echoed from a flag, is in no line (as a token is not)
+    print(f"error: {redact(message)}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
