@@ -272,6 +272,11 @@ def url_of(server) -> str:
     return f"http://{host}:{port}{PATH}"
 
 
+def serving_line(what: str, url: str) -> str:
+    """The first line on stdout: what is served, and the URL a run's `url` names."""
+    return f"serving {what} at {url} (Ctrl-C or SIGTERM stops)"
+
+
 def _say(line: str) -> None:
     with contextlib.suppress(OSError):  # stdout gone (a closed pipe): the status still tells
         print(line, flush=True)
@@ -320,17 +325,16 @@ def main(argv=None) -> int:
     except BadFlags as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    _say(f"serving {what} at {url_of(server)} (Ctrl-C or SIGTERM stops)")
+    _say(serving_line(what, url_of(server)))
     return serve(server, args.grace_s)
 
 
 def run() -> None:
-    """The command: Ctrl-C and SIGTERM taken over first, so that one while loading the
-    reward is one line too."""
-    interrupts.install()
-    interrupts.set_stop_line(
-        lambda name: f"{name} stopped {PROG} while it was starting; nothing was served."
-    )
+    """The command: Ctrl-C and SIGTERM taken over first (the package has, under `python
+    -m`), so that one while loading the reward is one line too."""
+    from tree_grpo_jax.rewards import starting_server
+
+    starting_server()
     sys.exit(main())
 
 
