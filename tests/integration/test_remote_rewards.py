@@ -13,6 +13,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from in_process import one_error_line, run_in_process, run_main
 from remote_servers import (
+    ROOT,
     json_answer,
     load,
     reference,
@@ -427,9 +430,30 @@ def test_a_signal_lets_the_request_in_flight_finish_then_one_line(
     if sleep_s:
         client.join(60)
     assert process.returncode == 0, err
-    assert out.startswith(said) and out.count("\n") == 1 and err == "", (out, err)
+    assert out.startswith(said) and out.count("\n") == 1, (out, err)
+    assert err == "tree_grpo_jax.rewards.serve: starting...\n", err  # no other line
     if grace:
         assert time.monotonic() - started < 5  # the grace, not the scorer's 30 s
         assert "RemoteDisconnected" in got["error"]
     elif sleep_s:
         np.testing.assert_array_equal(got["scores"], [0.5, 0.5])
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_server_starts_is_one_line():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tree_grpo_jax.rewards.serve", "--reward=jpeg_compressibility"],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr.readline().endswith("starting...\n")  # then loading for seconds
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and out == ""
+    assert err == (
+        "error: SIGTERM stopped python -m tree_grpo_jax.rewards.serve while it was starting; "
+        "nothing was served.\n"
+    )

@@ -462,7 +462,10 @@ def _module(tmp_path, monkeypatch, name: str, source: str) -> str:
         ("x = 1\nraise RuntimeError('no GPU here')\n", "raised RuntimeError: no GPU here while "),
         ("def score(images:\n    pass\n", "has a syntax error at {file}:1 ("),
         ("import sys\nsys.exit(3)\n", "called sys.exit(3) while being imported"),
-        ("import no_such_dependency_xyz\n", "could not be imported (No module named"),
+        (
+            "import no_such_dependency_xyz\n",
+            "could not be imported (ModuleNotFoundError: No module named",
+        ),
     ],
 )
 def test_a_callable_module_that_fails_to_import_is_one_sentence(
@@ -487,3 +490,18 @@ def test_the_reward_models_flag_named_is_serves_own(capsys, tmp_path):
         assert serve.main([*flags, "--port=0"]) == 2
         err = capsys.readouterr().err
         assert said in err and "--config" not in err and err.count("\n") == 1, err
+
+
+def test_the_url_printed_is_the_one_the_docs_put_in_a_runs_config():
+    """The first line names `/score`, as the docs' run command does, and the docs show the
+    line as the server prints it."""
+    import pathlib
+
+    flags = ["--reward=jpeg_compressibility", "--port=0"]
+    server, what = serve.make_server(serve.parser().parse_args(flags))
+    server.server_close()
+    port = server.server_address[1]
+    assert serve.url_of(server) == f"http://127.0.0.1:{port}/score"
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "prompts-and-rewards.md").read_text()
+    assert serve.serving_line(what, "http://127.0.0.1:8000/score") in docs
+    assert "--config.reward_options.remote.judge.url=http://127.0.0.1:8000/score" in docs

@@ -19,6 +19,7 @@ preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four CLIP-based preference rewards
 imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Flax
 remote      rewards served over HTTP (`remote:<name>`), the wire format and its client
+remote_settings  the settings of a served reward, their bounds and checks
 chat        the remote rewards' `chat` protocol: a VLM judge asked a question per image
 serve       the reference server: any registered reward or Python callable over HTTP
 convert     the pickled HPS-v2.1, aesthetic and ImageReward releases -> folders these load
@@ -49,15 +50,18 @@ def starting_converter() -> None:
 
 
 def starting_server() -> None:
-    """What `python -m tree_grpo_jax.rewards.serve` does first: Ctrl-C and SIGTERM taken
-    over, so that one while it loads is one line (exit 130 / 143); serving, it lets the
-    requests in flight finish (`serve.serve`)."""
+    """What `python -m tree_grpo_jax.rewards.serve` does first, as every command does:
+    Ctrl-C and SIGTERM taken over, so that one while it loads is one line (exit 130 / 143;
+    serving, it lets the requests in flight finish: `serve.serve`), and a line on stderr
+    saying it started."""
     if interrupts.installed():
         return
     interrupts.install()
     interrupts.set_stop_line(
         lambda name: f"{name} stopped python -m {SERVER} while it was starting; nothing was served."
     )
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        print(f"{SERVER}: starting...", file=sys.stderr, flush=True)
 
 
 # `python -m` imports the command's parent packages, this one and JAX with it (seconds),

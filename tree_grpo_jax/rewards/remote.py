@@ -259,7 +259,7 @@ class RemoteReward:
             if attempt + 1 < tries:
                 time.sleep(self._wait(attempt, asked))
         raise RemoteRewardError(
-            f"remote reward {self.name!r}: the server at {url} failed {tries} time(s), the "
+            f"remote reward {self.name!r}: the server at {_site(url)} failed {tries} time(s), the "
             f"last with {why}; check that it is up and answers within {self.where}.timeout_s "
             f"({self.s['timeout_s']:g}s)."
         )
@@ -279,7 +279,7 @@ class RemoteReward:
         except KeyError as e:
             raise RemoteRewardError(
                 f"remote reward {self.name!r}: {self.where}.question names {{{e.args[0]}}}, "
-                f"which the metadata of the prompt {prompt!r} does not hold."
+                f"which the metadata of the prompt {echo(prompt)} does not hold."
             ) from None
 
     def _post(self, url: str, body: bytes, count: int):
@@ -291,7 +291,7 @@ class RemoteReward:
                 location = urllib.parse.urljoin(target, headers.get("location", ""))
                 if _origin(location) != _origin(target):
                     raise RemoteRewardError(
-                        f"remote reward {self.name!r}: the server at {url} redirected to "
+                        f"remote reward {self.name!r}: the server at {_site(url)} redirected to "
                         f"another host ({echo(redacted(location))}); the client follows no "
                         f"redirect off the hosts named in {self.where}.url."
                     )
@@ -301,12 +301,12 @@ class RemoteReward:
                 raise _Retry(f"HTTP status {status}{_said(data)}", retry_after(headers))
             if status != 200:
                 raise RemoteRewardError(
-                    f"remote reward {self.name!r}: the server at {url} answered HTTP status "
+                    f"remote reward {self.name!r}: the server at {_site(url)} answered HTTP status "
                     f"{status}{_said(data)}."
                 )
             return self._parse(url, headers, data, count)
         raise RemoteRewardError(
-            f"remote reward {self.name!r}: the server at {url} redirected more than "
+            f"remote reward {self.name!r}: the server at {_site(url)} redirected more than "
             f"{MAX_REDIRECTS} times."
         )
 
@@ -359,7 +359,7 @@ class RemoteReward:
         except ValueError as e:  # http.client refusing what it was given: not its message,
             # which may quote a header's value
             raise RemoteRewardError(
-                f"remote reward {self.name!r}: the request to {url} could not be sent "
+                f"remote reward {self.name!r}: the request to {_site(url)} could not be sent "
                 f"(http.client refused it with a {type(e).__name__}); check "
                 f"{self.where}.url and the header's value."
             ) from None
@@ -369,7 +369,9 @@ class RemoteReward:
 
     def _parse(self, url: str, headers: dict, data: bytes, count: int):
         def bad(what: str) -> RemoteRewardError:
-            return RemoteRewardError(f"remote reward {self.name!r}: the server at {url} {what}.")
+            return RemoteRewardError(
+                f"remote reward {self.name!r}: the server at {_site(url)} {what}."
+            )
 
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
@@ -415,6 +417,12 @@ def _said(data: bytes) -> str:
         text = str(json.loads(text).get("error", text))
     text = text.splitlines()[0] if text else ""
     return f" ({text.rstrip('.')})" if text else ""
+
+
+def _site(url: str, limit: int = 100) -> str:
+    """A URL named in a sentence, cut short when long (its credentials were refused)."""
+    url = redacted(url)
+    return url if len(url) <= limit else f"{url[: limit - 3]}..."
 
 
 def _origin(url: str) -> tuple:
@@ -495,8 +503,8 @@ def probe(instance: str, s) -> str | None:
         except OSError as e:
             why = e.strerror or type(e).__name__
             return (
-                f"remote reward {name!r}: nothing answers at {url} ({why.lower()}); start its "
-                f"server or fix --config.{where_of(instance)}.url."
+                f"remote reward {name!r}: nothing answers at {_site(url)} ({why.lower()}); start "
+                f"its server or fix --config.{where_of(instance)}.url."
             )
     return None
 

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import first_line, reason
+from tree_grpo_jax.errors import echo, first_line, reason
 from tree_grpo_jax.rewards import remote
 
 EXIT_BAD_INPUT = 2
@@ -44,7 +44,8 @@ class BadFlags(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise BadFlags(f"{message}; see --help.")
+        line = first_line(message)  # argparse quotes the value given, whatever its length
+        raise BadFlags(f"{line if len(line) <= 200 else line[:197] + '...'}; see --help.")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,7 +85,7 @@ def scorer_of(args):
 
         if args.reward not in rewards.available_rewards():
             raise BadFlags(
-                f"unknown reward {args.reward!r}; known rewards are: "
+                f"unknown reward {echo(args.reward)}; known rewards are: "
                 f"{', '.join(rewards.available_rewards())}."
             )
         try:
@@ -99,11 +100,13 @@ def scorer_of(args):
         return f"reward {args.reward!r}", score
     module_name, _, function_name = args.callable.partition(":")
     if not module_name or not function_name:
-        raise BadFlags(f"--callable={args.callable} must be module:function.")
+        raise BadFlags(f"--callable {echo(args.callable)} must be module:function.")
     module = _imported(module_name)
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise BadFlags(f"--callable: module {module_name!r} has no function {function_name!r}.")
+        raise BadFlags(
+            f"--callable: module {echo(module_name)} has no function {echo(function_name)}."
+        )
 
     def call(images, prompts, metadata):
         answer = function(images, prompts, metadata)
@@ -118,19 +121,22 @@ def _imported(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise BadFlags(f"--callable: module {name!r} could not be imported ({e}).") from None
+        raise BadFlags(
+            f"--callable: module {echo(name)} could not be imported ({reason(e)})."
+        ) from None
     except SyntaxError as e:
         raise BadFlags(
-            f"--callable: module {name!r} has a syntax error at {e.filename}:{e.lineno} ({e.msg})."
+            f"--callable: module {echo(name)} has a syntax error at {e.filename}:{e.lineno} "
+            f"({e.msg})."
         ) from None
     except SystemExit as e:
         raise BadFlags(
-            f"--callable: module {name!r} called sys.exit({e.code!r}) while being imported; "
+            f"--callable: module {echo(name)} called sys.exit({e.code!r}) while being imported; "
             "a scorer's module must import without exiting."
         ) from None
     except Exception as e:  # noqa: BLE001 - the module's own code failed
         raise BadFlags(
-            f"--callable: module {name!r} raised {reason(e)} while being imported{_at(e)}."
+            f"--callable: module {echo(name)} raised {reason(e)} while being imported{_at(e)}."
         ) from None
 
 
@@ -251,7 +257,9 @@ class Server(http.server.ThreadingHTTPServer):
 def make_server(args) -> tuple[Server, str]:
     """(the server, bound but not serving yet, and what it serves)."""
     if not 0 <= args.port <= 65535:
-        raise BadFlags(f"--port={args.port} is not a port; give 0 to 65535 (0: any free one).")
+        raise BadFlags(
+            f"--port={remote.shown(args.port)} is not a port; give 0 to 65535 (0: any free one)."
+        )
     if not 0 <= args.grace_s <= 3600:
         raise BadFlags(f"--grace_s={args.grace_s:g} must be between 0 and 3600 seconds.")
     what, score = scorer_of(args)
@@ -260,7 +268,8 @@ def make_server(args) -> tuple[Server, str]:
         server = Server((args.host, args.port), handler(score, threading.Lock(), in_flight))
     except (OSError, OverflowError) as e:  # in use, not allowed, a host that is not one
         raise BadFlags(
-            f"cannot listen on {args.host}:{args.port} ({(e.strerror or str(e)).lower()})."
+            f"cannot listen on {echo(args.host)} port {args.port} "
+            f"({first_line(e.strerror or e)[:200].lower()})."
         ) from None
     server.in_flight = in_flight
     return server, what
