@@ -331,8 +331,9 @@ class RemoteReward:
             expired.set()
             # the socket as connected: `connection.sock` is None once an answer that ends
             # with its connection is under way, and the answer reads on from the same socket
-            for sock in [*held, connection.sock][:1]:
-                with contextlib.suppress(OSError, AttributeError):
+            sock = held[0] if held else connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
         timer = threading.Timer(left, cut)

@@ -131,8 +131,8 @@ def _imported(name: str):
         ) from None
     except SystemExit as e:
         raise BadFlags(
-            f"--callable: module {echo(name)} called sys.exit({e.code!r}) while being imported; "
-            "a scorer's module must import without exiting."
+            f"--callable: module {echo(name)} called sys.exit({remote.shown(e.code)}) while "
+            "being imported; a scorer's module must import without exiting."
         ) from None
     except Exception as e:  # noqa: BLE001 - the module's own code failed
         raise BadFlags(
