@@ -1,7 +1,7 @@
 """Real HTTP servers on the loopback address for the remote-reward tests: the reference
 server (a registered reward or a callable) in a thread, a scripted server that answers as a
-test tells it (faults, redirects, records of what arrived), and the reference server as a
-subprocess of its own command line."""
+test tells it (faults, redirects, records of what arrived and when), a server that trickles
+its answer byte by byte, and the reference server as a subprocess of its own command line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import ml_collections
 
@@ -23,7 +24,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 @contextlib.contextmanager
 def _running(server):
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # a short poll: shutdown() waits for it, at the end of every test
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -48,6 +50,7 @@ class Scripted:
     def __init__(self, answer):
         self.answer = answer
         self.requests = []
+        self.times = []  # time.monotonic() at each request's arrival
         self.lock = threading.Lock()
 
 
@@ -66,13 +69,15 @@ def scripted(answer):
             with record.lock:
                 index = len(record.requests)
                 record.requests.append((self.path, dict(self.headers), body))
+                record.times.append(time.monotonic())
             status, headers, data = record.answer(index, body)
-            self.send_response(status)
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            with contextlib.suppress(OSError):  # a client that gave up (its deadline)
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
         def log_message(self, *args):
             pass
@@ -84,13 +89,49 @@ def scripted(answer):
 
 
 @contextlib.contextmanager
-def reference_process(*flags: str):
-    """`python -m tree_grpo_jax.rewards.serve *flags --port=0` as a process (the tests'
-    folder importable, for `--callable`); yields its base URL, read from its first line."""
+def trickling(every_s: float, in_headers: bool = False, stop_after_s: float = 5.0):
+    """A server that answers every POST with a status line and then, one byte every
+    `every_s` seconds, the rest: its headers (`in_headers`) or a body of 1000 bytes it
+    announced; each answer ends by itself after `stop_after_s`, or when a write finds the
+    client gone. Yields (URL, a list of how long each answer went on before it ended)."""
+    lasted = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            start = time.monotonic()
+            try:
+                if in_headers:
+                    self.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+                else:
+                    self.wfile.write(
+                        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 1000\r\n\r\n"
+                    )
+                while time.monotonic() - start < stop_after_s:
+                    time.sleep(every_s)
+                    self.wfile.write(b"a" if in_headers else b" ")
+            except OSError:
+                pass
+            lasted.append(time.monotonic() - start)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    with _running(server) as url:
+        yield url, lasted
+
+
+def start_process(*flags: str, path: str = "") -> tuple[subprocess.Popen, str]:
+    """`python -m tree_grpo_jax.rewards.serve *flags --port=0` started (the tests' folder
+    and `path` importable, for `--callable`): (the process, the URL its first line prints)."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS, path, os.environ.get("PYTHONPATH", "")]),
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "tree_grpo_jax.rewards.serve", *flags, "--port=0"],
@@ -100,10 +141,20 @@ def reference_process(*flags: str):
         stderr=subprocess.PIPE,
         text=True,
     )
+    line = process.stdout.readline()
+    if not line.startswith("serving "):
+        process.kill()
+        raise AssertionError(line + process.communicate(timeout=30)[1])
+    return process, line.split(" at ")[1].split()[0]
+
+
+@contextlib.contextmanager
+def reference_process(*flags: str):
+    """`python -m tree_grpo_jax.rewards.serve *flags --port=0` as a process (the tests'
+    folder importable, for `--callable`); yields the URL its first line prints."""
+    process, url = start_process(*flags)
     try:
-        line = process.stdout.readline()
-        assert line.startswith("serving "), line + process.stderr.read()
-        yield line.split(" at ")[1].split()[0].rstrip("/")
+        yield url
     finally:
         process.terminate()
         process.wait(30)

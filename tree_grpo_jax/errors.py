@@ -16,6 +16,12 @@ class UserError(ValueError):
     """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
 
 
+class PromptError(UserError):
+    """A prompt that a model's text encoder or a reward cannot read; one sentence naming it.
+    A start's check of the prompts blames the prompt source for this error only: any other
+    error of a reward is the reward's."""
+
+
 # The longest first line an error sentence keeps: user input echoed whole (a 20 MB prompt)
 # would otherwise become the line.
 LINE_LIMIT = 1000
@@ -51,12 +57,23 @@ def shorten(text: str) -> str:
     return _LONG_WORD.sub(_short_word, text)
 
 
+# A URL's user name and password, `scheme://user:pass@`, in running text.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#'\"]*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it (`http://user:pass@host`) replaced by
+    `***`: a URL's password, like a token, is in no printed line."""
+    return _USERINFO.sub(r"\1***@", str(text))
+
+
 def first_line(error: BaseException | str, default: str | None = None) -> str:
-    """The first line of an error's message (or of a message), its long words `shorten`ed,
-    at most LINE_LIMIT characters; `default`, or the error's class name, when it is empty."""
+    """The first line of an error's message (or of a message), its long words `shorten`ed and
+    URLs' passwords `redact`ed, at most LINE_LIMIT characters; `default`, or the error's class
+    name, when it is empty."""
     text = str(error).strip()
     if text:
-        line = shorten(text.splitlines()[0])
+        line = shorten(redact(text.splitlines()[0]))
         if len(line) > LINE_LIMIT:
             line = f"{line[:LINE_LIMIT]}... (a line of {len(line):,} characters, cut)"
         return line

@@ -2,18 +2,37 @@
 the reference server's jpeg_compressibility (the same scores as the package's own) and on a
 tiny PyTorch scorer behind `--callable`; a server down at start is one sentence before
 anything is written; a server failing mid-run stops the run with its iterations saved and
-the resume command; the token is in no file the run writes; a VLM judge behind a
-chat endpoint scores a run through the same family."""
+the resume command; the token is in no file the run writes, nor a URL's password in any
+line; a token a header cannot carry, settings past their bounds, a server that trickles its
+answer and a judge answering outside its scale are each one sentence before anything is
+written; a VLM judge behind a chat endpoint scores a run through the same family; the
+reference server, stopped by SIGTERM or Ctrl-C, answers the request in flight first."""
 
 import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
+import pytest
 from in_process import one_error_line, run_in_process, run_main
-from remote_servers import json_answer, reference, reference_process, scripted
+from remote_servers import (
+    ROOT,
+    json_answer,
+    load,
+    reference,
+    reference_process,
+    scripted,
+    start_process,
+    trickling,
+)
 
+from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.rewards import remote
 from tree_grpo_jax.run import reporting
 from tree_grpo_jax.run.checkpoint import Checkpointer
@@ -87,6 +106,7 @@ def test_train_and_evaluate_on_the_reference_server(tmp_path, monkeypatch):
 
 def test_train_on_a_pytorch_scorer_behind_callable(tmp_path):
     with reference_process("--callable=torch_scorer:score") as url:
+        assert url.endswith("/score")  # the URL printed is the one a run names
         result = run_main(*_remote(url, "--config.train.iterations=1"), f"--workdir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     train = [m for m in reporting.read_metrics(str(tmp_path)) if "train/reward_mean" in m]
@@ -230,3 +250,210 @@ def test_train_on_a_vlm_judge_behind_a_chat_endpoint(tmp_path):
         assert asked and asked.group(1).strip(), text["text"]  # the prompt filled in
         assert image["image_url"]["url"].startswith("data:image/png;base64,")
         assert body["model"] == "judge-model" and body["top_logprobs"] == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input at the start: one sentence, nothing written, no secret.
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n"], ids=["LF", "CRLF"])
+def test_a_token_ending_in_a_line_break_is_one_sentence_naming_its_variable(
+    tmp_path, monkeypatch, ending
+):
+    secret = "Bearer tok-5e1b9"
+    monkeypatch.setenv("TEST_REMOTE_TOKEN", secret + ending)
+    workdir = tmp_path / "run"
+    flags = _remote(
+        "http://127.0.0.1:9/score",
+        "--config.reward_options.remote.r.header=Authorization",
+        "--config.reward_options.remote.r.token_env=TEST_REMOTE_TOKEN",
+    )
+    result = run_main(*flags, f"--workdir={workdir}")
+    line = one_error_line(result)
+    assert "the value of the environment variable TEST_REMOTE_TOKEN ends with a line break" in line
+    assert "prompts.source" not in line
+    assert "tok-5e1b9" not in result.stdout + result.stderr
+    assert not workdir.exists()
+
+
+@pytest.fixture
+def failing_reward():
+    """A reward raising a ValueError that has nothing to do with its prompts."""
+    name = "failing_for_test"
+
+    def fn(images, prompts):
+        raise ValueError("index 7 is out of bounds for axis 0 with size 4")
+
+    reward_registry.register(name, fn, True)
+    yield name
+    reward_registry.unregister(name)
+
+
+def test_a_rewards_own_error_at_the_start_is_the_rewards_not_the_prompts(tmp_path, failing_reward):
+    workdir = tmp_path / "run"
+    flags = (*SMALL, f"--config.rewards={failing_reward}")
+    line = one_error_line(run_main(*flags, f"--workdir={workdir}"))
+    assert line == (
+        f"error: reward {failing_reward!r} failed when the start's check scored it on blank "
+        "images (ValueError: index 7 is out of bounds for axis 0 with size 4)."
+    )
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("timeout_s=1e300", "timeout_s must be positive and at most 3600 (seconds for one whole"),
+        ("backoff_s=1e300", "backoff_s must be between 0 and 600 seconds, got 1e+300."),
+        ("retries=1000000", "retries must be between 0 and 20 further tries, got 1000000."),
+        ("timeout_s=nan", "timeout_s must be a finite number, got nan."),
+    ],
+)
+def test_settings_past_their_bounds_are_one_sentence_and_nothing_is_written(tmp_path, flag, said):
+    workdir = tmp_path / "run"
+    flags = _remote("http://127.0.0.1:9/score", f"--config.reward_options.remote.r.{flag}")
+    line = one_error_line(run_main(*flags, f"--workdir={workdir}"))
+    assert said in line and len(line) < 200, line
+    assert not workdir.exists()
+
+
+def test_a_urls_password_is_in_no_line_and_no_file(tmp_path):
+    """Refused in one sentence that shows the URL without it; the flag's other sentences
+    (a field given twice) and --print_config hide it too."""
+    password = "pw-9d2e41"
+    url = f"http://bob:{password}@127.0.0.1:9/score"
+    workdir = tmp_path / "run"
+    refused = run_main(*_remote(url), f"--workdir={workdir}")
+    line = one_error_line(refused)
+    assert "url 'http://***@127.0.0.1:9/score' carries a user name or password" in line
+    twice = run_main(*_remote(url), f"--config.reward_options.remote.r.url={url}")
+    assert "http://***@127.0.0.1:9/score" in one_error_line(twice)
+    printed = run_main(*_remote(url), "--print_config")
+    assert printed.returncode == 0 and "url: 'http://***@127.0.0.1:9/score'" in printed.stdout
+    for result in (refused, twice, printed):
+        assert password not in result.stdout + result.stderr
+    assert not workdir.exists()
+
+
+def test_a_trickling_server_is_cut_off_at_the_start_within_timeout_s(tmp_path):
+    """Headers, then a byte every 0.05 s: the start's check gives up 0.5 s after the
+    request began (no retry), where a timeout per read would wait as long as it trickles."""
+    workdir = tmp_path / "run"
+    with trickling(0.05) as (url, lasted):
+        flags = _remote(
+            url,
+            "--config.reward_options.remote.r.timeout_s=0.5",
+            "--config.reward_options.remote.r.retries=0",
+        )
+        line = one_error_line(run_main(*flags, f"--workdir={workdir}"))
+        deadline = time.monotonic() + 2
+        while not lasted and time.monotonic() < deadline:
+            time.sleep(0.02)  # the server's side notices at its next write
+    assert "failed 1 time(s), the last with no full answer within 0.5s" in line, line
+    assert len(lasted) == 1 and lasted[0] < 0.5 + 0.3, lasted
+    assert not workdir.exists()
+
+
+def test_a_judge_answering_above_its_scale_is_one_sentence(tmp_path):
+    def answer(index, body):
+        return json_answer({"choices": [{"message": {"role": "assistant", "content": "15"}}]})
+
+    judge = "--config.reward_options.remote.judge"
+    workdir = tmp_path / "run"
+    with scripted(answer) as (url, _):
+        flags = _remote(
+            url,
+            f"{judge}.protocol=chat",
+            f"{judge}.model=judge-model",
+            f"{judge}.question=Rate from 0 to 10 how well this shows {{prompt}}.",
+            f"{judge}.scale=10",
+            name="judge",
+        )
+        line = one_error_line(run_main(*flags, f"--workdir={workdir}"))
+    assert "answered 15 in its 'choices[0].message.content' field, outside 0 to scale=10" in line
+    assert not workdir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference server stopped by a signal.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, sleep_s, grace, said",
+    [
+        ("SIGTERM", 0.0, [], "SIGTERM received: the reward server stopped (no request was in "),
+        ("SIGTERM", 1.0, [], "SIGTERM received: the reward server answered the 1 request(s) in "),
+        ("SIGINT", 1.0, [], "SIGINT received: the reward server answered the 1 request(s) in "),
+        (
+            "SIGTERM",
+            30.0,
+            ["--grace_s=0.5"],
+            "SIGTERM received: the reward server stopped after --grace_s=0.5s with 1 of 1 ",
+        ),
+    ],
+)
+def test_a_signal_lets_the_request_in_flight_finish_then_one_line(
+    tmp_path, name, sleep_s, grace, said
+):
+    """A scorer that marks its start and sleeps: the signal comes while it works (or while
+    nothing is asked); the client gets its scores (unless the grace runs out), the server
+    one line on stdout and exit 0."""
+    (tmp_path / "slow_scorer_for_test.py").write_text(
+        "import pathlib, time\n"
+        "def score(images, prompts, metadata):\n"
+        f"    pathlib.Path({str(tmp_path / 'started')!r}).touch()\n"
+        f"    time.sleep({sleep_s})\n"
+        "    return [0.5] * len(images)\n"
+    )
+    process, url = start_process(
+        "--callable=slow_scorer_for_test:score", *grace, path=str(tmp_path)
+    )
+    assert url.endswith("/score")
+    got = {}
+
+    def ask():
+        try:
+            got["scores"] = load(url, retries=0)(np.zeros((2, 8, 8, 3), np.float32), ["a", "b"])
+        except reward_registry.RewardUnavailable as e:
+            got["error"] = str(e)
+
+    client = threading.Thread(target=ask)
+    if sleep_s:
+        client.start()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    started = time.monotonic()
+    process.send_signal(getattr(signal, name))
+    out, err = process.communicate(timeout=60)
+    if sleep_s:
+        client.join(60)
+    assert process.returncode == 0, err
+    assert out.startswith(said) and out.count("\n") == 1, (out, err)
+    assert err == "tree_grpo_jax.rewards.serve: starting...\n", err  # no other line
+    if grace:
+        assert time.monotonic() - started < 5  # the grace, not the scorer's 30 s
+        assert "RemoteDisconnected" in got["error"]
+    elif sleep_s:
+        np.testing.assert_array_equal(got["scores"], [0.5, 0.5])
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_server_starts_is_one_line():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tree_grpo_jax.rewards.serve", "--reward=jpeg_compressibility"],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr.readline().endswith("starting...\n")  # then loading for seconds
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and out == ""
+    assert err == (
+        "error: SIGTERM stopped python -m tree_grpo_jax.rewards.serve while it was starting; "
+        "nothing was served.\n"
+    )

@@ -1,9 +1,10 @@
 """The remote rewards' `chat` protocol against a stub chat server on 127.0.0.1: one request
 per image, as an OpenAI-compatible server expects it, with the question filled from the
 prompt and its metadata; the score read from a number, a yes or no, or the first token's
-yes/no log-probabilities (normalised); every malformed answer one sentence naming the server
-and the field; the scores in image order with requests in flight; the settings checked at
-config time in one sentence each."""
+yes/no log-probabilities (normalised); every malformed answer (a number outside 0 to
+`scale`, a NaN log-probability among them) one sentence naming the server and the field; the
+scores in image order with requests in flight; the settings checked at config time in one
+sentence each."""
 
 import base64
 import io
@@ -77,10 +78,11 @@ def test_the_endpoint_is_the_usual_route_or_the_path_given(url, path):
 @pytest.mark.parametrize(
     "text, scale, score",
     [
-        ("7", 1.0, 7.0),
+        ("0.7", 1.0, 0.7),
         ("Score: 7/10", 10.0, 0.7),
         ("I would rate it 8.5 out of 10.", 10.0, 0.85),
-        ("-2", 1.0, -2.0),
+        ("10", 10.0, 1.0),
+        ("0", 10.0, 0.0),
         ("Yes.", 10.0, 1.0),  # yes and no are 1 and 0, whatever the scale
         (" no, there are 3 cats", 1.0, 0.0),
         ("YES", 1.0, 1.0),
@@ -140,8 +142,8 @@ def test_scores_keep_the_image_order_with_requests_in_flight():
         return _said(f"{number}")
 
     with scripted(answer) as (url, record):
-        scores = _judge(url, in_flight=5)(IMAGES, PROMPTS)
-    np.testing.assert_array_equal(scores, np.arange(5, dtype=np.float32))
+        scores = _judge(url, in_flight=5, scale=4.0)(IMAGES, PROMPTS)
+    np.testing.assert_array_equal(scores, np.arange(5, dtype=np.float32) / 4)
     assert len(record.requests) == 5
 
 
@@ -182,6 +184,24 @@ def test_a_server_error_is_retried_as_for_the_scores_protocol():
             r".top_logprobs' field \(tokens \['The', 'A'\]\)",
         ),
         (json_answer({"choices": [{}]}, kind="text/plain"), "answer", "content type"),
+        (
+            _said("15"),  # scale=10 below
+            "answer",
+            r"answered 15 in its 'choices\[0\].message.content' field, outside 0 to scale=10; ask "
+            "for a number from 0 to 10 or set scale to the top of the range the judge answers in",
+        ),
+        (_said("Score: -1"), "answer", "answered -1 in its .* field, outside 0 to scale=10"),
+        (
+            _said("9" * 300),
+            "answer",
+            r"answered 9{77}\.\.\. in its .* field, outside 0 to scale=10",
+        ),
+        (
+            _tops(("Yes", float("nan")), ("No", 0.2)),
+            "logprobs",
+            r"answered the logprob nan for the token 'Yes' in its 'choices\[0\].logprobs"
+            r".content\[0\].top_logprobs' field, not a log-probability",
+        ),
     ],
 )
 def test_a_malformed_answer_is_one_sentence_naming_the_server_and_field(answer, score_from, said):
@@ -189,7 +209,7 @@ def test_a_malformed_answer_is_one_sentence_naming_the_server_and_field(answer, 
         scripted(lambda i, b: answer) as (url, record),
         pytest.raises(registry.RewardUnavailable, match=said) as info,
     ):
-        _judge(url, score_from=score_from)(IMAGES[:1], PROMPTS[:1])
+        _judge(url, score_from=score_from, scale=10.0)(IMAGES[:1], PROMPTS[:1])
     message = str(info.value)
     assert message.startswith(f"remote reward 'remote:r': the server at {url}/v1/chat/")
     assert "\n" not in message
@@ -253,6 +273,8 @@ def test_a_chat_setting_without_the_chat_protocol_is_one_sentence():
         (dict(question="Is it }?"), "is not a template (Single '}' encountered in format string"),
         (dict(score_from="tokens"), "score_from must be one of ('answer', 'logprobs')"),
         (dict(scale=0.0), "scale must be positive, got 0.0"),
+        (dict(scale=float("inf")), "scale must be a finite number, got inf"),
+        (dict(question="{" * 4999), "question '{{{{{"),
         (dict(max_tokens=0), "max_tokens must be at least 1"),
         (dict(top_logprobs=0), "top_logprobs must be at least 1"),
         (dict(media="video"), "media must be 'image' with protocol 'chat'"),
@@ -262,3 +284,4 @@ def test_a_bad_chat_setting_is_one_sentence(fields, said):
     with pytest.raises(cfg.ConfigError) as info:
         cfg.validate(_config(**fields), rewards.available_rewards())
     assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert len(str(info.value)) < 400  # a value quoted is cut short

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import OneLineErrors, UserError, shorten
+from tree_grpo_jax.errors import OneLineErrors, UserError, redact, shorten
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -60,8 +60,9 @@ def quiet_orbax() -> None:
 
 
 def fail(message: str, status: int) -> None:
-    """The `error:` line, user input in it shortened (`errors.shorten`), and the exit."""
-    print(f"error: {shorten(message)}", file=sys.stderr, flush=True)
+    """The `error:` line, user input in it shortened (`errors.shorten`) and a URL's password
+    hidden (`errors.redact`), and the exit."""
+    print(f"error: {shorten(redact(message))}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

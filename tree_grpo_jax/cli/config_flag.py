@@ -27,7 +27,7 @@ from tree_grpo_jax.cli.common import (
     fail,
     print_out,
 )
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import first_line, redact
 
 
 class Flag:
@@ -444,7 +444,8 @@ def _config_text(config) -> str:
     from tree_grpo_jax.config import flatten
 
     return "".join(
-        f"{path}: {value!r}\n" for path, value in flatten(config, leaves_only=True).items()
+        f"{path}: {redact(repr(value))}\n"  # a URL's password is in no printed line
+        for path, value in flatten(config, leaves_only=True).items()
     )
 
 

@@ -19,6 +19,7 @@ preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four CLIP-based preference rewards
 imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Flax
 remote      rewards served over HTTP (`remote:<name>`), the wire format and its client
+remote_settings  the settings of a served reward, their bounds and checks
 chat        the remote rewards' `chat` protocol: a VLM judge asked a question per image
 serve       the reference server: any registered reward or Python callable over HTTP
 convert     the pickled HPS-v2.1, aesthetic and ImageReward releases -> folders these load
@@ -29,6 +30,7 @@ import sys
 from tree_grpo_jax import interrupts
 
 CONVERTER = "tree_grpo_jax.rewards.convert"
+SERVER = "tree_grpo_jax.rewards.serve"
 
 
 def starting_converter() -> None:
@@ -47,12 +49,29 @@ def starting_converter() -> None:
         print(f"{CONVERTER}: starting...", file=sys.stderr, flush=True)
 
 
-# `python -m` imports the converter's parent packages, this one and JAX with it (seconds),
-# before the converter's own `__main__` runs (sys.argv[0] is "-m" meanwhile): a signal then
+def starting_server() -> None:
+    """What `python -m tree_grpo_jax.rewards.serve` does first, as every command does:
+    Ctrl-C and SIGTERM taken over, so that one while it loads is one line (exit 130 / 143;
+    serving, it lets the requests in flight finish: `serve.serve`), and a line on stderr
+    saying it started."""
+    if interrupts.installed():
+        return
+    interrupts.install()
+    interrupts.set_stop_line(
+        lambda name: f"{name} stopped python -m {SERVER} while it was starting; nothing was served."
+    )
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        print(f"{SERVER}: starting...", file=sys.stderr, flush=True)
+
+
+# `python -m` imports the command's parent packages, this one and JAX with it (seconds),
+# before the command's own `__main__` runs (sys.argv[0] is "-m" meanwhile): a signal then
 # would meet Python's defaults (a KeyboardInterrupt swallowed inside JAX's import, a silent
-# death by SIGTERM), so the converter starts here.
+# death by SIGTERM), so the converter and the server start here.
 if sys.argv[:1] == ["-m"] and CONVERTER in getattr(sys, "orig_argv", ()):
     starting_converter()
+if sys.argv[:1] == ["-m"] and SERVER in getattr(sys, "orig_argv", ()):
+    starting_server()
 
 from tree_grpo_jax.rewards import imagereward, jpeg, preference, remote  # noqa: E402
 from tree_grpo_jax.rewards.registry import (  # noqa: E402

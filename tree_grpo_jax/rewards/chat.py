@@ -18,9 +18,10 @@ ending in `/v1` gets `/chat/completions`; any other path is taken as given):
 plus `"logprobs": true, "top_logprobs": N` when the score is read from them. The question
 is a `str.format` template: `{prompt}` is the image's prompt and any other name a field of
 its prompt's metadata. `score_from="answer"` reads a leading yes (1) or no (0), else the
-first number of `choices[0].message.content` divided by `scale`; `score_from="logprobs"`
-reads P(yes) from `choices[0].logprobs.content[0].top_logprobs`, normalised over the yes and
-no tokens there (case and surrounding spaces ignored).
+first number of `choices[0].message.content` divided by `scale` (a number outside 0 to
+`scale` is refused: the question and the scale disagree); `score_from="logprobs"` reads
+P(yes) from `choices[0].logprobs.content[0].top_logprobs`, normalised over the yes and no
+tokens there (case and surrounding spaces ignored; a yes or no token's NaN is refused).
 
 The transport (retries, timeout, redirects, token, `in_flight`) is `remote.py`'s; this module
 builds the request and reads the answer, each fault one sentence through `bad(what)`.
@@ -38,6 +39,8 @@ import urllib.parse
 
 import numpy as np
 from PIL import Image
+
+from tree_grpo_jax.errors import echo
 
 PROTOCOLS = ("scores", "chat")
 SCORE_FROM = ("answer", "logprobs")
@@ -93,7 +96,7 @@ def check_question(where: str, question: str) -> str | None:
     try:
         placeholders(question)
     except ValueError as e:
-        return f"{where}.question {question!r} {e}."
+        return f"{where}.question {echo(question)} {e}."
     return None
 
 
@@ -169,10 +172,16 @@ def read_score(answer, s: dict, bad) -> float:
     number = _NUMBER.search(text)
     if number is None:
         raise bad(f"answered {_cut(text)!r} in its {CONTENT!r} field: no number and no yes or no")
-    value = float(number.group()) / s["scale"]
+    value = float(number.group())
     if not math.isfinite(value):
-        raise bad(f"answered a non-finite number ({number.group()}) in its {CONTENT!r} field")
-    return value
+        raise bad(f"answered a non-finite number ({_cut(number.group())}) in its {CONTENT!r} field")
+    if not 0 <= value <= s["scale"]:  # the question asks for another range than `scale`
+        raise bad(
+            f"answered {_cut(number.group())} in its {CONTENT!r} field, outside 0 to "
+            f"scale={s['scale']:g}; ask for a number from 0 to {s['scale']:g} or set scale to "
+            "the top of the range the judge answers in"
+        )
+    return value / s["scale"]
 
 
 def _from_logprobs(answer, bad) -> float:
@@ -191,7 +200,12 @@ def _from_logprobs(answer, bad) -> float:
             raise bad(f"answered an entry of {TOP_LOGPROBS!r} without a numeric 'logprob'")
         token = entry["token"].strip().lower()
         seen.append(entry["token"])
-        if token in mass and logprob == logprob:  # NaN counts for neither
+        if token in mass and (math.isnan(logprob) or logprob == math.inf):
+            raise bad(
+                f"answered the logprob {logprob} for the token {_cut(repr(entry['token']))} "
+                f"in its {TOP_LOGPROBS!r} field, not a log-probability"
+            )
+        if token in mass:
             mass[token] += math.exp(min(logprob, 0.0))
     total = mass["yes"] + mass["no"]
     if total <= 0:

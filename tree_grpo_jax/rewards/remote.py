@@ -5,8 +5,9 @@ detector, a vision-language judge) scores a run's images through one small wire 
     --config.reward_options.remote.judge.url=http://127.0.0.1:8000/score
 
 Each reward of the `remote` family is named `remote:<name>` in `rewards` (a weight after a
-second colon: `remote:judge:0.5`) and set in `reward_options.remote.<name>` (`settings()`
-holds the fields and their defaults). The client POSTs JSON to the server:
+second colon: `remote:judge:0.5`) and set in `reward_options.remote.<name>`
+(`remote_settings.py` holds the fields, their defaults and their checks). The client POSTs
+JSON to the server:
 
     {"images": [{"format": "png", "data": "<base64 PNG>"}
                 or {"format": "raw", "shape": [H, W, C], "data": "<base64 uint8 bytes>"}, ...],
@@ -18,12 +19,17 @@ holds the fields and their defaults). The client POSTs JSON to the server:
 
 one score per image, in the order sent (`sub_scores` is optional and logged as the reward's
 parts). A batch goes out in requests of `batch_size` images, `in_flight` of them at once,
-to the URLs in turn; a request that fails to connect, times out or gets a 5xx, 408 or 429
-answer is sent again after `backoff_s`, doubling, `retries` times. An answer that cannot be
-scored (another content type, malformed JSON, the wrong number of scores, a non-finite one)
-is one sentence naming the server and the field. A redirect is followed only to the same
-host; the token read from the environment variable `token_env` goes only to the hosts of
-`url`, and no config, log or model card holds it (only the variable's name is set).
+to the URLs in turn. `timeout_s` is a deadline for a whole request (connecting, sending,
+and the answer to its last byte, redirects included): a server that trickles its answer is
+cut off there. A request that fails to connect, passes its deadline or gets a 5xx, 408 or
+429 answer is sent again after `backoff_s`, doubling (at most MAX_BACKOFF_S), `retries`
+times; a `Retry-After` the server sends lengthens that wait, up to `timeout_s`. An answer
+that cannot be scored (another content type, malformed JSON, the wrong number of scores, a
+non-finite one) is one sentence naming the server and the field. A redirect is followed only
+to the same host; the token read from the environment variable `token_env` goes only to the
+hosts of `url`, and no config, log or model card holds it (only the variable's name is set).
+A URL carrying a user name or password is refused (it would be written into config.json and
+the printed commands): credentials go in the header.
 
 With `protocol="chat"` the same client asks a vision-language judge behind an
 OpenAI-compatible chat endpoint one question per image and reads its answer (`chat.py`);
@@ -37,12 +43,13 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import datetime
+import email.utils
 import http.client
 import io
 import itertools
 import json
 import math
-import numbers
 import os
 import re
 import socket
@@ -51,152 +58,39 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 
-import ml_collections
 import numpy as np
 from PIL import Image
 
+from tree_grpo_jax.errors import echo
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.rewards import chat, registry
+from tree_grpo_jax.rewards.remote_settings import (  # noqa: F401 - re-exported
+    CHAT_FIELDS,
+    FIELDS,
+    FORMATS,
+    MAX_BACKOFF_S,
+    MAX_IN_FLIGHT,
+    MAX_RETRIES,
+    MAX_TIMEOUT_S,
+    SCHEMES,
+    check_settings,
+    redacted,
+    settings,
+    shown,
+    urls_of,
+    where_of,
+)
 
 FAMILY = "remote"
-FORMATS = ("png", "raw")
-SCHEMES = ("http", "https")
 RETRIED_STATUSES = (408, 429)  # and every 5xx
 MAX_REDIRECTS = 3
 PROBE_TIMEOUT_S = 10.0
 PNG_LEVEL = 1  # zlib level of the PNGs sent: fast, and lossless whatever the level
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what a header value cannot carry
 
 
 class RemoteRewardError(registry.RewardUnavailable):
     """A served reward that did not score; one sentence naming the server and the field."""
-
-
-def settings() -> ml_collections.ConfigDict:
-    """One remote reward's settings, `reward_options.remote.<name>`, at their defaults."""
-    c = ml_collections.ConfigDict()
-    c.url = ""  # http(s)://host:port/path; several, comma-separated, are taken in turn
-    c.batch_size = 16  # images per request
-    c.in_flight = 2  # requests at once
-    c.timeout_s = 60.0  # per request (connecting, and each wait for the answer)
-    c.retries = 3  # further tries of a request that failed to connect, timed out or got 5xx
-    c.backoff_s = 0.5  # the wait before the first retry, doubled before each next one
-    c.score_field = "scores"  # the answer's field holding one score per image
-    c.format = "raw"  # how images travel: "raw" (uint8 bytes) or "png"
-    c.media = media_kinds.IMAGE  # "image": videos go frame by frame; "video": whole
-    c.header = ""  # a header carrying the token, e.g. "Authorization" ("" = none)
-    c.token_env = ""  # the environment variable holding the header's value
-    # the protocol: "scores" (the wire format above) or "chat" (an OpenAI-compatible chat
-    # endpoint asked `question` per image; `chat.py`), whose settings follow
-    c.protocol = "scores"
-    c.model = ""  # chat: the served model's name
-    c.question = ""  # chat: a template; {prompt} and the prompt's metadata fields
-    c.score_from = "answer"  # chat: "answer" (yes/no or a number) or "logprobs" (P(yes))
-    c.scale = 1.0  # chat: an answer's number is divided by it
-    c.max_tokens = 8  # chat: the longest answer
-    c.top_logprobs = 5  # chat: the first token's alternatives read by "logprobs"
-    return c
-
-
-FIELDS = tuple(settings().keys())
-CHAT_FIELDS = ("model", "question", "score_from", "scale", "max_tokens", "top_logprobs")
-
-
-def urls_of(text: str) -> list[str]:
-    return [u.strip() for u in str(text).split(",") if u.strip()]
-
-
-def _where(instance: str) -> str:
-    return f"reward_options.{FAMILY}.{instance}"
-
-
-def check_settings(instance: str, s) -> str | None:
-    """One sentence for the first bad setting of `reward_options.remote.<instance>`."""
-    where = _where(instance)
-    if not hasattr(s, "keys"):
-        return f"{where} must be a section of settings (url, batch_size, ...)."
-    for field in s:
-        if field not in FIELDS:
-            return (
-                f"{where} sets {field!r}, which is not a setting; the settings are: "
-                f"{', '.join(FIELDS)}."
-            )
-    s = {**settings().to_dict(), **dict(s.items())}
-    for field in FIELDS:
-        default, value = settings()[field], s[field]
-        if isinstance(default, str) and not isinstance(value, str):
-            return f"{where}.{field} must be a string, got {value!r}."
-        if isinstance(default, int) and (
-            isinstance(value, bool) or not isinstance(value, numbers.Integral)
-        ):
-            return f"{where}.{field} must be a whole number, got {value!r}."
-        if isinstance(default, float) and (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-        ):
-            return f"{where}.{field} must be a finite number, got {value!r}."
-    urls = urls_of(s["url"])
-    if not urls:
-        return f"{where}.url is missing: set --config.{where}.url=http://host:port/path."
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in SCHEMES or not parts.hostname:
-            return f"{where}.url {url!r} is not an http:// or https:// URL with a host."
-        try:
-            parts.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            return f"{where}.url {url!r} has a bad port."
-    for field in ("batch_size", "in_flight"):
-        if s[field] < 1:
-            return f"{where}.{field} must be at least 1, got {s[field]}."
-    if s["timeout_s"] <= 0:
-        return f"{where}.timeout_s must be positive, got {s['timeout_s']}."
-    for field in ("retries", "backoff_s"):
-        if s[field] < 0:
-            return f"{where}.{field} must be >= 0, got {s[field]}."
-    if s["format"] not in FORMATS:
-        return f"{where}.format must be one of {FORMATS}, got {s['format']!r}."
-    if s["media"] not in media_kinds.RANKS:
-        return f"{where}.media must be one of {tuple(media_kinds.RANKS)}, got {s['media']!r}."
-    if not s["score_field"]:
-        return f"{where}.score_field must name the answer's field of scores."
-    if bool(s["header"]) != bool(s["token_env"]):
-        return (
-            f"{where} sets one of header and token_env; set both (the header and the "
-            "environment variable holding its value) or neither."
-        )
-    if s["header"] and not _HEADER_NAME.match(s["header"]):
-        return f"{where}.header {s['header']!r} is not a header name."
-    if s["protocol"] not in chat.PROTOCOLS:
-        return f"{where}.protocol must be one of {chat.PROTOCOLS}, got {s['protocol']!r}."
-    if s["protocol"] == "chat":
-        return _check_chat(where, s)
-    unread = [f for f in CHAT_FIELDS if s[f] != settings()[f]]
-    if unread:
-        return (
-            f"{where} sets {unread[0]!r}, which only protocol 'chat' reads; set "
-            f"--config.{where}.protocol=chat or leave it out."
-        )
-    return None
-
-
-def _check_chat(where: str, s: dict) -> str | None:
-    if not s["model"]:
-        return f"{where}.model is missing: set the name the chat server serves its model under."
-    sentence = chat.check_question(where, s["question"])
-    if sentence:
-        return sentence
-    if s["score_from"] not in chat.SCORE_FROM:
-        return f"{where}.score_from must be one of {chat.SCORE_FROM}, got {s['score_from']!r}."
-    if s["scale"] <= 0:
-        return f"{where}.scale must be positive, got {s['scale']}."
-    for field in ("max_tokens", "top_logprobs"):
-        if s[field] < 1:
-            return f"{where}.{field} must be at least 1, got {s[field]}."
-    if s["media"] != media_kinds.IMAGE:
-        return f"{where}.media must be 'image' with protocol 'chat' (one image per question)."
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +184,12 @@ def request_body(images_u8: np.ndarray, prompts, metadata, fmt: str) -> bytes:
 
 
 class _Retry(Exception):
-    """A failure worth another try (the sentence's middle)."""
+    """A failure worth another try (the sentence's middle); `wait`: the seconds the server
+    asked for (its Retry-After), if it did."""
+
+    def __init__(self, why: str, wait: float | None = None):
+        super().__init__(why)
+        self.wait = wait
 
 
 class RemoteReward:
@@ -299,7 +198,7 @@ class RemoteReward:
     def __init__(self, instance: str, s):
         s = {**settings().to_dict(), **dict(s.items())}
         self.name = f"{FAMILY}:{instance}"
-        self.where = _where(instance)
+        self.where = where_of(instance)
         self.urls = urls_of(s["url"])
         self.hosts = {_origin(u) for u in self.urls}
         self.chat = s["protocol"] == "chat"
@@ -340,10 +239,10 @@ class RemoteReward:
     def _headers(self, url: str) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.s["header"] and _origin(url) in self.hosts:  # the token goes nowhere else
-            token = os.environ.get(self.s["token_env"])
-            if token is None:
-                raise RemoteRewardError(_missing_token(self.name, self.s["token_env"]))
-            headers[self.s["header"]] = token
+            sentence = token_problem(self.name, self.s["token_env"])
+            if sentence:
+                raise RemoteRewardError(sentence)
+            headers[self.s["header"]] = os.environ[self.s["token_env"]]
         return headers
 
     def _score(self, url: str, images, prompts, metadata):
@@ -356,14 +255,23 @@ class RemoteReward:
             try:
                 return self._post(url, body, len(images))
             except _Retry as e:
-                why = str(e)
+                why, asked = str(e), e.wait
             if attempt + 1 < tries:
-                time.sleep(self.s["backoff_s"] * 2**attempt)
+                time.sleep(self._wait(attempt, asked))
         raise RemoteRewardError(
-            f"remote reward {self.name!r}: the server at {url} failed {tries} time(s), the "
+            f"remote reward {self.name!r}: the server at {_site(url)} failed {tries} time(s), the "
             f"last with {why}; check that it is up and answers within {self.where}.timeout_s "
             f"({self.s['timeout_s']:g}s)."
         )
+
+    def _wait(self, attempt: int, asked: float | None) -> float:
+        """The wait before retry `attempt + 1`: the backoff, doubled each time (at most
+        MAX_BACKOFF_S), or the server's Retry-After when longer, up to one request's
+        deadline (so a server cannot hold the run longer than a request may take)."""
+        wait = min(self.s["backoff_s"] * 2**attempt, MAX_BACKOFF_S)
+        if asked is not None:
+            wait = max(wait, min(asked, self.s["timeout_s"]))
+        return wait
 
     def _ask(self, prompt: str, metadata) -> str:
         try:
@@ -371,59 +279,100 @@ class RemoteReward:
         except KeyError as e:
             raise RemoteRewardError(
                 f"remote reward {self.name!r}: {self.where}.question names {{{e.args[0]}}}, "
-                f"which the metadata of the prompt {prompt!r} does not hold."
+                f"which the metadata of the prompt {echo(prompt)} does not hold."
             ) from None
 
     def _post(self, url: str, body: bytes, count: int):
         target = url
+        deadline = time.monotonic() + self.s["timeout_s"]  # redirects included
         for _ in range(MAX_REDIRECTS + 1):
-            status, headers, data = self._exchange(target, body)
+            status, headers, data = self._exchange(target, body, deadline)
             if status in (301, 302, 303, 307, 308):
                 location = urllib.parse.urljoin(target, headers.get("location", ""))
                 if _origin(location) != _origin(target):
                     raise RemoteRewardError(
-                        f"remote reward {self.name!r}: the server at {url} redirected to "
-                        f"another host ({location}); the client follows no redirect off the "
-                        f"hosts named in {self.where}.url."
+                        f"remote reward {self.name!r}: the server at {_site(url)} redirected to "
+                        f"another host ({echo(redacted(location))}); the client follows no "
+                        f"redirect off the hosts named in {self.where}.url."
                     )
                 target = location
                 continue
             if status >= 500 or status in RETRIED_STATUSES:
-                raise _Retry(f"HTTP status {status}{_said(data)}")
+                raise _Retry(f"HTTP status {status}{_said(data)}", retry_after(headers))
             if status != 200:
                 raise RemoteRewardError(
-                    f"remote reward {self.name!r}: the server at {url} answered HTTP status "
+                    f"remote reward {self.name!r}: the server at {_site(url)} answered HTTP status "
                     f"{status}{_said(data)}."
                 )
             return self._parse(url, headers, data, count)
         raise RemoteRewardError(
-            f"remote reward {self.name!r}: the server at {url} redirected more than "
+            f"remote reward {self.name!r}: the server at {_site(url)} redirected more than "
             f"{MAX_REDIRECTS} times."
         )
 
-    def _exchange(self, url: str, body: bytes):
+    def _exchange(self, url: str, body: bytes, deadline: float):
+        """(status, headers, body) of one POST, all of it by `deadline` (time.monotonic()):
+        a timer shuts the socket down there, which ends a read or write that a server
+        keeps alive byte by byte (a socket timeout bounds each read only)."""
+        limit = f"no full answer within {self.s['timeout_s']:g}s"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Retry(limit)
         parts = urllib.parse.urlsplit(url)
         kind = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
-        connection = kind(parts.hostname, parts.port, timeout=self.s["timeout_s"])
+        connection = kind(parts.hostname, parts.port, timeout=left)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = self._headers(url)
+        expired, held = threading.Event(), []
+
+        def cut():
+            expired.set()
+            # the socket as connected: `connection.sock` is None once an answer that ends
+            # with its connection is under way, and the answer reads on from the same socket
+            sock = held[0] if held else connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(left, cut)
+        timer.daemon = True
+        timer.start()
         try:
-            connection.request("POST", path, body, self._headers(url))
+            connection.connect()  # a connect the timer found unfinished ends by its timeout
+            held.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            connection.request("POST", path, body, headers)
             response = connection.getresponse()
             data = response.read()
+            if expired.is_set():  # an answer read to its close may look whole when cut
+                raise TimeoutError
             headers = {k.lower(): v for k, v in response.getheaders()}
             return response.status, headers, data
         except TimeoutError:
-            raise _Retry(f"no answer within {self.s['timeout_s']:g}s") from None
+            raise _Retry(limit) from None
         except (OSError, http.client.HTTPException) as e:
+            if expired.is_set():
+                raise _Retry(limit) from None
             raise _Retry(f"{type(e).__name__}: {e}".rstrip(": ")) from None
+        except ValueError as e:  # http.client refusing what it was given: not its message,
+            # which may quote a header's value
+            raise RemoteRewardError(
+                f"remote reward {self.name!r}: the request to {_site(url)} could not be sent "
+                f"(http.client refused it with a {type(e).__name__}); check "
+                f"{self.where}.url and the header's value."
+            ) from None
         finally:
+            timer.cancel()
             connection.close()
 
     def _parse(self, url: str, headers: dict, data: bytes, count: int):
         def bad(what: str) -> RemoteRewardError:
-            return RemoteRewardError(f"remote reward {self.name!r}: the server at {url} {what}.")
+            return RemoteRewardError(
+                f"remote reward {self.name!r}: the server at {_site(url)} {what}."
+            )
 
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
@@ -471,17 +420,70 @@ def _said(data: bytes) -> str:
     return f" ({text.rstrip('.')})" if text else ""
 
 
+def _site(url: str, limit: int = 100) -> str:
+    """A URL named in a sentence, cut short when long (its credentials were refused)."""
+    url = redacted(url)
+    return url if len(url) <= limit else f"{url[: limit - 3]}..."
+
+
 def _origin(url: str) -> tuple:
     parts = urllib.parse.urlsplit(url)
     default = 443 if parts.scheme == "https" else 80
     return (parts.scheme, (parts.hostname or "").lower(), parts.port or default)
 
 
-def _missing_token(name: str, variable: str) -> str:
+def retry_after(headers: dict) -> float | None:
+    """The seconds a server's `Retry-After` asks for (delay seconds or an HTTP date), or
+    None when it sends none that reads."""
+    value = headers.get("retry-after", "").strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+def token_problem(name: str, variable: str) -> str | None:
+    """One sentence when the token's variable is unset or holds what a header cannot carry
+    (said without the value), else None."""
+    token = os.environ.get(variable)
+    if token is None:
+        return (
+            f"remote reward {name!r} reads its token from the environment variable "
+            f"{variable}, which is not set; export it before the run."
+        )
+    if not token:
+        return (
+            f"remote reward {name!r} reads its token from the environment variable "
+            f"{variable}, which is set but empty; export the header's value in it."
+        )
+    stripped = token.rstrip("\r\n")
+    if stripped != token and not _CONTROL.search(stripped):
+        ending = {"\r\n": "a line break (CR LF)", "\n": "a line break (a newline)"}
+        what = ending.get(token[len(stripped) :][-2:], ending.get(token[-1], "a carriage return"))
+        problem, remedy = f"ends with {what}", "without the line break"
+    elif _CONTROL.search(token):
+        problem, remedy = "holds a control character (a line break, ...)", "without it"
+    elif not _latin1(token):
+        problem, remedy = "holds a character outside Latin-1", "without it"
+    else:
+        return None
     return (
-        f"remote reward {name!r} reads its token from the environment variable {variable}, "
-        "which is not set; export it before the run."
+        f"remote reward {name!r}: the value of the environment variable {variable} {problem}, "
+        f"which an HTTP header cannot carry; export it again {remedy} (the value is not shown)."
     )
+
+
+def _latin1(text: str) -> bool:
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def probe(instance: str, s) -> str | None:
@@ -489,8 +491,10 @@ def probe(instance: str, s) -> str | None:
     variable is unset), else None; nothing is scored."""
     s = {**settings().to_dict(), **dict(s.items())}
     name = f"{FAMILY}:{instance}"
-    if s["token_env"] and os.environ.get(s["token_env"]) is None:
-        return _missing_token(name, s["token_env"])
+    if s["token_env"]:
+        sentence = token_problem(name, s["token_env"])
+        if sentence:
+            return sentence
     for url in urls_of(s["url"]):
         _, host, port = _origin(url)
         try:
@@ -500,8 +504,8 @@ def probe(instance: str, s) -> str | None:
         except OSError as e:
             why = e.strerror or type(e).__name__
             return (
-                f"remote reward {name!r}: nothing answers at {url} ({why.lower()}); start its "
-                f"server or fix --config.{_where(instance)}.url."
+                f"remote reward {name!r}: nothing answers at {_site(url)} ({why.lower()}); start "
+                f"its server or fix --config.{where_of(instance)}.url."
             )
     return None
 

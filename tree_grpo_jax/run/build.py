@@ -18,7 +18,7 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import replay
 from tree_grpo_jax.core.loss import LossSettings
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import PromptError, first_line, reason
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
@@ -159,12 +159,13 @@ def check_prompts(
 ) -> None:
     """Every distinct prompt through the model's text encoder and through each reward that
     reads no model, on blank images (or videos), before anything is written: a prompt the
-    model or a reward cannot read, or a reward that does not give one score per sample, is
-    one sentence (rewards that read a model are built here and their shape is checked when
-    they score). Each prompt goes with its `metadata` (in the same order; that of its first
-    appearance), as the run will score it. The blanks go `chunk` at a time, as many as a
-    rollout decodes (which `check_sizes` has seen fit): a prompt set's worth of videos may
-    not. `check_media` has passed."""
+    model or a reward cannot read (the reward's `PromptError`), or a reward that does not
+    give one score per sample or fails otherwise (named, not the prompts), is one sentence
+    (rewards that read a model are built here and their shape is checked when they score).
+    Each prompt goes with its `metadata` (in the same order; that of its first appearance),
+    as the run will score it. The blanks go `chunk` at a time, as many as a rollout decodes
+    (which `check_sizes` has seen fit): a prompt set's worth of videos may not.
+    `check_media` has passed."""
     first = {}
     for prompt, meta in zip(prompts, metadata or [None] * len(prompts)):
         first.setdefault(prompt, meta)
@@ -172,23 +173,31 @@ def check_prompts(
     if not distinct:
         return
     try:
-        model.encode_prompts(distinct)
-        scored = [r for r in rewards if not reward_registry.reads_model(r.name)]
-        if model.media == media_kinds.LATENTS or not scored:
-            return  # no pixels, or no reward to score them here
-        decoded = jax.eval_shape(
-            model.decode, jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
-        )
-        chunk = max(1, min(chunk, len(distinct)))
-        blank = np.zeros((chunk, *decoded.shape[1:]), np.float32)
-        for start in range(0, len(distinct), chunk):
-            part = distinct[start : start + chunk]
-            for reward in scored:
-                reward(blank[: len(part)], part, [first[p] for p in part])
-    except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
-        raise cfg.ConfigError(str(e)) from None
+        model.encode_prompts(distinct)  # it reads only the prompts: its errors are theirs
     except ValueError as e:
         raise cfg.ConfigError(f"{where}: {first_line(e)}") from None
+    scored = [r for r in rewards if not reward_registry.reads_model(r.name)]
+    if model.media == media_kinds.LATENTS or not scored:
+        return  # no pixels, or no reward to score them here
+    decoded = jax.eval_shape(
+        model.decode, jax.ShapeDtypeStruct((1, *model.sample_shape), jnp.float32)
+    )
+    chunk = max(1, min(chunk, len(distinct)))
+    blank = np.zeros((chunk, *decoded.shape[1:]), np.float32)
+    for start in range(0, len(distinct), chunk):
+        part = distinct[start : start + chunk]
+        for reward in scored:
+            try:
+                reward(blank[: len(part)], part, [first[p] for p in part])
+            except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
+                raise cfg.ConfigError(first_line(e)) from None
+            except PromptError as e:  # the reward cannot read a prompt: the source's fault
+                raise cfg.ConfigError(f"{where}: {first_line(e)}") from None
+            except ValueError as e:  # anything else is the reward's, not the prompts'
+                raise cfg.ConfigError(
+                    f"reward {reward.name!r} failed when the start's check scored it on "
+                    f"blank images ({reason(e)})."
+                ) from None
 
 
 def setup(

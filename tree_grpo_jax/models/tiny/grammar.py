@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tree_grpo_jax.errors import echo
+from tree_grpo_jax.errors import PromptError, echo
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 STYLE_WORDS = ("thin", "thick")
@@ -28,5 +28,5 @@ def prompt_digit(prompt: str) -> int:
     """The digit a prompt asks for (the last digit word in it)."""
     found = [DIGIT_WORDS.index(w) for w in prompt.lower().split() if w in DIGIT_WORDS]
     if not found:
-        raise ValueError(f"prompt {echo(prompt)} names no digit; expected one of {DIGIT_WORDS}.")
+        raise PromptError(f"prompt {echo(prompt)} names no digit; expected one of {DIGIT_WORDS}.")
     return found[-1]

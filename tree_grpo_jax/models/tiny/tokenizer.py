@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tree_grpo_jax.errors import echo
+from tree_grpo_jax.errors import PromptError, echo
 from tree_grpo_jax.models.tiny.grammar import DIGIT_WORDS, FILLER_WORDS, STYLE_WORDS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -38,7 +38,7 @@ def tokenize(prompts: Sequence[str], max_length: int = MAX_LENGTH) -> tuple[np.n
         words = prompt.lower().split()
         tokens = [BOS_ID, *(TOKEN_IDS.get(w, UNK_ID) for w in words), EOS_ID]
         if len(tokens) > max_length:
-            raise ValueError(
+            raise PromptError(
                 f"prompt {echo(prompt)} has {len(words)} words; at most {max_length - 2} fit."
             )
         ids[row, : len(tokens)] = tokens
