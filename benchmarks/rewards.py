@@ -93,16 +93,13 @@ def _timed(fn, reps: int) -> tuple[float, list[float]]:
 def random_scorer(fields: dict, dtype: str, chunk_size: int, seed: int = 0):
     """A CLIP scorer of the given architecture with random weights (no tokenizer)."""
     from transformers import CLIPConfig
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPModule
 
+    from tree_grpo_jax.models import clip as clip_model
     from tree_grpo_jax.rewards import clip
 
     config = CLIPConfig(**fields)
-    module = FlaxCLIPModule(config=config)
-    size = config.vision_config.image_size
-    ids = jnp.zeros((1, 1), jnp.int32)
-    pixels = jnp.zeros((1, size, size, 3))
-    params = jax.jit(module.init)(jax.random.PRNGKey(seed), ids, pixels, ids, ids)["params"]
+    module = clip_model.CLIPModel(config)
+    params = jax.jit(lambda key: clip_model.init_clip(module, key))(jax.random.PRNGKey(seed))
     return clip.make_scorer(
         config, params, layout="resize_crop_hf", dtype=dtype, chunk_size=chunk_size
     )

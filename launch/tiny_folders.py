@@ -223,14 +223,9 @@ def write_vae(root: pathlib.Path, config: dict, rng) -> None:
 
 def write_clip(root, encoder, tokenizer, vocab, pad, projection, rng, **config) -> None:
     """A transformers CLIPTextModel (or ...WithProjection) folder and its tokenizer."""
-    import jax
-    import jax.numpy as jnp
     from transformers import CLIPTextConfig
-    from transformers.models.clip.modeling_flax_clip import (
-        FlaxCLIPTextModelWithProjectionModule,
-        FlaxCLIPTextModule,
-    )
 
+    from tree_grpo_jax.models import clip
     from tree_grpo_jax.weights import convert
 
     write_clip_tokenizer(root / tokenizer, vocab, pad, config["max_position_embeddings"])
@@ -242,12 +237,8 @@ def write_clip(root, encoder, tokenizer, vocab, pad, projection, rng, **config) 
     )
     pt_class = "CLIPTextModelWithProjection" if projection else "CLIPTextModel"
     text_config.architectures = [pt_class]
-    module_class = FlaxCLIPTextModelWithProjectionModule if projection else FlaxCLIPTextModule
-    module = module_class(config=text_config)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids), ids)["params"]
-    )
+    module_class = clip.CLIPTextModelWithProjection if projection else clip.CLIPTextModel
+    shapes = clip.param_shapes(clip.init_text, module_class(text_config))
     state = pytorch_state(random_params(convert.shapes_of(shapes), rng), ())
     text_config.save_pretrained(root / encoder)
     save_weights(root / encoder, "model", state)

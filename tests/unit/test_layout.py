@@ -423,3 +423,45 @@ def test_an_objective_branch_is_caught():
     assert not objective_branches({"tree_grpo_jax.methods.table": injected["tree_grpo_jax.run.x"]})
     # a string that merely holds the name is no comparison
     assert not objective_branches({"tree_grpo_jax.run.u": "label = 'nft on the tree'\n"})
+
+
+# transformers 5 removed its Flax classes: the package runs its own CLIP (`models.clip`).
+# diffusers' Flax UNet and VAE are still imported (the tiny model, the SD1.5 VAE) until they
+# are owned too.
+FLAX_CLIP = re.compile(r"FlaxCLIP|modeling_flax_clip")
+
+
+def flax_clip_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of transformers' Flax CLIP: its module, or a `FlaxCLIP*` name from anywhere."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            else:
+                continue
+            if any(FLAX_CLIP.search(n) for n in names):
+                found.append(f"{module}:{node.lineno} imports transformers' Flax CLIP")
+    return found
+
+
+def test_no_module_imports_transformers_flax_clip():
+    assert not flax_clip_imports(SOURCES)
+    assert not [m for m, text in SOURCES.items() if FLAX_CLIP.search(text)]  # nor names it
+    injected = {
+        "tree_grpo_jax.rewards.a": "from transformers import FlaxCLIPTextModel\n",
+        "tree_grpo_jax.models.b": (
+            "def f():\n    from transformers.models.clip.modeling_flax_clip import FlaxCLIPModule\n"
+        ),
+        "tree_grpo_jax.models.c": "import transformers.models.clip.modeling_flax_clip\n",
+    }
+    assert flax_clip_imports(injected) == [
+        "tree_grpo_jax.rewards.a:1 imports transformers' Flax CLIP",
+        "tree_grpo_jax.models.b:2 imports transformers' Flax CLIP",
+        "tree_grpo_jax.models.c:1 imports transformers' Flax CLIP",
+    ]
+    # the package's own CLIP and transformers' config classes are fine
+    own = "from tree_grpo_jax.models import clip\nfrom transformers import CLIPTextConfig\n"
+    assert not flax_clip_imports({"tree_grpo_jax.models.d": own})

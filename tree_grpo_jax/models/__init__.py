@@ -5,6 +5,7 @@ media          what `decode` gives: images [B, H, W, C] or videos [B, T, H, W, C
 registry       `ModelFamily` records and `load_model`: every family registers one
 abstract       a model as shapes, for the memory plan
 export         trained denoiser params -> a diffusers pipeline folder (shared by the families)
+clip           CLIP's text and vision towers in Flax (the rewards' and text encoders' CLIP)
 text_encoders  the text side the T5 families share (Flax T5, CLIP and T5 loading, caching)
 autoencoder    the 16-channel VAE decoder the flow families share
 tiny           the embedded tiny digits model

@@ -1,5 +1,5 @@
 """Frozen text encoders shared by the families that read diffusers-layout folders: CLIP text
-towers (transformers' Flax CLIP modules) and T5's encoder (`T5Encoder`, Flax, below), their
+towers (`models.clip`) and T5's encoder (`T5Encoder`, Flax, below), their
 tokenizers and their PyTorch safetensors weights, converted in numpy (torch is never imported).
 
 `T5Encoder` has the parameter tree of transformers' `FlaxT5EncoderModule`, which no longer
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.errors import echo, first_line
+from tree_grpo_jax.models import clip
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -332,10 +333,6 @@ def load_clip(
     the unprojected `pooler_output`. Prompts are padded to `max_length` (default: the
     tokenizer's, at most the tower's positions)."""
     from transformers import CLIPTextConfig
-    from transformers.models.clip.modeling_flax_clip import (
-        FlaxCLIPTextModelWithProjectionModule,
-        FlaxCLIPTextModule,
-    )
 
     folder = files.component_dir(root, encoder_name, ("config.json",), hint)
     tokenizer_folder = files.component_dir(root, tokenizer_name, CLIP_TOKENIZER_FILES, hint)
@@ -348,19 +345,16 @@ def load_clip(
         raise ModelLoadError(
             f"{folder / 'config.json'} is not a valid CLIP text config: {e}; {hint}."
         ) from None
+    clip.check_activations(config, folder / "config.json", hint)
     length = max_length or min(tokenizer.model_max_length, config.max_position_embeddings)
     if length > config.max_position_embeddings:
         raise ModelLoadError(
             f"the CLIP prompt length {length} exceeds the {config.max_position_embeddings} "
             f"positions of {folder}; {hint}."
         )
-    module_class = FlaxCLIPTextModelWithProjectionModule if projection else FlaxCLIPTextModule
-    module = module_class(config=config, dtype=dtype)
-    ids = jnp.zeros((1, length), jnp.int32)
-    positions = jnp.arange(length)[None]
-    shapes = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids), positions)["params"]
-    )
+    module_class = clip.CLIPTextModelWithProjection if projection else clip.CLIPTextModel
+    module = module_class(config, dtype=dtype)
+    shapes = clip.param_shapes(clip.init_text, module)
     params = convert.folder_to_flax(
         folder,
         files.read_weights(folder, "model", hint),
@@ -371,17 +365,9 @@ def load_clip(
 
     @jax.jit
     def run(params, ids):
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        out = module.apply(
-            {"params": params},
-            ids,
-            jnp.ones_like(ids),  # the pipelines pass no mask; CLIP's causal mask still applies
-            positions,
-            deterministic=True,
-            output_hidden_states=True,
-        )
-        pooled = out.text_embeds if projection else out.pooler_output
-        return out.hidden_states[-2], pooled
+        # The pipelines pass no mask (all ones); CLIP's causal mask still applies.
+        out = module.apply({"params": params}, ids, output_hidden_states=True)
+        return out.hidden_states[-2], out.embeds if projection else out.pooler_output
 
     encoder = FrozenEncoder(folder, tokenizer, length, run, cast_floats(params, dtype))
     return encoder, config

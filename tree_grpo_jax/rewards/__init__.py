@@ -14,7 +14,7 @@ own settings as `options`) in its own module, imported here.
 
 registry    the registry, `load_reward`, `load_rewards`, `combined_reward`
 jpeg        JPEG (in)compressibility
-clip        a frozen CLIP embedding images and prompts (transformers' Flax towers)
+clip        a frozen CLIP embedding images and prompts (`models.clip`'s Flax towers)
 preprocess  the official scorers' image preprocessing, bit-exact, in JAX
 preference  the four CLIP-based preference rewards
 imagereward ImageReward (BLIP's ViT and cross-attending BERT, an MLP head) in Flax

@@ -1,6 +1,6 @@
 """A frozen CLIP that embeds images and prompts, the core of the preference rewards.
 
-The towers are transformers' Flax CLIP modules (`FlaxCLIPModule`), read from a Hugging Face
+The towers are the package's Flax CLIP (`models.clip.CLIPModel`), read from a Hugging Face
 CLIP folder (`config.json` plus `model.safetensors` or `flax_model.msgpack`; pickles are
 refused). Images go through the scorer's own preprocessing (`rewards.preprocess`) and the
 image tower inside one jitted function, `chunk_size` images at a time to bound activation
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax import sharding
+from tree_grpo_jax.models import clip as clip_model
 from tree_grpo_jax.models.base import DTYPES, ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -50,7 +51,7 @@ class CLIPScorer:
 
     path: Path | None  # the folder it was read from
     config: Any  # transformers.CLIPConfig
-    module: Any  # transformers' FlaxCLIPModule
+    module: clip_model.CLIPModel
     params: Any  # the towers loaded (see `towers`), on device
     towers: tuple[str, ...]
     tokenizer: Any  # transformers.CLIPTokenizer, or None without the text tower
@@ -72,7 +73,7 @@ class CLIPScorer:
             return self.module.apply(
                 {"params": params},
                 pixel[None].astype(self.module.dtype),
-                method=lambda m, x: m.visual_projection(m.vision_model(x, deterministic=True)[1]),
+                method=clip_model.CLIPModel.get_image_features,
             )[0]
 
         features = jax.lax.map(embed, pixels, batch_size=self.chunk_size).astype(jnp.float32)
@@ -80,13 +81,9 @@ class CLIPScorer:
 
     def token_embeddings(self, params, ids, mask) -> jax.Array:
         """Token ids and attention mask [B, T] -> [B, E] float32 unit vectors; pure."""
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-
-        def embed(m, ids, mask, positions):
-            pooled = m.text_model(ids, mask, positions, deterministic=True)[1]
-            return m.text_projection(pooled)
-
-        features = self.module.apply({"params": params}, ids, mask, positions, method=embed)
+        features = self.module.apply(
+            {"params": params}, ids, mask, method=clip_model.CLIPModel.get_text_features
+        )
         features = features.astype(jnp.float32)
         return features / jnp.linalg.norm(features, axis=-1, keepdims=True)
 
@@ -128,20 +125,17 @@ def _clip_config(folder: Path, hint: str):
             f"towers (its config.json has model_type={model_type!r}); {hint}."
         )
     try:
-        return CLIPConfig.from_dict(raw)
+        config = CLIPConfig.from_dict(raw)
     except Exception as e:  # a malformed config
         raise ModelLoadError(
             f"{folder}/config.json is not a valid CLIP config ({e}); {hint}."
         ) from None
+    clip_model.check_activations(config, folder / "config.json", hint)
+    return config
 
 
-def _reference_shapes(module, config, towers) -> dict:
-    vision = config.vision_config
-    ids = jnp.zeros((1, 1), jnp.int32)
-    pixels = jnp.zeros((1, vision.image_size, vision.image_size, vision.num_channels))
-    shapes = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), ids, pixels, ids, ids)["params"]
-    )
+def _reference_shapes(config, towers) -> dict:
+    shapes = clip_model.param_shapes(clip_model.init_clip, clip_model.CLIPModel(config))
     wanted = {name for t in towers for name in _TOWER_MODULES[t]} | {"logit_scale"}
     return {k: v for k, v in convert.shapes_of(shapes).items() if k[0] in wanted}
 
@@ -217,15 +211,13 @@ def make_scorer(
 ) -> CLIPScorer:
     """A `CLIPScorer` from a transformers `CLIPConfig` and Flax params (e.g. random ones,
     for benchmarks); `load_clip` reads both from a folder."""
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPModule
-
     from tree_grpo_jax.rewards import preprocess
 
     check_scorer_options(dtype, chunk_size)
     return CLIPScorer(
         path=path,
         config=config,
-        module=FlaxCLIPModule(config=config, dtype=DTYPES[dtype]),
+        module=clip_model.CLIPModel(config, dtype=DTYPES[dtype]),
         params=place(cast_floats(params, DTYPES[dtype]), mesh),
         towers=tuple(towers),
         tokenizer=tokenizer,
@@ -255,14 +247,12 @@ def load_clip(
     drop the text tower (the aesthetic predictor needs images only); `options` (dtype,
     chunk_size, mesh) go to `make_scorer`.
     """
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPModule
-
     folder = files.resolve_folder(path, "reward model path", hint, _HUB_PATTERNS)
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json; {hint}.")
     config = _clip_config(folder, hint)
     towers = tuple(towers)
-    reference = _reference_shapes(FlaxCLIPModule(config=config), config, towers)
+    reference = _reference_shapes(config, towers)
     params = _read_weights(folder, reference, towers, hint, convert_hint)
     processor = _processor_config(folder, hint)
     return make_scorer(

@@ -2,11 +2,11 @@
 
 Model and reward folders ship PyTorch `*.safetensors` files. The Flax modules we run
 (our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; diffusers'
-`FlaxAutoencoderKL`; transformers' Flax CLIP towers) hold the same tensors under other
-names and layouts:
+`FlaxAutoencoderKL`; our `models.clip`, named as transformers' Flax CLIP) hold the same
+tensors under other names and layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
-  `down_blocks.0`; transformers' Flax CLIP keeps `layers/0` as two path segments;
+  `down_blocks.0`; the CLIP towers keep `layers/0` as two path segments;
 - leaves: conv `weight` [O, I, H, W] -> `kernel` [H, W, I, O] (a video model's Conv3d
   [O, I, T, H, W] -> [T, H, W, I, O]), linear `weight` -> transposed
   `kernel`, norm `weight` -> `scale` (or `weight` where the Flax module keeps that name),

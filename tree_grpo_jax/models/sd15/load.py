@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.core.sampling import PREDICTION_TYPES
+from tree_grpo_jax.models import clip
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     ModelLoadError,
@@ -238,14 +239,11 @@ def _load_vae(folder: Path, dtype, variant=None):
 
 def _load_text_encoder(folder: Path, dtype, variant=None):
     from transformers import CLIPTextConfig
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPTextModule
 
     config = CLIPTextConfig.from_json_file(str(folder / "config.json"))
-    module = FlaxCLIPTextModule(config=config, dtype=dtype)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids), ids)["params"]
-    )
+    clip.check_activations(config, folder / "config.json", POINT)
+    module = clip.CLIPTextModel(config, dtype=dtype)
+    shapes = clip.param_shapes(clip.init_text, module)
     params = _load_weights(folder, "text_encoder", convert.shapes_of(shapes), variant)
     return module, cast_floats(params, dtype), config
 
@@ -294,10 +292,9 @@ def make_denoise(unet: UNet2DConditionModel):
 def _make_encode_prompts(module, params, tokenizer, max_length: int):
     @jax.jit
     def encode_ids(params, ids):
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         # SD feeds the text encoder no padding mask: padded positions attend as in training.
-        out = module.apply({"params": params}, ids, jnp.ones_like(ids), positions, True)
-        return out[0].astype(jnp.float32)
+        out = module.apply({"params": params}, ids)
+        return out.last_hidden_state.astype(jnp.float32)
 
     def encode_prompts(prompts: Sequence[str]) -> jax.Array:
         ids = tokenizer(

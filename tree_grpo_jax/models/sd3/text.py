@@ -4,8 +4,8 @@ A diffusers-layout SD3 / SD3.5 folder holds `text_encoder/` and `text_encoder_2/
 `CLIPTextModelWithProjection`, CLIP-L and CLIP-G), `text_encoder_3/` (a `T5EncoderModel`,
 T5-XXL) and a tokenizer folder for each. The weights are PyTorch safetensors (sharded or not),
 converted in numpy; torch is never imported. The encoders and their loading are shared
-(`models/text_encoders.py`: transformers' Flax CLIP modules, and `T5Encoder`, our Flax T5
-encoder); this module joins them as SD3 does.
+(`models/text_encoders.py`: our Flax CLIP text towers from `models/clip.py`, and `T5Encoder`,
+our Flax T5 encoder); this module joins them as SD3 does.
 
 `SD3TextEncoders.encode` returns what `StableDiffusion3Pipeline.encode_prompt` returns
 (clip_skip None, one image per prompt, no guidance): each CLIP tower's penultimate hidden

@@ -1,6 +1,6 @@
 """The tiny model's networks: Stable Diffusion's parts at 8x8 pixels.
 
-A two-layer CLIP text encoder (transformers' `FlaxCLIPTextModel`) over the word tokenizer, a
+A two-layer CLIP text encoder (`models.clip.CLIPTextModel`) over the word tokenizer, a
 conditional UNet with cross-attention (diffusers' `FlaxUNet2DConditionModel`) on 8x8x1 pixel
 space, and no VAE: `decode` maps [-1, 1] to [0, 1]. The networks keep the libraries' own
 numerics: the shipped weights were trained with them.
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import clip
 from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
 from tree_grpo_jax.models.tiny import tokenizer
 
@@ -54,11 +55,10 @@ def make_unet(dtype=jnp.float32):
 
 
 @functools.cache
-def make_text_encoder(dtype=jnp.float32):
-    quiet_flax_deprecation_notices()
-    from transformers import CLIPTextConfig, FlaxCLIPTextModel
+def make_text_encoder(dtype=jnp.float32) -> clip.CLIPTextModel:
+    from transformers import CLIPTextConfig
 
-    return FlaxCLIPTextModel(CLIPTextConfig(**TEXT_CONFIG), dtype=dtype, _do_init=False)
+    return clip.CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG), dtype=dtype)
 
 
 def init_weights(key: jax.Array) -> dict:
@@ -71,7 +71,7 @@ def init_weights(key: jax.Array) -> dict:
         jnp.zeros((1,), jnp.int32),
         jnp.zeros((1, tokenizer.MAX_LENGTH, hidden)),
     )["params"]
-    text_params = make_text_encoder().init_weights(text_key, (1, tokenizer.MAX_LENGTH))
+    text_params = clip.init_text(make_text_encoder(), text_key, tokenizer.MAX_LENGTH)
     return {"unet": unet_params, "text_encoder": text_params}
 
 
@@ -101,7 +101,7 @@ def random_weights(seed: int) -> dict:
 def encode_tokens(text_params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
     """Token ids `[P, L]` -> the encoder's last hidden states `[P, L, D]`, as SD conditions."""
     encoder = make_text_encoder(jax.tree.leaves(text_params)[0].dtype)
-    out = encoder(input_ids, attention_mask=attention_mask, params=text_params, train=False)
+    out = encoder.apply({"params": text_params}, input_ids, attention_mask.astype("i4"))
     return out.last_hidden_state
 
 

@@ -1,0 +1,234 @@
+"""`models.clip` against transformers' PyTorch CLIP on tiny random configs (weights converted
+by `weights.convert`, as the loaders convert them), and, while transformers still ships its
+Flax CLIP (removed in transformers 5), against that: the same parameter tree and random
+values from the same key, and the same outputs bit for bit in float32 and bfloat16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tree_grpo_jax.models import clip
+from tree_grpo_jax.models.base import ModelLoadError
+from tree_grpo_jax.weights import convert
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 2e-6  # float32 against PyTorch, relative to the largest output (4.8e-7 seen)
+EOS = 5  # the real eos id of the non-legacy configs (the legacy rule reads 2)
+TEXT = dict(
+    vocab_size=40,
+    hidden_size=24,
+    intermediate_size=29,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=12,
+    projection_dim=16,
+    bos_token_id=1,
+    pad_token_id=EOS,
+)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=8,
+)
+# (hidden_act, eos_token_id): both activations, the legacy pooling rule and the first-eos one
+CASES = [("quick_gelu", 2), ("gelu", EOS)]
+
+
+def _text_config(act, eos, **extra):
+    return transformers.CLIPTextConfig(hidden_act=act, eos_token_id=eos, **TEXT, **extra)
+
+
+def _clip_config(act, eos):
+    return transformers.CLIPConfig(
+        text_config=dict(hidden_act=act, eos_token_id=eos, **TEXT),
+        vision_config=dict(hidden_act=act, **VISION),
+        projection_dim=16,
+        logit_scale_init_value=2.5,
+    )
+
+
+def _ids_and_mask():
+    """Prompts of different lengths, padded with the eos id, and a large id after each eos:
+    the two pooling rules then pick different tokens, so a wrong rule is seen."""
+    ids = np.full((3, TEXT["max_position_embeddings"]), EOS, np.int32)
+    mask = np.zeros_like(ids)
+    for row, words in enumerate([[7, 9, 11], [30, 8], [12, 13, 14, 15, 16, 17, 18]]):
+        ids[row, 0], ids[row, 1 : len(words) + 1] = 1, words
+        ids[row, len(words) + 2] = 39  # after the eos, beyond every word id
+        mask[row, : len(words) + 2] = 1
+    legacy = clip.pooled_token_index(jnp.asarray(ids), 2)
+    first_eos = clip.pooled_token_index(jnp.asarray(ids), EOS)
+    assert not np.any(np.asarray(legacy) == np.asarray(first_eos))
+    return ids, mask
+
+
+def _torch_model(cls, config, seed=0):
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # noise on every weight, so unit scales and zero biases are not special
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def _converted(model, shapes):
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    return convert.pytorch_to_flax(state, convert.shapes_of(shapes), merge_indices=False)
+
+
+def _close(ours, theirs, atol=ATOL):
+    theirs = np.asarray(theirs)
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0, atol=atol * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("act, eos", CASES)
+@pytest.mark.parametrize("projection", [False, True])
+def test_text_towers_equal_pytorch(act, eos, projection):
+    config = _text_config(act, eos)
+    names = ("CLIPTextModelWithProjection", "CLIPTextModel") if projection else ("CLIPTextModel",)
+    ours_class = clip.CLIPTextModelWithProjection if projection else clip.CLIPTextModel
+    model = _torch_model(getattr(transformers, names[0]), config)
+    module = ours_class(config)
+    params = _converted(model, clip.param_shapes(clip.init_text, module))
+    ids, mask = _ids_and_mask()
+    for attention_mask in (mask, None):  # the pipelines pass none: padding is attended
+        with torch.no_grad():
+            theirs = model(
+                torch.from_numpy(ids).long(),
+                attention_mask=None if attention_mask is None else torch.from_numpy(mask),
+                output_hidden_states=True,
+            )
+        out = module.apply({"params": params}, ids, attention_mask, output_hidden_states=True)
+        _close(out.last_hidden_state, theirs.last_hidden_state)
+        assert len(out.hidden_states) == len(theirs.hidden_states) == TEXT["num_hidden_layers"] + 1
+        for a, b in zip(out.hidden_states, theirs.hidden_states, strict=True):
+            _close(a, b)
+        if projection:
+            _close(out.embeds, theirs.text_embeds)
+        else:
+            _close(out.pooler_output, theirs.pooler_output)
+
+
+@pytest.mark.parametrize("act, eos", CASES)
+def test_dual_model_equals_pytorch(act, eos):
+    config = _clip_config(act, eos)
+    model = _torch_model(transformers.CLIPModel, config)
+    module = clip.CLIPModel(config)
+    params = _converted(model, clip.param_shapes(clip.init_clip, module))
+    ids, mask = _ids_and_mask()
+    pixels = np.random.default_rng(0).standard_normal((2, 32, 32, 3)).astype(np.float32)
+    variables = {"params": params}
+    with torch.no_grad():
+        t_ids, t_mask = torch.from_numpy(ids).long(), torch.from_numpy(mask)
+        t_pixels = torch.from_numpy(pixels).permute(0, 3, 1, 2)
+        theirs = model(t_ids, t_pixels, attention_mask=t_mask, output_hidden_states=True)
+        text = model.get_text_features(t_ids, attention_mask=t_mask)
+        image = model.get_image_features(t_pixels)
+    _close(module.apply(variables, ids, mask, method=clip.CLIPModel.get_text_features), text)
+    _close(module.apply(variables, pixels, method=clip.CLIPModel.get_image_features), image)
+    vision = module.apply(
+        variables,
+        pixels,
+        output_hidden_states=True,
+        method=lambda m, x, **o: m.vision_model(x, **o),
+    )
+    _close(vision.last_hidden_state, theirs.vision_model_output.last_hidden_state)
+    _close(vision.pooler_output, theirs.vision_model_output.pooler_output)
+    for a, b in zip(vision.hidden_states, theirs.vision_model_output.hidden_states, strict=True):
+        _close(a, b)
+    per_image, per_text = module.apply(variables, ids, pixels, mask)
+    _close(per_image, theirs.logits_per_image)
+    _close(per_text, theirs.logits_per_text)
+
+
+def test_an_activation_it_lacks_is_one_sentence():
+    config = _clip_config("gelu_fast", EOS)  # PyTorch has it; transformers' Flax CLIP had not
+    with pytest.raises(ModelLoadError) as caught:
+        clip.check_activations(config, "x/config.json", "point it at a CLIP folder")
+    message = str(caught.value)
+    assert message.startswith("x/config.json sets hidden_act 'gelu_fast'")
+    assert message.endswith("; point it at a CLIP folder.") and "\n" not in message
+    clip.check_activations(_clip_config("quick_gelu", 2), "x", "y")  # known ones pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Against transformers' own Flax CLIP, while it ships one.
+
+
+def _flax_clip():
+    try:
+        from transformers.models.clip import modeling_flax_clip
+    except ImportError:
+        pytest.skip("this transformers has no Flax CLIP to compare the tree with")
+    return modeling_flax_clip
+
+
+def _same_tree(ours, theirs):
+    assert jax.tree.structure(ours) == jax.tree.structure(dict(theirs))
+    jax.tree.map(np.testing.assert_array_equal, ours, dict(theirs))
+
+
+@pytest.mark.parametrize("act, eos", CASES)
+def test_trees_and_random_values_are_transformers_flax(act, eos):
+    flax_clip = _flax_clip()
+    key = jax.random.PRNGKey(7)
+    config = _text_config(act, eos)
+    for ours, theirs in (
+        (clip.CLIPTextModel, flax_clip.FlaxCLIPTextModel),
+        (clip.CLIPTextModelWithProjection, flax_clip.FlaxCLIPTextModelWithProjection),
+    ):
+        expected = theirs(config, _do_init=False).init_weights(key, (1, 4))
+        _same_tree(clip.init_text(ours(config), key, 4), expected)
+    config = _clip_config(act, eos)
+    expected = flax_clip.FlaxCLIPModel(config, _do_init=False).init_weights(
+        key, ((1, 1), (1, 32, 32, 3))
+    )
+    _same_tree(clip.init_clip(clip.CLIPModel(config), key), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_outputs_are_transformers_flax_bit_for_bit(dtype):
+    flax_clip = _flax_clip()
+    act, eos = CASES[0]
+    config = _clip_config(act, eos)
+    params = clip.init_clip(clip.CLIPModel(config), jax.random.PRNGKey(1))
+    params = jax.tree.map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size)).reshape(x.shape), params)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    ids, mask = _ids_and_mask()
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    pixels = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), dtype)
+    theirs = flax_clip.FlaxCLIPModule(config=config, dtype=dtype).apply(
+        {"params": params}, ids, pixels, mask, positions, output_hidden_states=True
+    )
+    ours = clip.CLIPModel(config, dtype=dtype)
+    variables = {"params": params}
+    text = ours.apply(variables, ids, mask, output_hidden_states=True, method=_text_tower)
+    for a, b in zip(text.hidden_states, theirs.text_model_output.hidden_states, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(text.pooler_output, theirs.text_model_output.pooler_output)
+    per_image, per_text = ours.apply(variables, ids, pixels, mask)
+    np.testing.assert_array_equal(per_image, theirs.logits_per_image)
+    np.testing.assert_array_equal(per_text, theirs.logits_per_text)
+    # training mode: the same dropout mask from the same key
+    config = _text_config(act, eos, attention_dropout=0.3)
+    text_params = {"text_model": params["text_model"]}
+    rngs = {"dropout": jax.random.PRNGKey(3)}
+    theirs = flax_clip.FlaxCLIPTextModule(config=config, dtype=dtype).apply(
+        {"params": text_params}, ids, mask, positions, deterministic=False, rngs=rngs
+    )
+    ours = clip.CLIPTextModel(config, dtype=dtype)
+    dropped = ours.apply({"params": text_params}, ids, mask, deterministic=False, rngs=rngs)
+    np.testing.assert_array_equal(dropped.last_hidden_state, theirs.last_hidden_state)
+    kept = ours.apply({"params": text_params}, ids, mask)
+    assert not np.array_equal(kept.last_hidden_state, dropped.last_hidden_state)
+
+
+def _text_tower(module, ids, mask, **options):
+    return module.text_model(ids, mask, **options)
