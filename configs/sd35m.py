@@ -3,11 +3,16 @@ a window of 4 BRANCH(2) SDE steps (16 leaves per prompt) that slides each iterat
 steps elsewhere, SDE noise level 0.7, guidance 4.5, 512 px (64x64 latents), fp32 master
 weights with bf16 compute and gradient checkpointing.
 
-python -m tree_grpo_jax.main --config=configs/sd35m.py --config.model.path=/path/to/sd3.5-medium
-(a diffusers-layout folder: stabilityai/stable-diffusion-3.5-medium). The reward defaults to
-`jpeg_compressibility`, which needs no weights; the paper's is HPS-v2.1:
---config.rewards=hpsv2 --config.reward_models.hpsv2=/path/to/hpsv2.1 (docs/prompts-and-rewards.md).
-`--config.model.sd3.use_t5=False` runs without the 4.7B T5 encoder (its tokens are zeros).
+The reward is the paper's, HPS-v2.1, from a converted folder (docs/models/sd35.md has the
+whole recipe: download, convert, train, evaluate):
+
+python -m tree_grpo_jax.main --config=configs/sd35m.py --config.model.path=/path/to/sd3.5-medium \
+    --config.reward_models.hpsv2=/path/to/hpsv2.1
+
+(`model.path`: a diffusers-layout folder of stabilityai/stable-diffusion-3.5-medium).
+`--config.rewards=jpeg_compressibility` trains on JPEG size instead, which needs no reward
+weights. `--config.model.sd3.use_t5=False` runs without the 4.7B T5 encoder (its tokens are
+zeros).
 """
 
 from tree_grpo_jax.config import base_config
@@ -32,7 +37,7 @@ def get_config():
     c.tree.window = 4
     c.tree.k = 2
     c.tree.window_slide_every = 1
-    c.rewards = "jpeg_compressibility"
+    c.rewards = "hpsv2"  # the paper's; jpeg_compressibility needs no weights
     c.train.iterations = 200
     c.train.learning_rate = 1e-5
     c.train.rows_per_minibatch = 8

@@ -1,5 +1,6 @@
 """Stable Diffusion 3.5 Medium with BranchGRPO: 20 flow-matching steps, BRANCH(2) at steps
-0, 3, 6 and 9 (16 leaves), SDE elsewhere, mean reward fusion and depth-wise advantages."""
+0, 3, 6 and 9 (16 leaves), SDE elsewhere, mean reward fusion and depth-wise advantages; the
+rest, HPS-v2.1 included (BranchGRPO's reward too), as configs/sd35m.py."""
 
 from configs import sd35m
 

@@ -4,7 +4,10 @@ guidance 5, 16 videos per prompt, the Flow-GRPO SDE at noise level 0.9, PPO clip
 advantages clipped at 5, no KL, full fine-tuning with learning rate 1e-4 and weight decay
 1e-4. Flow-Factory noises only one step per sample, drawn from steps 1 to 3; flat GRPO here
 noises every step, as Flow-GRPO does (configs/sd35m_grpo.py). Its 14B example is the same
-with `--config.model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers`."""
+with `--config.model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers`. Its reward is CLIP (weight 1)
+and PickScore (weight 0.5) combined by its `gdpo` advantage aggregation; here the Wan
+configs' HPS-v2.1, frame by frame (`--config.rewards=clip_score:1,pickscore:0.5` is a
+weighted sum of the raw scores, whose scales then weigh too)."""
 
 from configs import wan_branchgrpo
 

@@ -279,6 +279,40 @@ def test_aesthetic_conversion(aesthetic_release, tmp_path, capsys):
     assert (want - got).abs().max().item() <= TOLERANCE
 
 
+def test_aesthetic_folder_the_converter_writes_scores_as_the_laion_predictor(
+    aesthetic_release, tmp_path, capsys
+):
+    """The converted folder (the image tower alone) loads as the `aesthetic` reward and scores
+    as the LAION script does: OpenAI CLIP's preprocessing, the unit image embedding, the MLP."""
+    from torchvision import transforms
+
+    from tree_grpo_jax import rewards
+    from tree_grpo_jax.rewards import preprocess
+
+    checkpoint, clip_dir, clip, mlp = aesthetic_release
+    out = tmp_path / "aesthetic"
+    rc, _, err = _run(
+        ["aesthetic", f"--checkpoint={checkpoint}", f"--clip={clip_dir}", f"--out={out}"], capsys
+    )
+    assert rc == 0, err
+    size = clip.config.vision_config.image_size
+    images = np.random.default_rng(5).random((3, size, size, 3)).astype(np.float32)
+    pipeline = transforms.Compose(
+        [
+            transforms.ToTensor(),
+            transforms.Normalize(preprocess.OPENAI_CLIP_MEAN, preprocess.OPENAI_CLIP_STD),
+        ]
+    )  # the images are at the tower's size already: its resize and crop change nothing
+    levels = np.round(images * 255).astype(np.uint8)
+    with torch.no_grad():
+        pixels = torch.stack([pipeline(x) for x in levels])
+        embedding = clip.get_image_features(pixel_values=pixels)
+        embedding = embedding / embedding.norm(dim=-1, keepdim=True)
+        expected = mlp.eval().layers(embedding)[:, 0].numpy()
+    got = np.asarray(rewards.load_reward("aesthetic", str(out))(images, ["a", "b", "c"]))
+    np.testing.assert_allclose(got, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
+
+
 def _bad_inputs(tmp: Path, releases, aesthetic_release) -> dict:
     """{case: (argv, a fragment of the error line)}."""
     _, checkpoint, config, _ = releases[False]

@@ -128,6 +128,7 @@ def test_a_training_iteration_and_the_export_pytorch_loads(folder, tmp_path):
         f"--workdir={workdir}",
         "--config.model.compute_dtype=float32",
         "--config.model.sd3.sample_size=0",
+        "--config.rewards=jpeg_compressibility",  # the config's HPS-v2.1 needs its weights
         "--config.prompts.batch_size=1",
         "--config.prompts.eval_count=2",
         "--config.sampling.num_steps=4",

@@ -153,6 +153,10 @@ def _read_weights(folder: Path, reference: dict, towers, hint: str, convert_hint
         if state is not None:
             prefixes = tuple(p for t in towers for p in _TOWER_PREFIXES[t]) + ("logit_scale",)
             state = {k: v for k, v in state.items() if k.startswith(prefixes)}
+            if TEXT not in towers and "logit_scale" not in state:
+                # An image tower alone (the aesthetic converter keeps no more) never reads the
+                # scale, but the Flax CLIP module declares it: any value serves.
+                state["logit_scale"] = np.zeros(reference[("logit_scale",)], np.float32)
             return convert.pytorch_to_flax(state, reference, merge_indices=False)
     except convert.ParamTreeMismatch as e:
         raise ModelLoadError(
