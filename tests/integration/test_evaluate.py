@@ -159,6 +159,9 @@ def no_checkpoint_run(stopped_run, tmp_path):
         ("out", "cannot write to the output folder"),
         ("long prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
         ("other config", "--config is not the config of the run in"),
+        # the flags typed, not the config fields they set
+        ("samples", "samples) needs about"),
+        ("prompts name", "prompt"),  # a name longer than a file system's 255 bytes
     ],
 )
 def test_bad_input_is_one_sentence_and_writes_nothing(
@@ -172,6 +175,8 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     in_the_way.write_text("x")
     long = tmp_path / "long.txt"
     long.write_text("a handwritten digit one\na b c d e f g h\n")
+    two = tmp_path / "two.txt"
+    two.write_text("a handwritten digit one\na handwritten digit two\n")
     # the run's config with another guidance scale: another run's config
     other = [a.replace("guidance_scale=2.0", "guidance_scale=3.0") for a in RUN]
     args = {
@@ -183,6 +188,8 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
         "out": [f"--workdir={workdir}", f"--out={in_the_way / 'eval'}"],
         "long prompt": [f"--workdir={workdir}", f"--prompts={long}"],
         "other config": [*other, f"--workdir={workdir}"],
+        "samples": [f"--workdir={workdir}", f"--prompts={two}", f"--samples_per_prompt={10**10}"],
+        "prompts name": [f"--workdir={workdir}", f"--prompts={tmp_path / ('x' * 300)}.txt"],
     }[case]
     if case != "out":
         args.append(f"--out={out}")
@@ -191,6 +198,10 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert message in errors[0] and "Traceback" not in result.stderr
     assert not out.exists() and not (in_the_way.parent / "eval").exists()
+    if case == "samples":  # sampled a chunk at a time: --prompts_per_chunk's 2 prompts' worth
+        assert errors[0].startswith("error: --prompts_per_chunk=2 (20,000,000,000 samples)")
+        assert errors[0].endswith("lower --prompts_per_chunk or --samples_per_prompt."), errors[0]
+    assert not any(f in errors[0] for f in ("eval.", "prompts.eval_count", "prompts.source"))
 
 
 def test_a_damaged_newest_checkpoint_is_passed_over_as_training_does(stopped_run, tmp_path):

@@ -10,11 +10,13 @@ checkpoints of the params, metrics.jsonl rows), without training."""
 import gc
 import os
 import shutil
+import signal
 import sys
 
 import jax
 import numpy as np
 import pytest
+from signalled import run_ending
 
 from configs import sd15
 from tree_grpo_jax import lora
@@ -245,3 +247,21 @@ def test_another_base_is_refused_unless_allowed_and_the_card_says_so(
     # the run's own base exports without a word about it
     assert export.main([f"--workdir={run}", f"--out={tmp_path / 'own'}", "--merge"]) == 0
     assert "--allow_other_base" not in (tmp_path / "own" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_line_says_the_export_is_whole(full_run, tmp_path):
+    """SIGTERM once the export has said what it exported, as the process exits: one line
+    saying the folder is written whole, exit 143, and the folder whole (before, this moment
+    was Python's teardown, where the signal killed the process without a line)."""
+    out = tmp_path / "export"
+    args = (f"--workdir={full_run}", f"--out={out}")
+    result = run_ending("tree_grpo_jax.export", "in an exit handler", signal.SIGTERM, *args)
+    assert result.returncode == 143, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: SIGTERM arrived after the export was done; {out} is written whole."]
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith(f"exported checkpoint 2 of {full_run} to {out}\n")
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert "checkpoint exported | 2 " in (out / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing staged left

@@ -402,3 +402,35 @@ def test_a_signal_while_writing_leaves_the_folder_whole_or_nothing(
         assert sorted(p.name for p in out.iterdir()) == sorted([*written, "reward_config.json"])
     else:
         assert "nothing was written" in errors[0] and not out.exists(), errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, signum", [("in the teardown", signal.SIGTERM), ("in an exit handler", signal.SIGINT)]
+)
+def test_a_signal_after_the_done_line_is_said_or_finds_the_process_gone(
+    aesthetic_release, tmp_path, where, signum
+):
+    """A signal once the converter has written the folder and said `done:`, as it exits: in
+    an exit handler, the line that says the folder is whole, exit 130; Python's teardown
+    (seconds of freeing torch and JAX, where a signal used to kill the process without a
+    line) is never reached: the process has ended, exit 0."""
+    from signalled import run_ending
+
+    checkpoint, clip_dir, _, _ = aesthetic_release
+    out = tmp_path / "aesthetic"
+    args = ("aesthetic", f"--checkpoint={checkpoint}", f"--clip={clip_dir}", f"--out={out}")
+    result = run_ending("tree_grpo_jax.rewards.convert", where, signum, *args)
+    assert [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    written = ["aesthetic_mlp.safetensors", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [*written, "reward_config.json"]
+    assert _no_staging_left(tmp_path) and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if where == "in the teardown":
+        assert result.returncode == 0 and not errors, result.stderr[-2000:]
+        assert "sending" not in result.stdout  # the teardown, where it is sent, never came
+    else:
+        assert result.returncode == 130, result.stderr[-2000:]
+        assert errors == [
+            f"error: SIGINT arrived after the conversion was done; {out} is written whole."
+        ]

@@ -61,7 +61,7 @@ def quiet_orbax() -> None:
 
 def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
+    interrupts.finish(status)
 
 
 def run_command(command: str, workdir: str, argv=None, **fields) -> str:
@@ -118,6 +118,16 @@ def print_out(text: str) -> None:
 def _drop_stdout() -> None:
     """What is still buffered for stdout goes nowhere."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def typed_flags(sentence: str, flags: dict[str, str]) -> str:
+    """A sentence of the config's checks or of a model's loader, which name a setting by its
+    config field (`eval.num_steps`) or by training's flag for it (`--config.model.path`),
+    with the flag of this command that set it instead (`flags`: field -> flag, e.g.
+    {"eval.num_steps": "--num_steps"}): the one the user typed."""
+    for field, flag in flags.items():
+        sentence = re.sub(rf"(?<![\w.-])(?:--config\.)?{re.escape(field)}(?!\w)", flag, sentence)
+    return sentence
 
 
 def remove_if_empty(workdir: str) -> None:

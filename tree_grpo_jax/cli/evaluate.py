@@ -48,7 +48,7 @@ from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import echo, first_line, reason
 from tree_grpo_jax.evaluation import normalised
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
@@ -84,6 +84,13 @@ CHUNK = cli.define(
     PARSER, "prompts_per_chunk", 32, "Prompts per saved chunk of results.", type=int, metavar="N"
 )
 
+# The config fields this command's flags set, each with its flag: the sentences of the
+# config's checks name the field (`_evaluation_config` sets them from the flags).
+TYPED = {
+    "eval.samples_per_prompt": "--samples_per_prompt",
+    "prompts.eval_count": "--prompts_per_chunk",
+    "eval.extra_rewards": "--metrics",
+}
 GRID_PROMPTS = 10
 TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py)
 
@@ -347,7 +354,15 @@ def _checked_flags(config, workdir: str | None):
         raise BadInput(f"--prompts_per_chunk must be at least 1, got {size}.")
     names = _metric_names(config, METRICS.value)
     if PROMPTS.value:
-        prompts = load_prompt_set(PROMPTS.value, *prompt_settings(config))
+        try:
+            prompts = load_prompt_set(PROMPTS.value, *prompt_settings(config))
+        except OSError as e:  # a name too long for the file system, a folder that refuses
+            raise BadInput(
+                f"--prompts {echo(PROMPTS.value)} cannot be read ({e.strerror or reason(e)})."
+            ) from None
+        except ValueError as e:  # the loader's sentence may name the config's field
+            line = common.typed_flags(first_line(e), {"prompts.source": "--prompts"})
+            raise BadInput(line) from None
     else:  # as the run's evaluation lists them (run/build.py)
         prompts = config_prompt_set(config, eval_set=True).cycled(config.prompts.eval_count)
     return k, size, names, prompts
@@ -375,10 +390,13 @@ def _open_run(config, workdir: str | None, given_config: bool):
     return ckpt, step
 
 
-def _evaluation_config(config, k: int, names: list[str], with_kl: bool):
+def _evaluation_config(config, k: int, names: list[str], with_kl: bool, chunk: int):
     """The run's config as the evaluation samples: `k` noises a prompt, `names` scored, the
-    KL with a checkpoint, and nothing that stops or prints progress."""
+    KL with a checkpoint, and nothing that stops or prints progress. Its eval set is one
+    `chunk` of prompts, what one sampling holds: the checks of its size (`typed`) are this
+    command's."""
     config = config.copy_and_resolve_references()
+    config.prompts.eval_count = chunk
     config.eval.samples_per_prompt = k
     config.eval.extra_rewards = tuple(names)
     config.eval.kl = with_kl
@@ -419,10 +437,13 @@ def _start_chunks(out: str, arguments: dict) -> _Chunks:
 def _save_grid(out: str, row: dict, grid) -> None:
     """The model's picture grid (and a video's animation), named in its `row`."""
     from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.weights import staging
 
-    path = os.path.join(out, f"grid_{row['label'].replace(' ', '_')}.png")
-    with interrupts.critical():
-        reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=grid.shape[1])
+    name = f"grid_{row['label'].replace(' ', '_')}.png"
+    path = os.path.join(out, name)
+    with interrupts.critical(), staging.files_in_place(out) as stage:  # whole, or the old one
+        cells = grid.reshape(-1, *grid.shape[2:])
+        reporting.save_grid(os.path.join(stage, name), cells, columns=grid.shape[1])
     row["grid"] = path
     if reporting.is_video(grid[0]):
         row["animation"] = reporting.animation_path(path)
@@ -438,7 +459,8 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     ckpt, step = _open_run(config, workdir, given_config)
     check_out(out)
 
-    config = _evaluation_config(config, k, names, with_kl=workdir is not None)
+    chunk = min(size, len(prompt_set.prompts))
+    config = _evaluation_config(config, k, names, workdir is not None, chunk)
     trainer, state = setup(config, out)
     prompts, categories = list(prompt_set.prompts), prompt_set.categories
     metadata = list(prompt_set.metadata) if any(prompt_set.metadata) else None
@@ -491,8 +513,12 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
 
 
 def _write_results(out, result, rows, names, prompts, k, arguments, config) -> None:
-    with interrupts.critical():
-        with open(os.path.join(out, "evaluation.json"), "w") as f:
+    """evaluation.json and evaluation.md, each in place only once whole (a rerun's replace
+    the last ones only then)."""
+    from tree_grpo_jax.weights import staging
+
+    with interrupts.critical(), staging.files_in_place(out) as stage:
+        with open(os.path.join(stage, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2)
         video = [TEMPORAL] if TEMPORAL in rows[0] else []
         columns = [*names, *(["diversity"] if k > 1 else []), *video]
@@ -509,7 +535,7 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
             text += "\n" + _category_tables(rows, names, result["categories"])
         if "normalised" in result:
             text += "\n" + normalised.table(result["normalised"], rows[0]["label"])
-        with open(os.path.join(out, "evaluation.md"), "w") as f:
+        with open(os.path.join(stage, "evaluation.md"), "w") as f:
             f.write(text)
 
 
@@ -539,9 +565,12 @@ def main(argv=None) -> None:
                 common.remove_if_empty(out)
             raise
     except (BadInput, *train.BAD_INPUT) as e:
-        common.fail(first_line(e), common.EXIT_BAD_INPUT)
+        common.fail(common.typed_flags(first_line(e), TYPED), common.EXIT_BAD_INPUT)
     except (train.RewardError, train.DivergenceError) as e:
         common.fail(str(e), common.EXIT_FAILED)
+    interrupts.set_stop_line(
+        lambda name: f"{name} arrived after the evaluation was done; its results are in {out}."
+    )
     from tree_grpo_jax import sharding
 
     if sharding.is_primary():
@@ -555,6 +584,7 @@ def main(argv=None) -> None:
 def run() -> None:
     common.starting("evaluate")
     main(cli.parse_flags(sys.argv, PARSER))
+    interrupts.finish(0)
 
 
 if __name__ == "__main__":

@@ -424,6 +424,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _done(out: Path) -> None:
+    """From here on a signal finds the export done: its line says so."""
+    interrupts.set_stop_line(
+        lambda name: f"{name} arrived after the export was done; {out} is written whole."
+    )
+
+
 def _said(source: _Source, out: Path) -> str:
     """The one line that says what was exported where."""
     if source.run is None:
@@ -459,6 +466,7 @@ def main(argv=None) -> int:
                 sources=[source.path],
                 card=card,
             )
+            _done(out)
             print(f"{_said(source, out)} (load it with pipe.load_lora_weights)")
             return 0
         if adapter:  # --merge: the base weights with the factors added, as full weights
@@ -484,10 +492,8 @@ def main(argv=None) -> int:
         )
     except (ValueError, CheckpointError) as e:
         # The loaders' sentences name the training flag; here the base folder is --model_path.
-        print(
-            f"error: {first_line(e).replace('--config.model.path', '--model_path')}",
-            file=sys.stderr,
-        )
+        line = common.typed_flags(first_line(e), {"--config.model.path": "--model_path"})
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the copy's source file is not to blame
@@ -501,6 +507,7 @@ def main(argv=None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
         return 2
+    _done(out)
     print(_said(source, out))
     return 0
 
@@ -512,7 +519,7 @@ def run() -> None:
             f"{name} stopped the export; nothing was written (the output folder is as it was)."
         )
     )
-    sys.exit(main())
+    interrupts.finish(main())
 
 
 if __name__ == "__main__":

@@ -183,6 +183,9 @@ def main(argv=None) -> None:
     config = _checked_config()
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     summary = _train(config, workdir)
+    interrupts.set_stop_line(  # the run has ended and saved all it did: nothing to stop
+        lambda name: f"{name} arrived after the run had ended; nothing was lost ({workdir})."
+    )
 
     from tree_grpo_jax import sharding
 
@@ -193,6 +196,7 @@ def main(argv=None) -> None:
 def run() -> None:
     starting("main")
     main(parse_flags(sys.argv, PARSER))
+    interrupts.finish(0)
 
 
 if __name__ == "__main__":

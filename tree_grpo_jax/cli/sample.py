@@ -221,7 +221,7 @@ def _draw(trainer, params, prompts: list[str], batch: int):
 
 def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str, list[str]]:
     """One PNG per prompt and the grid (for videos, each PNG a strip of the frames, with an
-    animated GIF beside it); on a failure the files written so far are removed."""
+    animated GIF beside it), each put in place whole: on a failure `out` is as it was."""
     with interrupts.critical():  # a signal waits for the pictures to be written
         written = _write_all(out, prompts, pictures)
         interrupts.set_stop_line(
@@ -234,29 +234,34 @@ def _write_all(out: str, prompts: list[str], pictures):
     import numpy as np
 
     from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.weights import staging
 
     existed = os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
     width = max(3, len(str(len(prompts) - 1)))
-    written, animations = [], []
+    names, animations = [], []  # written in the hidden folder, then moved into `out`
     try:
-        for i, (prompt, picture) in enumerate(zip(prompts, pictures)):
-            path = os.path.join(out, _file_name(i, prompt, width))
-            png, *animation = reporting.save_sample(path, picture)
-            written.append(png)
-            animations.extend(animation)
-        grid = os.path.join(out, "grid.png")
-        columns = min(GRID_COLUMNS, len(prompts))
-        reporting.save_grid(grid, pictures.astype(np.float32) / 255.0, columns=columns)
-        if reporting.is_video(pictures):
-            animations.append(reporting.animation_path(grid))
+        with staging.files_in_place(out) as stage:
+            for i, (prompt, picture) in enumerate(zip(prompts, pictures)):
+                png, *animation = reporting.save_sample(
+                    os.path.join(stage, _file_name(i, prompt, width)), picture
+                )
+                names.append(os.path.basename(png))
+                animations.extend(os.path.basename(a) for a in animation)
+            columns = min(GRID_COLUMNS, len(prompts))
+            grid = reporting.save_grid(
+                os.path.join(stage, "grid.png"), pictures.astype(np.float32) / 255.0, columns
+            )
+            if reporting.is_video(pictures):
+                animations.append(os.path.basename(reporting.animation_path(grid)))
     except BaseException:
-        for path in [*written, *animations]:
-            os.remove(path)
         if not existed:
             common.remove_if_empty(out)
         raise
-    return written, grid, animations
+
+    def placed(names):
+        return [os.path.join(out, name) for name in names]
+
+    return placed(names), os.path.join(out, "grid.png"), placed(animations)
 
 
 def sample(args) -> Drawn:
@@ -289,6 +294,7 @@ def sample(args) -> Drawn:
 
     config = _sampling_config(config, args)
     trainer, state = setup(config, workdir, model=_model(config, prompts))
+    trainer.schedule(config.eval.num_steps or None)  # steps the model cannot take: refused now
     restored, meta, step, skipped = common.restore_run_state(directory, args.step, target=state)
     train.check_base_weights(trainer, meta, directory)
     steps_used = config.eval.num_steps or config.sampling.num_steps
@@ -309,10 +315,18 @@ def sample(args) -> Drawn:
     return Drawn(step, out, images, grid, animations)
 
 
-def _our_flags(sentence: str) -> str:
-    """A sentence of the model's loader, which names training's flag for the base folder,
-    with this command's own (`--model_path`): the flag the user typed, or would type."""
-    return sentence.replace("--config.model.path", "--model_path")
+def typed(args) -> dict[str, str]:
+    """The config fields this command's flags set (those given), each with its flag: the
+    sentences of the config's checks and the model's loader name the field. The base folder
+    is always --model_path: training's flag for it would be refused here."""
+    given = {
+        "eval.num_steps": ("--num_steps", args.num_steps),
+        "eval.seed": ("--seed", args.seed),
+        "prompts.source": ("--prompts", args.prompts),
+    }
+    flags = {field: flag for field, (flag, value) in given.items() if value is not None}
+    flags["model.path" if args.model_path else "--config.model.path"] = "--model_path"
+    return flags
 
 
 def main(argv=None) -> int:
@@ -322,7 +336,8 @@ def main(argv=None) -> int:
     try:
         sample(args)
     except (BadInput, *train.BAD_INPUT) as e:
-        print(f"error: {_our_flags(first_line(e))}", file=sys.stderr, flush=True)
+        line = common.typed_flags(first_line(e), typed(args))
+        print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     except (train.RewardError, train.DivergenceError) as e:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
@@ -337,7 +352,7 @@ def main(argv=None) -> int:
 def run() -> None:
     common.starting("sample")
     interrupts.set_stop_line(lambda name: f"{name} stopped the sampling; nothing was written.")
-    sys.exit(main())
+    interrupts.finish(main())
 
 
 if __name__ == "__main__":
