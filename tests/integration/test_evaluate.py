@@ -294,3 +294,27 @@ def test_normalised_without_a_checkpoint_is_one_sentence(tmp_path):
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert "--normalised compares a checkpoint with the base model" in errors[0]
     assert not out.exists()
+
+
+def test_out_of_memory_names_the_chunk_flags(stopped_run, tmp_path, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED while sampling a chunk: one line naming the flags that size
+    a chunk, with their values, exit 1, and no output folder left."""
+    import jax
+
+    from tree_grpo_jax.run import eval_metrics
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.1GiB.")
+
+    monkeypatch.setattr(eval_metrics, "measure", exhausted)
+    out = tmp_path / "out"
+    args = (f"--workdir={stopped_run[0]}", f"--out={out}", "--prompts_per_chunk=3")
+    result = run_in_process(_evaluate(), *args)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors == [
+        "error: the device ran out of memory (3.1GiB) evaluating the base model, 3 prompt(s) "
+        "x 4 sample(s) at once; lower --prompts_per_chunk (now 3) or --samples_per_prompt "
+        "(now 4)."
+    ]
+    assert not out.exists()

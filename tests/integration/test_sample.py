@@ -269,3 +269,22 @@ def test_a_failed_write_leaves_the_earlier_pictures_as_they_were(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "No space left on device" in errors[0], errors
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_out_of_memory_names_the_batch_flag(run, tmp_path, monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED while drawing: one line naming --batch_size with the batch
+    drawn, exit 1, nothing written."""
+    import jax
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.1GiB.")
+
+    monkeypatch.setattr(train.Trainer, "eval_batch", exhausted)
+    out = tmp_path / "pictures"
+    assert sample.main([f"--workdir={run}", f"--out={out}", "--batch_size=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "error: the device ran out of memory (3.1GiB) drawing 3 prompt(s) at once; lower "
+        "--batch_size (now 3)."
+    ), err
+    assert "Traceback" not in err and not out.exists()

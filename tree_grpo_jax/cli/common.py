@@ -64,11 +64,12 @@ def fail(message: str, status: int) -> None:
     interrupts.finish(status)
 
 
-def run_command(command: str, workdir: str, argv=None, **fields) -> str:
+def run_command(command: str, workdir: str | None, argv=None, **fields) -> str:
     """The command line that runs `workdir` again: `python -m tree_grpo_jax.<command>` with
     this process's arguments (`argv`, default sys.argv[1:]), `--workdir=<workdir>` after the
-    config, and `--config.<field>=<value>` for each of `fields` (`train__iterations=60`),
-    replacing the same override if given; quoted for a POSIX shell."""
+    config (none when `workdir` is None), and `--config.<field>=<value>` for each of
+    `fields` (`train__iterations=60`), replacing the same override if given; quoted for a
+    POSIX shell."""
     args = list(sys.argv[1:] if argv is None else argv)
     kept, skip = [], False
     for arg in args:
@@ -85,7 +86,8 @@ def run_command(command: str, workdir: str, argv=None, **fields) -> str:
     at = next((i + 1 for i, a in enumerate(kept) if a.startswith("--config=")), 0)
     if at == 0 and "--config" in kept:  # `--config FILE`
         at = kept.index("--config") + 2
-    kept.insert(at, f"--workdir={workdir}")
+    if workdir is not None:
+        kept.insert(at, f"--workdir={workdir}")
     line = " ".join(["python", "-m", f"tree_grpo_jax.{command}", *map(shlex.quote, kept)])
     # Simulated CPU devices decide the run's mesh: the run goes on only on as many.
     forced = re.search(

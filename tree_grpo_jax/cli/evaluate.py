@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 
@@ -453,6 +454,7 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`.
     `given_config`: `config` came from --config, not from the run's folder."""
     from tree_grpo_jax import sharding
+    from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import check_prompts, setup
 
     k, size, names, prompt_set = _checked_flags(config, workdir)
@@ -487,11 +489,18 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     primary = sharding.is_primary()
     chunks = _start_chunks(out, arguments) if primary else None
     rows = []
+    lower = out_of_memory.lower_flags({"--prompts_per_chunk": chunk, "--samples_per_prompt": k})
     for label, params in models:
         with_kl = label != "base"
-        row, grid = _evaluate_model(
-            trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
-        )
+        with out_of_memory.said_as(
+            lambda needed, label=label: (
+                f"the device ran out of memory{needed} evaluating the {label} model, {chunk} "
+                f"prompt(s) x {k} sample(s) at once; {lower}."
+            )
+        ):
+            row, grid = _evaluate_model(
+                trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
+            )
         rows.append(row)
         if primary:
             _save_grid(out, row, grid)
@@ -539,6 +548,16 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
             f.write(text)
 
 
+def _remove_if_nothing_done(out: str) -> None:
+    """A new output folder that holds no result (at most the record of the arguments of the
+    chunks to come) goes."""
+    marker = os.path.join(out, "partial", "arguments.json")
+    for root, _, files in os.walk(out):
+        if any(os.path.join(root, name) != marker for name in files):
+            return
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def main(argv=None) -> None:
     del argv
     common.quiet_orbax()
@@ -558,15 +577,15 @@ def main(argv=None) -> None:
             raise BadInput("give --out=<folder> for the results of a model folder.")
         existed = os.path.exists(out)
         try:
-            with interrupts.on_stop(lambda: existed or common.remove_if_empty(out)):
+            with interrupts.on_stop(lambda: existed or _remove_if_nothing_done(out)):
                 result = evaluate(config, workdir, out, given_config=cli.CONFIG.value is not None)
         except BaseException:
             if not existed:
-                common.remove_if_empty(out)
+                _remove_if_nothing_done(out)
             raise
     except (BadInput, *train.BAD_INPUT) as e:
         common.fail(common.typed_flags(first_line(e), TYPED), common.EXIT_BAD_INPUT)
-    except (train.RewardError, train.DivergenceError) as e:
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
         common.fail(str(e), common.EXIT_FAILED)
     interrupts.set_stop_line(
         lambda name: f"{name} arrived after the evaluation was done; its results are in {out}."

@@ -268,6 +268,7 @@ def sample(args) -> Drawn:
     """Draws `args`' prompts from the run's checkpoint and writes the pictures."""
     from tree_grpo_jax import sharding
     from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import setup
     from tree_grpo_jax.run.checkpoint import Checkpointer
 
@@ -305,7 +306,14 @@ def sample(args) -> Drawn:
         f"{config.sampling.guidance_scale:g}), seed {config.eval.seed}",
         flush=True,
     )
-    pictures = _draw(trainer, restored.params, prompts, batch)
+    size = min(batch, len(prompts))
+    with out_of_memory.said_as(
+        lambda needed: (
+            f"the device ran out of memory{needed} drawing {size} prompt(s) at once; "
+            f"{out_of_memory.lower_flags({'--batch_size': size})}."
+        )
+    ):
+        pictures = _draw(trainer, restored.params, prompts, batch)
     out = args.out or os.path.join(workdir, "samples", f"step_{step}")
     if not sharding.is_primary():
         return Drawn(step, out, [], "")
@@ -339,7 +347,7 @@ def main(argv=None) -> int:
         line = common.typed_flags(first_line(e), typed(args))
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
-    except (train.RewardError, train.DivergenceError) as e:
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
         return 1
     except OSError as e:  # writing the pictures failed (disk full, permissions)
