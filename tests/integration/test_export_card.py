@@ -265,3 +265,30 @@ def test_a_signal_after_the_last_line_says_the_export_is_whole(full_run, tmp_pat
     assert (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
     assert "checkpoint exported | 2 " in (out / "README.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing staged left
+
+
+@pytest.mark.parametrize(
+    "section, value, said",
+    [
+        ("lora", "x", "its 'lora' is \"x\", not a section of fields."),
+        ("checkpoint", [1], "its 'checkpoint' is [1], not a section of fields."),
+        ("lora", {"rank": "four"}, 'its lora.rank is "four".'),
+        ("train", {"iterations": 2.5}, "its train.iterations is 2.5."),
+    ],
+)
+def test_a_config_json_of_other_types_is_one_sentence(tmp_path, capsys, section, value, said):
+    """A run's config.json edited by hand: a section or field of another type than training
+    writes is one sentence naming the file, exit 2, nothing written (before: a traceback)."""
+    import json
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    config = {"model": {"name": "sd", "path": str(tmp_path / "base")}, section: value}
+    (workdir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {workdir / 'config.json'} is not a run's config as training writes it: {said}\n"
+    )
+    assert not out.exists()

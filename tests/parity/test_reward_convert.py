@@ -294,6 +294,10 @@ def _bad_inputs(tmp: Path, releases, aesthetic_release) -> dict:
     pooler = tmp / "pooler.json"
     vision = {**VISION, "attentional_pool": True}
     pooler.write_text(json.dumps({"embed_dim": EMBED_DIM, "vision_cfg": vision, "text_cfg": TEXT}))
+    # a layer count that would make the key plan and the expected shapes run forever
+    deep = tmp / "deep.json"
+    vision = {**VISION, "layers": 10**12}
+    deep.write_text(json.dumps({"embed_dim": EMBED_DIM, "vision_cfg": vision, "text_cfg": TEXT}))
     full = tmp / "full"
     full.mkdir()
     (full / "keep.txt").write_text("work")
@@ -316,6 +320,10 @@ def _bad_inputs(tmp: Path, releases, aesthetic_release) -> dict:
         "attentional_pool": (
             ["hpsv2", out, f"--checkpoint={checkpoint}", f"--open-clip-config={pooler}"],
             "attentional_pool",
+        ),
+        "absurd_layers": (
+            ["hpsv2", out, f"--checkpoint={checkpoint}", f"--open-clip-config={deep}"],
+            "vision_cfg.layers is 1,000,000,000,000; no CLIP tower has more than",
         ),
         "out_not_empty": (
             ["hpsv2", f"--out={full}", cfg, f"--checkpoint={checkpoint}"],

@@ -171,8 +171,43 @@ def _run_model(workdir: Path) -> tuple[ModelFamily, str, dict, dict]:
             f"the run in {workdir} did not train a model from a pipeline folder that can be "
             "exported; pass --model_path."
         )
+    _check_sections(run_config, config_file)
     adapter = run_config.get("lora") or {}
     return family, str(model["path"]), adapter if adapter.get("rank") else {}, run_config
+
+
+# The sections of config.json an export reads, and the fields it reads in them with their type.
+_READ = {"lora": {"rank": int, "alpha": (int, float)}, "checkpoint": {"dir": str}}
+_READ |= {"tree": {"method": str}, "train": {"iterations": int}}
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:40]}..."
+
+
+def _check_sections(run_config: dict, config_file: Path) -> None:
+    """A config.json edited by hand (or cut short and mended): one sentence for a section
+    or a field of another type than training writes, instead of a traceback later."""
+    for section, fields in _READ.items():
+        values = run_config.get(section)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{config_file} is not a run's config as training writes it: its {section!r} "
+                f"is {_shown(values)}, not a section of fields."
+            )
+        for field, kind in fields.items():
+            value = values.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ValueError(
+                    f"{config_file} is not a run's config as training writes it: its "
+                    f"{section}.{field} is {_shown(value)}."
+                )
+    rank = (run_config.get("lora") or {}).get("rank") or 0
+    if rank < 0:
+        raise ValueError(f"{config_file} holds lora.rank {rank}; a rank is at least 0.")
 
 
 def _checkpoint_dir(workdir: Path, run_config: dict) -> str:
