@@ -157,7 +157,7 @@ def no_checkpoint_run(stopped_run, tmp_path):
         ("metric", "unknown metric 'no_such_metric' in --metrics"),
         ("prompts", "has no prompts"),
         ("out", "cannot write to the output folder"),
-        ("long prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
+        ("long prompt", "--prompts: prompt 'a b c d e f g h' has 8"),
         ("other config", "--config is not the config of the run in"),
         # the flags typed, not the config fields they set
         ("samples", "samples) needs about"),
@@ -318,3 +318,20 @@ def test_out_of_memory_names_the_chunk_flags(stopped_run, tmp_path, monkeypatch)
         "(now 4)."
     ]
     assert not out.exists()
+
+
+def test_prompts_of_its_own_need_no_prompt_file_of_the_run(stopped_run, tmp_path):
+    """--prompts: the run's own prompt file (moved since, or on another machine) is not
+    read; before, a missing one refused the evaluation."""
+    copy = tmp_path / "run"
+    shutil.copytree(stopped_run[0], copy, ignore=shutil.ignore_patterns("evaluation"))
+    saved = json.loads((copy / "config.json").read_text())
+    saved["prompts"]["source"] = str(tmp_path / "moved_away.txt")
+    (copy / "config.json").write_text(json.dumps(saved))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a handwritten digit one\na handwritten digit two\n")
+    out = tmp_path / "out"
+    args = (f"--workdir={copy}", f"--prompts={prompts}", f"--out={out}", "--samples_per_prompt=1")
+    result = run_in_process(_evaluate(), *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _read(out, "evaluation.json")["prompts"] == 2

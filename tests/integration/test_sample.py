@@ -137,6 +137,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         ("model path of a built-in model", "--model_path changes nothing here: the run's "),
         # the flag typed, not the config field it sets (eval.num_steps)
         ("too many steps", "error: --num_steps must be in [1, 999], got 1000."),
+        ("absurd steps", "error: --num_steps must be in [2, 10,000], got 1,000,000,000 (the "),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
@@ -159,6 +160,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
         "unwritable out": [f"--out={in_the_way / 'pictures'}"],
         "model path of a built-in model": [f"--model_path={tmp_path}"],
         "too many steps": ["--num_steps=1000"],  # the first timestep would be 1000 of 0..999
+        "absurd steps": [f"--num_steps={10**9}"],  # any model's, before its schedule is made
     }.get(case, [])
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={workdir}")

@@ -86,7 +86,8 @@ CHUNK = cli.define(
 )
 
 # The config fields this command's flags set, each with its flag: the sentences of the
-# config's checks name the field (`_evaluation_config` sets them from the flags).
+# config's checks name the field (`_evaluation_config` sets them from the flags; and
+# prompts.source from --prompts, when given).
 TYPED = {
     "eval.samples_per_prompt": "--samples_per_prompt",
     "prompts.eval_count": "--prompts_per_chunk",
@@ -395,8 +396,10 @@ def _evaluation_config(config, k: int, names: list[str], with_kl: bool, chunk: i
     """The run's config as the evaluation samples: `k` noises a prompt, `names` scored, the
     KL with a checkpoint, and nothing that stops or prints progress. Its eval set is one
     `chunk` of prompts, what one sampling holds: the checks of its size (`typed`) are this
-    command's."""
+    command's. With --prompts, the run's own prompt files need not be at hand."""
     config = config.copy_and_resolve_references()
+    if PROMPTS.value:
+        config.prompts.source, config.prompts.eval_source = PROMPTS.value, ""
     config.prompts.eval_count = chunk
     config.eval.samples_per_prompt = k
     config.eval.extra_rewards = tuple(names)
@@ -584,7 +587,8 @@ def main(argv=None) -> None:
                 _remove_if_nothing_done(out)
             raise
     except (BadInput, *train.BAD_INPUT) as e:
-        common.fail(common.typed_flags(first_line(e), TYPED), common.EXIT_BAD_INPUT)
+        typed = {**TYPED, **({"prompts.source": "--prompts"} if PROMPTS.value else {})}
+        common.fail(common.typed_flags(first_line(e), typed), common.EXIT_BAD_INPUT)
     except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
         common.fail(str(e), common.EXIT_FAILED)
     interrupts.set_stop_line(

@@ -51,6 +51,9 @@ The same arguments draw the same pictures. Bad input is one "error:" line and ex
 
 BadInput = common.BadInput
 GRID_COLUMNS = 10
+# Sampler steps a drawing may take: far beyond any model's use (their schedules take 20-50),
+# and below what a flow schedule's arrays (its sigmas, num_steps + 1 of them) could not hold.
+MOST_STEPS = 10_000
 # Sampling scores nothing: a reward that reads no weights stands in for the run's, so that
 # reward models (and their weights) are not needed to draw pictures.
 STAND_IN_REWARD = "jpeg_compressibility"
@@ -128,8 +131,11 @@ def _check_numbers(args) -> None:
 
     if args.seed is not None and not 0 <= args.seed < cfg.SEED_LIMIT:
         raise BadInput(f"--seed must be a whole number in [0, 2**32), got {args.seed}.")
-    if args.num_steps is not None and args.num_steps < 2:
-        raise BadInput(f"--num_steps must be at least 2, got {args.num_steps}.")
+    if args.num_steps is not None and not 2 <= args.num_steps <= MOST_STEPS:
+        raise BadInput(
+            f"--num_steps must be in [2, {MOST_STEPS:,}], got {args.num_steps:,}"
+            f"{' (the sampler runs them one after another)' if args.num_steps > 2 else ''}."
+        )
     if args.batch_size is not None and args.batch_size < 1:
         raise BadInput(f"--batch_size must be at least 1, got {args.batch_size}.")
 
