@@ -137,7 +137,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         ("model path of a built-in model", "--model_path changes nothing here: the run's "),
         # the flag typed, not the config field it sets (eval.num_steps)
         ("too many steps", "error: --num_steps must be in [1, 999], got 1000."),
-        ("absurd steps", "error: --num_steps must be in [2, 10,000], got 1,000,000,000 (the "),
+        ("absurd steps", "error: --num_steps must be in [2, 10,000], got 1,000,000,000."),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):

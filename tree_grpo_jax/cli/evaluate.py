@@ -429,12 +429,17 @@ def _start_chunks(out: str, arguments: dict) -> _Chunks:
     """`out`'s saved chunks for `arguments`; a stop from now on says how to continue."""
     chunks = _Chunks(out, arguments)
     again = " ".join(["python -m tree_grpo_jax.evaluate", *map(shlex.quote, sys.argv[1:])])
-    interrupts.set_stop_line(
-        lambda name: (
-            f"{name} stopped the evaluation; {chunks.done()} chunk(s) of results "
-            f"are kept in {chunks.folder}, and the same command continues from them: {again}"
+
+    def line(name: str) -> str:
+        done = chunks.done()
+        if not done:  # nothing to continue from (a new folder goes: main's cleanup)
+            return f"{name} stopped the evaluation before its first results; start it with: {again}"
+        return (
+            f"{name} stopped the evaluation; {done} chunk(s) of results are kept in "
+            f"{chunks.folder}, and the same command continues from them: {again}"
         )
-    )
+
+    interrupts.set_stop_line(line)
     return chunks
 
 

@@ -132,10 +132,7 @@ def _check_numbers(args) -> None:
     if args.seed is not None and not 0 <= args.seed < cfg.SEED_LIMIT:
         raise BadInput(f"--seed must be a whole number in [0, 2**32), got {args.seed}.")
     if args.num_steps is not None and not 2 <= args.num_steps <= MOST_STEPS:
-        raise BadInput(
-            f"--num_steps must be in [2, {MOST_STEPS:,}], got {args.num_steps:,}"
-            f"{' (the sampler runs them one after another)' if args.num_steps > 2 else ''}."
-        )
+        raise BadInput(f"--num_steps must be in [2, {MOST_STEPS:,}], got {args.num_steps:,}.")
     if args.batch_size is not None and args.batch_size < 1:
         raise BadInput(f"--batch_size must be at least 1, got {args.batch_size}.")
 
@@ -329,7 +326,7 @@ def sample(args) -> Drawn:
     return Drawn(step, out, images, grid, animations)
 
 
-def typed(args) -> dict[str, str]:
+def _typed(args) -> dict[str, str]:
     """The config fields this command's flags set (those given), each with its flag: the
     sentences of the config's checks and the model's loader name the field. The base folder
     is always --model_path: training's flag for it would be refused here."""
@@ -350,7 +347,7 @@ def main(argv=None) -> int:
     try:
         sample(args)
     except (BadInput, *train.BAD_INPUT) as e:
-        line = common.typed_flags(first_line(e), typed(args))
+        line = common.typed_flags(first_line(e), _typed(args))
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
