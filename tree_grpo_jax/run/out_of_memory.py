@@ -182,6 +182,8 @@ def out_of_memory(error: BaseException, config) -> OutOfMemory | None:
     if not is_out_of_memory(error):
         return None
     program, when, trainer = _where(error)
+    if program == "reward model" and getattr(getattr(trainer, "reward", None), "on_host", False):
+        program = "decode"  # a host reward takes no device memory: its parts' decode does
     evaluating = "evaluation" in when or program == "evaluation"
     settings = _settings(program, evaluating, config, trainer)
     rank = int(config.lora.get("rank", 0))
