@@ -138,14 +138,29 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         # the flag typed, not the config field it sets (eval.num_steps)
         ("too many steps", "error: --num_steps must be in [1, 999], got 1000."),
         ("absurd steps", "error: --num_steps must be in [2, 10,000], got 1,000,000,000."),
+        # config.json edited by hand (before: an AttributeError or TypeError traceback)
+        (
+            "section a value",
+            "config.json is not a run's config as training writes it: its 'eval' is",
+        ),
+        ("field of another type", "config.json is not a run's config as training writes it (Type"),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
     workdir = run
-    if case in ("no checkpoint", "unreadable"):
+    edits = {
+        "section a value": ("eval", "x"),
+        "field of another type": ("prompts", {"eval_count": "ten"}),
+    }
+    if case in ("no checkpoint", "unreadable", *edits):
         workdir = tmp_path / "copy"
         shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("samples"))
-        if case == "no checkpoint":
+        if case in edits:
+            saved = json.loads((workdir / "config.json").read_text())
+            section, value = edits[case]
+            saved[section] = {**saved[section], **value} if isinstance(value, dict) else value
+            (workdir / "config.json").write_text(json.dumps(saved))
+        elif case == "no checkpoint":
             shutil.rmtree(workdir / "checkpoints" / "1")
         else:
             _damage(workdir / "checkpoints" / "1")

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import OneLineErrors, UserError
+from tree_grpo_jax.errors import OneLineErrors, UserError, reason
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -175,7 +175,33 @@ def run_config(workdir: str):
         raise BadInput(f"{path} does not hold a run's config.")
     from tree_grpo_jax import config as cfg
 
-    return cfg.saved_config(saved)
+    check_sections(saved, path)
+    try:
+        return cfg.saved_config(saved)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a field of another type
+        raise BadInput(
+            f"{path} is not a run's config as training writes it ({reason(e)})."
+        ) from None
+
+
+def shown_json(value, limit: int = 40) -> str:
+    """A value read from a JSON file, as JSON, cut after `limit` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def check_sections(saved: dict, path) -> None:
+    """A run's config.json edited by hand: BadInput (one sentence) for a section of the
+    schema that holds a value instead of fields."""
+    from tree_grpo_jax import config as cfg
+
+    schema = cfg.base_config()
+    for section, value in saved.items():
+        if hasattr(schema.get(section), "items") and not isinstance(value, dict):
+            raise BadInput(
+                f"{path} is not a run's config as training writes it: its {section!r} is "
+                f"{shown_json(value)}, not a section of fields."
+            )
 
 
 def check_out(out: str) -> None:

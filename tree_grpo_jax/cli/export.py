@@ -181,29 +181,18 @@ _READ = {"lora": {"rank": int, "alpha": (int, float)}, "checkpoint": {"dir": str
 _READ |= {"tree": {"method": str}, "train": {"iterations": int}}
 
 
-def _shown(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else f"{text[:40]}..."
-
-
 def _check_sections(run_config: dict, config_file: Path) -> None:
     """A config.json edited by hand (or cut short and mended): one sentence for a section
     or a field of another type than training writes, instead of a traceback later."""
+    common.check_sections(run_config, config_file)
     for section, fields in _READ.items():
-        values = run_config.get(section)
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise ValueError(
-                f"{config_file} is not a run's config as training writes it: its {section!r} "
-                f"is {_shown(values)}, not a section of fields."
-            )
+        values = run_config.get(section) or {}
         for field, kind in fields.items():
             value = values.get(field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
                 raise ValueError(
                     f"{config_file} is not a run's config as training writes it: its "
-                    f"{section}.{field} is {_shown(value)}."
+                    f"{section}.{field} is {common.shown_json(value)}."
                 )
     rank = (run_config.get("lora") or {}).get("rank") or 0
     if rank < 0:
