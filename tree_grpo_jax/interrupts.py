@@ -13,13 +13,20 @@ watcher thread reads at once, whatever the main thread is doing. The watcher the
 - inside `critical()` (a file being written), waits for the region's end, where the main
   thread stops with the line: nothing is left half-written.
 
+A command ends with `finish(status)`: Python's exit handlers run as usual (a signal meanwhile
+is still the command's line), and then the process ends at once, without the interpreter's
+teardown: freeing JAX's and torch's objects takes a second or more, and Python handles no
+signal by then, so one would kill the process silently after its last line.
+
 Without `install()` (the library used from Python) nothing changes: the caller's handlers
 stay in place.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -44,6 +51,7 @@ class _State:
         self.stop_line = lambda name: f"{name} stopped the command."
         self.cleanups: list = []
         self.stopper: int | None = None  # the thread ending the process, once one is
+        self.status: int | None = None  # the command's own exit status (`finish`), once said
 
 
 def _park_if_stopping() -> None:
@@ -81,8 +89,38 @@ def install() -> bool:
         return False
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_watch, args=(read,), name="interrupts", daemon=True).start()
+    # Registered before the packages' own (JAX's, orbax's): run after them, it is the last.
+    atexit.register(_end)
     _state.installed = True
     return True
+
+
+def finish(status: int) -> None:
+    """Ends the command with exit status `status` (`sys.exit`). With `install()`, the process
+    then ends right after the exit handlers, without the interpreter's teardown (`_end`)."""
+    if _state.installed:
+        _state.status = status
+    sys.exit(status)
+
+
+def _end() -> None:
+    """The last exit handler: after a `finish`, ends the process with its status at once.
+
+    Python's teardown (modules and their objects freed: a second or two after JAX or torch)
+    comes after the signal handlers are restored to their defaults and the watcher thread is
+    frozen; a signal then would end the process silently, by SIGTERM's or SIGINT's default
+    action, after everything was written and said. Nothing of the teardown is needed: the
+    command's files are closed, and its streams are flushed here. After an uncaught
+    exception (no `finish`) Python ends as usual."""
+    with _state.lock:
+        if _state.status is None:
+            return
+        if _state.stopper is None:
+            _state.stopper = threading.get_ident()
+    _park_if_stopping()  # a stop under way ends the process itself, with its line
+    logging.shutdown()  # registered before `install()`: it would run after this
+    _flush_streams()
+    os._exit(_state.status)
 
 
 def _python_handler(signum, frame) -> None:
@@ -204,13 +242,18 @@ def _flush_streams() -> None:
 
 
 def stop_now(name: str) -> None:
-    """Ends the process at once: the cleanups, the command's one line, exit 130 / 143."""
+    """Ends the process at once: the cleanups, the command's one line, exit 130 / 143. A
+    command that failed and said so (`finish` with a status other than 0) is ending with
+    its own line: it keeps that line alone and its status."""
     with _state.lock:
         if _state.stopper is not None and _state.stopper != threading.get_ident():
             return  # another thread is ending the process already
         _state.stopper = threading.get_ident()
         cleanups = list(_state.cleanups)
+        failed = _state.status
     _flush_streams()
+    if failed:
+        os._exit(failed)
     for cleanup in reversed(cleanups):
         with contextlib.suppress(Exception):
             cleanup()

@@ -157,8 +157,11 @@ def no_checkpoint_run(stopped_run, tmp_path):
         ("metric", "unknown metric 'no_such_metric' in --metrics"),
         ("prompts", "has no prompts"),
         ("out", "cannot write to the output folder"),
-        ("long prompt", "the model cannot read a prompt: prompt 'a b c d e f g h' has 8"),
+        ("long prompt", "--prompts: prompt 'a b c d e f g h' has 8"),
         ("other config", "--config is not the config of the run in"),
+        # the flags typed, not the config fields they set
+        ("samples", "samples) needs about"),
+        ("prompts name", "prompt"),  # a name longer than a file system's 255 bytes
     ],
 )
 def test_bad_input_is_one_sentence_and_writes_nothing(
@@ -172,6 +175,8 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     in_the_way.write_text("x")
     long = tmp_path / "long.txt"
     long.write_text("a handwritten digit one\na b c d e f g h\n")
+    two = tmp_path / "two.txt"
+    two.write_text("a handwritten digit one\na handwritten digit two\n")
     # the run's config with another guidance scale: another run's config
     other = [a.replace("guidance_scale=2.0", "guidance_scale=3.0") for a in RUN]
     args = {
@@ -183,6 +188,8 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
         "out": [f"--workdir={workdir}", f"--out={in_the_way / 'eval'}"],
         "long prompt": [f"--workdir={workdir}", f"--prompts={long}"],
         "other config": [*other, f"--workdir={workdir}"],
+        "samples": [f"--workdir={workdir}", f"--prompts={two}", f"--samples_per_prompt={10**10}"],
+        "prompts name": [f"--workdir={workdir}", f"--prompts={tmp_path / ('x' * 300)}.txt"],
     }[case]
     if case != "out":
         args.append(f"--out={out}")
@@ -191,6 +198,10 @@ def test_bad_input_is_one_sentence_and_writes_nothing(
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert message in errors[0] and "Traceback" not in result.stderr
     assert not out.exists() and not (in_the_way.parent / "eval").exists()
+    if case == "samples":  # sampled a chunk at a time: --prompts_per_chunk's 2 prompts' worth
+        assert errors[0].startswith("error: --prompts_per_chunk=2 (20,000,000,000 samples)")
+        assert errors[0].endswith("lower --prompts_per_chunk or --samples_per_prompt."), errors[0]
+    assert not any(f in errors[0] for f in ("eval.", "prompts.eval_count", "prompts.source"))
 
 
 def test_a_damaged_newest_checkpoint_is_passed_over_as_training_does(stopped_run, tmp_path):
@@ -283,3 +294,44 @@ def test_normalised_without_a_checkpoint_is_one_sentence(tmp_path):
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert "--normalised compares a checkpoint with the base model" in errors[0]
     assert not out.exists()
+
+
+def test_out_of_memory_names_the_chunk_flags(stopped_run, tmp_path, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED while sampling a chunk: one line naming the flags that size
+    a chunk, with their values, exit 1, and no output folder left."""
+    import jax
+
+    from tree_grpo_jax.run import eval_metrics
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.1GiB.")
+
+    monkeypatch.setattr(eval_metrics, "measure", exhausted)
+    out = tmp_path / "out"
+    args = (f"--workdir={stopped_run[0]}", f"--out={out}", "--prompts_per_chunk=3")
+    result = run_in_process(_evaluate(), *args)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors == [
+        "error: the device ran out of memory (3.1GiB) evaluating the base model, 3 prompt(s) "
+        "x 4 sample(s) at once; lower --prompts_per_chunk (now 3) or --samples_per_prompt "
+        "(now 4)."
+    ]
+    assert not out.exists()
+
+
+def test_prompts_of_its_own_need_no_prompt_file_of_the_run(stopped_run, tmp_path):
+    """--prompts: the run's own prompt file (moved since, or on another machine) is not
+    read; before, a missing one refused the evaluation."""
+    copy = tmp_path / "run"
+    shutil.copytree(stopped_run[0], copy, ignore=shutil.ignore_patterns("evaluation"))
+    saved = json.loads((copy / "config.json").read_text())
+    saved["prompts"]["source"] = str(tmp_path / "moved_away.txt")
+    (copy / "config.json").write_text(json.dumps(saved))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a handwritten digit one\na handwritten digit two\n")
+    out = tmp_path / "out"
+    args = (f"--workdir={copy}", f"--prompts={prompts}", f"--out={out}", "--samples_per_prompt=1")
+    result = run_in_process(_evaluate(), *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _read(out, "evaluation.json")["prompts"] == 2

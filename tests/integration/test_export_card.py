@@ -10,11 +10,13 @@ checkpoints of the params, metrics.jsonl rows), without training."""
 import gc
 import os
 import shutil
+import signal
 import sys
 
 import jax
 import numpy as np
 import pytest
+from signalled import run_ending
 
 from configs import sd15
 from tree_grpo_jax import lora
@@ -245,3 +247,48 @@ def test_another_base_is_refused_unless_allowed_and_the_card_says_so(
     # the run's own base exports without a word about it
     assert export.main([f"--workdir={run}", f"--out={tmp_path / 'own'}", "--merge"]) == 0
     assert "--allow_other_base" not in (tmp_path / "own" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_line_says_the_export_is_whole(full_run, tmp_path):
+    """SIGTERM once the export has said what it exported, as the process exits: one line
+    saying the folder is written whole, exit 143, and the folder whole (before, this moment
+    was Python's teardown, where the signal killed the process without a line)."""
+    out = tmp_path / "export"
+    args = (f"--workdir={full_run}", f"--out={out}")
+    result = run_ending("tree_grpo_jax.export", "in an exit handler", signal.SIGTERM, *args)
+    assert result.returncode == 143, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: SIGTERM arrived after the export was done; {out} is written whole."]
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith(f"exported checkpoint 2 of {full_run} to {out}\n")
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert "checkpoint exported | 2 " in (out / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing staged left
+
+
+@pytest.mark.parametrize(
+    "section, value, said",
+    [
+        ("lora", "x", "its 'lora' is \"x\", not a section of fields."),
+        ("checkpoint", [1], "its 'checkpoint' is [1], not a section of fields."),
+        ("lora", {"rank": "four"}, 'its lora.rank is "four".'),
+        ("train", {"iterations": 2.5}, "its train.iterations is 2.5."),
+    ],
+)
+def test_a_config_json_of_other_types_is_one_sentence(tmp_path, capsys, section, value, said):
+    """A run's config.json edited by hand: a section or field of another type than training
+    writes is one sentence naming the file, exit 2, nothing written (before: a traceback)."""
+    import json
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    config = {"model": {"name": "sd", "path": str(tmp_path / "base")}, section: value}
+    (workdir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {workdir / 'config.json'} is not a run's config as training writes it: {said}\n"
+    )
+    assert not out.exists()

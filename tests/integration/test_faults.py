@@ -4,6 +4,8 @@ and nothing good is overwritten."""
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -302,3 +304,119 @@ def test_a_lock_naming_a_live_unrelated_pid_is_taken_over(tmp_path):
         for process in (sleeper, later):
             process.kill()
             process.wait()
+
+
+OOM_CONFIG = """
+from small_configs import small_config
+
+
+def get_config():
+    c = small_config("grpo")
+    c.train.iterations = 3
+    c.eval.every = 0
+    return c
+"""
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.80GiB."
+
+
+def _named_settings(line: str) -> dict:
+    """`field=value` of every setting the out-of-memory line names before `plan`'s command."""
+    settings = line.split("memory: ", 1)[1].split("; `python -m tree_grpo_jax.plan")[0]
+    return dict(re.findall(r"(?:^|, )([a-z_]+\.[a-z_.]+)=([^ ,;]+)", settings))
+
+
+def _schema_fields() -> set:
+    from tree_grpo_jax.config import base_config, flatten
+
+    return set(flatten(base_config(), leaves_only=True))
+
+
+def _oom_run(tmp_path, monkeypatch, fault):
+    """The CLI on OOM_CONFIG with `fault` injected: (its one error line, the workdir)."""
+    from in_process import one_error_line, run_main
+
+    config = tmp_path / "oom_config.py"
+    config.write_text(OOM_CONFIG)
+    workdir = tmp_path / "runs" / "oom"
+    with monkeypatch.context() as patched:
+        fault(patched)
+        result = run_main(f"--config={config}", f"--workdir={workdir}")
+    return one_error_line(result, status=1), config, workdir
+
+
+def test_out_of_memory_in_the_first_iteration_names_the_rollouts_settings_and_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    """XLA's RESOURCE_EXHAUSTED in the first iteration's rollout (after the evaluation at step
+    0 wrote its grid and metrics): one line that names the rollout, settings of the schema
+    that shrink it (none of the train step's), `plan`'s command for the same config, no
+    checkpoint (none was saved), and the new workdir is gone."""
+    from tree_grpo_jax.core import rollout as core_rollout
+
+    real = core_rollout.rollout
+
+    def rollout(*args, lower=False, **kwargs):
+        if not lower:  # the run's own rollout, not its ahead-of-time compile
+            raise jax.errors.JaxRuntimeError(OUT_OF_MEMORY)
+        return real(*args, lower=lower, **kwargs)
+
+    line, config, workdir = _oom_run(
+        tmp_path, monkeypatch, lambda p: p.setattr(core_rollout, "rollout", rollout)
+    )
+    assert line.startswith(
+        "error: the device ran out of memory (28.80GiB) in the rollout of iteration 1; "
+    ), line
+    named = _named_settings(line)
+    assert "prompts.batch_size" in named and set(named) <= _schema_fields(), line
+    assert int(named["prompts.batch_size"]) < small_config("grpo").prompts.batch_size
+    assert not {"train.rows_per_minibatch", "model.remat"} & set(named), line  # train step's
+    assert f"`python -m tree_grpo_jax.plan --config={config}` shows" in line, line
+    assert "checkpoint" not in line and "resume" not in line, line
+    assert line.endswith(f"nothing was saved, so the new folder {workdir} is removed."), line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # two runs, the second compiling a rematerialised train step
+def test_out_of_memory_after_a_checkpoint_names_the_train_step_and_the_resume_works(
+    tmp_path, monkeypatch
+):
+    """RESOURCE_EXHAUSTED in the train step of iteration 2, after checkpoint 1: the line
+    names the train step's settings, the checkpoint kept, and a resume with a setting a
+    resume accepts; that command ends the run where an uninterrupted one ends."""
+    from in_process import run_main
+
+    from tree_grpo_jax import sharding
+
+    real_update, real_shard = train.Trainer.update, sharding.shard_batch
+    now = {}
+
+    def update(self, state, sampled, rewards, iteration, key):
+        now["iteration"] = iteration
+        return real_update(self, state, sampled, rewards, iteration, key)
+
+    def shard_batch(mesh, batch):  # a minibatch of the update's train step
+        if now["iteration"] == 1:
+            raise jax.errors.JaxRuntimeError(OUT_OF_MEMORY)
+        return real_shard(mesh, batch)
+
+    def fault(patched):
+        patched.setattr(train.Trainer, "update", update)
+        patched.setattr(sharding, "shard_batch", shard_batch)
+
+    line, config, workdir = _oom_run(tmp_path, monkeypatch, fault)
+    assert line.startswith(
+        "error: the device ran out of memory (28.80GiB) in the train step of iteration 2; "
+    ), line
+    named = _named_settings(line)
+    assert {"train.rows_per_minibatch", "model.remat"} <= set(named) <= _schema_fields(), line
+    assert "prompts.batch_size" not in named, line  # the rollout's, not the train step's
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+    kept = "its checkpoint after iteration 1 is kept; resume it with model.remat=True: "
+    assert kept in line, line
+    command = shlex.split(line.split(kept, 1)[1])
+    assert command[:3] == ["python", "-m", "tree_grpo_jax.main"], command
+    assert f"--workdir={workdir}" in command and "--config.model.remat=True" in command
+    result = run_main(*command[3:])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Checkpointer(str(workdir / "checkpoints")).latest_step == 3
+    assert [r["step"] for r in train_rows(workdir)] == [1, 2, 3]  # none repeated, none lost

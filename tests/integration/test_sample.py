@@ -6,14 +6,17 @@ nothing written."""
 import json
 import os
 import shutil
+import signal
 
 import pytest
 from PIL import Image
-from signalled import run_script
+from signalled import run_ending, run_script
 from small_configs import small_config
 
 from tree_grpo_jax.cli import sample
 from tree_grpo_jax.run import loop as train
+
+DIGITS = ("zero", "one", "two", "three")  # the run's eval prompts, "a handwritten digit ..."
 
 
 @pytest.fixture(scope="module")
@@ -132,15 +135,32 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
         ("no such prompt set", "is neither a built-in prompt set"),
         ("unwritable out", "cannot write to the output folder"),
         ("model path of a built-in model", "--model_path changes nothing here: the run's "),
-        ("too many steps", "num_steps must be in [1, 999], got 1000."),
+        # the flag typed, not the config field it sets (eval.num_steps)
+        ("too many steps", "error: --num_steps must be in [1, 999], got 1000."),
+        ("absurd steps", "error: --num_steps must be in [2, 10,000], got 1,000,000,000."),
+        # config.json edited by hand (before: an AttributeError or TypeError traceback)
+        (
+            "section a value",
+            "config.json is not a run's config as training writes it: its 'eval' is",
+        ),
+        ("field of another type", "config.json is not a run's config as training writes it (Type"),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
     workdir = run
-    if case in ("no checkpoint", "unreadable"):
+    edits = {
+        "section a value": ("eval", "x"),
+        "field of another type": ("prompts", {"eval_count": "ten"}),
+    }
+    if case in ("no checkpoint", "unreadable", *edits):
         workdir = tmp_path / "copy"
         shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("samples"))
-        if case == "no checkpoint":
+        if case in edits:
+            saved = json.loads((workdir / "config.json").read_text())
+            section, value = edits[case]
+            saved[section] = {**saved[section], **value} if isinstance(value, dict) else value
+            (workdir / "config.json").write_text(json.dumps(saved))
+        elif case == "no checkpoint":
             shutil.rmtree(workdir / "checkpoints" / "1")
         else:
             _damage(workdir / "checkpoints" / "1")
@@ -155,6 +175,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
         "unwritable out": [f"--out={in_the_way / 'pictures'}"],
         "model path of a built-in model": [f"--model_path={tmp_path}"],
         "too many steps": ["--num_steps=1000"],  # the first timestep would be 1000 of 0..999
+        "absurd steps": [f"--num_steps={10**9}"],  # any model's, before its schedule is made
     }.get(case, [])
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={workdir}")
@@ -166,6 +187,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
     errors = [line for line in err if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1, err
     assert message in errors[0] and all(line.startswith(("error: ", "warning: ")) for line in err)
+    assert "eval." not in errors[0] and "--config." not in errors[0], errors[0]
     assert not out.exists() and not (in_the_way.parent / "pictures").exists()
     if before is not None:
         assert _listing(workdir) == before
@@ -213,3 +235,73 @@ def test_a_missing_model_path_is_named_by_the_flag_typed(run, tmp_path, capsys):
     assert str(missing) in errors[0] and "--model_path" in errors[0], errors[0]
     assert "--config." not in errors[0], errors[0]
     assert _listing(workdir) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, signum", [("in the teardown", signal.SIGTERM), ("in an exit handler", signal.SIGINT)]
+)
+def test_a_signal_after_the_last_line_is_said_or_finds_the_process_gone(
+    run, tmp_path, where, signum
+):
+    """A signal once every picture is written and printed, as the process exits: in an exit
+    handler, the line that says the pictures are written, exit 130; Python's teardown (a
+    second or more of freeing JAX, where a signal used to kill the process without a line)
+    is never reached: the process has ended, exit 0."""
+    out = tmp_path / "pictures"
+    result = run_ending("tree_grpo_jax.sample", where, signum, f"--workdir={run}", f"--out={out}")
+    names = sorted(p.name for p in out.iterdir())  # every picture whole, nothing staged left
+    assert names == [f"{i:03d}_a_handwritten_digit_{d}.png" for i, d in enumerate(DIGITS)] + [
+        "grid.png"
+    ]
+    printed = [line for line in result.stdout.splitlines() if line.startswith(str(out))]
+    assert printed == [str(out / name) for name in names]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    if where == "in the teardown":
+        assert result.returncode == 0 and not errors, result.stderr[-2000:]
+        assert "sending" not in result.stdout  # the teardown, where it is sent, never came
+    else:
+        assert result.returncode == 130, result.stderr[-2000:]
+        assert errors == [f"error: SIGINT stopped the sampling; its pictures are written in {out}."]
+
+
+def test_a_failed_write_leaves_the_earlier_pictures_as_they_were(
+    run, tmp_path, monkeypatch, capsys
+):
+    """A second sampling into the same folder whose write fails (the disk full at the grid):
+    one line, and the first sampling's pictures stay, byte for byte, none half-written."""
+    from tree_grpo_jax.run import reporting
+
+    out = tmp_path / "pictures"
+    assert sample.main([f"--workdir={run}", f"--out={out}"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(path, *args, **kwargs):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(reporting, "save_grid", full)
+    capsys.readouterr()
+    assert sample.main([f"--workdir={run}", f"--out={out}", "--seed=7"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], errors
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_out_of_memory_names_the_batch_flag(run, tmp_path, monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED while drawing: one line naming --batch_size with the batch
+    drawn, exit 1, nothing written."""
+    import jax
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.1GiB.")
+
+    monkeypatch.setattr(train.Trainer, "eval_batch", exhausted)
+    out = tmp_path / "pictures"
+    assert sample.main([f"--workdir={run}", f"--out={out}", "--batch_size=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "error: the device ran out of memory (3.1GiB) drawing 3 prompt(s) at once; lower "
+        "--batch_size (now 3)."
+    ), err
+    assert "Traceback" not in err and not out.exists()

@@ -239,25 +239,27 @@ def test_a_checkpoint_url_without_its_filesystem_package_is_one_sentence(tmp_pat
 
 
 def test_an_xla_out_of_memory_becomes_one_sentence():
-    from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.config import base_config
+    from tree_grpo_jax.run.out_of_memory import OutOfMemory, out_of_memory
 
     error = RuntimeError(
         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.80GiB.\n"
         "BufferAssignment OOM Debugging ..."
     )
-    oom = train._out_of_memory(error, "/runs/x/checkpoints")
-    assert isinstance(oom, train.OutOfMemory)
+    config = base_config()
+    oom = out_of_memory(error, config)
+    assert isinstance(oom, OutOfMemory)
     text = str(oom)
-    assert "\n" not in text and "(28.80GiB)" in text and "/runs/x/checkpoints" in text, text
-    assert train._out_of_memory(RuntimeError("INTERNAL: something else"), "d") is None
+    assert "\n" not in text and "(28.80GiB)" in text, text
+    # no program on the traceback: the settings of every program, none of the checkpoints
+    assert "in one of the run's programs" in text and "checkpoint" not in text, text
+    assert out_of_memory(RuntimeError("INTERNAL: something else"), config) is None
     # an out-of-the-ordinary setting is named first
-    import ml_collections
-
-    config = ml_collections.ConfigDict({"lora": {"rank": 100_000}})
-    text = str(train._out_of_memory(error, "/runs/x/checkpoints", config))
+    config.lora.rank = 100_000
+    text = str(out_of_memory(error, config))
     assert "lora.rank=100000 is the likely cause" in text and "\n" not in text, text
     config.lora.rank = 32
-    assert "lora.rank" not in str(train._out_of_memory(error, "d", config))
+    assert "lora.rank" not in str(out_of_memory(error, config))
 
 
 @pytest.mark.parametrize("kernel, devices", [("cudnn", "NVIDIA GPUs"), ("pallas", "TPUs")])

@@ -328,6 +328,10 @@ def _bad_inputs(tmp: Path, releases, aesthetic_release) -> dict:
     pooler = tmp / "pooler.json"
     vision = {**VISION, "attentional_pool": True}
     pooler.write_text(json.dumps({"embed_dim": EMBED_DIM, "vision_cfg": vision, "text_cfg": TEXT}))
+    # a layer count that would make the key plan and the expected shapes run forever
+    deep = tmp / "deep.json"
+    vision = {**VISION, "layers": 10**12}
+    deep.write_text(json.dumps({"embed_dim": EMBED_DIM, "vision_cfg": vision, "text_cfg": TEXT}))
     full = tmp / "full"
     full.mkdir()
     (full / "keep.txt").write_text("work")
@@ -350,6 +354,10 @@ def _bad_inputs(tmp: Path, releases, aesthetic_release) -> dict:
         "attentional_pool": (
             ["hpsv2", out, f"--checkpoint={checkpoint}", f"--open-clip-config={pooler}"],
             "attentional_pool",
+        ),
+        "absurd_layers": (
+            ["hpsv2", out, f"--checkpoint={checkpoint}", f"--open-clip-config={deep}"],
+            "vision_cfg.layers is 1,000,000,000,000; no CLIP tower has more than",
         ),
         "out_not_empty": (
             ["hpsv2", f"--out={full}", cfg, f"--checkpoint={checkpoint}"],
@@ -436,3 +444,35 @@ def test_a_signal_while_writing_leaves_the_folder_whole_or_nothing(
         assert sorted(p.name for p in out.iterdir()) == sorted([*written, "reward_config.json"])
     else:
         assert "nothing was written" in errors[0] and not out.exists(), errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, signum", [("in the teardown", signal.SIGTERM), ("in an exit handler", signal.SIGINT)]
+)
+def test_a_signal_after_the_done_line_is_said_or_finds_the_process_gone(
+    aesthetic_release, tmp_path, where, signum
+):
+    """A signal once the converter has written the folder and said `done:`, as it exits: in
+    an exit handler, the line that says the folder is whole, exit 130; Python's teardown
+    (seconds of freeing torch and JAX, where a signal used to kill the process without a
+    line) is never reached: the process has ended, exit 0."""
+    from signalled import run_ending
+
+    checkpoint, clip_dir, _, _ = aesthetic_release
+    out = tmp_path / "aesthetic"
+    args = ("aesthetic", f"--checkpoint={checkpoint}", f"--clip={clip_dir}", f"--out={out}")
+    result = run_ending("tree_grpo_jax.rewards.convert", where, signum, *args)
+    assert [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    written = ["aesthetic_mlp.safetensors", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [*written, "reward_config.json"]
+    assert _no_staging_left(tmp_path) and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if where == "in the teardown":
+        assert result.returncode == 0 and not errors, result.stderr[-2000:]
+        assert "sending" not in result.stdout  # the teardown, where it is sent, never came
+    else:
+        assert result.returncode == 130, result.stderr[-2000:]
+        assert errors == [
+            f"error: SIGINT arrived after the conversion was done; {out} is written whole."
+        ]

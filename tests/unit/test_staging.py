@@ -1,5 +1,5 @@
 """weights.staging.write_staged under a signal: a stop during the swap waits for it, and its
-line says the folder is whole."""
+line says the folder is whole; files_in_place puts files in place only whole."""
 
 from signalled import run_script
 
@@ -65,3 +65,32 @@ def test_a_signal_while_filling_leaves_nothing_and_one_line(tmp_path):
     ], result.stderr[-2000:]
     assert "the write returned" not in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_files_in_place_replace_their_namesakes_only_once_whole(tmp_path):
+    """Files written through `files_in_place` replace the folder's files of their names at
+    the block's end; a failure inside leaves every file of the folder as it was."""
+    import pytest
+
+    from tree_grpo_jax.weights import staging
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"good a")
+    (folder / "other.txt").write_bytes(b"kept")
+    with pytest.raises(OSError, match="No space left"), staging.files_in_place(folder) as stage:
+        (stage / "a.png").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {
+        "a.png": b"good a",
+        "other.txt": b"kept",
+    }
+    with staging.files_in_place(folder) as stage:
+        (stage / "a.png").write_bytes(b"new a")
+        (stage / "b.png").write_bytes(b"new b")
+        assert (folder / "a.png").read_bytes() == b"good a"  # not before the block's end
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {
+        "a.png": b"new a",
+        "b.png": b"new b",
+        "other.txt": b"kept",
+    }

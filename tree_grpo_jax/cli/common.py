@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.errors import OneLineErrors, UserError, redact, shorten
+from tree_grpo_jax.errors import OneLineErrors, UserError, reason, redact, shorten
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -63,14 +63,15 @@ def fail(message: str, status: int) -> None:
     """The `error:` line, user input in it shortened (`errors.shorten`) and a URL's password
     hidden (`errors.redact`), and the exit."""
     print(f"error: {shorten(redact(message))}", file=sys.stderr, flush=True)
-    sys.exit(status)
+    interrupts.finish(status)
 
 
-def run_command(command: str, workdir: str, argv=None, **fields) -> str:
+def run_command(command: str, workdir: str | None, argv=None, **fields) -> str:
     """The command line that runs `workdir` again: `python -m tree_grpo_jax.<command>` with
     this process's arguments (`argv`, default sys.argv[1:]), `--workdir=<workdir>` after the
-    config, and `--config.<field>=<value>` for each of `fields` (`train__iterations=60`),
-    replacing the same override if given; quoted for a POSIX shell."""
+    config (none when `workdir` is None), and `--config.<field>=<value>` for each of
+    `fields` (`train__iterations=60`), replacing the same override if given; quoted for a
+    POSIX shell."""
     args = list(sys.argv[1:] if argv is None else argv)
     kept, skip = [], False
     for arg in args:
@@ -87,7 +88,8 @@ def run_command(command: str, workdir: str, argv=None, **fields) -> str:
     at = next((i + 1 for i, a in enumerate(kept) if a.startswith("--config=")), 0)
     if at == 0 and "--config" in kept:  # `--config FILE`
         at = kept.index("--config") + 2
-    kept.insert(at, f"--workdir={workdir}")
+    if workdir is not None:
+        kept.insert(at, f"--workdir={workdir}")
     line = " ".join(["python", "-m", f"tree_grpo_jax.{command}", *map(shlex.quote, kept)])
     # Simulated CPU devices decide the run's mesh: the run goes on only on as many.
     forced = re.search(
@@ -120,6 +122,16 @@ def print_out(text: str) -> None:
 def _drop_stdout() -> None:
     """What is still buffered for stdout goes nowhere."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def typed_flags(sentence: str, flags: dict[str, str]) -> str:
+    """A sentence of the config's checks or of a model's loader, which name a setting by its
+    config field (`eval.num_steps`) or by training's flag for it (`--config.model.path`),
+    with the flag of this command that set it instead (`flags`: field -> flag, e.g.
+    {"eval.num_steps": "--num_steps"}): the one the user typed."""
+    for field, flag in flags.items():
+        sentence = re.sub(rf"(?<![\w.-])(?:--config\.)?{re.escape(field)}(?!\w)", flag, sentence)
+    return sentence
 
 
 def remove_if_empty(workdir: str) -> None:
@@ -165,7 +177,33 @@ def run_config(workdir: str):
         raise BadInput(f"{path} does not hold a run's config.")
     from tree_grpo_jax import config as cfg
 
-    return cfg.saved_config(saved)
+    check_sections(saved, path)
+    try:
+        return cfg.saved_config(saved)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a field of another type
+        raise BadInput(
+            f"{path} is not a run's config as training writes it ({reason(e)})."
+        ) from None
+
+
+def shown_json(value, limit: int = 40) -> str:
+    """A value read from a JSON file, as JSON, cut after `limit` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def check_sections(saved: dict, path) -> None:
+    """A run's config.json edited by hand: BadInput (one sentence) for a section of the
+    schema that holds a value instead of fields."""
+    from tree_grpo_jax import config as cfg
+
+    schema = cfg.base_config()
+    for section, value in saved.items():
+        if hasattr(schema.get(section), "items") and not isinstance(value, dict):
+            raise BadInput(
+                f"{path} is not a run's config as training writes it: its {section!r} is "
+                f"{shown_json(value)}, not a section of fields."
+            )
 
 
 def check_out(out: str) -> None:

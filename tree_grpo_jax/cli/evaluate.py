@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 
@@ -48,7 +49,7 @@ from tree_grpo_jax import interrupts
 from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.cli.common import BadInput, check_out, run_config  # noqa: F401 - re-exported
-from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.errors import echo, first_line, reason
 from tree_grpo_jax.evaluation import normalised
 from tree_grpo_jax.run import fingerprint as run_fingerprint
 
@@ -84,6 +85,14 @@ CHUNK = cli.define(
     PARSER, "prompts_per_chunk", 32, "Prompts per saved chunk of results.", type=int, metavar="N"
 )
 
+# The config fields this command's flags set, each with its flag: the sentences of the
+# config's checks name the field (`_evaluation_config` sets them from the flags; and
+# prompts.source from --prompts, when given).
+TYPED = {
+    "eval.samples_per_prompt": "--samples_per_prompt",
+    "prompts.eval_count": "--prompts_per_chunk",
+    "eval.extra_rewards": "--metrics",
+}
 GRID_PROMPTS = 10
 TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py)
 
@@ -347,7 +356,15 @@ def _checked_flags(config, workdir: str | None):
         raise BadInput(f"--prompts_per_chunk must be at least 1, got {size}.")
     names = _metric_names(config, METRICS.value)
     if PROMPTS.value:
-        prompts = load_prompt_set(PROMPTS.value, *prompt_settings(config))
+        try:
+            prompts = load_prompt_set(PROMPTS.value, *prompt_settings(config))
+        except OSError as e:  # a name too long for the file system, a folder that refuses
+            raise BadInput(
+                f"--prompts {echo(PROMPTS.value)} cannot be read ({e.strerror or reason(e)})."
+            ) from None
+        except ValueError as e:  # the loader's sentence may name the config's field
+            line = common.typed_flags(first_line(e), {"prompts.source": "--prompts"})
+            raise BadInput(line) from None
     else:  # as the run's evaluation lists them (run/build.py)
         prompts = config_prompt_set(config, eval_set=True).cycled(config.prompts.eval_count)
     return k, size, names, prompts
@@ -375,10 +392,15 @@ def _open_run(config, workdir: str | None, given_config: bool):
     return ckpt, step
 
 
-def _evaluation_config(config, k: int, names: list[str], with_kl: bool):
+def _evaluation_config(config, k: int, names: list[str], with_kl: bool, chunk: int):
     """The run's config as the evaluation samples: `k` noises a prompt, `names` scored, the
-    KL with a checkpoint, and nothing that stops or prints progress."""
+    KL with a checkpoint, and nothing that stops or prints progress. Its eval set is one
+    `chunk` of prompts, what one sampling holds: the checks of its size (`typed`) are this
+    command's. With --prompts, the run's own prompt files need not be at hand."""
     config = config.copy_and_resolve_references()
+    if PROMPTS.value:
+        config.prompts.source, config.prompts.eval_source = PROMPTS.value, ""
+    config.prompts.eval_count = chunk
     config.eval.samples_per_prompt = k
     config.eval.extra_rewards = tuple(names)
     config.eval.kl = with_kl
@@ -407,22 +429,30 @@ def _start_chunks(out: str, arguments: dict) -> _Chunks:
     """`out`'s saved chunks for `arguments`; a stop from now on says how to continue."""
     chunks = _Chunks(out, arguments)
     again = " ".join(["python -m tree_grpo_jax.evaluate", *map(shlex.quote, sys.argv[1:])])
-    interrupts.set_stop_line(
-        lambda name: (
-            f"{name} stopped the evaluation; {chunks.done()} chunk(s) of results "
-            f"are kept in {chunks.folder}, and the same command continues from them: {again}"
+
+    def line(name: str) -> str:
+        done = chunks.done()
+        if not done:  # nothing to continue from (a new folder goes: main's cleanup)
+            return f"{name} stopped the evaluation before its first results; start it with: {again}"
+        return (
+            f"{name} stopped the evaluation; {done} chunk(s) of results are kept in "
+            f"{chunks.folder}, and the same command continues from them: {again}"
         )
-    )
+
+    interrupts.set_stop_line(line)
     return chunks
 
 
 def _save_grid(out: str, row: dict, grid) -> None:
     """The model's picture grid (and a video's animation), named in its `row`."""
     from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.weights import staging
 
-    path = os.path.join(out, f"grid_{row['label'].replace(' ', '_')}.png")
-    with interrupts.critical():
-        reporting.save_grid(path, grid.reshape(-1, *grid.shape[2:]), columns=grid.shape[1])
+    name = f"grid_{row['label'].replace(' ', '_')}.png"
+    path = os.path.join(out, name)
+    with interrupts.critical(), staging.files_in_place(out) as stage:  # whole, or the old one
+        cells = grid.reshape(-1, *grid.shape[2:])
+        reporting.save_grid(os.path.join(stage, name), cells, columns=grid.shape[1])
     row["grid"] = path
     if reporting.is_video(grid[0]):
         row["animation"] = reporting.animation_path(path)
@@ -432,13 +462,15 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     """Evaluates the base model and (with `workdir`) the run's checkpoint; writes `out`.
     `given_config`: `config` came from --config, not from the run's folder."""
     from tree_grpo_jax import sharding
+    from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import check_prompts, setup
 
     k, size, names, prompt_set = _checked_flags(config, workdir)
     ckpt, step = _open_run(config, workdir, given_config)
     check_out(out)
 
-    config = _evaluation_config(config, k, names, with_kl=workdir is not None)
+    chunk = min(size, len(prompt_set.prompts))
+    config = _evaluation_config(config, k, names, workdir is not None, chunk)
     trainer, state = setup(config, out)
     prompts, categories = list(prompt_set.prompts), prompt_set.categories
     metadata = list(prompt_set.metadata) if any(prompt_set.metadata) else None
@@ -465,11 +497,18 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     primary = sharding.is_primary()
     chunks = _start_chunks(out, arguments) if primary else None
     rows = []
+    lower = out_of_memory.lower_flags({"--prompts_per_chunk": chunk, "--samples_per_prompt": k})
     for label, params in models:
         with_kl = label != "base"
-        row, grid = _evaluate_model(
-            trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
-        )
+        with out_of_memory.said_as(
+            lambda needed, label=label: (
+                f"the device ran out of memory{needed} evaluating the {label} model, {chunk} "
+                f"prompt(s) x {k} sample(s) at once; {lower}."
+            )
+        ):
+            row, grid = _evaluate_model(
+                trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
+            )
         rows.append(row)
         if primary:
             _save_grid(out, row, grid)
@@ -491,8 +530,12 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
 
 
 def _write_results(out, result, rows, names, prompts, k, arguments, config) -> None:
-    with interrupts.critical():
-        with open(os.path.join(out, "evaluation.json"), "w") as f:
+    """evaluation.json and evaluation.md, each in place only once whole (a rerun's replace
+    the last ones only then)."""
+    from tree_grpo_jax.weights import staging
+
+    with interrupts.critical(), staging.files_in_place(out) as stage:
+        with open(os.path.join(stage, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2)
         video = [TEMPORAL] if TEMPORAL in rows[0] else []
         columns = [*names, *(["diversity"] if k > 1 else []), *video]
@@ -509,8 +552,18 @@ def _write_results(out, result, rows, names, prompts, k, arguments, config) -> N
             text += "\n" + _category_tables(rows, names, result["categories"])
         if "normalised" in result:
             text += "\n" + normalised.table(result["normalised"], rows[0]["label"])
-        with open(os.path.join(out, "evaluation.md"), "w") as f:
+        with open(os.path.join(stage, "evaluation.md"), "w") as f:
             f.write(text)
+
+
+def _remove_if_nothing_done(out: str) -> None:
+    """A new output folder that holds no result (at most the record of the arguments of the
+    chunks to come) goes."""
+    marker = os.path.join(out, "partial", "arguments.json")
+    for root, _, files in os.walk(out):
+        if any(os.path.join(root, name) != marker for name in files):
+            return
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv=None) -> None:
@@ -532,16 +585,20 @@ def main(argv=None) -> None:
             raise BadInput("give --out=<folder> for the results of a model folder.")
         existed = os.path.exists(out)
         try:
-            with interrupts.on_stop(lambda: existed or common.remove_if_empty(out)):
+            with interrupts.on_stop(lambda: existed or _remove_if_nothing_done(out)):
                 result = evaluate(config, workdir, out, given_config=cli.CONFIG.value is not None)
         except BaseException:
             if not existed:
-                common.remove_if_empty(out)
+                _remove_if_nothing_done(out)
             raise
     except (BadInput, *train.BAD_INPUT) as e:
-        common.fail(first_line(e), common.EXIT_BAD_INPUT)
-    except (train.RewardError, train.DivergenceError) as e:
+        typed = {**TYPED, **({"prompts.source": "--prompts"} if PROMPTS.value else {})}
+        common.fail(common.typed_flags(first_line(e), typed), common.EXIT_BAD_INPUT)
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
         common.fail(str(e), common.EXIT_FAILED)
+    interrupts.set_stop_line(
+        lambda name: f"{name} arrived after the evaluation was done; its results are in {out}."
+    )
     from tree_grpo_jax import sharding
 
     if sharding.is_primary():
@@ -555,6 +612,7 @@ def main(argv=None) -> None:
 def run() -> None:
     common.starting("evaluate")
     main(cli.parse_flags(sys.argv, PARSER))
+    interrupts.finish(0)
 
 
 if __name__ == "__main__":

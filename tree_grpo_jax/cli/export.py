@@ -171,8 +171,32 @@ def _run_model(workdir: Path) -> tuple[ModelFamily, str, dict, dict]:
             f"the run in {workdir} did not train a model from a pipeline folder that can be "
             "exported; pass --model_path."
         )
+    _check_sections(run_config, config_file)
     adapter = run_config.get("lora") or {}
     return family, str(model["path"]), adapter if adapter.get("rank") else {}, run_config
+
+
+# The sections of config.json an export reads, and the fields it reads in them with their type.
+_READ = {"lora": {"rank": int, "alpha": (int, float)}, "checkpoint": {"dir": str}}
+_READ |= {"tree": {"method": str}, "train": {"iterations": int}}
+
+
+def _check_sections(run_config: dict, config_file: Path) -> None:
+    """A config.json edited by hand (or cut short and mended): one sentence for a section
+    or a field of another type than training writes, instead of a traceback later."""
+    common.check_sections(run_config, config_file)
+    for section, fields in _READ.items():
+        values = run_config.get(section) or {}
+        for field, kind in fields.items():
+            value = values.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ValueError(
+                    f"{config_file} is not a run's config as training writes it: its "
+                    f"{section}.{field} is {common.shown_json(value)}."
+                )
+    rank = (run_config.get("lora") or {}).get("rank") or 0
+    if rank < 0:
+        raise ValueError(f"{config_file} holds lora.rank {rank}; a rank is at least 0.")
 
 
 def _checkpoint_dir(workdir: Path, run_config: dict) -> str:
@@ -424,6 +448,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _done(out: Path) -> None:
+    """From here on a signal finds the export done: its line says so."""
+    interrupts.set_stop_line(
+        lambda name: f"{name} arrived after the export was done; {out} is written whole."
+    )
+
+
 def _said(source: _Source, out: Path) -> str:
     """The one line that says what was exported where."""
     if source.run is None:
@@ -459,6 +490,7 @@ def main(argv=None) -> int:
                 sources=[source.path],
                 card=card,
             )
+            _done(out)
             print(f"{_said(source, out)} (load it with pipe.load_lora_weights)")
             return 0
         if adapter:  # --merge: the base weights with the factors added, as full weights
@@ -484,10 +516,8 @@ def main(argv=None) -> int:
         )
     except (ValueError, CheckpointError) as e:
         # The loaders' sentences name the training flag; here the base folder is --model_path.
-        print(
-            f"error: {first_line(e).replace('--config.model.path', '--model_path')}",
-            file=sys.stderr,
-        )
+        line = common.typed_flags(first_line(e), {"--config.model.path": "--model_path"})
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except OSError as e:  # a folder that cannot be read or written (permissions, disk full)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the copy's source file is not to blame
@@ -501,6 +531,7 @@ def main(argv=None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
         return 2
+    _done(out)
     print(_said(source, out))
     return 0
 
@@ -512,7 +543,7 @@ def run() -> None:
             f"{name} stopped the export; nothing was written (the output folder is as it was)."
         )
     )
-    sys.exit(main())
+    interrupts.finish(main())
 
 
 if __name__ == "__main__":

@@ -94,6 +94,30 @@ def _kept(checkpoints: str, command: str) -> str:
     return f"its checkpoint after iteration {step} is kept; resume it with: {command}"
 
 
+def _out_of_memory(e, checkpoints: str, workdir: str) -> str:
+    """The out-of-memory sentence, `plan`'s command for this config, and what the run holds:
+    its checkpoint and the command that resumes it (with the first of the settings named
+    that a resume accepts), or that nothing was saved (and a new workdir is gone)."""
+    plan = run_command("plan", None)
+    line = f"{e}; `{plan}` shows each program's memory per device before a run"
+    step = latest_checkpoint(checkpoints)
+    if step is None and "://" not in checkpoints:
+        if os.path.exists(workdir):
+            return f"{line}; no checkpoint was saved in {checkpoints}."
+        return f"{line}; nothing was saved, so the new folder {workdir} is removed."
+    where = f"after iteration {step}" if step is not None else f"in {checkpoints}"
+    kept = f"its checkpoint {where} is kept"
+    if not e.resumable:  # a resume must keep them all
+        return (
+            f"{line}; {kept}, but a resume may not change these settings: start a new run "
+            f"with them and another --workdir, or resume it where more memory is free with: "
+            f"{run_command('main', workdir)}"
+        )
+    field, value = next(iter(e.resumable.items()))
+    resume = run_command("main", workdir, **{field.replace(".", "__"): value})
+    return f"{line}; {kept}; resume it with {field}={value}: {resume}"
+
+
 def _enable_compile_cache(config) -> None:
     cache = config.get("compile_cache")
     if cache is None or not cache.enabled:
@@ -138,7 +162,9 @@ def _train(config, workdir: str) -> dict:
             f"{e.signal_name} stopped the run at once; {_kept(checkpoints, command)}",
             EXIT_SIGNAL.get(e.signal_name, 130),
         )
-    except (train.RewardError, train.DivergenceError, train.OutOfMemory, train.SaveError) as e:
+    except train.OutOfMemory as e:
+        fail(_out_of_memory(e, checkpoints, workdir), EXIT_FAILED)
+    except (train.RewardError, train.DivergenceError, train.SaveError) as e:
         step = latest_checkpoint(checkpoints)
         after = ""
         if step is not None:
@@ -192,6 +218,9 @@ def main(argv=None) -> None:
     config = _checked_config()
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     summary = _train(config, workdir)
+    interrupts.set_stop_line(  # the run has ended and saved all it did: nothing to stop
+        lambda name: f"{name} arrived after the run had ended; nothing was lost ({workdir})."
+    )
 
     from tree_grpo_jax import sharding
 
@@ -202,6 +231,7 @@ def main(argv=None) -> None:
 def run() -> None:
     starting("main")
     main(parse_flags(sys.argv, PARSER))
+    interrupts.finish(0)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ The same arguments draw the same pictures. Bad input is one "error:" line and ex
 
 BadInput = common.BadInput
 GRID_COLUMNS = 10
+# Sampler steps a drawing may take: far beyond any model's use (their schedules take 20-50),
+# and below what a flow schedule's arrays (its sigmas, num_steps + 1 of them) could not hold.
+MOST_STEPS = 10_000
 # Sampling scores nothing: a reward that reads no weights stands in for the run's, so that
 # reward models (and their weights) are not needed to draw pictures.
 STAND_IN_REWARD = "jpeg_compressibility"
@@ -128,8 +131,8 @@ def _check_numbers(args) -> None:
 
     if args.seed is not None and not 0 <= args.seed < cfg.SEED_LIMIT:
         raise BadInput(f"--seed must be a whole number in [0, 2**32), got {args.seed}.")
-    if args.num_steps is not None and args.num_steps < 2:
-        raise BadInput(f"--num_steps must be at least 2, got {args.num_steps}.")
+    if args.num_steps is not None and not 2 <= args.num_steps <= MOST_STEPS:
+        raise BadInput(f"--num_steps must be in [2, {MOST_STEPS:,}], got {args.num_steps:,}.")
     if args.batch_size is not None and args.batch_size < 1:
         raise BadInput(f"--batch_size must be at least 1, got {args.batch_size}.")
 
@@ -221,7 +224,7 @@ def _draw(trainer, params, prompts: list[str], batch: int):
 
 def _write(out: str, prompts: list[str], pictures) -> tuple[list[str], str, list[str]]:
     """One PNG per prompt and the grid (for videos, each PNG a strip of the frames, with an
-    animated GIF beside it); on a failure the files written so far are removed."""
+    animated GIF beside it), each put in place whole: on a failure `out` is as it was."""
     with interrupts.critical():  # a signal waits for the pictures to be written
         written = _write_all(out, prompts, pictures)
         interrupts.set_stop_line(
@@ -234,35 +237,41 @@ def _write_all(out: str, prompts: list[str], pictures):
     import numpy as np
 
     from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.weights import staging
 
     existed = os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
     width = max(3, len(str(len(prompts) - 1)))
-    written, animations = [], []
+    names, animations = [], []  # written in the hidden folder, then moved into `out`
     try:
-        for i, (prompt, picture) in enumerate(zip(prompts, pictures)):
-            path = os.path.join(out, _file_name(i, prompt, width))
-            png, *animation = reporting.save_sample(path, picture)
-            written.append(png)
-            animations.extend(animation)
-        grid = os.path.join(out, "grid.png")
-        columns = min(GRID_COLUMNS, len(prompts))
-        reporting.save_grid(grid, pictures.astype(np.float32) / 255.0, columns=columns)
-        if reporting.is_video(pictures):
-            animations.append(reporting.animation_path(grid))
+        with staging.files_in_place(out) as stage:
+            for i, (prompt, picture) in enumerate(zip(prompts, pictures)):
+                png, *animation = reporting.save_sample(
+                    os.path.join(stage, _file_name(i, prompt, width)), picture
+                )
+                names.append(os.path.basename(png))
+                animations.extend(os.path.basename(a) for a in animation)
+            columns = min(GRID_COLUMNS, len(prompts))
+            grid = reporting.save_grid(
+                os.path.join(stage, "grid.png"), pictures.astype(np.float32) / 255.0, columns
+            )
+            if reporting.is_video(pictures):
+                animations.append(os.path.basename(reporting.animation_path(grid)))
     except BaseException:
-        for path in [*written, *animations]:
-            os.remove(path)
         if not existed:
             common.remove_if_empty(out)
         raise
-    return written, grid, animations
+
+    def placed(names):
+        return [os.path.join(out, name) for name in names]
+
+    return placed(names), os.path.join(out, "grid.png"), placed(animations)
 
 
 def sample(args) -> Drawn:
     """Draws `args`' prompts from the run's checkpoint and writes the pictures."""
     from tree_grpo_jax import sharding
     from tree_grpo_jax.run import loop as train
+    from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import setup
     from tree_grpo_jax.run.checkpoint import Checkpointer
 
@@ -289,6 +298,7 @@ def sample(args) -> Drawn:
 
     config = _sampling_config(config, args)
     trainer, state = setup(config, workdir, model=_model(config, prompts))
+    trainer.schedule(config.eval.num_steps or None)  # steps the model cannot take: refused now
     restored, meta, step, skipped = common.restore_run_state(directory, args.step, target=state)
     train.check_base_weights(trainer, meta, directory)
     steps_used = config.eval.num_steps or config.sampling.num_steps
@@ -299,7 +309,14 @@ def sample(args) -> Drawn:
         f"{config.sampling.guidance_scale:g}), seed {config.eval.seed}",
         flush=True,
     )
-    pictures = _draw(trainer, restored.params, prompts, batch)
+    size = min(batch, len(prompts))
+    with out_of_memory.said_as(
+        lambda needed: (
+            f"the device ran out of memory{needed} drawing {size} prompt(s) at once; "
+            f"{out_of_memory.lower_flags({'--batch_size': size})}."
+        )
+    ):
+        pictures = _draw(trainer, restored.params, prompts, batch)
     out = args.out or os.path.join(workdir, "samples", f"step_{step}")
     if not sharding.is_primary():
         return Drawn(step, out, [], "")
@@ -309,10 +326,18 @@ def sample(args) -> Drawn:
     return Drawn(step, out, images, grid, animations)
 
 
-def _our_flags(sentence: str) -> str:
-    """A sentence of the model's loader, which names training's flag for the base folder,
-    with this command's own (`--model_path`): the flag the user typed, or would type."""
-    return sentence.replace("--config.model.path", "--model_path")
+def _typed(args) -> dict[str, str]:
+    """The config fields this command's flags set (those given), each with its flag: the
+    sentences of the config's checks and the model's loader name the field. The base folder
+    is always --model_path: training's flag for it would be refused here."""
+    given = {
+        "eval.num_steps": ("--num_steps", args.num_steps),
+        "eval.seed": ("--seed", args.seed),
+        "prompts.source": ("--prompts", args.prompts),
+    }
+    flags = {field: flag for field, (flag, value) in given.items() if value is not None}
+    flags["model.path" if args.model_path else "--config.model.path"] = "--model_path"
+    return flags
 
 
 def main(argv=None) -> int:
@@ -322,9 +347,10 @@ def main(argv=None) -> int:
     try:
         sample(args)
     except (BadInput, *train.BAD_INPUT) as e:
-        print(f"error: {_our_flags(first_line(e))}", file=sys.stderr, flush=True)
+        line = common.typed_flags(first_line(e), _typed(args))
+        print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
-    except (train.RewardError, train.DivergenceError) as e:
+    except (train.RewardError, train.DivergenceError, train.OutOfMemory) as e:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
         return 1
     except OSError as e:  # writing the pictures failed (disk full, permissions)
@@ -337,7 +363,7 @@ def main(argv=None) -> int:
 def run() -> None:
     common.starting("sample")
     interrupts.set_stop_line(lambda name: f"{name} stopped the sampling; nothing was written.")
-    sys.exit(main())
+    interrupts.finish(main())
 
 
 if __name__ == "__main__":

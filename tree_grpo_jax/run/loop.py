@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -41,6 +40,7 @@ from tree_grpo_jax.run.checkpoint import (
     fingerprint_mismatch,
     missing_folders,
 )
+from tree_grpo_jax.run.out_of_memory import OutOfMemory, out_of_memory
 from tree_grpo_jax.run.train_step import TrainState
 from tree_grpo_jax.run.trainer import DivergenceError, RewardError, Trainer
 from tree_grpo_jax.run.workdir import WorkdirBusy, WorkdirLock
@@ -89,38 +89,6 @@ class Interrupted(Exception):
                 "exactly."
             )
         super().__init__(text)
-
-
-class OutOfMemory(RuntimeError):
-    """XLA could not allocate what a program needed; the last checkpoint is kept."""
-
-
-def _out_of_memory(e: Exception, workdir: str, config=None) -> OutOfMemory | None:
-    text = str(e)
-    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
-        return None
-    needed = re.search(r"allocat\w* ([0-9.]+ ?[KMGT]i?B)", text)
-    size = f" ({needed.group(1)})" if needed else ""
-    return OutOfMemory(
-        f"the device ran out of memory{size}; {_likely_settings(config)}; the checkpoints in "
-        f"{workdir} are kept as they were."
-    )
-
-
-# A LoRA rank above this is no low-rank adapter of any released denoiser layer.
-LARGE_LORA_RANK = 512
-
-
-def _likely_settings(config) -> str:
-    """The settings to lower, the one out of the ordinary first (a huge LoRA rank)."""
-    usual = (
-        "lower prompts.batch_size, the tree's size (tree.k, tree.window) or "
-        "train.rows_per_minibatch, or set model.remat=True"
-    )
-    rank = int(config.lora.get("rank", 0)) if config is not None and "lora" in config else 0
-    if rank > LARGE_LORA_RANK:
-        return f"lora.rank={rank} is the likely cause (LoRA ranks are 4-256); lower it, or {usual}"
-    return usual
 
 
 class Stopped(BaseException):
@@ -326,8 +294,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         with interrupts.on_stop(stopped):
             _on_primary(lambda: (check_writable(workdir), lock.acquire()), "take the workdir")
             return _train_in(config, workdir, reward_weights, lock, session_start)
-    except BAD_INPUT:
-        if primary and created:  # a new run that could not start leaves nothing behind
+    except (*BAD_INPUT, OutOfMemory):
+        # a new run that could not start, or ran out of memory before its first checkpoint,
+        # leaves nothing behind: a start from scratch would write it all again
+        if primary and created:
             _remove_new_run(workdir, created, checkpoint_dir(config, workdir))
         raise
 
@@ -367,7 +337,7 @@ def _train_in(config, workdir: str, reward_weights, lock, session_start: float) 
         try:
             summary = _start_and_loop(config, workdir, reward_weights, primary, ckpt)
         except jax.errors.JaxRuntimeError as e:  # building, compiling or training
-            oom = _out_of_memory(e, ckpt.directory, config)
+            oom = out_of_memory(e, config)
             if oom is None:
                 raise
             raise oom from None

@@ -1,13 +1,15 @@
-"""Folders that appear whole or not at all.
+"""Folders and files that appear whole or not at all.
 
 `check_out_dir` refuses a destination that would overwrite work or a source before anything
 is written; `write_staged` builds the folder beside its destination and moves it into place,
 so a failure (or a kill) leaves no half-built folder and an existing one is replaced only by
-a complete one.
+a complete one. `files_in_place` does the same for files written into a folder that holds
+others (pictures, results): each file replaces its namesake only once it is whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -102,6 +104,27 @@ def write_staged(out: Path, fill) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+@contextlib.contextmanager
+def files_in_place(folder):
+    """A hidden folder inside `folder` (made if missing) to write files into; at the block's
+    end each of them replaces the file of its name in `folder` by a rename, and the hidden
+    folder goes. A file in `folder` is thus never a half-written one in place of a good one:
+    a failure (a full disk) or a stop removes the hidden folder with what it holds, and
+    leaves `folder` as it was; a kill leaves it hidden."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stage = folder / f".partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)  # an earlier, killed process of this id's
+    stage.mkdir()
+    try:
+        with interrupts.on_stop(lambda: shutil.rmtree(stage, ignore_errors=True)):
+            yield stage
+            for entry in sorted(stage.iterdir()):
+                os.replace(entry, folder / entry.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 CARD_FILE = "README.md"  # the model card, where the Hugging Face hub and readers look for it

@@ -164,6 +164,21 @@ def _positive_int(value, where: str) -> int:
     return value
 
 
+# More layers than any CLIP tower has (open_clip's largest, ViT-bigG-14, has 48): the key
+# plan and the expected shapes are made layer by layer, so a count of 10**12 would hang.
+MOST_LAYERS = 1000
+
+
+def _layer_count(value, where: str) -> int:
+    count = _positive_int(value, where)
+    if count > MOST_LAYERS:
+        raise ConversionError(
+            f"the open_clip config's {where} is {count:,}; no CLIP tower has more than "
+            f"{MOST_LAYERS:,} layers (open_clip's largest ViT has 48)."
+        )
+    return count
+
+
 def _width_and_divisor(section: dict, where: str, divisor: str) -> tuple[int, int]:
     """A tower's `width` and its `divisor` field (the heads, or one head's width), positive
     integers that divide: the attention splits the width evenly."""
@@ -243,7 +258,7 @@ def hf_clip_config(open_clip_config: dict | None = None, logit_scale: float | No
         "vocab_size": vocab_size,
         "hidden_size": t_width,
         "intermediate_size": _mlp_width(t_width, text["mlp_ratio"], "text_cfg.mlp_ratio"),
-        "num_hidden_layers": _positive_int(text["layers"], "text_cfg.layers"),
+        "num_hidden_layers": _layer_count(text["layers"], "text_cfg.layers"),
         "num_attention_heads": t_heads,
         "max_position_embeddings": _positive_int(text["context_length"], "text_cfg.context_length"),
         "hidden_act": act,
@@ -256,7 +271,7 @@ def hf_clip_config(open_clip_config: dict | None = None, logit_scale: float | No
     vision_config = {
         "hidden_size": v_width,
         "intermediate_size": _mlp_width(v_width, vision["mlp_ratio"], "vision_cfg.mlp_ratio"),
-        "num_hidden_layers": _positive_int(vision["layers"], "vision_cfg.layers"),
+        "num_hidden_layers": _layer_count(vision["layers"], "vision_cfg.layers"),
         "num_attention_heads": v_width // head_width,
         "num_channels": 3,
         "image_size": _square(vision["image_size"], "vision_cfg.image_size"),

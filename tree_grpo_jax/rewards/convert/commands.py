@@ -252,5 +252,8 @@ def main(argv=None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"error: could not read or write{where}: {e.strerror or e}.", file=sys.stderr)
         return 2
+    interrupts.set_stop_line(
+        lambda name: f"{name} arrived after the conversion was done; {out} is written whole."
+    )
     _say(f"done: {out} ({_size_text(_folder_size(out))})")
     return 0
