@@ -104,7 +104,120 @@ def test_tiny_plan_has_every_program_and_the_train_state():
     assert plan["programs"]["rollout"]["argument_bytes"] >= 4 * n
     assert plan["sample_shape"] == [1, 8, 8]
     assert plan["largest_total_bytes"] == max(p["total_bytes"] for p in plan["programs"].values())
-    assert plan["fits"] == {"80": True, "141": True}
+    # checked against the default accelerator's memory (an H100's 80 GB) alone
+    assert plan["fits"] == {"h100": True} and plan["memory_checked_gb"] == {"h100": 80}
+    assert plan["suggestions"] == [] and plan["time"][0]["runnable"] is True
+
+
+def test_the_fit_is_checked_against_each_accelerator_named():
+    """One verdict per accelerator, against its data sheet's memory (here, and in the
+    JSON), and one per --device_memory size beside them."""
+    args = ["--programs=train_step", "--accelerator=h100,tpu-v5p,tpu-v5e", "--device_memory=40"]
+    result = run_plan(*TINY, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "fits 80 GB (NVIDIA H100 SXM), fits 95 GB (Google TPU v5p), fits 16 GB (Google TPU "
+        "v5e), fits 40 GB per device" in result.stdout
+    )
+    plan = plan_json(*TINY, *args)
+    assert plan["memory_checked_gb"] == {"h100": 80, "tpu-v5p": 95, "tpu-v5e": 16, "40": 40}
+    assert all(plan["fits"].values()) and len(plan["fits"]) == 4
+
+
+# The tiny run's train step (29.3 MB) against sizes it does not fit: by the estimate 28 MB
+# holds it at mesh.fsdp=2, 20 MB at mesh.fsdp=8, and 10 MB not even what fsdp does not divide.
+TINY_TOO_BIG = [
+    *TINY,
+    "--programs=train_step",
+    "--accelerator=custom",
+    "--peak_tflops=100",
+    "--bandwidth=1",
+    "--device_memory=0.028,0.02,0.01",
+]
+
+
+def test_a_run_that_fits_nothing_gets_no_hours_and_a_mesh_that_would():
+    result = run_plan(*TINY_TOO_BIG)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert "does not fit 0.028 GB, does not fit 0.02 GB, does not fit 0.01 GB per" in text
+    assert "nothing fits: the run as planned fits none of the memories checked" in text
+    assert "NOT RUNNABLE as planned on 1 device" in text and " iterations: " not in text
+    plan = plan_json(*TINY_TOO_BIG)
+    assert plan["fits"] == {"0.028": False, "0.02": False, "0.01": False}
+    (time,) = plan["time"]
+    assert time["runnable"] is False and time["hours"] is None
+    assert time["seconds_per_iteration"] > 0  # the iteration's estimate is still given
+    # The estimate by hand (ZeRO-3's accounting): the weights, Adam's moments, and the step's
+    # gradients and new moments (its temporaries up to the weights' and moments' size) split
+    # over mesh.fsdp, the rest as it is.
+    state = plan["held_bytes"]["trained params"] + plan["held_bytes"]["optimizer state"]
+    step = plan["programs"]["train_step"]
+    split = state + min(step["temp_bytes"], state)
+    rest = step["total_bytes"] - split
+
+    def at(fsdp):
+        return rest + split / fsdp
+
+    fits, more, too_small = plan["suggestions"]
+    assert (fits["devices"], fits["fsdp"]) == (2, 2)
+    assert fits["estimated_total_bytes"] == pytest.approx(at(2))
+    assert at(2) <= 0.75 * 0.028e9 < step["total_bytes"]
+    assert fits["flags"] == ["--devices=2", "--config.mesh.fsdp=2"]  # 2 divides the batches
+    assert (more["devices"], more["fsdp"]) == (8, 8)
+    assert at(8) <= 0.75 * 0.02e9 < at(4)
+    # the batches are raised to a multiple of the 8 devices the rows split over
+    assert more["flags"] == [
+        "--devices=8",
+        "--config.mesh.fsdp=8",
+        "--config.prompts.batch_size=8",
+        "--config.train.rows_per_minibatch=8",
+    ]
+    assert f"in place of this command line's own: {' '.join(more['flags'])}." in text
+    assert too_small["devices"] is None and rest > 0.75 * 0.01e9
+    assert "to fit 0.01 GB: mesh.fsdp alone would not" in text
+
+
+@pytest.mark.slow
+def test_the_suggested_meshes_fit_when_planned():
+    """The meshes suggested for 28 MB and 20 MB, planned on 2 and 8 simulated devices, fit
+    them, within the estimate (which errs high)."""
+    suggestions = plan_json(*TINY_TOO_BIG)["suggestions"][:2]
+    procs = [
+        _plan_process(*TINY_TOO_BIG[len(TINY) :], *s["flags"], env=dict(os.environ))
+        for s in suggestions
+    ]
+    for suggestion, proc in zip(suggestions, procs):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        plan = json.loads(stdout)
+        fsdp = suggestion["fsdp"]
+        assert plan["devices"] == fsdp and plan["mesh"] == {"data": 1, "fsdp": fsdp}
+        assert plan["fits_default_gpu_share"][suggestion["target"]]
+        assert plan["largest_total_bytes"] <= suggestion["estimated_total_bytes"]
+
+
+@pytest.mark.slow
+def test_sd35_on_one_device_gets_a_verdict_per_accelerator():
+    """SD3.5 Medium's full fine-tuning on one device (its train step, 58.6 GiB = 62.9 GB by
+    docs/plan.md): above a TPU v5e's 16 GB, above JAX's 75% of an H100's 80 GB, within a TPU
+    v5p's 95 GB (no share held back on a TPU); hours only where it fits."""
+    result = run_plan(
+        "--config=configs/sd35m.py",
+        "--programs=train_step",
+        "--accelerator=tpu-v5e,h100,tpu-v5p",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    total = plan["largest_total_bytes"]
+    assert 0.75 * 80e9 < total < 80e9  # the premise: between an H100's default share and all
+    assert plan["fits"] == {"tpu-v5e": False, "h100": True, "tpu-v5p": True}
+    assert plan["fits_default_gpu_share"] == {"tpu-v5e": False, "h100": False, "tpu-v5p": True}
+    assert plan["suggestions"] == []  # some accelerator named holds it
+    runnable = {t["accelerator"]["name"]: (t["runnable"], t["hours"]) for t in plan["time"]}
+    assert runnable["tpu-v5e"] == (False, None)
+    assert runnable["h100"][0] and runnable["tpu-v5p"][0] and runnable["h100"][1] > 0
 
 
 @pytest.mark.slow
@@ -136,7 +249,7 @@ def test_lora_plan_trains_only_the_factors():
     # the table says what it measured and what does not fit
     for name in PROGRAMS:
         assert f"\n{name} " in result.stdout
-    assert "does not fit 0.0001 GB, fits 80 GB" in result.stdout
+    assert "fits 80 GB (NVIDIA H100 SXM), does not fit 0.0001 GB, fits 80 GB" in result.stdout
     assert "LoRA rank 4" in result.stdout
 
 
@@ -261,14 +374,62 @@ def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
     assert 0.95 * state * 3 / 4 <= saved <= state * 3 / 4
 
 
+@pytest.mark.slow
+def test_each_device_decodes_its_own_leaves_on_4_simulated_devices(sd3_folder, tmp_path):
+    """The decode's per-device FLOPs are a quarter of one device's on 4 devices (a decoder
+    looping over its rows once gathered all of them to every device, and the plan showed the
+    same FLOPs on 1 and 4 devices)."""
+    folder = json_only(sd3_folder, tmp_path)
+    args = [
+        "--config=configs/sd35m.py",
+        f"--config.model.path={folder}",
+        "--config.model.sd3.sample_size=8",
+        "--config.model.sd3.t5_max_length=8",
+        *[a for a in SMALL if "batch_size" not in a and "eval_count" not in a],
+        "--config.prompts.batch_size=4",
+        "--config.prompts.eval_count=4",
+        "--programs=decode",
+        "--json",
+    ]
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, "-m", "tree_grpo_jax.plan", *args, f"--devices={n}"],
+            cwd=ROOT,
+            env=base,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (1, 4)
+    }
+    flops = {}
+    for n, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        plan = json.loads(stdout)
+        assert plan["devices"] == n
+        flops[n] = {name: p["flops"] for name, p in plan["programs"].items()}
+        assert "split over 4 devices" in plan["programs"]["decode"]["what"] or n == 1
+    assert flops[4]["decode"] == pytest.approx(flops[1]["decode"] / 4, rel=0.01)
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
         (["--config.model.name=sd", "--config.model.path=/nonexistent/sd15"], "/nonexistent/sd15"),
         (["--config.model.name=sd", "--config.model.path=builtin:sd99"], "'builtin:sd99'"),
-        (["--devices=-3"], "--devices=-3"),
+        (["--devices=-3"], "--devices=-3 is not a device count to plan for; give a whole"),
         (["--devices=100000"], "--devices=100000"),
-        (["--device_memory=eighty"], "--device_memory=eighty"),
+        (["--devices=1e3"], "--devices=1e3 is not a device count"),
+        (["--devices=2.5"], "--devices=2.5 is not a device count"),
+        (["--devices=nan"], "--devices=nan is not a device count"),
+        (["--device_memory=eighty"], "--device_memory=eighty must be finite positive sizes"),
+        (["--device_memory=80,inf"], "--device_memory=80,inf must be finite positive sizes"),
+        (["--device_memory=nan"], "--device_memory=nan must be finite"),
+        (["--device_memory=1e400"], "--device_memory=1e400 must be finite"),
+        (["--device_memory=-80"], "--device_memory=-80 must be finite positive"),
+        (["--device_memory="], "--device_memory= must be finite positive"),
         (["--config.tree.method=bogus"], "unknown tree.method 'bogus'"),
         (["--config.mesh.fsdp=3"], "mesh.fsdp=3 does not divide the 1 available device(s)"),
         (["--config.mesh.data=2", "--config.mesh.fsdp=-1"], "mesh.data=2 does not divide"),
@@ -279,9 +440,19 @@ def test_fsdp_divides_the_train_steps_state_on_4_simulated_devices():
         (["--accelerator=h101"], "unknown accelerator 'h101'; name one of h100, h200"),
         (["--accelerator=custom", "--peak_tflops=100"], "custom needs both --peak_tflops"),
         (["--accelerator=h100,a100", "--bandwidth=2"], "replace one accelerator's figures"),
-        (["--peak_tflops=-5"], "--peak_tflops=-5 must be a positive number"),
+        (["--peak_tflops=-5"], "--peak_tflops=-5 must be a finite positive number of TFLOP/s"),
+        (["--peak_tflops=inf"], "--peak_tflops=inf must be a finite positive number of TFLOP/s"),
+        (["--peak_tflops=nan"], "--peak_tflops=nan must be a finite positive number"),
+        (["--peak_tflops=1e400"], "--peak_tflops=1e400 must be a finite positive number"),
+        (["--peak_tflops=1e7"], "--peak_tflops=1e7 must be a finite positive number"),
+        (["--peak_tflops=fast"], "--peak_tflops=fast must be a finite positive number"),
+        (["--bandwidth=inf"], "--bandwidth=inf must be a finite positive number of TB/s"),
+        (["--bandwidth=0"], "--bandwidth=0 must be a finite positive number of TB/s"),
         (["--efficiency=1.5"], "--efficiency=1.5 must be a fraction of the roofline"),
         (["--efficiency=0"], "--efficiency=0 must be a fraction"),
+        (["--efficiency=nan"], "--efficiency=nan must be a fraction"),
+        (["--efficiency=inf"], "--efficiency=inf must be a fraction"),
+        (["--efficiency=half"], "--efficiency=half must be a fraction"),
         (["--compare=grpo,gpro"], "--compare entry 'gpro' is neither a method"),
         (["--compare=configs/no_such.py"], "no_such.py"),
         (["--compare="], "--compare needs runs"),

@@ -86,7 +86,13 @@ def test_compare_counts_rows_per_leaf_and_ratios():
     result = run_plan(*TINY, "--compare=treegrpo,grpo", "--programs=rollout,train_step")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("runs compared at configs/tiny.py's setting")
+    assert lines[0].startswith("runs compared on 1 device, each at the setting named below it")
+    # a method name swaps the method alone; the config file that holds its own setting is named
+    assert "grpo: configs/tiny.py with tree.method=grpo, its other settings kept." in lines
+    assert (
+        "grpo at its own published setting is configs/tiny_grpo.py: "
+        "--compare=configs/tiny.py,configs/tiny_grpo.py compares the settings themselves."
+    ) in lines
     tree = re.split(r"\s{2,}", next(line for line in lines if line.startswith("treegrpo ")))
     flat = re.split(r"\s{2,}", next(line for line in lines if line.startswith("grpo ")))
     # treegrpo: 11 rollout rows and 3 trained parent rows for 4 leaves
@@ -99,3 +105,18 @@ def test_compare_counts_rows_per_leaf_and_ratios():
     # grpo (configs/tiny.py's group of 16 chains): every chain rolls and trains all 4 steps
     assert flat[1:4] == ["16", "4.00", "4.00"]
     assert float(flat[6]) > 1  # more rows per iteration than the tree's
+
+
+def test_compare_of_config_files_keeps_each_files_settings():
+    result = run_plan(
+        *TINY, "--compare=configs/tiny.py,configs/tiny_grpo.py", "--programs=rollout", "--json"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    out = json.loads(result.stdout)
+    names = [row["run"] for row in out["compared"][0]]
+    overrides = ", with this command line's --config.* overrides"  # TINY's
+    assert out["settings"] == {n: f"configs/{n}.py's own settings{overrides}" for n in names}
+    # tiny_grpo's own group of chains (configs/tiny_grpo.py), not tiny.py's tree
+    assert [row["leaves"] for row in out["compared"][0]] == [LEAVES, 16]

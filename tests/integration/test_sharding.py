@@ -1,4 +1,5 @@
-"""One train step on 8 simulated CPU devices equals the step on one device."""
+"""One train step on 8 simulated CPU devices equals the step on one device; the run's decode
+splits its rows over the devices and gives what one device gives."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from tree_grpo_jax import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_step.py")
+DECODE_SCRIPT = os.path.join(ROOT, "tests", "scripts", "device_decode.py")
 
 
 def test_fsdp_rule_shards_largest_divisible_dimension():
@@ -53,3 +55,32 @@ def test_train_step_on_8_devices_matches_one_device():
     assert "fsdp" in result["kernel_spec"] and "fsdp" in result["adam_mu_spec"]
     assert sorted(result["kernel_shard_shape"]) == [16, 64]
     assert result["devices"] == 8
+
+
+@pytest.mark.slow
+def test_each_device_decodes_its_own_rows(sd3_folder):
+    """The trainer's decode (`Trainer.device_decode`) of a loaded SD3 VAE on 4 simulated
+    devices: each device holds and decodes a quarter of the rows, at a quarter of one device's
+    FLOPs, with the same images; the model's `decode` jitted on the same split rows computes
+    every row on every device (its loop over rows gathers them)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": ROOT,
+    }
+    out = subprocess.run(
+        [sys.executable, DECODE_SCRIPT, str(sd3_folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4
+    assert result["shard_rows"] == [result["rows"] // 4]
+    assert result["max_diff"] < 1e-5
+    one = result["one_device_flops"]
+    assert result["flops_trainer"] == pytest.approx(one / 4, rel=0.01)
+    assert result["flops_model_jit"] == pytest.approx(one, rel=0.01)

@@ -113,3 +113,23 @@ def test_a_run_trains_the_same_with_one_part_or_several(tmp_path):
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params_1, params_4
     )
+
+
+def test_a_decoder_with_its_weights_runs_on_the_run_devices():
+    """`on_each_device`: a `Decoder` (weights kept apart) runs through the per-device program
+    and gives what it gives called directly; a `decode` closing over its weights runs as it
+    is (the 4-device split: tests/integration/test_sharding.py)."""
+    from tree_grpo_jax import sharding
+    from tree_grpo_jax.models.base import Decoder
+
+    def apply(params, latents):  # a loop over rows, as the VAEs decode
+        return jax.lax.map(lambda z: jnp.tanh(z * params["w"]) + params["b"], latents, batch_size=2)
+
+    decoder = Decoder(apply, {"w": jnp.float32(0.7), "b": jnp.float32(0.1)})
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    latents = jax.random.normal(jax.random.PRNGKey(1), (6, 2, 3, 1))
+    run = scoring.on_each_device(decoder, mesh)
+    expected = np.tanh(np.asarray(latents) * 0.7) + 0.1  # by hand
+    np.testing.assert_allclose(np.asarray(run(latents)), expected, rtol=1e-5, atol=1e-6)
+    assert run(latents).sharding.is_equivalent_to(sharding.batch_sharding(mesh), 4)
+    assert scoring.on_each_device(_decode, mesh) is _decode

@@ -11,9 +11,13 @@ leaves) are compiled from abstract shapes on the run's mesh and XLA's memory ana
 device is printed (`memory_plan.py` says what each figure is), then each program's FLOPs and
 bytes with every loop counted (`program_cost.py`) and the seconds they take on the named
 accelerators at a fraction of the roofline (`time_plan.py`): an estimate, not a measurement.
-`--compare` plans several runs at the config's setting (method names, each replacing
-`tree.method`, or config files, each given the same `--config.*` overrides) and prints one
-table of their rows per leaf, FLOPs and seconds per iteration. The model is read from its
+The largest program's total is checked against each named accelerator's memory and each
+`--device_memory` size, one verdict each; when none holds it, the time is marked not
+runnable (no hours) and a mesh estimated to fit is suggested (`plan_fit.py`).
+`--compare` plans several runs (method names, each the config with `tree.method` replaced
+and its other settings kept, or config files, each its own settings given the same
+`--config.*` overrides) and prints one table of their rows per leaf, FLOPs and seconds per
+iteration, and what each row's setting is. The model is read from its
 folder's JSON configs only: a local folder, a hub id (only its `*.json` files are
 downloaded), or `--config.model.path=builtin:<name>` for a release whose configs the
 family keeps as data (the hub id of such a release needs no download either).
@@ -29,12 +33,14 @@ be printed (stdout refused it: a full disk).
 from __future__ import annotations
 
 import json
+import math
 import os
+import pathlib
 import re
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.cli import common, time_table
+from tree_grpo_jax.cli import common, plan_fit, time_table
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.gpu_flags import GPU_FLAGS
@@ -44,16 +50,16 @@ PARSER = cli.config_parser("plan", __doc__)
 DEVICES = cli.define(
     PARSER,
     "devices",
-    0,
+    "0",
     "Plan for this many devices (0: this machine's); more than it has are simulated on CPU.",
-    type=int,
     metavar="N",
 )
 DEVICE_MEMORY = cli.define(
     PARSER,
     "device_memory",
-    ["80", "141"],
-    "Device memory sizes in GB (10^9 bytes) to compare with (default: 80,141).",
+    [],
+    "More device memory sizes in GB (10^9 bytes) to check the fit against, beside each "
+    "--accelerator's own.",
     type=cli.comma_list,
     metavar="GB,GB",
 )
@@ -87,7 +93,6 @@ PEAK_TFLOPS = cli.define(
     "peak_tflops",
     None,
     "One accelerator's dense bf16 peak in TFLOP/s, replacing its data sheet's.",
-    type=float,
     metavar="TFLOPS",
 )
 BANDWIDTH = cli.define(
@@ -95,29 +100,27 @@ BANDWIDTH = cli.define(
     "bandwidth",
     None,
     "One accelerator's memory bandwidth in TB/s, replacing its data sheet's.",
-    type=float,
     metavar="TB_PER_S",
 )
 EFFICIENCY = cli.define(
     PARSER,
     "efficiency",
-    accelerators.DEFAULT_EFFICIENCY,
+    str(accelerators.DEFAULT_EFFICIENCY),
     f"The fraction of the roofline a program reaches (default {accelerators.DEFAULT_EFFICIENCY}; "
     "docs/plan.md says why).",
-    type=float,
     metavar="FRACTION",
 )
 COMPARE = cli.define(
     PARSER,
     "compare",
     [],
-    "Runs to compare at this config's setting: method names or config files.",
+    "Runs to compare: method names (each at this config's other settings) or config files "
+    "(each its own settings).",
     type=cli.comma_list,
     metavar="RUN,RUN",
 )
 
 MAX_DEVICES = 4096
-GPU_DEFAULT_SHARE = 0.75  # of a GPU's memory JAX preallocates for its arrays
 FORCE_DEVICES = "--xla_force_host_platform_device_count"
 SIMULATED = "TREE_GRPO_JAX_PLAN_SIMULATED"  # set in the re-started command
 # The CPU compiler hands fused chains (a matmul, softmax, matmul) to libraries whose scratch
@@ -148,15 +151,55 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def device_memory(values) -> list[float]:
-    """`--device_memory` as positive numbers of GB; one sentence for anything else."""
+def _float(text: str) -> float | None:
+    """`text` as a finite number; None for anything else (text, nan, inf, 1e400)."""
     try:
-        sizes = [float(v) for v in values]
+        value = float(text)
     except ValueError:
-        sizes = []
-    if not sizes or not all(0 < s < 1e6 for s in sizes):
-        _fail(f"--device_memory={','.join(values)} must be sizes in GB, e.g. 80,141.")
+        return None
+    return value if math.isfinite(value) else None
+
+
+def device_memory(values) -> list[float]:
+    """`--device_memory` as finite positive numbers of GB; one sentence for anything else."""
+    sizes = [_float(v) for v in values]
+    if (DEVICE_MEMORY.present and not sizes) or not all(
+        s is not None and 0 < s < accelerators.FIGURE_LIMIT for s in sizes
+    ):
+        _fail(
+            f"--device_memory={','.join(values)} must be finite positive sizes in GB below "
+            f"{accelerators.FIGURE_LIMIT:,.0f}, e.g. --device_memory=40,80."
+        )
     return sizes
+
+
+def device_count(text: str) -> int:
+    """`--devices` as a whole number from 0 to MAX_DEVICES; one sentence for anything else."""
+    if not text.strip().isdigit() or not 0 <= int(text) <= MAX_DEVICES:
+        _fail(
+            f"--devices={text} is not a device count to plan for; give a whole number from 1 "
+            f"to {MAX_DEVICES} (0: this machine's)."
+        )
+    return int(text)
+
+
+def figure(flag, text: str | None) -> float | None:
+    """`--peak_tflops` or `--bandwidth` as a number (None when not given); one sentence for
+    anything but a finite positive one (run/accelerators.py checks the range)."""
+    if text is None:
+        return None
+    value = _float(text)
+    if value is None or not 0 < value < accelerators.FIGURE_LIMIT:
+        _fail(accelerators.figure_sentence(f"--{flag.dest}", text))
+    return value
+
+
+def efficiency(text: str) -> float:
+    value = _float(text)
+    try:
+        return accelerators.check_efficiency(float("nan") if value is None else value, text)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def simulate(count: int) -> None:
@@ -190,14 +233,7 @@ def plannable(config):
 # Output.
 
 
-def size(n: int) -> str:
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**10:.1f} KiB"
-
-
+size = plan_fit.size
 COLUMNS = ("arguments", "outputs", "temps", "aliased", "peak", "held", "total")
 
 
@@ -205,17 +241,32 @@ def _figures(p) -> tuple[int, ...]:
     return (p.argument, p.output, p.temp, p.alias, p.peak, p.held, p.total)
 
 
-def fits(plan, sizes_gb, share: float = 1.0) -> dict[str, bool]:
-    """Whether the largest total fits `share` of each device memory size."""
-    return {f"{gb:g}": plan.largest.total <= share * gb * 1e9 for gb in sizes_gb}
+def fit(plan, config, checked) -> tuple[list, list]:
+    """(a verdict per memory checked, and when none fits, a mesh estimated to fit each)."""
+    verdicts = plan_fit.verdicts(plan.largest.total, checked)
+    if any(v.fits for v in verdicts):
+        return verdicts, []
+    return verdicts, [plan_fit.suggest(plan, config, t, MAX_DEVICES) for t in checked]
 
 
-def _verdict(gb: str, whole: bool, default_share: bool) -> str:
-    if default_share:
-        return f"fits {gb} GB"
-    if whole:
-        return f"fits {gb} GB only with XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's default"
-    return f"does not fit {gb} GB"
+def _fit_lines(plan, verdicts, suggestions) -> list[str]:
+    largest = plan.largest
+    head = f"largest total: {size(largest.total)} per device ({largest.name})"
+    if not verdicts:
+        return [f"{head}; no device memory to check it against (--device_memory=GB gives one)."]
+    lines = [
+        f"{head}: "
+        + ", ".join(v.sentence() for v in verdicts)
+        + f" per device (GB = 10^9 bytes; JAX on a GPU takes {plan_fit.GPU_DEFAULT_SHARE:.0%} "
+        "of it by default)."
+    ]
+    if suggestions:
+        lines.append(
+            "nothing fits: the run as planned fits none of the memories checked, so its time "
+            "below is marked NOT RUNNABLE and gives no hours."
+        )
+        lines += [f"{s.sentence()}." for s in suggestions]
+    return lines
 
 
 def gpu_notes() -> list[str]:
@@ -227,7 +278,7 @@ def gpu_notes() -> list[str]:
     ]
 
 
-def table(plan, config_path: str, sizes_gb) -> str:
+def table(plan, config_path: str, verdicts, suggestions) -> str:
     kind = "simulated CPU" if FORCE_DEVICES in os.environ.get("XLA_FLAGS", "") else plan.platform
     where = f"{kind} device{'s' if plan.devices > 1 else ''}"
     lines = [
@@ -254,15 +305,7 @@ def table(plan, config_path: str, sizes_gb) -> str:
         *(f"note: {n}." for n in plan.notes),
         *(f"note: {n}" for n in gpu_notes()),
     ]
-    largest = plan.largest
-    whole, default = fits(plan, sizes_gb), fits(plan, sizes_gb, GPU_DEFAULT_SHARE)
-    verdicts = [_verdict(gb, whole[gb], default[gb]) for gb in whole]
-    lines.append(
-        f"largest total: {size(largest.total)} per device ({largest.name}): "
-        + ", ".join(verdicts)
-        + f" per device (GB = 10^9 bytes; JAX on a GPU takes {GPU_DEFAULT_SHARE:.0%} of it by "
-        "default)."
-    )
+    lines += _fit_lines(plan, verdicts, suggestions)
     return "\n".join(lines)
 
 
@@ -278,7 +321,7 @@ def _cost_json(cost) -> dict:
     }
 
 
-def as_json(plan, config_path: str, sizes_gb) -> dict:
+def as_json(plan, config_path: str, sizes_gb, verdicts, suggestions) -> dict:
     return {
         "config": config_path,
         "model": plan.model,
@@ -309,8 +352,11 @@ def as_json(plan, config_path: str, sizes_gb) -> dict:
         "held_bytes": plan.resident,
         "largest_total_bytes": plan.largest.total,
         "device_memory_gb": sizes_gb,
-        "fits": fits(plan, sizes_gb),
-        "fits_default_gpu_share": fits(plan, sizes_gb, GPU_DEFAULT_SHARE),
+        # each accelerator named (by its name) and each --device_memory size (in GB)
+        "memory_checked_gb": {v.target.label: v.target.memory_gb for v in verdicts},
+        "fits": {v.target.label: v.fits for v in verdicts},
+        "fits_default_gpu_share": {v.target.label: v.fits_default for v in verdicts},
+        "suggestions": [s.as_json() for s in suggestions],
         "not_planned": list(plan.not_planned),
         "notes": list(plan.notes),
         "gpu_flags": [flag for flag, _ in GPU_FLAGS],
@@ -325,22 +371,29 @@ def time_devices() -> list:
     """The accelerators of `--accelerator`, `--peak_tflops` and `--bandwidth`; one sentence
     for a name or figure that is not one."""
     names = ACCELERATOR.value
-    figures = (PEAK_TFLOPS.value, BANDWIDTH.value)
+    figures = (figure(PEAK_TFLOPS, PEAK_TFLOPS.value), figure(BANDWIDTH, BANDWIDTH.value))
     if not names:
         _fail("--accelerator needs a name, e.g. --accelerator=h100.")
     if len(names) > 1 and figures != (None, None):
         _fail("--peak_tflops and --bandwidth replace one accelerator's figures: name one.")
     try:
-        accelerators.check_efficiency(EFFICIENCY.value)
         return [accelerators.accelerator(name, *figures) for name in dict.fromkeys(names)]
     except ValueError as e:
         _fail(str(e))
 
 
-def compared_configs(config) -> list[tuple[str, object]]:
-    """`--compare`'s runs: (name, config) for each method name (the config with that
-    `tree.method`) or config file (given the command line's `--config.*` overrides, named by
-    its `name` field)."""
+def own_setting(config_path: str, method: str) -> str | None:
+    """The config file beside `config_path` that holds `method` at its own setting, by the
+    configs' naming (configs/sd35m.py -> configs/sd35m_grpo.py), when there is one."""
+    path = pathlib.Path(config_path.partition(":")[0])
+    own = path.with_name(f"{path.stem}_{method}.py")
+    return str(own) if own.is_file() and own != path else None
+
+
+def compared_configs(config) -> list[tuple[str, object, str]]:
+    """`--compare`'s runs: (name, config, its setting in words) for each method name (the
+    config with that `tree.method`, every other setting kept) or config file (its own
+    settings, given the command line's `--config.*` overrides; named by its `name` field)."""
     from tree_grpo_jax import methods
 
     runs = []
@@ -348,18 +401,23 @@ def compared_configs(config) -> list[tuple[str, object]]:
         if entry in methods.METHODS:
             other = config.copy_and_resolve_references()
             other.tree.method = entry
+            setting = f"{cli.CONFIG.path} with tree.method={entry}, its other settings kept"
         elif entry.partition(":")[0].endswith(".py"):
             try:
                 other = cli.load_config(entry)
                 cli.apply_overrides(other, cli.CONFIG.overrides, entry)
             except cli.BadCommandLine as e:
                 _fail(str(e))
+            setting = f"{entry}'s own settings" + (
+                ", with this command line's --config.* overrides" if cli.CONFIG.overrides else ""
+            )
         else:
             _fail(
                 f"--compare entry {entry!r} is neither a method ({', '.join(methods.METHODS)}) "
                 "nor a config file (ending in .py)."
             )
-        runs.append((entry if entry in methods.METHODS else other.get("name", entry), other))
+        name = entry if entry in methods.METHODS else other.get("name", entry)
+        runs.append((name, other, setting))
     return runs
 
 
@@ -372,10 +430,10 @@ def main(argv=None) -> None:
     if config is None:
         _fail("give a config file, e.g. --config=configs/sd35m.py.")
     sizes_gb = device_memory(DEVICE_MEMORY.value)
-    count = DEVICES.value
-    if not 0 <= count <= MAX_DEVICES:
-        _fail(f"--devices={count} is not a device count to plan for; give 1 to {MAX_DEVICES}.")
+    count = device_count(DEVICES.value)
     targets = time_devices()
+    fraction = efficiency(EFFICIENCY.value)
+    checked = plan_fit.targets(targets, sizes_gb)
 
     from tree_grpo_jax import config as cfg
     from tree_grpo_jax.models.base import ModelLoadError
@@ -384,9 +442,9 @@ def main(argv=None) -> None:
 
     if COMPARE.present and not COMPARE.value:
         _fail("--compare needs runs: method names or config files, e.g. --compare=grpo,treegrpo.")
-    runs = compared_configs(config) if COMPARE.value else [(None, config)]
+    runs = compared_configs(config) if COMPARE.value else [(None, config, None)]
     bad_input = (cfg.ConfigError, ModelLoadError, FileNotFoundError, ValueError)
-    for name, run_config in runs:
+    for name, run_config, _ in runs:
         try:
             cfg.validate(plannable(run_config), known_rewards=reward_registry.available_rewards())
         except bad_input as e:
@@ -399,7 +457,7 @@ def main(argv=None) -> None:
     if count > len(devices):
         simulate(count)
     plans = []
-    for name, run_config in runs:
+    for name, run_config, setting in runs:
         if name:
             _progress(f"planning {name}")
         try:
@@ -411,48 +469,85 @@ def main(argv=None) -> None:
         costs = {p.name: p.cost for p in plan.programs}
         times = [
             time_plan.plan_time(
-                run_config, costs, plan.devices, a, EFFICIENCY.value, plan.platform != "cpu"
+                run_config, costs, plan.devices, a, fraction, plan.platform != "cpu"
             )
             for a in targets
         ]
-        plans.append((name, run_config, plan, times))
+        plans.append((name, run_config, setting, plan, times))
     config_path = cli.CONFIG.path
     if COMPARE.value:
         _print_comparison(plans, config_path)
-    elif JSON.value:
-        _, _, plan, times = plans[0]
-        out = as_json(plan, config_path, sizes_gb)
-        out["time"] = [time_table.as_json(t) for t in times]
+        return
+    _, _, _, plan, times = plans[0]
+    verdicts, suggestions = fit(plan, config, checked)
+    fitted = {v.target.label: v for v in verdicts}
+    unfit = [_unfit(plan, fitted.get(t.accelerator.name), bool(suggestions)) for t in times]
+    if JSON.value:
+        out = as_json(plan, config_path, sizes_gb, verdicts, suggestions)
+        out["time"] = [time_table.as_json(t, not u) for t, u in zip(times, unfit)]
         common.print_out(json.dumps(out, indent=2))
     else:
-        _, _, plan, times = plans[0]
-        blocks = [table(plan, config_path, sizes_gb), *(time_table.table(t) for t in times)]
+        blocks = [
+            table(plan, config_path, verdicts, suggestions),
+            *(time_table.table(t, u) for t, u in zip(times, unfit)),
+        ]
         common.print_out("\n\n".join(blocks))
+
+
+def _unfit(plan, verdict, nothing_fits: bool) -> str:
+    """Why the run cannot run as planned on an accelerator ("": it fits, or its memory is not
+    known and some memory checked holds the run)."""
+    largest = f"the largest program's {size(plan.largest.total)} per device"
+    if verdict is None:
+        return f"{largest} fits none of the memories checked" if nothing_fits else ""
+    return "" if verdict.fits else f"{largest} is above its {verdict.target.memory_gb:g} GB"
+
+
+def _settings_note(plans, config_path: str) -> list[str]:
+    """What each compared row's setting is, and where a method's own setting is kept."""
+    lines = [f"{name}: {setting}." for name, _, setting, _, _ in plans]
+    methods = [name for name, _, setting, _, _ in plans if "tree.method=" in setting]
+    own = {m: own_setting(config_path, m) for m in methods}
+    lines += [
+        f"{m} at its own published setting is {path}: --compare={config_path},{path} "
+        "compares the settings themselves."
+        for m, path in own.items()
+        if path
+    ]
+    return lines
 
 
 def _print_comparison(plans, config_path: str) -> None:
     from tree_grpo_jax.run import time_plan
 
-    setting = f"{config_path}'s setting, {plans[0][2].devices} device(s)"
     per_accelerator = []
-    for index in range(len(plans[0][3])):
+    for index in range(len(plans[0][4])):
         rows = []
-        for name, run_config, plan, times in plans:
+        for name, run_config, _, plan, times in plans:
             leaves, rollout_rows, train_rows = time_plan.rows_per_leaf(run_config)
+            memory = times[index].accelerator.memory_gb
+            runnable = None if not memory else plan.largest.total <= memory * plan_fit.GB
             rows.append(
                 time_table.Compared(
-                    name, leaves, rollout_rows, train_rows, plan.largest.total, times[index]
+                    name,
+                    leaves,
+                    rollout_rows,
+                    train_rows,
+                    plan.largest.total,
+                    times[index],
+                    runnable,
                 )
             )
         per_accelerator.append(rows)
     if JSON.value:
         compared = [time_table.compare_json(rows) for rows in per_accelerator]
-        out = {"config": config_path, "compared": compared}
+        settings = {name: setting for name, _, setting, _, _ in plans}
+        out = {"config": config_path, "settings": settings, "compared": compared}
         common.print_out(json.dumps(out, indent=2))
     else:
-        common.print_out(
-            "\n\n".join(time_table.compare_table(rows, setting) for rows in per_accelerator)
-        )
+        devices = plans[0][3].devices
+        blocks = [time_table.compare_table(rows, devices) for rows in per_accelerator]
+        common.print_out("\n\n".join([*blocks, "\n".join(_settings_note(plans, config_path))]))
 
 
 def run() -> None:

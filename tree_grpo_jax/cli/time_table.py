@@ -36,8 +36,9 @@ def _device_line(plan: TimePlan) -> str:
     )
 
 
-def table(plan: TimePlan) -> str:
-    """One accelerator's block: each program per call and per iteration, then the run."""
+def table(plan: TimePlan, unfit: str = "") -> str:
+    """One accelerator's block: each program per call and per iteration, then the run; the
+    run's hours withheld when it does not fit the accelerator (`unfit` says why)."""
     lines = [
         f"time per iteration on {_device_line(plan)} ({ESTIMATE}; per device):",
         f"{'program':<11}  {'calls/iter':>10}  {'TFLOP/call':>10}  {'GB/call':>9}  "
@@ -50,17 +51,28 @@ def table(plan: TimePlan) -> str:
             f"{moved:>9}  {p.bound:>7}  {seconds(p.estimate_s):>9}  "
             f"{seconds(p.per_iteration_s):>9}"
         )
+    where = f"{plan.devices} device{'s' if plan.devices > 1 else ''}"
+    if unfit:
+        run = (
+            f"{seconds(plan.seconds_per_iteration)} if it fit ({ESTIMATE}); NOT RUNNABLE as "
+            f"planned on {where}: {unfit}, so no hours are given (the memory plan above "
+            "suggests a mesh)"
+        )
+    else:
+        run = (
+            f"{seconds(plan.seconds_per_iteration)} ({ESTIMATE}); {plan.iterations} iterations: "
+            f"{hours(plan.hours)} on {where}, {plan.device_hours:.3g} device-hours ({ESTIMATE})"
+        )
     lines += [
-        f"one iteration: {tera(plan.flops_per_iteration)} TFLOP per device, "
-        f"{seconds(plan.seconds_per_iteration)} ({ESTIMATE}); {plan.iterations} iterations: "
-        f"{hours(plan.hours)} on {plan.devices} device{'s' if plan.devices > 1 else ''}, "
-        f"{plan.device_hours:.3g} device-hours ({ESTIMATE})",
+        f"one iteration: {tera(plan.flops_per_iteration)} TFLOP per device, {run}",
         "not counted: " + "; ".join(plan.not_counted) + ".",
     ]
     return "\n".join(lines)
 
 
-def as_json(plan: TimePlan) -> dict:
+def as_json(plan: TimePlan, runnable: bool | None = None) -> dict:
+    """`runnable` False: the run does not fit the accelerator's memory (hours withheld);
+    None: not checked (its memory is not known)."""
     return {
         "accelerator": dataclasses.asdict(plan.accelerator),
         "efficiency": plan.efficiency,
@@ -82,8 +94,9 @@ def as_json(plan: TimePlan) -> dict:
         },
         "flops_per_iteration": plan.flops_per_iteration,
         "seconds_per_iteration": plan.seconds_per_iteration,
-        "hours": plan.hours,
-        "device_hours": plan.device_hours,
+        "runnable": runnable,
+        "hours": None if runnable is False else plan.hours,
+        "device_hours": None if runnable is False else plan.device_hours,
         "measured": False,
         "not_counted": list(plan.not_counted),
     }
@@ -99,12 +112,14 @@ class Compared:
     train_rows_per_leaf: float  # denoiser forwards of the train step per leaf
     largest_total: int  # bytes per device, the memory plan's largest program
     time: TimePlan
+    runnable: bool | None = None  # within the accelerator's memory (None: not known)
 
 
-def compare_table(rows: list[Compared], setting: str) -> str:
+def compare_table(rows: list[Compared], devices: int) -> str:
     first = rows[0].time
     lines = [
-        f"runs compared at {setting}, on {_device_line(first)} ({ESTIMATE}; per device):",
+        f"runs compared on {devices} device{'s' if devices > 1 else ''}, each at the setting "
+        f"named below it, on {_device_line(first)} ({ESTIMATE}; per device):",
         f"{'run':<28}  {'leaves':>6}  {'rollout rows/leaf':>17}  {'train rows/leaf':>15}  "
         f"{'TFLOP/iter':>10}  {'s/iter':>9}  {'ratio':>6}  {'memory':>9}",
     ]
@@ -115,12 +130,18 @@ def compare_table(rows: list[Compared], setting: str) -> str:
             f"{r.train_rows_per_leaf:>15.2f}  {tera(t.flops_per_iteration):>10}  "
             f"{seconds(t.seconds_per_iteration):>9}  "
             f"{t.seconds_per_iteration / first.seconds_per_iteration:>6.2f}  "
-            f"{r.largest_total / 2**30:>5.1f} GiB"
+            f"{r.largest_total / 2**30:>5.1f} GiB{' (does not fit)' if r.runnable is False else ''}"
         )
     lines.append(
         "rows per leaf: denoiser rows of the rollout and forward rows of the train steps per "
         "leaf, averaged over the run's iterations; ratio: seconds per iteration over the first "
-        "run's; memory: the largest program's total per device."
+        "run's; memory: the largest program's total per device"
+        + (
+            f" (does not fit: above the {first.accelerator.memory_gb:g} GB of one device, so "
+            "that run's seconds are no run's)."
+            if any(r.runnable is False for r in rows)
+            else "."
+        )
     )
     return "\n".join(lines)
 
@@ -135,7 +156,7 @@ def compare_json(rows: list[Compared]) -> list[dict]:
             "train_rows_per_leaf": r.train_rows_per_leaf,
             "largest_total_bytes": r.largest_total,
             "ratio": r.time.seconds_per_iteration / first,
-            "time": as_json(r.time),
+            "time": as_json(r.time, r.runnable),
         }
         for r in rows
     ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.models.base import cast_floats
+from tree_grpo_jax.models.base import Decoder, cast_floats
 from tree_grpo_jax.weights import convert, files
 
 # Config fields the decoder does not read, with the one value it implements.
@@ -81,7 +81,6 @@ def decode_fn(module, config: dict, batch_size: int, dtype):
 
 def load_decode(folder: Path, dtype, hint: str, batch_size: int):
     """`(decode, config)` of a `vae/` folder: `decode(latents)` is `decode_fn`'s with the
-    decoder's params (`load_decoder`'s) closed over, as a loaded model's `decode`."""
+    decoder's params (`load_decoder`'s), as a loaded model's `decode`."""
     module, params, config = load_decoder(folder, dtype, hint)
-    decode_latents = decode_fn(module, config, batch_size, dtype)
-    return (lambda latents: decode_latents(params, latents)), config
+    return Decoder(decode_fn(module, config, batch_size, dtype), params), config

@@ -42,6 +42,20 @@ def cast_floats(tree: PyTree, dtype) -> PyTree:
     return jax.tree_util.tree_map(cast, tree)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decoder:
+    """A model's `decode` as a function of its weights: `Decoder(apply, params)(latents)` is
+    `apply(params, latents)`. Kept apart, the weights can be laid out on a run's devices and
+    each device decode its own rows there (`run.scoring.on_each_device`); a `decode` that
+    closes over its weights runs as it is."""
+
+    apply: Callable  # (params, latents [B, *sample_shape]) -> decoded media [B, ...]
+    params: PyTree
+
+    def __call__(self, latents):
+        return self.apply(self.params, latents)
+
+
 class SamplingOptions(Protocol):
     """What a schedule reads from the run's sampling settings (the config's `sampling`).
 

@@ -15,7 +15,8 @@ class Accelerator:
     title: str
     peak_flops: float  # FLOP/s, dense bfloat16 (no structured sparsity)
     bandwidth: float  # bytes/s of its high-bandwidth memory
-    memory_gb: float = 0.0  # 10^9 bytes; 0 where unknown (`--peak_tflops` / `--bandwidth`)
+    memory_gb: float = 0.0  # 10^9 bytes; 0 where unknown (`--accelerator=custom`)
+    gpu: bool = True  # JAX preallocates a share of a GPU's memory (not of a TPU's)
 
 
 # Vendors' data sheets; docs/plan.md cites each one.
@@ -26,11 +27,25 @@ ACCELERATORS = {
         Accelerator("h200", "NVIDIA H200 SXM", 989e12, 4.8e12, 141),
         Accelerator("a100", "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80),
         Accelerator("b200", "NVIDIA B200 (HGX)", 2250e12, 8e12, 180),
-        Accelerator("tpu-v5e", "Google TPU v5e", 197e12, 0.819e12, 16),
-        Accelerator("tpu-v5p", "Google TPU v5p", 459e12, 2.765e12, 95),
-        Accelerator("tpu-v6e", "Google TPU v6e (Trillium)", 918e12, 1.64e12, 32),
+        Accelerator("tpu-v5e", "Google TPU v5e", 197e12, 0.819e12, 16, gpu=False),
+        Accelerator("tpu-v5p", "Google TPU v5p", 459e12, 2.765e12, 95, gpu=False),
+        Accelerator("tpu-v6e", "Google TPU v6e (Trillium)", 918e12, 1.64e12, 32, gpu=False),
     )
 }
+# Above any accelerator's TFLOP/s or TB/s (and any memory in GB): a figure this large is a typo.
+FIGURE_LIMIT = 1e6
+UNITS = {"--peak_tflops": ("TFLOP/s", "989"), "--bandwidth": ("TB/s", "3.35")}
+
+
+def figure_sentence(figure: str, given: str) -> str:
+    """The refusal of `--peak_tflops` or `--bandwidth` given as the text `given`."""
+    unit, example = UNITS[figure]
+    return (
+        f"{figure}={given} must be a finite positive number of {unit} below {FIGURE_LIMIT:,.0f}, "
+        f"e.g. {figure}={example}."
+    )
+
+
 # The share of the roofline bound a program is assumed to reach; docs/plan.md says why.
 DEFAULT_EFFICIENCY = 0.35
 
@@ -40,10 +55,10 @@ def accelerator(
 ) -> Accelerator:
     """The named accelerator, with either figure replaced when given; name "custom" takes
     both from the arguments. ValueError with one sentence for an unknown name or a figure
-    that is not a positive number."""
+    that is not a finite positive number below FIGURE_LIMIT."""
     for figure, value in (("--peak_tflops", peak_tflops), ("--bandwidth", bandwidth_tb)):
-        if value is not None and not (0 < value < 1e6):
-            raise ValueError(f"{figure}={value:g} must be a positive number.")
+        if value is not None and not (0 < value < FIGURE_LIMIT):
+            raise ValueError(figure_sentence(figure, f"{value:g}"))
     name = name.strip().lower()  # H100, TPU-v5p
     if name == "custom":
         if peak_tflops is None or bandwidth_tb is None:
@@ -62,10 +77,12 @@ def accelerator(
     )
 
 
-def check_efficiency(efficiency: float) -> float:
+def check_efficiency(efficiency: float, given: str | None = None) -> float:
+    """`efficiency` when it is a fraction in (0, 1]; ValueError with one sentence naming it as
+    `given` (the command line's text) otherwise."""
     if not 0 < efficiency <= 1:
         raise ValueError(
-            f"--efficiency={efficiency:g} must be a fraction of the roofline above 0 and at "
-            "most 1, e.g. 0.4."
+            f"--efficiency={given or f'{efficiency:g}'} must be a fraction of the roofline "
+            "above 0 and at most 1, e.g. --efficiency=0.4."
         )
     return efficiency

@@ -45,7 +45,7 @@ from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.rewards import registry as reward_registry
-from tree_grpo_jax.run import build, memory
+from tree_grpo_jax.run import build, memory, scoring
 from tree_grpo_jax.run.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.run.train_step import old_params
 
@@ -211,14 +211,16 @@ def _descriptions(trainer, eval_args) -> dict[str, str]:
 
 
 def decode_program(trainer, tree):
+    """The run's decode of the leaves (`scoring.device_decoder`: each device its own rows)."""
     mesh, model = trainer.mesh, trainer.model
-    latents = jax.ShapeDtypeStruct(
-        (math.prod(tree.leaves.shape[:2]), *tree.leaves.shape[2:]), tree.leaves.dtype
+    leaves = tree.leaves
+    latents = _shaped((math.prod(leaves.shape[:2]), *leaves.shape[2:]), mesh)
+    latents = latents.update(dtype=leaves.dtype)
+    params = jax.tree_util.tree_map(
+        lambda x: x.update(sharding=sharding.replicated(mesh)), model.decode_params
     )
-    split = _split(mesh)
-    fn = jax.jit(model.decode, in_shardings=(sharding.replicated(mesh), split), out_shardings=split)
     what = f"{latents.shape[0]} leaves{_layout(mesh)}"
-    return fn.lower(model.decode_params, latents), what
+    return scoring.device_decoder(model.decode, mesh).lower(params, latents), what
 
 
 # ---------------------------------------------------------------------------------------------

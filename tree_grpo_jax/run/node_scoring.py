@@ -59,7 +59,7 @@ def with_node_values(trainer, sampled, batch, iteration: int):
         return sampled
     num_prompts, per_prompt = x0.shape[:2]
     decoded = scoring.decode(
-        trainer.model.decode,
+        trainer.device_decode,
         x0.reshape(num_prompts * per_prompt, *x0.shape[2:]),
         groups=num_prompts,
         parts=trainer.decode_parts(trainer.reward.on_host),

@@ -12,6 +12,10 @@ once: it runs on the accelerator, behind the decodes, and gains nothing from par
 Scores do not depend on the parts: each image is scored alone by every reward, so a run
 scores the same with `reward_options.decode_chunks` 1 (decode everything, then score) or
 more.
+
+Every device decodes its own rows (`on_each_device`): a decoder that runs its rows in a loop
+(`lax.map` over `decode_batch_size` at a time) cannot have the loop's axis split by the
+compiler, which would gather every row to every device and decode all of them on each.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tree_grpo_jax import sharding
+from tree_grpo_jax.models.base import Decoder
 
 
 def chunk_count(per_group: int, asked: int) -> int:
@@ -30,6 +39,33 @@ def chunk_count(per_group: int, asked: int) -> int:
     `per_group` not above `asked` (equal parts: one decode program for all of them)."""
     asked = max(1, min(int(asked), per_group))
     return next(n for n in range(asked, 0, -1) if per_group % n == 0)
+
+
+@functools.cache  # one program per decoder and mesh, however often a trainer is made
+def device_decoder(apply: Callable, mesh) -> Callable:
+    """`apply(params, latents)` jitted for `params` on every device and the latents' rows split
+    over `mesh`'s batch axes, each device decoding its own rows with its copy of the weights."""
+    rows = P(sharding.BATCH_AXES)
+    return jax.jit(jax.shard_map(apply, mesh=mesh, in_specs=(P(), rows), out_specs=rows))
+
+
+def on_each_device(decode: Callable, mesh) -> Callable:
+    """`decode` of latents [N, ...] run on `mesh` (a process's own devices), each device
+    decoding its N / devices rows: when `decode` is a `models.base.Decoder` (its weights are
+    placed on every device once, here) and the devices divide N; else `decode` itself."""
+    if not isinstance(decode, Decoder):
+        return decode
+    program = device_decoder(decode.apply, mesh)
+    params = jax.device_put(decode.params, sharding.replicated(mesh))
+    split = sharding.batch_sharding(mesh)
+    shards = sharding.num_batch_shards(mesh)
+
+    def run(latents):
+        if latents.shape[0] % shards:
+            return decode(latents)
+        return program(params, jax.device_put(latents, split))
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,12 @@ class Trainer:
     def guidance(self) -> bool:
         return self.uncond is not None
 
+    @functools.cached_property
+    def device_decode(self):
+        """The model's `decode` with every device decoding its own rows (scoring.py says
+        why): the run's mesh, or this process's devices of it."""
+        return scoring.on_each_device(self.model.decode, sharding.local_mesh(self.mesh))
+
     def model_params(self, params):
         """The denoiser's weights for the trained `params` (LoRA: the base with the factors,
         merged block by block in scanned runs, `lora.attach`)."""
@@ -364,7 +370,7 @@ class Trainer:
         leaves = sampled.tree.leaves
         num_prompts, num_leaves = leaves.shape[:2]
         images = scoring.decode(
-            self.model.decode,
+            self.device_decode,
             leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]),
             groups=num_prompts,  # parts cut along the leaves keep the prompts' devices
             parts=self.decode_parts(self.reward.on_host),
@@ -428,7 +434,7 @@ class Trainer:
         mine_metadata = None if metadata is None else [metadata[i] for i in mine]
         on_host = self.reward.on_host or any(r.on_host for r in self.eval_rewards.values())
         groups = sharding.num_batch_shards(self.mesh) // jax.process_count()  # local devices
-        images = scoring.decode(self.model.decode, samples, groups, self.decode_parts(on_host))
+        images = scoring.decode(self.device_decode, samples, groups, self.decode_parts(on_host))
         return eval_metrics.EvalSamples(
             images, [prompts[i] for i in mine], count, kl, mine_metadata
         )

@@ -22,6 +22,7 @@ from tree_grpo_jax.core.sampling import PREDICTION_TYPES
 from tree_grpo_jax.models import clip
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
+    Decoder,
     ModelLoadError,
     TextToImageModel,
     cast_floats,
@@ -333,8 +334,7 @@ def decode_fn(module, vae_config: dict, batch_size: int, dtype):
 
 
 def _make_decode(module, params, vae_config: dict, batch_size: int, dtype):
-    decode_latents = decode_fn(module, vae_config, batch_size, dtype)
-    return lambda latents: decode_latents(params, latents)
+    return Decoder(decode_fn(module, vae_config, batch_size, dtype), params)
 
 
 def load_sd(

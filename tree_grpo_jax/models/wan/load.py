@@ -47,7 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.models import components, media, text_encoders
-from tree_grpo_jax.models.base import FlowSigmasScheduleConfig, ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import (
+    Decoder,
+    FlowSigmasScheduleConfig,
+    ModelLoadError,
+    cast_floats,
+)
 from tree_grpo_jax.models.wan import family, transformer, vae
 from tree_grpo_jax.weights import files
 
@@ -315,7 +320,7 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
         **components.model_fields(root, loaded, vae_config, encoder, options),
         sample_shape=shape,
         denoise=make_denoise(module),
-        decode=functools.partial(decode_latents, decoder_params),
+        decode=Decoder(decode_latents, decoder_params),
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         num_frames=options.num_frames,
