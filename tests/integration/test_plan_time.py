@@ -90,8 +90,8 @@ def test_compare_counts_rows_per_leaf_and_ratios():
     # a method name swaps the method alone; the config file that holds its own setting is named
     assert "grpo: configs/tiny.py with tree.method=grpo, its other settings kept." in lines
     assert (
-        "grpo at its own published setting is configs/tiny_grpo.py: "
-        "--compare=configs/tiny.py,configs/tiny_grpo.py compares the settings themselves."
+        "grpo has a config of its own beside configs/tiny.py: configs/tiny_grpo.py "
+        "(--compare=configs/tiny.py,configs/tiny_grpo.py compares the two files' own settings)."
     ) in lines
     tree = re.split(r"\s{2,}", next(line for line in lines if line.startswith("treegrpo ")))
     flat = re.split(r"\s{2,}", next(line for line in lines if line.startswith("grpo ")))

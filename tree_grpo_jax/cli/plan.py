@@ -509,8 +509,8 @@ def _settings_note(plans, config_path: str) -> list[str]:
     methods = [name for name, _, setting, _, _ in plans if "tree.method=" in setting]
     own = {m: own_setting(config_path, m) for m in methods}
     lines += [
-        f"{m} at its own published setting is {path}: --compare={config_path},{path} "
-        "compares the settings themselves."
+        f"{m} has a config of its own beside {config_path}: {path} (--compare={config_path},"
+        f"{path} compares the two files' own settings)."
         for m, path in own.items()
         if path
     ]
