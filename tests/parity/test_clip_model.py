@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clip_fixtures import VISION  # the reward folders' tiny vision tower
 
 from tree_grpo_jax.models import clip
 from tree_grpo_jax.models.base import ModelLoadError
@@ -27,14 +28,6 @@ TEXT = dict(
     projection_dim=16,
     bos_token_id=1,
     pad_token_id=EOS,
-)
-VISION = dict(
-    hidden_size=32,
-    intermediate_size=37,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    image_size=32,
-    patch_size=8,
 )
 # (hidden_act, eos_token_id): both activations, the legacy pooling rule and the first-eos one
 CASES = [("quick_gelu", 2), ("gelu", EOS)]
