@@ -21,7 +21,10 @@ def measured(tmp_path_factory):
     from tree_grpo_jax.cli import evaluate
     from tree_grpo_jax.run.build import setup
 
-    config = evaluate._evaluation_config(small_config("treegrpo"), K, METRICS, with_kl=True)
+    base = small_config("treegrpo")
+    # the whole eval set one chunk, as the run's own evaluation samples it
+    chunk = base.prompts.eval_count
+    config = evaluate._evaluation_config(base, K, METRICS, with_kl=True, chunk=chunk)
     trainer, state = setup(config, str(tmp_path_factory.mktemp("trainer")))
     leaves, tree = jax.tree_util.tree_flatten(state.params)
     keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
