@@ -38,7 +38,9 @@ def run_plan(*args) -> subprocess.CompletedProcess:
 
     from tree_grpo_jax.cli import plan
 
-    return run_in_process(plan, "--devices=1", *args, prog="tree_grpo_jax.plan")
+    # each flag is given once: a test's own --devices (a bad one) replaces the 1
+    devices = [] if any(a.split("=")[0] == "--devices" for a in args) else ["--devices=1"]
+    return run_in_process(plan, *devices, *args, prog="tree_grpo_jax.plan")
 
 
 def plan_json(*args) -> dict:
