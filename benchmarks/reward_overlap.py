@@ -6,7 +6,7 @@ against decoded in parts, each scored as it comes (the default 4), at two server
     python -m benchmarks.reward_overlap --smoke                # seconds: 2 x 2 small images
     python -m benchmarks.reward_overlap --out benchmarks/results   # the committed figures
 
-The decoder is the flow families' VAE decoder (`models.autoencoder`, diffusers' Flax
+The decoder is the flow families' VAE decoder (`models.autoencoder`, our Flax
 AutoencoderKL) with random weights at reduced width, so a batch takes seconds on a CPU;
 the reward is the package's remote client (`remote:<name>`) against the reference server's
 handler on 127.0.0.1, whose scorer sleeps `latency` seconds per request and serves one

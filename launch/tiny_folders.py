@@ -4,8 +4,8 @@ diffusers layout, for a smoke run of those configs without downloading any weigh
     python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux,wan}
 
 Only the package's own dependencies are needed (`pip install -e .`): no torch. Each weight
-file is the project's Flax module for that component (our UNet, SD3 MMDiT and FLUX
-transformer; diffusers' Flax VAE; transformers' Flax CLIP towers; our T5 encoder), given
+file is the project's Flax module for that component (our UNet, SD3 MMDiT, FLUX
+transformer and VAE; transformers' Flax CLIP towers; our T5 encoder), given
 seeded random values and written under diffusers' and transformers' PyTorch names and
 layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser) in
 safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
@@ -136,7 +136,7 @@ def random_params(shapes: dict, rng) -> dict:
     return flat
 
 
-# The Flax VAE keeps the old attention names; diffusers' PyTorch files use the new ones.
+# Our VAE keeps the old attention names; diffusers' PyTorch files use the new ones.
 _VAE_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
@@ -201,19 +201,11 @@ def write_vae(root: pathlib.Path, config: dict, rng) -> None:
     """The whole AutoencoderKL (encoder included, as the releases hold it)."""
     import jax
 
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-    from tree_grpo_jax.models.sd15.load import flax_module_kwargs
+    from tree_grpo_jax.models.autoencoder_kl import module_from_config
     from tree_grpo_jax.weights import convert
 
-    quiet_flax_deprecation_notices()
-    from diffusers import FlaxAutoencoderKL
-
-    module = FlaxAutoencoderKL(**flax_module_kwargs(FlaxAutoencoderKL, config))
+    module = module_from_config(config, "the tiny VAE config", jax.numpy.float32, fixed={})
     shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
-    # diffusers' Flax VAE always has the quant convs; a config without them has none.
-    for conv in ("quant_conv", "post_quant_conv"):
-        if not config.get(f"use_{conv}", True):
-            shapes = {k: v for k, v in shapes.items() if k[0] != conv}
     state = pytorch_state(
         random_params(shapes, rng), convert.DIFFUSERS_LIST_NAMES, renames=_VAE_ATTENTION
     )

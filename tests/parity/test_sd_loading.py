@@ -190,10 +190,24 @@ def test_loading_path_runs_without_torch(folder):
     assert result.stdout.strip().endswith("ok")
 
 
+def _vae_msgpack(torch_vae, config: dict, path: Path) -> None:
+    """The VAE as a Flax msgpack file, as diffusers' former Flax class saved it: the
+    serialized param tree, whose names and conversion test_vae_model.py checks against
+    that class and the PyTorch VAE."""
+    from flax.serialization import to_bytes
+
+    from tree_grpo_jax.models.sd15.load import vae_module
+
+    module = vae_module(config, path / "config.json", jnp.float32)
+    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    state = {k: v.numpy() for k, v in torch_vae.state_dict().items()}
+    params = convert.pytorch_to_flax(state, shapes, merge_indices=True)
+    (path / "diffusion_flax_model.msgpack").write_bytes(to_bytes(params))
+
+
 def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
-    """A folder holding only Flax msgpack files, written by diffusers' and transformers' own
-    Flax classes, loads to the same outputs."""
-    from diffusers import FlaxAutoencoderKL
+    """A folder holding only Flax msgpack files, written by diffusers' Flax UNet class, our
+    VAE's tree and transformers' Flax CLIP class, loads to the same outputs."""
     from transformers import FlaxCLIPTextModel
     from transformers.modeling_flax_pytorch_utils import (
         convert_pytorch_state_dict_to_flax as convert_text,
@@ -204,8 +218,8 @@ def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
         path.unlink()
     unet = _diffusers_flax_unet(model.unet_config)
     unet.save_pretrained(flax_folder / "unet", params=_diffusers_convert(torch_parts["unet"], unet))
-    vae = FlaxAutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
-    vae.save_pretrained(flax_folder / "vae", params=_diffusers_convert(torch_parts["vae"], vae))
+    vae_config = json.loads((folder / "vae" / "config.json").read_text())
+    _vae_msgpack(torch_parts["vae"], vae_config, flax_folder / "vae")
     text = FlaxCLIPTextModel(torch_parts["text_encoder"].config)
     text_params = convert_text(torch_parts["text_encoder"].state_dict(), text)
     text.save_pretrained(flax_folder / "text_encoder", params=text_params)

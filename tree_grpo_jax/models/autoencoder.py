@@ -1,5 +1,6 @@
-"""The VAE decoder of the flow families (SD3 / 3.5 and FLUX.1): diffusers' `AutoencoderKL`
-with 16 latent channels and no quant convs, from a diffusers `vae/` folder.
+"""The VAE decoder of the flow families (SD3 / 3.5 and FLUX.1): `models.autoencoder_kl`'s
+`AutoencoderKL` (diffusers' of that name) with 16 latent channels and no quant convs, from a
+diffusers `vae/` folder.
 
 Only the decoder is read and run. Latents are unscaled as the pipelines do before decoding,
 `z / scaling_factor + shift_factor` with the folder's factors (SD3.5: 1.5305 and 0.0609;
@@ -8,12 +9,12 @@ FLUX.1: 0.3611 and 0.1159), and the images come back in [0, 1].
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.models.autoencoder_kl import AutoencoderKL, module_from_config
 from tree_grpo_jax.models.base import Decoder, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -26,18 +27,9 @@ FIXED = {
 }
 
 
-def vae_module(config: dict, where: Path, dtype):
-    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-
-    quiet_flax_deprecation_notices()
-    from diffusers import FlaxAutoencoderKL
-
-    files.check_fixed(config, FIXED, where)
-    files.check_field_types(config, FlaxAutoencoderKL, where)
-    fields = {f.name for f in dataclasses.fields(FlaxAutoencoderKL)} - {"parent", "name", "dtype"}
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
-    return FlaxAutoencoderKL(**kwargs, dtype=dtype)
+def vae_module(config: dict, where: Path, dtype) -> AutoencoderKL:
+    """The VAE a `vae/config.json` describes, checked."""
+    return module_from_config(config, where, dtype, FIXED)
 
 
 def decoder_shapes(module, dtype=jnp.float32) -> dict:
@@ -64,9 +56,7 @@ def decode_fn(module, config: dict, batch_size: int, dtype):
     shift = float(config.get("shift_factor") or 0.0)
 
     def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
-        return module.apply(
-            {"params": params}, z[None], method=lambda m, z: m.decoder(z, deterministic=True)
-        )[0]
+        return module.apply({"params": params}, z[None], method=lambda m, z: m.decoder(z))[0]
 
     @jax.jit
     def decode_latents(params, latents):

@@ -1,9 +1,10 @@
 """PyTorch-named weights <-> Flax param trees, in numpy only (torch is never imported).
 
 Model and reward folders ship PyTorch `*.safetensors` files. The Flax modules we run
-(our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; diffusers'
-`FlaxAutoencoderKL`; our `models.clip`, named as transformers' Flax CLIP) hold the same
-tensors under other names and layouts:
+(our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; our
+`models.autoencoder_kl` VAE, named as diffusers' former `FlaxAutoencoderKL`; our
+`models.clip`, named as transformers' Flax CLIP) hold the same tensors under other names and
+layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
   `down_blocks.0`; the CLIP towers keep `layers/0` as two path segments;
@@ -11,7 +12,7 @@ tensors under other names and layouts:
   [O, I, T, H, W] -> [T, H, W, I, O]), linear `weight` -> transposed
   `kernel`, norm `weight` -> `scale` (or `weight` where the Flax module keeps that name),
   embedding `weight` -> `embedding`;
-- the Flax VAE attention keeps the old names (`query`, `key`, `value`, `proj_attn`) where
+- the VAE's attention keeps the old names (`query`, `key`, `value`, `proj_attn`) where
   recent PyTorch files say `to_q`, `to_k`, `to_v`, `to_out.0`.
 
 Which Flax leaf a PyTorch `weight` becomes is decided by the reference tree (the Flax

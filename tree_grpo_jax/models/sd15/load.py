@@ -20,6 +20,7 @@ from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.core.sampling import PREDICTION_TYPES
 from tree_grpo_jax.models import clip
+from tree_grpo_jax.models.autoencoder_kl import AutoencoderKL, module_from_config
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
     Decoder,
@@ -160,12 +161,6 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
     )
 
 
-def flax_module_kwargs(cls, config: dict) -> dict:
-    """The config fields the Flax class takes, lists turned into tuples."""
-    fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name", "dtype"}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
-
-
 def unet_reference_shapes(unet: UNet2DConditionModel) -> dict[tuple[str, ...], tuple[int, ...]]:
     """The flat {path: shape} of the UNet's params (no weights are computed)."""
     return convert.shapes_of(jax.eval_shape(unet.init_weights, jax.random.PRNGKey(0)))
@@ -213,16 +208,9 @@ def load_unet(folder: Path, dtype, variant=None, **options):
     return module, cast_floats(params, dtype), config
 
 
-def vae_module(config: dict, where: Path, dtype):
-    """diffusers' Flax VAE as a `vae/config.json` describes it, checked."""
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-
-    quiet_flax_deprecation_notices()
-    from diffusers import FlaxAutoencoderKL
-
-    files.check_fixed(config, _VAE_FIXED, where)
-    files.check_field_types(config, FlaxAutoencoderKL, where)
-    return FlaxAutoencoderKL(**flax_module_kwargs(FlaxAutoencoderKL, config), dtype=dtype)
+def vae_module(config: dict, where: Path, dtype) -> AutoencoderKL:
+    """The VAE (`models.autoencoder_kl`) a `vae/config.json` describes, checked."""
+    return module_from_config(config, where, dtype, _VAE_FIXED)
 
 
 def decoder_params(vae_params) -> dict:
@@ -316,16 +304,11 @@ def decode_fn(module, vae_config: dict, batch_size: int, dtype):
     scaling_factor = vae_config.get("scaling_factor", 0.18215)
 
     def decode_one(params, z):  # z [h, w, c] -> image [H, W, 3]
-        image = module.apply(
-            {"params": params},
-            z[None],
-            method=lambda m, z: m.decoder(m.post_quant_conv(z), deterministic=True),
-        )
-        return image[0]
+        return module.apply({"params": params}, z[None], method=module.decode)[0]
 
     @jax.jit
     def decode_latents(params, latents):
-        # NHWC for the Flax VAE; diffusers' own `decode` guesses the layout from the shape.
+        # Our VAE is channels-last; the latents come channels-first, as diffusers' do.
         z = jnp.transpose(latents, (0, 2, 3, 1)).astype(dtype) / scaling_factor
         images = jax.lax.map(lambda zi: decode_one(params, zi), z, batch_size=batch_size)
         return jnp.clip(images.astype(jnp.float32) / 2.0 + 0.5, 0.0, 1.0)
