@@ -1,7 +1,7 @@
 """PyTorch-named weights <-> Flax param trees, in numpy only (torch is never imported).
 
 Model and reward folders ship PyTorch `*.safetensors` files. The Flax modules we run
-(our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; diffusers'
+(our `models.unet` UNet, named as diffusers' Flax UNet; diffusers'
 `FlaxAutoencoderKL`; our `models.clip`, named as transformers' Flax CLIP) hold the same
 tensors under other names and layouts:
 
