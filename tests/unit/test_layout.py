@@ -426,8 +426,8 @@ def test_an_objective_branch_is_caught():
 
 
 # transformers 5 removed its Flax classes: the package runs its own CLIP (`models.clip`).
-# diffusers' Flax UNet and VAE are still imported (the tiny model, the SD1.5 VAE) until they
-# are owned too.
+# diffusers' Flax VAE is still imported (the SD1.5 VAE) until it is owned too; the UNet is
+# the package's (`models.unet`).
 FLAX_CLIP = re.compile(r"FlaxCLIP|modeling_flax_clip")
 
 
@@ -465,3 +465,42 @@ def test_no_module_imports_transformers_flax_clip():
     # the package's own CLIP and transformers' config classes are fine
     own = "from tree_grpo_jax.models import clip\nfrom transformers import CLIPTextConfig\n"
     assert not flax_clip_imports({"tree_grpo_jax.models.d": own})
+
+
+# diffusers 0.40 removed its Flax models: the UNet and its layers are the package's own.
+FLAX_UNET = re.compile(
+    r"FlaxUNet2DConditionModel|(attention|embeddings|resnet|unet_2d_blocks|unet_2d_condition)_flax"
+)
+
+
+def flax_unet_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of diffusers' Flax UNet or of the modules that hold its layers."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(FLAX_UNET.search(n) for n in names):
+                found.append(f"{module}:{node.lineno} imports diffusers' Flax UNet")
+    return found
+
+
+def test_no_module_imports_diffusers_flax_unet():
+    assert not flax_unet_imports(SOURCES)
+    injected = {
+        "tree_grpo_jax.models.a": "from diffusers import FlaxUNet2DConditionModel\n",
+        "tree_grpo_jax.models.b": "from diffusers.models.resnet_flax import FlaxResnetBlock2D\n",
+        "tree_grpo_jax.models.c": "def f():\n    import diffusers.models.attention_flax\n",
+    }
+    assert flax_unet_imports(injected) == [
+        "tree_grpo_jax.models.a:1 imports diffusers' Flax UNet",
+        "tree_grpo_jax.models.b:1 imports diffusers' Flax UNet",
+        "tree_grpo_jax.models.c:2 imports diffusers' Flax UNet",
+    ]
+    # the package's own UNet is fine
+    own = "from tree_grpo_jax.models import unet, unet_layers\n"
+    assert not flax_unet_imports({"tree_grpo_jax.models.d": own})

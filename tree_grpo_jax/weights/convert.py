@@ -1,10 +1,9 @@
 """PyTorch-named weights <-> Flax param trees, in numpy only (torch is never imported).
 
 Model and reward folders ship PyTorch `*.safetensors` files. The Flax modules we run
-(our `sd15.unet` UNet, named as diffusers' `FlaxUNet2DConditionModel`; our
-`models.autoencoder_kl` VAE, named as diffusers' former `FlaxAutoencoderKL`; our
-`models.clip`, named as transformers' Flax CLIP) hold the same tensors under other names and
-layouts:
+(our `models.unet` UNet, named as diffusers' former Flax UNet; our `models.autoencoder_kl`
+VAE, named as diffusers' former `FlaxAutoencoderKL`; our `models.clip`, named as
+transformers' Flax CLIP) hold the same tensors under other names and layouts:
 
 - module lists: diffusers' Flax modules name them `down_blocks_0` where PyTorch says
   `down_blocks.0`; the CLIP towers keep `layers/0` as two path segments;

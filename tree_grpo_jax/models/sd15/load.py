@@ -186,11 +186,11 @@ def check_unet_config(config: dict, where: Path) -> None:
 
 
 def check_runtime_options(attention: str) -> None:
-    """model.attention is the transformer families' choice; the UNet keeps diffusers'."""
+    """model.attention is the transformer families' choice; the UNet runs its own."""
     if attention != "xla":
         raise ModelLoadError(
             f"model.attention {attention!r} is not available for Stable Diffusion 1.x, whose "
-            "UNet runs diffusers' Flax attention; set --config.model.attention=xla."
+            "UNet runs its own attention; set --config.model.attention=xla."
         )
 
 
@@ -339,8 +339,8 @@ def load_sd(
     latents the VAE decodes at once. `use_memory_efficient_attention` and `split_head_dim`
     go to the UNet's attention; `remat` (model.remat) recomputes each of its down,
     mid and up blocks in the backward pass. The UNet has no runs of identical blocks to
-    scan (`scan_layers` changes nothing) and runs diffusers' Flax attention (`attention`
-    must be "xla").
+    scan (`scan_layers` changes nothing) and runs its own attention (`attention` must be
+    "xla").
     """
     check_runtime_options(attention)
     root = resolve_model_path(path)

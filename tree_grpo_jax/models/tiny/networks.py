@@ -1,9 +1,10 @@
 """The tiny model's networks: Stable Diffusion's parts at 8x8 pixels.
 
 A two-layer CLIP text encoder (`models.clip.CLIPTextModel`) over the word tokenizer, a
-conditional UNet with cross-attention (diffusers' `FlaxUNet2DConditionModel`) on 8x8x1 pixel
-space, and no VAE: `decode` maps [-1, 1] to [0, 1]. The networks keep the libraries' own
-numerics: the shipped weights were trained with them.
+conditional UNet with cross-attention (`models.unet.UNet2DConditionModel`) on 8x8x1 pixel
+space, and no VAE: `decode` maps [-1, 1] to [0, 1]. The UNet runs with diffusers' Flax UNet
+numerics (`unet.FLAX_NUMERICS`: tanh-approximate GELU, transformer GroupNorm eps 1e-5): the
+shipped weights were trained with them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import clip
-from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
+from tree_grpo_jax.models import clip, unet
 from tree_grpo_jax.models.tiny import tokenizer
 
 SAMPLE_SHAPE = (1, 8, 8)  # channels first, as the denoiser sees it
@@ -29,7 +29,7 @@ UNET_CONFIG = dict(
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
     block_out_channels=(32, 64),  # GroupNorm uses 32 groups: multiples of 32
     layers_per_block=1,
-    attention_head_dim=4,  # diffusers' Flax UNet reads this as the number of heads
+    attention_head_dim=4,  # SD1.x's name for the number of heads
     cross_attention_dim=32,
 )
 TEXT_CONFIG = dict(
@@ -47,11 +47,8 @@ TEXT_CONFIG = dict(
 
 
 @functools.cache
-def make_unet(dtype=jnp.float32):
-    quiet_flax_deprecation_notices()  # before the import: its class bodies log the notice
-    from diffusers import FlaxUNet2DConditionModel
-
-    return FlaxUNet2DConditionModel(dtype=dtype, **UNET_CONFIG)
+def make_unet(dtype=jnp.float32) -> unet.UNet2DConditionModel:
+    return unet.unet_module(UNET_CONFIG, dtype, **unet.FLAX_NUMERICS)
 
 
 @functools.cache
@@ -108,13 +105,13 @@ def encode_tokens(text_params, input_ids: jax.Array, attention_mask: jax.Array) 
 @functools.cache
 def denoise_fn(dtype):
     """One function object per dtype, so jitted callers that take it as static compile once."""
-    unet = make_unet(dtype)
+    module = make_unet(dtype)
 
     def denoise(params, x, t, cond):
         chex.assert_rank(x, 4)
         chex.assert_shape(t, (x.shape[0],))
         chex.assert_rank(cond, 3)
-        return unet.apply({"params": params}, x.astype(dtype), t, cond.astype(dtype)).sample
+        return module.apply({"params": params}, x.astype(dtype), t, cond.astype(dtype)).sample
 
     return denoise
 
