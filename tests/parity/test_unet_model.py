@@ -41,9 +41,6 @@ def flax_classes():
         from diffusers.models.unets import unet_2d_blocks_flax, unet_2d_condition_flax
     except ImportError:
         pytest.skip("the installed diffusers has no Flax UNet classes (removed in 0.40)")
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-
-    quiet_flax_deprecation_notices()
     return types.SimpleNamespace(
         attention=attention_flax,
         embeddings=embeddings_flax,

@@ -160,9 +160,6 @@ def test_missing_torch_weight_is_named(torch_kind):
 
 
 def _diffusers_flax_vae(config: dict, dtype=jnp.float32):
-    from tree_grpo_jax.models.quiet import quiet_flax_deprecation_notices
-
-    quiet_flax_deprecation_notices()
     try:
         from diffusers import FlaxAutoencoderKL
     except ImportError:
