@@ -425,82 +425,58 @@ def test_an_objective_branch_is_caught():
     assert not objective_branches({"tree_grpo_jax.run.u": "label = 'nft on the tree'\n"})
 
 
-# transformers 5 removed its Flax classes: the package runs its own CLIP (`models.clip`).
-# diffusers' Flax VAE is still imported (the SD1.5 VAE) until it is owned too; the UNet is
-# the package's (`models.unet`).
-FLAX_CLIP = re.compile(r"FlaxCLIP|modeling_flax_clip")
+# diffusers 0.40 and transformers 5 removed their Flax classes: the package's networks are
+# its own (`models.unet`, `models.autoencoder_kl`, `models.clip`, ...), under the same names.
+UPSTREAM = ("diffusers", "transformers")
 
 
-def flax_clip_imports(sources: dict[str, str]) -> list[str]:
-    """Imports of transformers' Flax CLIP: its module, or a `FlaxCLIP*` name from anywhere."""
+def upstream_flax_uses(sources: dict[str, str]) -> list[str]:
+    """Imports of a `Flax*` name or a `*flax*` module of diffusers or transformers, and
+    attribute uses such as `transformers.FlaxCLIPModel`."""
     found = []
     for module, text in sources.items():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [a.name for a in node.names]
+                names = [a.name for a in node.names if a.name.split(".")[0] in UPSTREAM]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UPSTREAM:
+                names = [node.module] + [a.name for a in node.names]
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in UPSTREAM
+            ):
+                names = [node.attr]
             else:
                 continue
-            if any(FLAX_CLIP.search(n) for n in names):
-                found.append(f"{module}:{node.lineno} imports transformers' Flax CLIP")
+            if any(n.startswith("Flax") or "flax" in n.split(".")[-1] for n in names):
+                found.append(
+                    f"{module}:{node.lineno} uses a Flax class of diffusers or transformers"
+                )
     return found
 
 
-def test_no_module_imports_transformers_flax_clip():
-    assert not flax_clip_imports(SOURCES)
-    assert not [m for m, text in SOURCES.items() if FLAX_CLIP.search(text)]  # nor names it
+def test_no_module_uses_a_flax_class_of_diffusers_or_transformers():
+    assert not upstream_flax_uses(SOURCES)
     injected = {
         "tree_grpo_jax.rewards.a": "from transformers import FlaxCLIPTextModel\n",
         "tree_grpo_jax.models.b": (
-            "def f():\n    from transformers.models.clip.modeling_flax_clip import FlaxCLIPModule\n"
+            "def f():\n    from transformers.models.clip.modeling_flax_clip import CLIPConfig\n"
         ),
-        "tree_grpo_jax.models.c": "import transformers.models.clip.modeling_flax_clip\n",
+        "tree_grpo_jax.models.c": "import diffusers.models.attention_flax\n",
+        "tree_grpo_jax.models.d": "import diffusers\nvae = diffusers.FlaxAutoencoderKL\n",
+        "tree_grpo_jax.models.e": "from diffusers.models.unets.unet_2d_blocks_flax import X\n",
     }
-    assert flax_clip_imports(injected) == [
-        "tree_grpo_jax.rewards.a:1 imports transformers' Flax CLIP",
-        "tree_grpo_jax.models.b:2 imports transformers' Flax CLIP",
-        "tree_grpo_jax.models.c:1 imports transformers' Flax CLIP",
+    assert upstream_flax_uses(injected) == [
+        "tree_grpo_jax.rewards.a:1 uses a Flax class of diffusers or transformers",
+        "tree_grpo_jax.models.b:2 uses a Flax class of diffusers or transformers",
+        "tree_grpo_jax.models.c:1 uses a Flax class of diffusers or transformers",
+        "tree_grpo_jax.models.d:2 uses a Flax class of diffusers or transformers",
+        "tree_grpo_jax.models.e:1 uses a Flax class of diffusers or transformers",
     ]
-    # the package's own CLIP and transformers' config classes are fine
-    own = "from tree_grpo_jax.models import clip\nfrom transformers import CLIPTextConfig\n"
-    assert not flax_clip_imports({"tree_grpo_jax.models.d": own})
-
-
-# diffusers 0.40 removed its Flax models: the UNet and its layers are the package's own.
-FLAX_UNET = re.compile(
-    r"FlaxUNet2DConditionModel|(attention|embeddings|resnet|unet_2d_blocks|unet_2d_condition)_flax"
-)
-
-
-def flax_unet_imports(sources: dict[str, str]) -> list[str]:
-    """Imports of diffusers' Flax UNet or of the modules that hold its layers."""
-    found = []
-    for module, text in sources.items():
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            if any(FLAX_UNET.search(n) for n in names):
-                found.append(f"{module}:{node.lineno} imports diffusers' Flax UNet")
-    return found
-
-
-def test_no_module_imports_diffusers_flax_unet():
-    assert not flax_unet_imports(SOURCES)
-    injected = {
-        "tree_grpo_jax.models.a": "from diffusers import FlaxUNet2DConditionModel\n",
-        "tree_grpo_jax.models.b": "from diffusers.models.resnet_flax import FlaxResnetBlock2D\n",
-        "tree_grpo_jax.models.c": "def f():\n    import diffusers.models.attention_flax\n",
-    }
-    assert flax_unet_imports(injected) == [
-        "tree_grpo_jax.models.a:1 imports diffusers' Flax UNet",
-        "tree_grpo_jax.models.b:1 imports diffusers' Flax UNet",
-        "tree_grpo_jax.models.c:2 imports diffusers' Flax UNet",
-    ]
-    # the package's own UNet is fine
-    own = "from tree_grpo_jax.models import unet, unet_layers\n"
-    assert not flax_unet_imports({"tree_grpo_jax.models.d": own})
+    # the package's own Flax models, flax itself and the libraries' configs are fine
+    own = (
+        "import flax.linen as nn\nfrom flax import serialization\n"
+        "from tree_grpo_jax.models import clip, unet, autoencoder_kl\n"
+        "from transformers import CLIPTextConfig\nimport diffusers\nx = diffusers.__version__\n"
+    )
+    assert not upstream_flax_uses({"tree_grpo_jax.models.f": own})
