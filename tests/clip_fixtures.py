@@ -69,6 +69,22 @@ def make_clip_folder(path, *, projection_dim=16, hidden_act="gelu", seed=0, logi
     return path, model
 
 
+def pil_image_processor():
+    """transformers' CLIP image processor class that resizes with PIL, as the scorers'
+    authors ran it: `CLIPImageProcessor` in transformers 4, `CLIPImageProcessorPil` in
+    transformers 5 (whose `CLIPImageProcessor` resizes with torchvision)."""
+    import transformers
+
+    return getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+
+
+def features(output):
+    """The projected embeddings of `CLIPModel.get_text_features` / `get_image_features`: the
+    tensor transformers 4 returns, or the `pooler_output` of the output transformers 5
+    returns."""
+    return getattr(output, "pooler_output", output)
+
+
 def smooth_images(rng, count, height, width):
     """Real-looking test images: smooth colour blobs and gradients with mild noise, in [0, 1]."""
     import numpy as np

@@ -373,9 +373,12 @@ def _rewrite_json(path, **changes):
             ],
             "damaged or truncated",
         ),
-        (
-            lambda r: (r / "tokenizer" / "vocab.json").unlink(),
-            "has no tokenizer/vocab.json",
+        (  # transformers 4 saves vocab.json, 5 tokenizer.json: either is a tokenizer
+            lambda r: [
+                (r / "tokenizer" / name).unlink(missing_ok=True)
+                for name in ("vocab.json", "tokenizer.json")
+            ],
+            "has no tokenizer/vocab.json (nor tokenizer/tokenizer.json",
         ),
     ],
 )
