@@ -126,6 +126,9 @@ def test_dual_model_equals_pytorch(act, eos):
         theirs = model(t_ids, t_pixels, attention_mask=t_mask, output_hidden_states=True)
         text = features(model.get_text_features(t_ids, attention_mask=t_mask))
         image = features(model.get_image_features(t_pixels))
+        # the tower itself: transformers 5's CLIPModel output holds the projected pooled token
+        # where 4 held the tower's
+        tower = model.vision_model(t_pixels, output_hidden_states=True)
     _close(module.apply(variables, ids, mask, method=clip.CLIPModel.get_text_features), text)
     _close(module.apply(variables, pixels, method=clip.CLIPModel.get_image_features), image)
     vision = module.apply(
@@ -134,9 +137,9 @@ def test_dual_model_equals_pytorch(act, eos):
         output_hidden_states=True,
         method=lambda m, x, **o: m.vision_model(x, **o),
     )
-    _close(vision.last_hidden_state, theirs.vision_model_output.last_hidden_state)
-    _close(vision.pooler_output, theirs.vision_model_output.pooler_output)
-    for a, b in zip(vision.hidden_states, theirs.vision_model_output.hidden_states, strict=True):
+    _close(vision.last_hidden_state, tower.last_hidden_state)
+    _close(vision.pooler_output, tower.pooler_output)
+    for a, b in zip(vision.hidden_states, tower.hidden_states, strict=True):
         _close(a, b)
     per_image, per_text = module.apply(variables, ids, pixels, mask)
     _close(per_image, theirs.logits_per_image)
