@@ -228,6 +228,20 @@ def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
     np.testing.assert_allclose(loaded.decode(latents), model.decode(latents), atol=1e-6)
 
 
+def test_clip_files_of_either_transformers_release_encode_the_same(folder, model, tmp_path):
+    """The tokenizer and text encoder as the other transformers release would have saved them
+    (tokenizer.json alone or vocab.json and merges.txt; tensor names without or with
+    `text_model.`) load to the same prompt embeddings."""
+    from clip_fixtures import swap_text_naming, swap_tokenizer_layout
+
+    other = _copy(folder, tmp_path)
+    swap_tokenizer_layout(other / "tokenizer")
+    swap_text_naming(other / "text_encoder" / "model.safetensors")
+    np.testing.assert_array_equal(
+        load_sd(str(other)).encode_prompts(PROMPTS), model.encode_prompts(PROMPTS)
+    )
+
+
 def test_bfloat16_params_and_compute(folder, model):
     bf16 = load_sd(str(folder), dtype=jnp.bfloat16)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree_util.tree_leaves(bf16.params))
