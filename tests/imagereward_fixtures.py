@@ -158,14 +158,19 @@ def _release_modules():
     return release, blip, pretrain, vit
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _transformers_4_api(med):
     """The `PreTrainedModel` methods of transformers 4 that med.py's BERT calls and
     transformers 5 removed (nothing on transformers 4)."""
     import torch
-    import transformers
     from transformers import PreTrainedModel
 
-    if int(transformers.__version__.split(".")[0]) < 5:
+    if _transformers_major() < 5:
         return
     bert = med.BertPreTrainedModel
 
@@ -197,13 +202,17 @@ def _transformers_4_api(med):
 def _tiny_blip(blip, pretrain, vit, tokenizer_dir):
     from transformers import BertTokenizer
 
+    renamed = _transformers_major() >= 5
+
     class LocalBertTokenizer(BertTokenizer):
         @classmethod
         def from_pretrained(cls, name, *args, **kwargs):
             assert name == "bert-base-uncased", name
-            return super().from_pretrained(str(tokenizer_dir), *args, **kwargs)
+            if renamed:  # transformers 5: an instance of this class, for the property below
+                return super().from_pretrained(str(tokenizer_dir), *args, **kwargs)
+            return BertTokenizer.from_pretrained(str(tokenizer_dir), *args, **kwargs)
 
-        if not hasattr(BertTokenizer, "additional_special_tokens_ids"):
+        if renamed:
             # transformers 5 names the added special tokens `extra_special_tokens`; BLIP's
             # `init_tokenizer` reads the [ENC] id under the older name
 
