@@ -69,6 +69,60 @@ def make_clip_folder(path, *, projection_dim=16, hidden_act="gelu", seed=0, logi
     return path, model
 
 
+def swap_tokenizer_layout(folder) -> str:
+    """Rewrites the CLIP tokenizer in `folder` in the other layout a folder may carry:
+    transformers 5's `tokenizer.json` alone becomes the hub's `vocab.json` and `merges.txt`,
+    and the reverse. Returns the layout it wrote ("vocab" or "json")."""
+    import tempfile
+
+    from transformers import CLIPTokenizerFast
+
+    folder = Path(folder)
+    fast = CLIPTokenizerFast.from_pretrained(str(folder))
+    if (folder / "tokenizer.json").is_file():
+        fast.backend_tokenizer.model.save(str(folder))  # the BPE's vocab.json and merges.txt
+        (folder / "tokenizer.json").unlink()
+        return "vocab"
+    with tempfile.TemporaryDirectory() as tmp:
+        fast.save_pretrained(tmp)
+        (folder / "tokenizer.json").write_bytes((Path(tmp) / "tokenizer.json").read_bytes())
+    for name in ("vocab.json", "merges.txt"):
+        (folder / name).unlink()
+    return "json"
+
+
+def swap_text_naming(weights_file) -> bool:
+    """Renames a CLIP text tower's tensors in `weights_file` (safetensors) the other way a
+    file may name them: with the `text_model.` prefix (the hub's files, transformers 4) or
+    without (transformers 5's `CLIPTextModel`). Returns whether the result has the prefix."""
+    from safetensors.numpy import load_file, save_file
+
+    state = load_file(weights_file)
+    prefixed = any(key.startswith("text_model.") for key in state)
+    renamed = {
+        (key.removeprefix("text_model.") if prefixed else f"text_model.{key}"): value
+        for key, value in state.items()
+    }
+    save_file(renamed, weights_file, metadata={"format": "pt"})
+    return not prefixed
+
+
+def pil_image_processor():
+    """transformers' CLIP image processor class that resizes with PIL, as the scorers'
+    authors ran it: `CLIPImageProcessor` in transformers 4, `CLIPImageProcessorPil` in
+    transformers 5 (whose `CLIPImageProcessor` resizes with torchvision)."""
+    import transformers
+
+    return getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+
+
+def features(output):
+    """The projected embeddings of `CLIPModel.get_text_features` / `get_image_features`: the
+    tensor transformers 4 returns, or the `pooler_output` of the output transformers 5
+    returns."""
+    return getattr(output, "pooler_output", output)
+
+
 def smooth_images(rng, count, height, width):
     """Real-looking test images: smooth colour blobs and gradients with mild noise, in [0, 1]."""
     import numpy as np

@@ -11,7 +11,11 @@ Importing the package's top level would also import its ReFL trainer and its CLI
 aesthetic scorers (openai's `clip`, `datasets`); only the model modules are loaded here, with
 an empty parent package. transformers 4.x moved three helpers that the package's med.py
 imports from `transformers.modeling_utils` to `transformers.pytorch_utils`; they are aliased
-back before the import.
+back before the import. transformers 5 removed more of what its BLIP code (written for
+transformers 4.15) calls; `_transformers_4_api` puts back what scoring reaches, none of it
+arithmetic that differs between the two: the `[ENC]` id's old name, weight initialisation
+before `post_init` (every weight is replaced by the release's afterwards), an absent head
+mask, and the inverted cross-attention mask (all ones over the image tokens: a zero bias).
 """
 
 from __future__ import annotations
@@ -121,6 +125,12 @@ def make_synthetic_release(root, seed: int = 0):
     return checkpoint, tokenizer_dir, state
 
 
+def _no_head_pruning(*args, **kwargs):
+    # transformers 5 removed head pruning; med.py imports its helper, which only its
+    # `prune_heads` calls and scoring never does
+    raise NotImplementedError("head pruning is not part of scoring")
+
+
 def _release_modules():
     """The package's ImageReward, BLIP and ViT modules, without its top-level imports."""
     import transformers.modeling_utils as modeling_utils
@@ -128,7 +138,7 @@ def _release_modules():
 
     for name in ("apply_chunking_to_forward", "find_pruneable_heads_and_indices"):
         if not hasattr(modeling_utils, name):
-            setattr(modeling_utils, name, getattr(pytorch_utils, name))
+            setattr(modeling_utils, name, getattr(pytorch_utils, name, _no_head_pruning))
     if not hasattr(modeling_utils, "prune_linear_layer"):
         modeling_utils.prune_linear_layer = pytorch_utils.prune_linear_layer
     if "ImageReward.ImageReward" not in sys.modules:
@@ -144,18 +154,71 @@ def _release_modules():
     blip = importlib.import_module("ImageReward.models.BLIP.blip")
     pretrain = importlib.import_module("ImageReward.models.BLIP.blip_pretrain")
     vit = importlib.import_module("ImageReward.models.BLIP.vit")
+    _transformers_4_api(importlib.import_module("ImageReward.models.BLIP.med"))
     return release, blip, pretrain, vit
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def _transformers_4_api(med):
+    """The `PreTrainedModel` methods of transformers 4 that med.py's BERT calls and
+    transformers 5 removed (nothing on transformers 4)."""
+    import torch
+    from transformers import PreTrainedModel
+
+    if _transformers_major() < 5:
+        return
+    bert = med.BertPreTrainedModel
+
+    def get_head_mask(self, head_mask, num_hidden_layers):
+        assert head_mask is None, "scoring passes no head mask"
+        return [None] * num_hidden_layers
+
+    def invert_attention_mask(self, mask):
+        # 1 (attend) -> 0, 0 -> the dtype's lowest, broadcast over heads and queries
+        mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None, :, :]
+        return (1.0 - mask.to(self.dtype)) * torch.finfo(self.dtype).min
+
+    initialise = PreTrainedModel.init_weights
+
+    def init_weights(self):
+        # transformers 5 initialises in `post_init` (which then calls this again); med.py's
+        # BertModel calls `init_weights` alone
+        if "all_tied_weights_keys" in self.__dict__:
+            initialise(self)
+        else:
+            self.post_init()
+
+    bert.get_head_mask = get_head_mask
+    bert.invert_attention_mask = invert_attention_mask
+    bert.init_weights = init_weights
 
 
 @contextlib.contextmanager
 def _tiny_blip(blip, pretrain, vit, tokenizer_dir):
     from transformers import BertTokenizer
 
+    renamed = _transformers_major() >= 5
+
     class LocalBertTokenizer(BertTokenizer):
         @classmethod
         def from_pretrained(cls, name, *args, **kwargs):
             assert name == "bert-base-uncased", name
+            if renamed:  # transformers 5: an instance of this class, for the property below
+                return super().from_pretrained(str(tokenizer_dir), *args, **kwargs)
             return BertTokenizer.from_pretrained(str(tokenizer_dir), *args, **kwargs)
+
+        if renamed:
+            # transformers 5 names the added special tokens `extra_special_tokens`; BLIP's
+            # `init_tokenizer` reads the [ENC] id under the older name
+
+            @property
+            def additional_special_tokens_ids(self):
+                return self.convert_tokens_to_ids(self.extra_special_tokens)
 
     def create_vit(kind, image_size, *args, **kwargs):
         encoder = vit.VisionTransformer(

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from clip_fixtures import VISION  # the reward folders' tiny vision tower
+from clip_fixtures import VISION, features  # the reward folders' tiny vision tower
 
-from tree_grpo_jax.models import clip
+from tree_grpo_jax.models import clip, clip_files
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.weights import convert
 
@@ -72,7 +72,9 @@ def _torch_model(cls, config, seed=0):
 
 
 def _converted(model, shapes):
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    # transformers 5 names a CLIPTextModel's tensors without `text_model.`; the loaders (and
+    # so this test) name them as the hub's files do
+    state = clip_files.with_text_prefix({k: v.numpy() for k, v in model.state_dict().items()})
     return convert.pytorch_to_flax(state, convert.shapes_of(shapes), merge_indices=False)
 
 
@@ -122,8 +124,11 @@ def test_dual_model_equals_pytorch(act, eos):
         t_ids, t_mask = torch.from_numpy(ids).long(), torch.from_numpy(mask)
         t_pixels = torch.from_numpy(pixels).permute(0, 3, 1, 2)
         theirs = model(t_ids, t_pixels, attention_mask=t_mask, output_hidden_states=True)
-        text = model.get_text_features(t_ids, attention_mask=t_mask)
-        image = model.get_image_features(t_pixels)
+        text = features(model.get_text_features(t_ids, attention_mask=t_mask))
+        image = features(model.get_image_features(t_pixels))
+        # the tower itself: transformers 5's CLIPModel output holds the projected pooled token
+        # where 4 held the tower's
+        tower = model.vision_model(t_pixels, output_hidden_states=True)
     _close(module.apply(variables, ids, mask, method=clip.CLIPModel.get_text_features), text)
     _close(module.apply(variables, pixels, method=clip.CLIPModel.get_image_features), image)
     vision = module.apply(
@@ -132,9 +137,9 @@ def test_dual_model_equals_pytorch(act, eos):
         output_hidden_states=True,
         method=lambda m, x, **o: m.vision_model(x, **o),
     )
-    _close(vision.last_hidden_state, theirs.vision_model_output.last_hidden_state)
-    _close(vision.pooler_output, theirs.vision_model_output.pooler_output)
-    for a, b in zip(vision.hidden_states, theirs.vision_model_output.hidden_states, strict=True):
+    _close(vision.last_hidden_state, tower.last_hidden_state)
+    _close(vision.pooler_output, tower.pooler_output)
+    for a, b in zip(vision.hidden_states, tower.hidden_states, strict=True):
         _close(a, b)
     per_image, per_text = module.apply(variables, ids, pixels, mask)
     _close(per_image, theirs.logits_per_image)

@@ -317,6 +317,23 @@ def test_prepared_prompts_release_t5(model):
     assert model.text_encoders.t5 is not None
 
 
+def test_clip_files_of_either_transformers_release_encode_the_same(folder, model, tmp_path):
+    """The CLIP tokenizer and text tower as the other transformers release would have saved
+    them (tokenizer.json alone or vocab.json and merges.txt; tensor names without or with
+    `text_model.`) load to the same prompt embeddings."""
+    from clip_fixtures import swap_text_naming, swap_tokenizer_layout
+
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    swap_tokenizer_layout(other / "tokenizer")
+    swap_text_naming(other / "text_encoder" / "model.safetensors")
+    loaded = load_flux(str(other), t5_max_length=T5_TOKENS, resolution=RESOLUTION)
+    for ours, theirs in zip(
+        loaded.text_encoders.encode(PROMPTS), model.text_encoders.encode(PROMPTS)
+    ):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def _broken(folder, tmp_path, change):
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
@@ -373,9 +390,12 @@ def _rewrite_json(path, **changes):
             ],
             "damaged or truncated",
         ),
-        (
-            lambda r: (r / "tokenizer" / "vocab.json").unlink(),
-            "has no tokenizer/vocab.json",
+        (  # transformers 4 saves vocab.json, 5 tokenizer.json: either is a tokenizer
+            lambda r: [
+                (r / "tokenizer" / name).unlink(missing_ok=True)
+                for name in ("vocab.json", "tokenizer.json")
+            ],
+            "has no tokenizer/vocab.json (nor tokenizer/tokenizer.json",
         ),
     ],
 )

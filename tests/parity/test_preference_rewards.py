@@ -9,7 +9,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from clip_fixtures import make_clip_folder, smooth_images
+from clip_fixtures import features, make_clip_folder, pil_image_processor, smooth_images
 from safetensors.numpy import save_file
 
 from tree_grpo_jax import rewards
@@ -44,9 +44,12 @@ def _unit(x):
 
 
 def _hf_features(model, folder, images, prompts):
-    from transformers import CLIPProcessor
+    from transformers import CLIPProcessor, CLIPTokenizer
 
-    processor = CLIPProcessor.from_pretrained(str(folder))
+    processor = CLIPProcessor(
+        image_processor=pil_image_processor().from_pretrained(str(folder)),
+        tokenizer=CLIPTokenizer.from_pretrained(str(folder)),
+    )
     with torch.no_grad():
         image_inputs = processor(images=_pil(images), return_tensors="pt")
         # The authors' call, with the tiny model's context (77 for the real ones).
@@ -54,8 +57,8 @@ def _hf_features(model, folder, images, prompts):
         text_inputs = processor(
             text=prompts, padding=True, truncation=True, max_length=context, return_tensors="pt"
         )
-        image = _unit(model.get_image_features(**image_inputs))
-        text = _unit(model.get_text_features(**text_inputs))
+        image = _unit(features(model.get_image_features(**image_inputs)))
+        text = _unit(features(model.get_text_features(**text_inputs)))
     return image, text
 
 
@@ -135,7 +138,7 @@ def test_aesthetic_equals_the_laion_predictor(tmp_path, clip_folder, images):
     mlp.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     with torch.no_grad():
         pixels = torch.stack([pipeline(im) for im in _pil(images)])
-        embedding = _unit(model.get_image_features(pixel_values=pixels))
+        embedding = _unit(features(model.get_image_features(pixel_values=pixels)))
         expected = mlp.eval().layers(embedding)[:, 0].numpy()
     got = np.asarray(rewards.load_reward("aesthetic", str(out))(images, PROMPTS))
     np.testing.assert_allclose(got, expected, atol=TOL * max(1.0, np.abs(expected).max()))

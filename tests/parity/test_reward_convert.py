@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
+from clip_fixtures import features  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from safetensors.torch import load_file as load_torch_file  # noqa: E402
 
@@ -119,7 +120,7 @@ def test_hpsv2_features_match_open_clip(releases, quick_gelu):
     images = torch.randn(3, 3, VISION["image_size"], VISION["image_size"])
     with torch.no_grad():
         want = model.encode_image(images, normalize=True)
-        got = hf.get_image_features(pixel_values=images)
+        got = features(hf.get_image_features(pixel_values=images))
         got = got / got.norm(dim=-1, keepdim=True)
         image_diff = (want - got).abs().max().item()
 
@@ -128,7 +129,7 @@ def test_hpsv2_features_match_open_clip(releases, quick_gelu):
             PROMPTS, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
         )
         want = model.encode_text(ids, normalize=True)
-        got = hf.get_text_features(input_ids=enc.input_ids)
+        got = features(hf.get_text_features(input_ids=enc.input_ids))
         got = got / got.norm(dim=-1, keepdim=True)
         text_diff = (want - got).abs().max().item()
     print(f"{act}: max |diff| image {image_diff:.2e}, text {text_diff:.2e}")
@@ -274,7 +275,7 @@ def test_aesthetic_conversion(aesthetic_release, tmp_path, capsys):
     torch.manual_seed(4)
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        want = clip.get_image_features(pixel_values=images)
+        want = features(clip.get_image_features(pixel_values=images))
         got = tower.eval()(pixel_values=images).image_embeds
     assert (want - got).abs().max().item() <= TOLERANCE
 
@@ -306,7 +307,7 @@ def test_aesthetic_folder_the_converter_writes_scores_as_the_laion_predictor(
     levels = np.round(images * 255).astype(np.uint8)
     with torch.no_grad():
         pixels = torch.stack([pipeline(x) for x in levels])
-        embedding = clip.get_image_features(pixel_values=pixels)
+        embedding = features(clip.get_image_features(pixel_values=pixels))
         embedding = embedding / embedding.norm(dim=-1, keepdim=True)
         expected = mlp.eval().layers(embedding)[:, 0].numpy()
     got = np.asarray(rewards.load_reward("aesthetic", str(out))(images, ["a", "b", "c"]))

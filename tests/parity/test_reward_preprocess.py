@@ -122,8 +122,9 @@ def _torchvision_reference(images, size):
 
 
 def _transformers_reference(images, size):
-    from transformers import CLIPImageProcessor
+    from clip_fixtures import pil_image_processor
 
+    CLIPImageProcessor = pil_image_processor()  # noqa: N806
     kwargs = dict(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     geometry = CLIPImageProcessor(do_rescale=False, do_normalize=False, **kwargs)
     full = CLIPImageProcessor(image_mean=list(MEAN), image_std=list(STD), **kwargs)

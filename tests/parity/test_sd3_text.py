@@ -260,9 +260,14 @@ def test_missing_t5_folder_is_named(folder, tmp_path):
 
 def test_missing_tokenizer_file_is_named(folder, tmp_path):
     root = _copy(folder, tmp_path)
-    (root / "tokenizer_2" / "merges.txt").unlink()
-    assert "has no tokenizer_2/merges.txt" in _error(root)
-    (root / "tokenizer_2" / "merges.txt").write_text("#version: 0.2\n")
+    # transformers 4 saves vocab.json and merges.txt, transformers 5 tokenizer.json: either
+    # is a tokenizer, so a folder that lacks one must lack both
+    for name in ("tokenizer.json", "merges.txt"):
+        (root / "tokenizer_2" / name).unlink(missing_ok=True)
+    expected = "merges.txt" if (root / "tokenizer_2" / "vocab.json").is_file() else "vocab.json"
+    assert f"has no tokenizer_2/{expected} (nor tokenizer_2/tokenizer.json" in _error(root)
+    shutil.rmtree(root / "tokenizer_2")
+    shutil.copytree(folder / "tokenizer_2", root / "tokenizer_2")
     (root / "tokenizer_3" / "tokenizer.json").unlink()
     assert "tokenizer_3 has neither tokenizer.json nor spiece.model" in _error(root)
 

@@ -190,48 +190,56 @@ def test_loading_path_runs_without_torch(folder):
     assert result.stdout.strip().endswith("ok")
 
 
-def _vae_msgpack(torch_vae, config: dict, path: Path) -> None:
-    """The VAE as a Flax msgpack file, as diffusers' former Flax class saved it: the
-    serialized param tree, whose names and conversion test_vae_model.py checks against
-    that class and the PyTorch VAE."""
-    from flax.serialization import to_bytes
-
-    from tree_grpo_jax.models.sd15.load import vae_module
-
-    module = vae_module(config, path / "config.json", jnp.float32)
-    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
-    state = {k: v.numpy() for k, v in torch_vae.state_dict().items()}
-    params = convert.pytorch_to_flax(state, shapes, merge_indices=True)
-    (path / "diffusion_flax_model.msgpack").write_bytes(to_bytes(params))
-
-
 def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
-    """A folder holding only Flax msgpack files, written by diffusers' Flax UNet class, our
-    VAE's tree and transformers' Flax CLIP class, loads to the same outputs."""
-    from transformers import FlaxCLIPTextModel
-    from transformers.modeling_flax_pytorch_utils import (
-        convert_pytorch_state_dict_to_flax as convert_text,
-    )
+    """A folder holding only Flax msgpack files, written by diffusers' and transformers' own
+    Flax classes, loads to the same outputs (the text encoder keeps its safetensors where
+    transformers has no Flax CLIP, 5 and later)."""
+    import transformers
+    from diffusers import FlaxAutoencoderKL
 
     flax_folder = _copy(folder, tmp_path)
-    for path in flax_folder.glob("*/*.safetensors"):
-        path.unlink()
+    flax_parts = ["unet", "vae"]
+    if hasattr(transformers, "FlaxCLIPTextModel"):
+        flax_parts.append("text_encoder")
+    for part in flax_parts:
+        for path in (flax_folder / part).glob("*.safetensors"):
+            path.unlink()
     unet = _diffusers_flax_unet(model.unet_config)
     unet.save_pretrained(flax_folder / "unet", params=_diffusers_convert(torch_parts["unet"], unet))
-    vae_config = json.loads((folder / "vae" / "config.json").read_text())
-    _vae_msgpack(torch_parts["vae"], vae_config, flax_folder / "vae")
-    text = FlaxCLIPTextModel(torch_parts["text_encoder"].config)
-    text_params = convert_text(torch_parts["text_encoder"].state_dict(), text)
-    text.save_pretrained(flax_folder / "text_encoder", params=text_params)
+    vae = FlaxAutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
+    vae.save_pretrained(flax_folder / "vae", params=_diffusers_convert(torch_parts["vae"], vae))
+    if "text_encoder" in flax_parts:
+        from transformers.modeling_flax_pytorch_utils import (
+            convert_pytorch_state_dict_to_flax as convert_text,
+        )
+
+        text = transformers.FlaxCLIPTextModel(torch_parts["text_encoder"].config)
+        text_params = convert_text(torch_parts["text_encoder"].state_dict(), text)
+        text.save_pretrained(flax_folder / "text_encoder", params=text_params)
 
     loaded = load_sd(str(flax_folder))
-    assert not list(flax_folder.glob("*/*.safetensors"))
+    for part in flax_parts:
+        assert not list((flax_folder / part).glob("*.safetensors"))
     jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, model.params)
     np.testing.assert_allclose(
         loaded.encode_prompts(PROMPTS), model.encode_prompts(PROMPTS), atol=1e-6
     )
     latents = np.random.default_rng(2).standard_normal((2, 4, 8, 8)).astype(np.float32) * 0.2
     np.testing.assert_allclose(loaded.decode(latents), model.decode(latents), atol=1e-6)
+
+
+def test_clip_files_of_either_transformers_release_encode_the_same(folder, model, tmp_path):
+    """The tokenizer and text encoder as the other transformers release would have saved them
+    (tokenizer.json alone or vocab.json and merges.txt; tensor names without or with
+    `text_model.`) load to the same prompt embeddings."""
+    from clip_fixtures import swap_text_naming, swap_tokenizer_layout
+
+    other = _copy(folder, tmp_path)
+    swap_tokenizer_layout(other / "tokenizer")
+    swap_text_naming(other / "text_encoder" / "model.safetensors")
+    np.testing.assert_array_equal(
+        load_sd(str(other)).encode_prompts(PROMPTS), model.encode_prompts(PROMPTS)
+    )
 
 
 def test_bfloat16_params_and_compute(folder, model):

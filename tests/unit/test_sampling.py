@@ -1,11 +1,11 @@
-"""Sampling maths against independent references: scipy densities, diffusers' Flax DDIM
-scheduler, and the exact marginals of a Gaussian data distribution."""
+"""Sampling maths against independent references: scipy densities, diffusers' DDIM
+scheduler (its PyTorch class: diffusers 0.40 removed the Flax one), and the exact marginals of
+a Gaussian data distribution."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from diffusers import FlaxDDIMScheduler
 from scipy import stats
 
 from tree_grpo_jax.core import sampling
@@ -22,11 +22,12 @@ SD15_SCHEDULER = dict(
 
 
 def _diffusers_ddim(num_steps, prediction_type="epsilon"):
-    scheduler = FlaxDDIMScheduler.from_config(
-        {**SD15_SCHEDULER, "prediction_type": prediction_type}
-    )
-    state = scheduler.set_timesteps(scheduler.create_state(), num_steps)
-    return scheduler, state
+    pytest.importorskip("torch")
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler.from_config({**SD15_SCHEDULER, "prediction_type": prediction_type})
+    scheduler.set_timesteps(num_steps)
+    return scheduler
 
 
 @pytest.mark.parametrize("reduce", ["mean", "sum"])
@@ -67,15 +68,15 @@ def test_flow_sde_log_prob_matches_scipy():
 
 def test_ddim_timesteps_match_diffusers():
     for n in (1, 10, 20, 50, 998, 999):
-        _, state = _diffusers_ddim(n)
-        np.testing.assert_array_equal(sampling.make_ddim_schedule(n).timesteps, state.timesteps)
+        timesteps = _diffusers_ddim(n).timesteps.numpy()
+        np.testing.assert_array_equal(sampling.make_ddim_schedule(n).timesteps, timesteps)
 
 
 def test_ddim_step_counts_stop_where_the_first_timestep_leaves_the_schedule():
     """With SD1.5's offset of 1, 1000 steps would start at timestep 1000 (diffusers' own
     scheduler sets it, and indexes past its 1000 alphas): the range ends at 999."""
-    _, state = _diffusers_ddim(1000)
-    assert int(state.timesteps[0]) == 1000 == len(state.common.alphas_cumprod)
+    scheduler = _diffusers_ddim(1000)
+    assert int(scheduler.timesteps[0]) == 1000 == len(scheduler.alphas_cumprod)
     with pytest.raises(ValueError, match=r"^num_steps must be in \[1, 999\], got 1000\.$"):
         sampling.make_ddim_schedule(1000)
     assert sampling.make_ddim_schedule(1000, steps_offset=0).timesteps[0] == 999
@@ -86,15 +87,19 @@ def test_ddim_step_counts_stop_where_the_first_timestep_leaves_the_schedule():
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 @pytest.mark.parametrize("eta", [0.0, 1.0])
-def test_ddim_mean_matches_diffusers_flax_step(prediction_type, eta):
-    """diffusers' Flax DDIM step returns the transition mean (it adds no noise itself)."""
+def test_ddim_mean_matches_diffusers_step(prediction_type, eta):
+    """diffusers' DDIM step with zero noise returns the transition mean."""
+    import torch
+
     num_steps = 10
-    scheduler, state = _diffusers_ddim(num_steps, prediction_type)
+    scheduler = _diffusers_ddim(num_steps, prediction_type)
     schedule = sampling.make_ddim_schedule(num_steps, eta=eta, prediction_type=prediction_type)
     rng = np.random.default_rng(3)
     x, pred = rng.normal(size=(2, 3, 4, 8, 8)).astype(np.float32)
-    for i, t in enumerate(np.asarray(state.timesteps)):
-        expected = scheduler.step(state, pred, int(t), x, eta=eta).prev_sample
+    for i, t in enumerate(scheduler.timesteps.numpy()):
+        x_t, pred_t = torch.from_numpy(x), torch.from_numpy(pred)
+        step = scheduler.step(pred_t, int(t), x_t, eta=eta, variance_noise=torch.zeros_like(x_t))
+        expected = step.prev_sample.numpy()
         mean, _ = schedule.transition(i, x, pred)
         np.testing.assert_allclose(mean, expected, rtol=2e-5, atol=2e-5)
 

@@ -45,6 +45,8 @@ def starting(command: str, torch_free: bool = True) -> None:
     )
     if torch_free and "torch" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, as when not installed
+        # transformers 5 then advises, on import, that it found no torch: here that is meant
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if not any(a.split("=")[0] in _QUIET_FLAGS for a in args):
         # on stderr, with the progress: stdout may be read by a program (`plan --json`)
         print(

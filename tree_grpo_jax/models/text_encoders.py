@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.errors import echo, first_line
-from tree_grpo_jax.models import clip
+from tree_grpo_jax.models import clip, clip_files
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
-CLIP_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 # `T5EncoderModel` ties the encoder's embedding to `shared`; files may carry either name.
 _T5_TIED = ("encoder.embed_tokens.weight", "shared.weight")
 _T5_ACTIVATIONS = {
@@ -292,13 +291,12 @@ class FrozenEncoder:
         return self.run(self.params, jnp.asarray(ids, jnp.int32))
 
 
-def load_clip_tokenizer(folder: Path, hint: str):
-    from transformers import CLIPTokenizer
-
-    try:
-        return CLIPTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # a broken tokenizer folder is a load error
-        raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {hint}.") from None
+def clip_tokenizer_dir(root: Path, name: str, hint: str) -> Path:
+    """`root/name`, which must hold a CLIP tokenizer (`clip_files`) and its
+    `tokenizer_config.json`; else one sentence naming the first file it lacks."""
+    files.component_dir(root, name, (), hint)
+    clip_files.check_tokenizer(root, name, hint)
+    return files.component_dir(root, name, ("tokenizer_config.json",), hint)
 
 
 def load_t5_tokenizer(folder: Path, hint: str):
@@ -335,8 +333,7 @@ def load_clip(
     from transformers import CLIPTextConfig
 
     folder = files.component_dir(root, encoder_name, ("config.json",), hint)
-    tokenizer_folder = files.component_dir(root, tokenizer_name, CLIP_TOKENIZER_FILES, hint)
-    tokenizer = load_clip_tokenizer(tokenizer_folder, hint)
+    tokenizer = clip_files.load_tokenizer(clip_tokenizer_dir(root, tokenizer_name, hint), hint)
     what = "a CLIP text encoder with projection" if projection else "a CLIP text encoder"
     raw = read_config(folder, "clip_text_model", what, hint)
     try:
@@ -357,7 +354,7 @@ def load_clip(
     shapes = clip.param_shapes(clip.init_text, module)
     params = convert.folder_to_flax(
         folder,
-        files.read_weights(folder, "model", hint),
+        clip_files.with_text_prefix(files.read_weights(folder, "model", hint)),
         convert.shapes_of(shapes),
         hint,
         merge_indices=False,

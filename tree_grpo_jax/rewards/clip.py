@@ -23,6 +23,7 @@ import numpy as np
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import clip as clip_model
+from tree_grpo_jax.models import clip_files
 from tree_grpo_jax.models.base import DTYPES, ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
@@ -173,14 +174,11 @@ def _read_weights(folder: Path, reference: dict, towers, hint: str, convert_hint
 
 
 def _tokenizer(folder: Path, hint: str):
-    from transformers import CLIPTokenizer
-
-    if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
-        raise ModelLoadError(f"{folder} has no tokenizer (vocab.json and merges.txt); {hint}.")
-    try:
-        return CLIPTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # a broken tokenizer is a load error
-        raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {hint}.") from None
+    if clip_files.missing_tokenizer_file(folder) is not None:
+        raise ModelLoadError(
+            f"{folder} has no tokenizer (tokenizer.json, or vocab.json and merges.txt); {hint}."
+        )
+    return clip_files.load_tokenizer(folder, hint)
 
 
 def check_scorer_options(dtype: str, chunk_size) -> None:

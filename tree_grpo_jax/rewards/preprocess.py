@@ -11,9 +11,10 @@ Layouts (``LAYOUTS``), each from quantized images to ``[B, S, S, 3]``:
 * ``resize_crop_torchvision``: torchvision ``Resize(S, BICUBIC)`` + ``CenterCrop(S)`` on a PIL
   image (OpenAI CLIP's ``clip.load`` preprocess, used by the LAION aesthetic predictor).
   Crop offset ``int(round(d / 2))``, Python's round half to even.
-* ``resize_crop_hf``: transformers ``CLIPImageProcessor`` (PickScore, torchmetrics CLIPScore).
-  Same resized size as torchvision, but crop offset ``d // 2``: the two differ by one pixel
-  when the cropped-off amount ``d`` is 3 mod 4.
+* ``resize_crop_hf``: transformers' PIL ``CLIPImageProcessor`` (PickScore, torchmetrics
+  CLIPScore; ``CLIPImageProcessorPil`` in transformers 5, whose ``CLIPImageProcessor``
+  resizes with torchvision instead). Same resized size as torchvision, but crop offset
+  ``d // 2``: the two differ by one pixel when the cropped-off amount ``d`` is 3 mod 4.
 * ``resize_pad``: longest side to S with ``round(side * S / longest)``, PIL bicubic, zero padding
   with ``pad // 2`` before (HPSv2's ``ResizeMaxSize(S, fill=0)`` on a PIL image; open_clip's
   ``image_transform(..., resize_mode="longest")``).
@@ -197,8 +198,8 @@ def resize_crop_torchvision(images: jax.Array, size: int) -> jax.Array:
 
 
 def resize_crop_hf(images: jax.Array, size: int) -> jax.Array:
-    """transformers ``CLIPImageProcessor`` (``shortest_edge`` and crop ``size``) resize and
-    crop on uint8 ``[B, H, W, 3]``; the crop offset is floored, unlike torchvision's."""
+    """transformers' PIL ``CLIPImageProcessor`` (``shortest_edge`` and crop ``size``) resize
+    and crop on uint8 ``[B, H, W, 3]``; the crop offset is floored, unlike torchvision's."""
     images = resize_bicubic_uint8(images, *shortest_edge_size(*images.shape[1:3], size))
     return _center_crop(images, size, lambda d: d // 2)
 

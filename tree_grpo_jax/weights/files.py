@@ -118,6 +118,15 @@ def read_weights(folder: Path, stem: str, hint: str) -> dict[str, np.ndarray]:
     raise ModelLoadError(f"{folder} has no {stem}.safetensors (or its index); {hint}.")
 
 
+def tokenizer_class(folder: Path, vocab_files, slow_class, fast_class):
+    """The transformers tokenizer class that reads `folder`: `slow_class` when it holds every
+    one of `vocab_files` (what transformers 4's slow classes read, and what hub folders
+    carry), else `fast_class`, which reads `tokenizer.json`, all that transformers 5 saves
+    (there both names are one class)."""
+    has_vocab = all((Path(folder) / name).is_file() for name in vocab_files)
+    return slow_class if has_vocab else fast_class
+
+
 def component_dir(root: Path, name: str, needed, hint: str) -> Path:
     """`root/name`, which must be a folder holding the files `needed`; else one sentence."""
     folder = Path(root) / name

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.core.sampling import PREDICTION_TYPES
-from tree_grpo_jax.models import clip
+from tree_grpo_jax.models import clip, clip_files
 from tree_grpo_jax.models.autoencoder_kl import AutoencoderKL, module_from_config
 from tree_grpo_jax.models.base import (
     DDIMScheduleConfig,
@@ -43,7 +43,7 @@ _CONFIG_FILES = {
     "unet": ("config.json",),
     "vae": ("config.json",),
     "text_encoder": ("config.json",),
-    "tokenizer": ("vocab.json", "merges.txt"),
+    "tokenizer": (),  # clip_files: tokenizer.json, or vocab.json and merges.txt
     "scheduler": ("scheduler_config.json",),
 }
 # (Flax msgpack, PyTorch safetensors stem) per weighted component.
@@ -130,6 +130,8 @@ def _component_dir(root: Path, name: str) -> Path:
     for filename in _CONFIG_FILES[name]:
         if not (folder / filename).is_file():
             raise ModelLoadError(f"model folder {root} has no {name}/{filename}; {POINT}.")
+    if name == "tokenizer":
+        clip_files.check_tokenizer(root, name, POINT)
     return folder
 
 
@@ -149,8 +151,11 @@ def _load_weights(folder: Path, component: str, reference, variant: str | None):
         state = files.read_safetensors_stem(folder, stem, POINT, variant)
         if state is not None:
             # diffusers names module lists `down_blocks_0`; transformers keeps `layers/0`.
-            merge = component != "text_encoder"
-            return convert.pytorch_to_flax(state, reference, merge_indices=merge)
+            if component == "text_encoder":
+                return convert.pytorch_to_flax(
+                    clip_files.with_text_prefix(state), reference, merge_indices=False
+                )
+            return convert.pytorch_to_flax(state, reference, merge_indices=True)
     if list(folder.glob("*.bin")):
         raise ModelLoadError(
             f"{folder} holds only PyTorch pickle weights (*.bin), which need torch to read; "
@@ -235,15 +240,6 @@ def _load_text_encoder(folder: Path, dtype, variant=None):
     shapes = clip.param_shapes(clip.init_text, module)
     params = _load_weights(folder, "text_encoder", convert.shapes_of(shapes), variant)
     return module, cast_floats(params, dtype), config
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import CLIPTokenizer
-
-    try:
-        return CLIPTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # a broken tokenizer folder is a load error
-        raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {POINT}.") from None
 
 
 def schedule_config(scheduler_config: dict, where: Path) -> DDIMScheduleConfig:
@@ -357,7 +353,7 @@ def load_sd(
     )
     vae, vae_params, vae_config = _load_vae(folders["vae"], dtype, variant)
     text, text_params, text_config = _load_text_encoder(folders["text_encoder"], dtype, variant)
-    tokenizer = _load_tokenizer(folders["tokenizer"])
+    tokenizer = clip_files.load_tokenizer(folders["tokenizer"], POINT)
     max_length = min(tokenizer.model_max_length, text_config.max_position_embeddings)
     return StableDiffusionModel(
         name=root.name,

@@ -28,6 +28,8 @@ from tree_grpo_jax.rewards.convert.reading import (
     _looks_like_open_clip,
     to_numpy_state_dict,
 )
+from tree_grpo_jax.rewards.imagereward import BERT_TOKENIZER_FILES
+from tree_grpo_jax.weights.files import tokenizer_class as tokenizer_class_of
 
 HEAD_WIDTH = 64
 HEAD_LINEARS = (0, 2, 4, 6, 7)
@@ -193,20 +195,24 @@ def _tokenizer_folder(path) -> Path:
     if not folder.is_dir():
         raise ConversionError(f"tokenizer folder {folder} does not exist.")
     for candidate in (folder, folder / "tokenizer"):
-        if (candidate / "vocab.txt").is_file():
+        if any((candidate / name).is_file() for name in BERT_TOKENIZER_FILES):
             return candidate
     raise ConversionError(
-        f"{folder} has no vocab.txt, so it is not a BERT tokenizer folder (bert-base-uncased)."
+        f"{folder} has no vocab.txt (nor tokenizer.json), so it is not a BERT tokenizer folder "
+        "(bert-base-uncased)."
     )
 
 
 def blip_tokenizer(path):
     """bert-base-uncased's tokenizer from a local folder, with BLIP's two added tokens."""
-    from transformers import BertTokenizer
+    from transformers import BertTokenizer, BertTokenizerFast
 
     folder = _tokenizer_folder(path)
+    tokenizer_class = tokenizer_class_of(
+        folder, BERT_TOKENIZER_FILES[:1], BertTokenizer, BertTokenizerFast
+    )
     try:
-        tokenizer = BertTokenizer.from_pretrained(str(folder))
+        tokenizer = tokenizer_class.from_pretrained(str(folder))
     except Exception as e:  # a broken vocabulary or config
         raise ConversionError(
             f"could not read the BERT tokenizer in {folder} ({_reason(e)})."

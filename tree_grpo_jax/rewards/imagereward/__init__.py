@@ -54,6 +54,8 @@ from tree_grpo_jax.weights import convert, files
 REWARD_CONFIG = "reward_config.json"
 # The release's tensors the score reads (its BLIP also holds contrastive projections).
 WEIGHT_PREFIXES = ("blip.visual_encoder.", "blip.text_encoder.", "mlp.")
+# The WordPiece vocabulary (hub folders, transformers 4), or all transformers 5 saves.
+BERT_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,12 +150,15 @@ def make_scorer(
 
 
 def _tokenizer(folder: Path, config: ImageRewardConfig):
-    from transformers import BertTokenizer
+    from transformers import BertTokenizer, BertTokenizerFast
 
-    if not (folder / "vocab.txt").is_file():
-        raise ModelLoadError(f"{folder} has no tokenizer (vocab.txt); {HINT}.")
+    if not any((folder / name).is_file() for name in BERT_TOKENIZER_FILES):
+        raise ModelLoadError(f"{folder} has no tokenizer (vocab.txt or tokenizer.json); {HINT}.")
+    tokenizer_class = files.tokenizer_class(
+        folder, BERT_TOKENIZER_FILES[:1], BertTokenizer, BertTokenizerFast
+    )
     try:
-        tokenizer = BertTokenizer.from_pretrained(str(folder))
+        tokenizer = tokenizer_class.from_pretrained(str(folder))
     except Exception as e:  # a broken tokenizer is a load error
         raise ModelLoadError(f"could not read the tokenizer in {folder}: {e}; {HINT}.") from None
     if len(tokenizer) > config.vocab_size:
