@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers  # CLIP's config classes
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from launch.tiny_architectures import SD15
 from tree_grpo_jax.models import autoencoder_kl, clip, unet
 from tree_grpo_jax.models.tiny.networks import UNET_CONFIG
-
-transformers = pytest.importorskip("transformers")  # CLIP's config classes
 
 MANIFEST, ARRAYS = refs.load()
 # Relative to the largest recorded value, where the bits may differ. The same jax with XLA's
