@@ -1,9 +1,7 @@
 """`models.clip` against transformers' PyTorch CLIP on tiny random configs (weights converted
-by `weights.convert`, as the loaders convert them), and, while transformers still ships its
-Flax CLIP (removed in transformers 5), against that: the same parameter tree and random
-values from the same key, and the same outputs bit for bit in float32 and bfloat16."""
+by `weights.convert`, as the loaders convert them). (Against transformers' former Flax CLIP,
+bit for bit: tests/parity/test_flax_references.py.)"""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -154,79 +152,3 @@ def test_an_activation_it_lacks_is_one_sentence():
     assert message.startswith("x/config.json sets hidden_act 'gelu_fast'")
     assert message.endswith("; point it at a CLIP folder.") and "\n" not in message
     clip.check_activations(_clip_config("quick_gelu", 2), "x", "y")  # known ones pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Against transformers' own Flax CLIP, while it ships one.
-
-
-def _flax_clip():
-    try:
-        from transformers.models.clip import modeling_flax_clip
-    except ImportError:
-        pytest.skip("this transformers has no Flax CLIP to compare the tree with")
-    return modeling_flax_clip
-
-
-def _same_tree(ours, theirs):
-    assert jax.tree.structure(ours) == jax.tree.structure(dict(theirs))
-    jax.tree.map(np.testing.assert_array_equal, ours, dict(theirs))
-
-
-@pytest.mark.parametrize("act, eos", CASES)
-def test_trees_and_random_values_are_transformers_flax(act, eos):
-    flax_clip = _flax_clip()
-    key = jax.random.PRNGKey(7)
-    config = _text_config(act, eos)
-    for ours, theirs in (
-        (clip.CLIPTextModel, flax_clip.FlaxCLIPTextModel),
-        (clip.CLIPTextModelWithProjection, flax_clip.FlaxCLIPTextModelWithProjection),
-    ):
-        expected = theirs(config, _do_init=False).init_weights(key, (1, 4))
-        _same_tree(clip.init_text(ours(config), key, 4), expected)
-    config = _clip_config(act, eos)
-    expected = flax_clip.FlaxCLIPModel(config, _do_init=False).init_weights(
-        key, ((1, 1), (1, 32, 32, 3))
-    )
-    _same_tree(clip.init_clip(clip.CLIPModel(config), key), expected)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_outputs_are_transformers_flax_bit_for_bit(dtype):
-    flax_clip = _flax_clip()
-    act, eos = CASES[0]
-    config = _clip_config(act, eos)
-    params = clip.init_clip(clip.CLIPModel(config), jax.random.PRNGKey(1))
-    params = jax.tree.map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size)).reshape(x.shape), params)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    ids, mask = _ids_and_mask()
-    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-    pixels = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 32, 3)), dtype)
-    theirs = flax_clip.FlaxCLIPModule(config=config, dtype=dtype).apply(
-        {"params": params}, ids, pixels, mask, positions, output_hidden_states=True
-    )
-    ours = clip.CLIPModel(config, dtype=dtype)
-    variables = {"params": params}
-    text = ours.apply(variables, ids, mask, output_hidden_states=True, method=_text_tower)
-    for a, b in zip(text.hidden_states, theirs.text_model_output.hidden_states, strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(text.pooler_output, theirs.text_model_output.pooler_output)
-    per_image, per_text = ours.apply(variables, ids, pixels, mask)
-    np.testing.assert_array_equal(per_image, theirs.logits_per_image)
-    np.testing.assert_array_equal(per_text, theirs.logits_per_text)
-    # training mode: the same dropout mask from the same key
-    config = _text_config(act, eos, attention_dropout=0.3)
-    text_params = {"text_model": params["text_model"]}
-    rngs = {"dropout": jax.random.PRNGKey(3)}
-    theirs = flax_clip.FlaxCLIPTextModule(config=config, dtype=dtype).apply(
-        {"params": text_params}, ids, mask, positions, deterministic=False, rngs=rngs
-    )
-    ours = clip.CLIPTextModel(config, dtype=dtype)
-    dropped = ours.apply({"params": text_params}, ids, mask, deterministic=False, rngs=rngs)
-    np.testing.assert_array_equal(dropped.last_hidden_state, theirs.last_hidden_state)
-    kept = ours.apply({"params": text_params}, ids, mask)
-    assert not np.array_equal(kept.last_hidden_state, dropped.last_hidden_state)
-
-
-def _text_tower(module, ids, mask, **options):
-    return module.text_model(ids, mask, **options)

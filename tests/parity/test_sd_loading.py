@@ -10,12 +10,15 @@ import textwrap
 import types
 from pathlib import Path
 
+import flax_references
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.serialization import to_bytes
 from flax.traverse_util import flatten_dict
 
+from tree_grpo_jax.models import clip, unet
 from tree_grpo_jax.models.base import DDIMScheduleConfig, ModelLoadError, Sampling
 from tree_grpo_jax.models.sd15 import StableDiffusionModel, load_sd
 from tree_grpo_jax.weights import convert
@@ -64,9 +67,14 @@ def _torch_unet(unet, x, t, cond):
 
 
 def _diffusers_convert(torch_model, flax_module):
-    """diffusers' own PyTorch->Flax converter (it needs torch), fed init shapes, not an init."""
-    from diffusers.models.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
-
+    """diffusers' own PyTorch->Flax converter (it needs torch), fed init shapes, not an init;
+    a plain skip once diffusers has none (0.40 removed it with its Flax models)."""
+    try:
+        from diffusers.models.modeling_flax_pytorch_utils import (
+            convert_pytorch_state_dict_to_flax,
+        )
+    except ImportError:
+        pytest.skip("this diffusers has no PyTorch-to-Flax converter (removed in 0.40)")
     shapes_only = types.SimpleNamespace(
         init_weights=lambda key: jax.eval_shape(flax_module.init_weights, key)
     )
@@ -75,13 +83,6 @@ def _diffusers_convert(torch_model, flax_module):
 
 def _copy(folder, tmp_path, name="copy"):
     return Path(shutil.copytree(folder, tmp_path / name))
-
-
-def _diffusers_flax_unet(config: dict):
-    """diffusers' own Flax UNet class for a UNet config (library numerics)."""
-    from diffusers import FlaxUNet2DConditionModel
-
-    return FlaxUNet2DConditionModel.from_config(config)
 
 
 def test_model_fields(model, folder):
@@ -107,16 +108,20 @@ def test_unet_matches_torch(model, torch_parts):
 
 
 def test_unet_is_diffusers_tree_with_pytorch_numerics(model, torch_parts):
-    """Our UNet has diffusers' Flax parameter tree; with the same params, diffusers' Flax
-    class (tanh GELU, GroupNorm eps 1e-5 in its transformers) is visibly further from
-    PyTorch than ours."""
-    library = _diffusers_flax_unet(model.unet_config)
-    shapes = convert.shapes_of(jax.eval_shape(library.init_weights, jax.random.PRNGKey(0)))
-    assert shapes == convert.shapes_of(model.params)
+    """Our UNet has diffusers' former Flax UNet's parameter tree (as tests/fixtures/ recorded
+    it for this architecture); with the same params, that class's numerics (`FLAX_NUMERICS`,
+    which tests/parity/test_flax_references.py shows it computed bit for bit: tanh GELU,
+    GroupNorm eps 1e-5 in its transformers) are visibly further from PyTorch than ours."""
+    recorded = flax_references.load()[0]["cases"]["unet_sd15"]["trees"]["unet"]
+    recorded = {tuple(name.split("/")): tuple(shape) for name, shape in recorded.items()}
+    assert convert.shapes_of(model.params) == recorded
     x, t, cond = _unet_inputs(model)
     theirs = _torch_unet(torch_parts["unet"], x, t, cond)
     ours = np.asarray(jax.jit(model.denoise)(model.params, x, t, cond))
-    lib = np.asarray(library.apply({"params": model.params}, x, jnp.asarray(t), cond).sample)
+    flax_numerics = unet.unet_module(model.unet_config, **unet.FLAX_NUMERICS)
+    lib = np.asarray(
+        jax.jit(lambda p: flax_numerics.apply({"params": p}, x, t, cond).sample)(model.params)
+    )
     assert np.abs(lib - theirs).max() > 10 * np.abs(ours - theirs).max()
 
 
@@ -165,6 +170,28 @@ def test_our_conversion_equals_diffusers_converter(model, torch_parts):
         )
 
 
+def test_our_text_conversion_equals_transformers_converter(folder, torch_parts):
+    """transformers' own PyTorch->Flax converter (while transformers has Flax models, before
+    5) gives the text encoder the same tree and values as ours."""
+    try:
+        from transformers import FlaxCLIPTextModel
+        from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+    except ImportError:
+        pytest.skip("this transformers has no PyTorch-to-Flax converter (removed in 5)")
+    encoder = torch_parts["text_encoder"]
+    flax_model = FlaxCLIPTextModel(encoder.config)
+    theirs = flatten_dict(
+        dict(convert_pytorch_state_dict_to_flax(encoder.state_dict(), flax_model))
+    )
+    text_shapes = clip.param_shapes(clip.init_text, clip.CLIPTextModel(encoder.config))
+    state = {k: v.numpy() for k, v in encoder.state_dict().items()}
+    ours = convert.pytorch_to_flax(state, convert.shapes_of(text_shapes), merge_indices=False)
+    ours = flatten_dict(ours)
+    assert set(ours) == set(theirs)
+    for key, value in ours.items():
+        np.testing.assert_array_equal(value, np.asarray(theirs[key]), err_msg=str(key))
+
+
 def test_loading_path_runs_without_torch(folder):
     """In a fresh interpreter where `import torch` fails, loading and running still work."""
     code = textwrap.dedent(
@@ -190,36 +217,40 @@ def test_loading_path_runs_without_torch(folder):
     assert result.stdout.strip().endswith("ok")
 
 
+def _flax_msgpack(torch_model, module_shapes: dict, path: Path, name: str, merge: bool) -> None:
+    """A component's weights as the Flax msgpack file diffusers' and transformers' former
+    Flax classes saved (`to_bytes` of their param tree, which is ours: test_flax_references.py
+    checks the names and shapes against those classes' own)."""
+    state = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+    params = convert.pytorch_to_flax(state, convert.shapes_of(module_shapes), merge_indices=merge)
+    (path / name).write_bytes(to_bytes(params))
+
+
 def test_flax_weight_files_load_the_same(folder, model, torch_parts, tmp_path):
-    """A folder holding only Flax msgpack files, written by diffusers' and transformers' own
-    Flax classes, loads to the same outputs (the text encoder keeps its safetensors where
-    transformers has no Flax CLIP, 5 and later)."""
-    import transformers
-    from diffusers import FlaxAutoencoderKL
+    """A folder holding only Flax msgpack files, as the Flax UNet, VAE and CLIP classes saved
+    them, loads to the same params and outputs."""
+    from transformers import CLIPTextConfig
+
+    from tree_grpo_jax.models.sd15.load import vae_module
 
     flax_folder = _copy(folder, tmp_path)
-    flax_parts = ["unet", "vae"]
-    if hasattr(transformers, "FlaxCLIPTextModel"):
-        flax_parts.append("text_encoder")
-    for part in flax_parts:
-        for path in (flax_folder / part).glob("*.safetensors"):
-            path.unlink()
-    unet = _diffusers_flax_unet(model.unet_config)
-    unet.save_pretrained(flax_folder / "unet", params=_diffusers_convert(torch_parts["unet"], unet))
-    vae = FlaxAutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
-    vae.save_pretrained(flax_folder / "vae", params=_diffusers_convert(torch_parts["vae"], vae))
-    if "text_encoder" in flax_parts:
-        from transformers.modeling_flax_pytorch_utils import (
-            convert_pytorch_state_dict_to_flax as convert_text,
-        )
-
-        text = transformers.FlaxCLIPTextModel(torch_parts["text_encoder"].config)
-        text_params = convert_text(torch_parts["text_encoder"].state_dict(), text)
-        text.save_pretrained(flax_folder / "text_encoder", params=text_params)
+    for path in flax_folder.glob("*/*.safetensors"):
+        path.unlink()
+    key = jax.random.PRNGKey(0)
+    unet_shapes = jax.eval_shape(model.unet.init_weights, key)
+    vae_config = json.loads((folder / "vae" / "config.json").read_text())
+    vae = vae_module(vae_config, folder / "vae" / "config.json", jnp.float32)
+    text_config = CLIPTextConfig.from_json_file(str(folder / "text_encoder" / "config.json"))
+    text_shapes = clip.param_shapes(clip.init_text, clip.CLIPTextModel(text_config))
+    for component, shapes, name, merge in (
+        ("unet", unet_shapes, "diffusion_flax_model.msgpack", True),
+        ("vae", jax.eval_shape(vae.init_weights, key), "diffusion_flax_model.msgpack", True),
+        ("text_encoder", text_shapes, "flax_model.msgpack", False),
+    ):
+        _flax_msgpack(torch_parts[component], shapes, flax_folder / component, name, merge)
 
     loaded = load_sd(str(flax_folder))
-    for part in flax_parts:
-        assert not list((flax_folder / part).glob("*.safetensors"))
+    assert not list(flax_folder.glob("*/*.safetensors"))
     jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, model.params)
     np.testing.assert_allclose(
         loaded.encode_prompts(PROMPTS), model.encode_prompts(PROMPTS), atol=1e-6

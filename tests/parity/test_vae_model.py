@@ -1,9 +1,9 @@
 """The image VAE (models/autoencoder_kl.py) against diffusers' PyTorch `AutoencoderKL` built
 tiny and random (4 and 16 latent channels, with and without quant convs), its weights
 converted by `weights.convert`: the same latent Gaussians from the same images and the same
-images from the same latents. While diffusers still ships its Flax VAE (before 0.40), also
-the same parameter tree and initial values as that class, bit-identical outputs in float32
-and bfloat16, and the same tree from diffusers' own PyTorch-to-Flax converter."""
+images from the same latents. While diffusers still ships its PyTorch-to-Flax converter
+(before 0.40), also the same tree and values from it. (Against diffusers' former Flax VAE:
+tests/parity/test_flax_references.py.)"""
 
 import functools
 import types
@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax.traverse_util import flatten_dict, unflatten_dict
+from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.models.autoencoder_kl import AutoencoderKL, module_from_config
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.weights import convert
 
 # Two levels (2x smaller latents), two resnets a block, a channel change in each direction.
@@ -52,21 +52,6 @@ def _inputs(latent_channels: int, seed: int = 0):
     images = rng.uniform(-1.0, 1.0, IMAGE).astype(np.float32)
     latents = rng.standard_normal((2, 4, 4, latent_channels)).astype(np.float32)
     return images, latents
-
-
-def _random_params(module, seed: int) -> dict:
-    """Params of the module's tree drawn in numpy (no init to compile): kernels scaled by
-    their fan-in, norm scales near 1 and biases near 0 but neither exactly."""
-    rng = np.random.default_rng(seed)
-    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
-    flat = {}
-    for path, shape in shapes.items():
-        noise = rng.standard_normal(shape).astype(np.float32)
-        if path[-1] == "kernel":
-            flat[path] = noise / np.sqrt(np.prod(shape[:-1]), dtype=np.float32)
-        else:
-            flat[path] = (path[-1] == "scale") + 0.05 * noise
-    return unflatten_dict(flat)
 
 
 def _encode(module):
@@ -156,63 +141,18 @@ def test_missing_torch_weight_is_named(torch_kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# Against diffusers' Flax AutoencoderKL, while diffusers ships it.
+# Against diffusers' own PyTorch-to-Flax converter, while diffusers ships it (before 0.40).
+# (Against its former Flax VAE: tests/parity/test_flax_references.py.)
 
 
-def _diffusers_flax_vae(config: dict, dtype=jnp.float32):
+def _diffusers_converter():
     try:
-        from diffusers import FlaxAutoencoderKL
-    except ImportError:
-        pytest.skip("this diffusers has no Flax VAE (removed in 0.40)")
-    fields = {k: v for k, v in config.items() if not k.startswith("use_")}
-    return FlaxAutoencoderKL(
-        **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}, dtype=dtype
-    )
-
-
-@pytest.mark.parametrize("latent_channels", [4, 16])
-def test_same_tree_and_initial_values_as_diffusers_flax(latent_channels):
-    config = _config(latent_channels)  # the Flax class always has the quant convs
-    library, ours = _diffusers_flax_vae(config), _module(config)
-    key = jax.random.PRNGKey(7)
-    theirs = flatten_dict(jax.jit(library.init_weights)(key))
-    mine = flatten_dict(jax.jit(ours.init_weights)(key))
-    assert sorted(mine) == sorted(theirs)
-    for path, value in theirs.items():
-        np.testing.assert_array_equal(np.asarray(mine[path]), np.asarray(value), err_msg=str(path))
-    assert ("decoder", "mid_block", "attentions_0", "proj_attn", "kernel") in mine
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_bit_identical_to_diffusers_flax(dtype):
-    config = _config(4)
-    library, ours = _diffusers_flax_vae(config, dtype), _module(config, dtype)
-    params = cast_floats(_random_params(ours, seed=3), dtype)
-    images, latents = (jnp.asarray(a, dtype) for a in _inputs(4, seed=5))
-
-    @jax.jit
-    def library_outputs(params, images, latents):
-        def run(m):
-            dist = m.encode(jnp.transpose(images, (0, 3, 1, 2))).latent_dist
-            return dist.mean, dist.logvar, m.decode(latents).sample
-
-        return library.apply({"params": params}, method=run)
-
-    @jax.jit
-    def our_outputs(params, images, latents):
-        def run(m):
-            return (*m.encode(images), jnp.transpose(m.decode(latents), (0, 3, 1, 2)))
-
-        return ours.apply({"params": params}, method=run)
-
-    theirs = library_outputs(params, images, latents)
-    mine = our_outputs(params, images, latents)
-    for name, got, want in zip(("mean", "logvar", "decoded"), mine, theirs):
-        assert got.dtype == want.dtype == dtype, name
-        np.testing.assert_array_equal(
-            np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name
+        from diffusers.models.modeling_flax_pytorch_utils import (
+            convert_pytorch_state_dict_to_flax,
         )
-    assert float(jnp.abs(mine[2][0] - mine[2][1]).mean()) > 0.05
+    except ImportError:
+        pytest.skip("this diffusers has no PyTorch-to-Flax converter (removed in 0.40)")
+    return convert_pytorch_state_dict_to_flax
 
 
 @pytest.mark.parametrize("latent_channels", [4, 16])
@@ -220,10 +160,8 @@ def test_conversion_equals_diffusers_converter(latent_channels):
     """diffusers' own PyTorch->Flax converter (it needs torch) fills the same tree (the
     quant convs included: its Flax VAE always has them)."""
     pytest.importorskip("torch")
+    convert_pytorch_state_dict_to_flax = _diffusers_converter()
     vae, config = _torch_vae(latent_channels, quant=True)
-    _diffusers_flax_vae(config)  # skips once diffusers has no Flax models
-    from diffusers.models.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
-
     module = _module(config)
     shapes_only = types.SimpleNamespace(
         init_weights=lambda key: jax.eval_shape(module.init_weights, key)
