@@ -18,7 +18,7 @@ import pytest
 from flax.serialization import to_bytes
 from flax.traverse_util import flatten_dict
 
-from tree_grpo_jax.models import clip, unet
+from tree_grpo_jax.models import clip, clip_files, unet
 from tree_grpo_jax.models.base import DDIMScheduleConfig, ModelLoadError, Sampling
 from tree_grpo_jax.models.sd15 import StableDiffusionModel, load_sd
 from tree_grpo_jax.weights import convert
@@ -222,6 +222,8 @@ def _flax_msgpack(torch_model, module_shapes: dict, path: Path, name: str, merge
     Flax classes saved (`to_bytes` of their param tree, which is ours: test_flax_references.py
     checks the names and shapes against those classes' own)."""
     state = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+    if not merge:  # the CLIP tower's names, with `text_model.` whichever release wrote them
+        state = clip_files.with_text_prefix(state)
     params = convert.pytorch_to_flax(state, convert.shapes_of(module_shapes), merge_indices=merge)
     (path / name).write_bytes(to_bytes(params))
 
