@@ -80,6 +80,14 @@ def first_line(error: BaseException | str, default: str | None = None) -> str:
     return type(error).__name__ if default is None else default
 
 
+def flat(error: BaseException, limit: int = 300) -> str:
+    """An error's whole message on one line (transformers 5's config validation spreads one
+    reason over several lines), shortened and redacted, at most `limit` characters."""
+    text = shorten(redact(" ".join(str(error).split()))).rstrip(".")
+    text = text if len(text) <= limit else f"{text[:limit]}..."
+    return text or type(error).__name__
+
+
 def reason(error: BaseException, limit: int = 200) -> str:
     """`Class: first line` for a sentence's parenthesis: without its full stop, at most
     `limit` characters of the message; the class name alone when the message is empty."""

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.errors import echo, first_line
+from tree_grpo_jax.errors import echo, first_line, flat
 from tree_grpo_jax.models import clip, clip_files
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
@@ -340,7 +340,7 @@ def load_clip(
         config = CLIPTextConfig.from_dict(raw)
     except Exception as e:
         raise ModelLoadError(
-            f"{folder / 'config.json'} is not a valid CLIP text config: {e}; {hint}."
+            f"{folder / 'config.json'} is not a valid CLIP text config: {flat(e)}; {hint}."
         ) from None
     clip.check_activations(config, folder / "config.json", hint)
     length = max_length or min(tokenizer.model_max_length, config.max_position_embeddings)
@@ -382,7 +382,7 @@ def t5_encoder_config(
     try:
         config = getattr(transformers, kind).from_dict(raw)
     except Exception as e:  # e.g. an unknown feed_forward_proj
-        raise ModelLoadError(f"{where} is not a valid {name} config: {e}; {hint}.") from None
+        raise ModelLoadError(f"{where} is not a valid {name} config: {flat(e)}; {hint}.") from None
     if config.dense_act_fn not in _T5_ACTIVATIONS:
         raise ModelLoadError(
             f"{where} uses the activation {config.dense_act_fn!r}, but only "

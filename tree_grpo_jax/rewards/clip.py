@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax import sharding
+from tree_grpo_jax import errors, sharding
 from tree_grpo_jax.models import clip as clip_model
 from tree_grpo_jax.models import clip_files
 from tree_grpo_jax.models.base import DTYPES, ModelLoadError, cast_floats
@@ -129,7 +129,7 @@ def _clip_config(folder: Path, hint: str):
         config = CLIPConfig.from_dict(raw)
     except Exception as e:  # a malformed config
         raise ModelLoadError(
-            f"{folder}/config.json is not a valid CLIP config ({e}); {hint}."
+            f"{folder}/config.json is not a valid CLIP config ({errors.flat(e)}); {hint}."
         ) from None
     clip_model.check_activations(config, folder / "config.json", hint)
     return config

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.core.sampling import PREDICTION_TYPES
+from tree_grpo_jax.errors import flat
 from tree_grpo_jax.models import clip, clip_files
 from tree_grpo_jax.models.autoencoder_kl import AutoencoderKL, module_from_config
 from tree_grpo_jax.models.base import (
@@ -234,7 +235,12 @@ def _load_vae(folder: Path, dtype, variant=None):
 def _load_text_encoder(folder: Path, dtype, variant=None):
     from transformers import CLIPTextConfig
 
-    config = CLIPTextConfig.from_json_file(str(folder / "config.json"))
+    try:
+        config = CLIPTextConfig.from_json_file(str(folder / "config.json"))
+    except Exception as e:  # transformers 5 checks each field's type as it builds
+        raise ModelLoadError(
+            f"{folder / 'config.json'} is not a valid CLIP text config: {flat(e)}; {POINT}."
+        ) from None
     clip.check_activations(config, folder / "config.json", POINT)
     module = clip.CLIPTextModel(config, dtype=dtype)
     shapes = clip.param_shapes(clip.init_text, module)
