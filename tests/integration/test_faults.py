@@ -248,7 +248,12 @@ def test_second_run_on_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # written by the owner once it runs, as a real lock is
-        lock = {"pid": holder.pid, "host": os.uname().nodename, "since": time.time()}
+        lock = {
+            "pid": holder.pid,
+            "host": os.uname().nodename,
+            "since": time.time(),
+            "start_ticks": _ticks(holder.pid),
+        }
         (tmp_path / "run.lock").write_text(json.dumps(lock))
         with pytest.raises(WorkdirBusy, match=f"another run \\(pid {holder.pid}\\)"):
             train.train(c, str(tmp_path))
@@ -284,26 +289,60 @@ def test_a_signal_after_the_last_iteration_says_the_run_is_complete(
     assert_same_run(straight, tmp_path)
 
 
+def _ticks(pid: int) -> int:
+    """Process `pid`'s start, in clock ticks since boot, read from /proc here."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_a_lock_naming_a_live_unrelated_pid_is_taken_over(tmp_path):
     """The owner died and its pid now belongs to another process: not a run to wait for."""
-    from tree_grpo_jax.run.workdir import WorkdirLock
+    from tree_grpo_jax.run.workdir import WorkdirBusy, WorkdirLock
 
     host = socket.gethostname()
     sleeper = subprocess.Popen(["sleep", "60"])  # alive, but no Python
     later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # the dead owner: a process that started at another tick (this one, long before)
+    dead_owner = _ticks(os.getpid())
+    assert _ticks(later.pid) != dead_owner
     try:
-        for pid, since in ((sleeper.pid, time.time()), (later.pid, time.time() - 3600)):
-            (tmp_path / "run.lock").write_text(
-                json.dumps({"pid": pid, "host": host, "since": since})
-            )
+        for pid in (sleeper.pid, later.pid):
+            lock = {"pid": pid, "host": host, "since": time.time(), "start_ticks": dead_owner}
+            (tmp_path / "run.lock").write_text(json.dumps(lock))
             with WorkdirLock(str(tmp_path)):
                 assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
             assert not (tmp_path / "run.lock").exists()
+        # the same pid at the tick it started: the owner itself, waited for
+        lock = {"pid": later.pid, "host": host, "since": 0.0, "start_ticks": _ticks(later.pid)}
+        (tmp_path / "run.lock").write_text(json.dumps(lock))
+        with pytest.raises(WorkdirBusy, match=f"another run \\(pid {later.pid}\\)"):
+            WorkdirLock(str(tmp_path)).acquire()
     finally:
         for process in (sleeper, later):
             process.kill()
             process.wait()
+
+
+def test_a_lock_without_start_ticks_is_judged_by_its_time(tmp_path, monkeypatch):
+    """Locks written before the ticks were recorded: a process that started well after the
+    lock's time is not its owner; one that started before it may be."""
+    from tree_grpo_jax.run import workdir
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(workdir, "_start_ticks", lambda pid: None)
+    monkeypatch.setattr(workdir, "_started_at", lambda pid: 1000.0)
+    try:
+        lock = {"pid": holder.pid, "host": socket.gethostname()}
+        (tmp_path / "run.lock").write_text(json.dumps({**lock, "since": 1001.0}))
+        with pytest.raises(workdir.WorkdirBusy):
+            workdir.WorkdirLock(str(tmp_path)).acquire()
+        (tmp_path / "run.lock").write_text(json.dumps({**lock, "since": 900.0}))
+        with workdir.WorkdirLock(str(tmp_path)):
+            assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 OOM_CONFIG = """

@@ -23,16 +23,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _started_at(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), from /proc; None elsewhere."""
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22);
+    None where /proc cannot say. Two processes that share a pid in turn differ here."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _started_at(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None elsewhere."""
+    ticks = _start_ticks(pid)
+    try:
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _command(pid: int) -> str | None:
@@ -44,12 +53,19 @@ def _command(pid: int) -> str | None:
         return None
 
 
-def _not_the_owner(pid: int, since) -> str | None:
-    """Why the live process `pid` cannot be the run that wrote a lock at `since` (its pid was
-    reused: it started later, or it is no Python), or None when it may be."""
-    started = _started_at(pid)
-    if started is not None and isinstance(since, (int, float)) and started > since + 2:
-        return "started after the lock was written"
+def _not_the_owner(pid: int, lock: dict) -> str | None:
+    """Why the live process `pid` cannot be the run that wrote `lock` (its pid was reused: it
+    started at another tick than the lock records, or after the lock's time, or it is no
+    Python), or None when it may be."""
+    recorded, ticks = lock.get("start_ticks"), _start_ticks(pid)
+    if isinstance(recorded, int) and ticks is not None:
+        # Ticks since boot need no wall clock, which a restored VM or an NTP step can move.
+        if ticks != recorded:
+            return "started after the lock was written"
+    else:  # a lock without ticks: compare wall-clock times
+        started, since = _started_at(pid), lock.get("since")
+        if started is not None and isinstance(since, (int, float)) and started > since + 2:
+            return "started after the lock was written"
     command = _command(pid)
     if command and "python" not in command.lower():
         return f"is {command.split()[0]!r}, not a Python process"
@@ -66,7 +82,12 @@ class WorkdirLock:
 
     def __init__(self, workdir: str):
         self.path = os.path.join(workdir, "run.lock")
-        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        self.owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+            "start_ticks": _start_ticks(os.getpid()),
+        }
         self.held = False
 
     def _read(self) -> dict:
@@ -85,7 +106,7 @@ class WorkdirLock:
                 other = self._read()
                 pid, host = other.get("pid"), other.get("host")
                 mine = host == self.owner["host"] and isinstance(pid, int)
-                if mine and _alive(pid) and not _not_the_owner(pid, other.get("since")):
+                if mine and _alive(pid) and not _not_the_owner(pid, other):
                     raise WorkdirBusy(
                         f"another run (pid {pid}) is using {os.path.dirname(self.path)}; wait "
                         "for it to finish or choose another --workdir."
