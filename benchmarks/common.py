@@ -202,11 +202,11 @@ def _standin_denoise(params, x, t, cond):
 
 
 def _standin_encode(prompts: Sequence[str]) -> jax.Array:
-    from tree_grpo_jax.models import tiny
+    from tree_grpo_jax.models.tiny.grammar import prompt_digit
 
     def digit(p):
         try:
-            return tiny.prompt_digit(p)
+            return prompt_digit(p)
         except ValueError:
             return -1
 
@@ -218,15 +218,15 @@ def _standin_encode(prompts: Sequence[str]) -> jax.Array:
 
 
 def standin_model() -> TextToImageModel:
-    from tree_grpo_jax.models import tiny
+    from tree_grpo_jax.models.tiny import networks
 
     return TextToImageModel(
         name="standin",
-        sample_shape=tiny.SAMPLE_SHAPE,
+        sample_shape=networks.SAMPLE_SHAPE,
         params={"w": jnp.float32(0.5), "b": jnp.float32(0.1)},
         denoise=_standin_denoise,
         encode_prompts=_standin_encode,
-        decode=tiny.decode,
+        decode=networks.decode,
         schedule_config=DDIMScheduleConfig(),
     )
 

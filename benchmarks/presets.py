@@ -71,8 +71,8 @@ def minibatches_per_iteration(config) -> int:
 def load_model(settings: Settings) -> TextToImageModel:
     if settings.model == "standin":
         return standin_model()
-    from tree_grpo_jax.models import tiny
+    from tree_grpo_jax.models.tiny.model import build_tiny, load_tiny
 
     if settings.model == "random_tiny":
-        return tiny.build_tiny("ddim", seed=0)
-    return tiny.load_tiny("flow" if settings.model == "tiny_flow" else "ddim")
+        return build_tiny("ddim", seed=0)
+    return load_tiny("flow" if settings.model == "tiny_flow" else "ddim")

@@ -90,7 +90,7 @@ def flux_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sd_model(sd_folder):
-    from tree_grpo_jax.models.sd15 import load_sd
+    from tree_grpo_jax.models.sd15.load import load_sd
 
     return load_sd(str(sd_folder))
 

@@ -29,7 +29,7 @@ def shifted_frames(images, frames: int = FRAMES):
 
 
 def load_toy_video(request: model_registry.LoadRequest):
-    from tree_grpo_jax.models.tiny import build_tiny
+    from tree_grpo_jax.models.tiny.model import build_tiny
 
     model = build_tiny("ddim", seed=request.seed, dtype=request.dtype)
     decode = model.decode

@@ -57,7 +57,7 @@ def _listing(root):
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_damaged_sd_safetensors_is_one_sentence(sd_folder, tmp_path, damage):
-    from tree_grpo_jax.models.sd15 import load_sd
+    from tree_grpo_jax.models.sd15.load import load_sd
 
     folder = shutil.copytree(sd_folder, tmp_path / "sd")
     weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
@@ -70,7 +70,7 @@ def test_damaged_sd_safetensors_is_one_sentence(sd_folder, tmp_path, damage):
 
 
 def test_garbage_sd_flax_msgpack_is_one_sentence(sd_folder, tmp_path):
-    from tree_grpo_jax.models.sd15 import load_sd
+    from tree_grpo_jax.models.sd15.load import load_sd
 
     folder = shutil.copytree(sd_folder, tmp_path / "sd")
     weights = folder / "vae" / "diffusion_flax_model.msgpack"  # preferred over safetensors

@@ -120,7 +120,7 @@ def test_sd_lora_run_exports_peft_weights_and_merged_weights(tmp_path, sd_folder
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
     from tree_grpo_jax.cli import export
-    from tree_grpo_jax.models.sd15 import load_sd
+    from tree_grpo_jax.models.sd15.load import load_sd
 
     c = lora_config("grpo")
     c.model.name = "sd"

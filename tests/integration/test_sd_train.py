@@ -11,7 +11,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.cli import export
-from tree_grpo_jax.models.sd15 import load_sd
+from tree_grpo_jax.models.sd15.load import load_sd
 from tree_grpo_jax.run.checkpoint import Checkpointer
 
 torch = pytest.importorskip("torch")

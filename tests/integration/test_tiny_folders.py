@@ -26,7 +26,7 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
         import jax
         import numpy as np
         from tree_grpo_jax.models.flux.load import load_flux
-        from tree_grpo_jax.models.sd15 import load_sd
+        from tree_grpo_jax.models.sd15.load import load_sd
         from tree_grpo_jax.models.sd3.load import load_sd3
         for kind, load in (("sd15", load_sd), ("sd35", load_sd3), ("flux", load_flux)):
             m = load({str(tmp_path)!r} + "/" + kind)

@@ -11,8 +11,8 @@ from flax.traverse_util import flatten_dict
 from safetensors.numpy import load_file
 
 from tree_grpo_jax.cli import export
-from tree_grpo_jax.models.sd15 import load_sd
 from tree_grpo_jax.models.sd15.export import export_pipeline, export_unet
+from tree_grpo_jax.models.sd15.load import load_sd
 
 torch = pytest.importorskip("torch")
 

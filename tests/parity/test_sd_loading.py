@@ -20,7 +20,7 @@ from flax.traverse_util import flatten_dict
 
 from tree_grpo_jax.models import clip, clip_files, unet
 from tree_grpo_jax.models.base import DDIMScheduleConfig, ModelLoadError, Sampling
-from tree_grpo_jax.models.sd15 import StableDiffusionModel, load_sd
+from tree_grpo_jax.models.sd15.load import StableDiffusionModel, load_sd
 from tree_grpo_jax.weights import convert
 
 torch = pytest.importorskip("torch")
@@ -200,7 +200,7 @@ def test_loading_path_runs_without_torch(folder):
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import jax
         import numpy as np
-        from tree_grpo_jax.models.sd15 import load_sd
+        from tree_grpo_jax.models.sd15.load import load_sd
         m = load_sd({str(folder)!r})
         c = m.encode_prompts(["a cat"])
         x = np.zeros((1, 4, 8, 8), np.float32)

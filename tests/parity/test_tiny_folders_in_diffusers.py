@@ -91,7 +91,7 @@ def test_sd15_text_encoder_and_vae_compute_what_our_loader_computes(written):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from tree_grpo_jax.models.sd15 import load_sd
+    from tree_grpo_jax.models.sd15.load import load_sd
 
     folder = written["sd15"]
     model = load_sd(str(folder))

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from tree_grpo_jax.models.tiny import DIGIT_PROMPTS
+from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
 from tree_grpo_jax.run.prompts import ANIMALS, PromptIterator, load_prompts, prompt_sets
 
 PROMPTS = [f"prompt {i}" for i in range(12)]

@@ -17,7 +17,7 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
 from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.tiny import build_tiny
+from tree_grpo_jax.models.tiny.model import build_tiny
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import loop as train
 

@@ -8,9 +8,10 @@ import pytest
 from PIL import Image
 
 from tree_grpo_jax import rewards
-from tree_grpo_jax.models import tiny
 from tree_grpo_jax.models.tiny import classifier
 from tree_grpo_jax.models.tiny import rewards as digits
+from tree_grpo_jax.models.tiny.data import digits_dataset
+from tree_grpo_jax.models.tiny.grammar import DIGIT_PROMPTS
 
 
 def _pil_jpeg_bytes(array_uint8: np.ndarray) -> int:
@@ -48,9 +49,9 @@ def test_flat_image_is_more_compressible_than_noise(noise_images):
 
 
 def test_combined_reward_is_weighted_sum():
-    images, labels = tiny.digits_dataset("test")
+    images, labels = digits_dataset("test")
     images = jnp.asarray(images[:6])
-    prompts = [tiny.DIGIT_PROMPTS[(int(y) + 1) % 10] for y in labels[:6]]
+    prompts = [DIGIT_PROMPTS[(int(y) + 1) % 10] for y in labels[:6]]
     combined = rewards.combined_reward({"digit_alignment": 2.0, "jpeg_compressibility": -0.5})
     assert combined.on_host
     total, parts = combined(images, prompts, return_components=True)
@@ -83,10 +84,10 @@ def test_register_refuses_taken_name():
 
 
 def test_digit_alignment_prefers_the_prompted_digit():
-    images, labels = tiny.digits_dataset("test")
+    images, labels = digits_dataset("test")
     images, labels = jnp.asarray(images[:40]), labels[:40]
-    right = [tiny.DIGIT_PROMPTS[int(y)] for y in labels]
-    wrong = [tiny.DIGIT_PROMPTS[(int(y) + 3) % 10] for y in labels]
+    right = [DIGIT_PROMPTS[int(y)] for y in labels]
+    wrong = [DIGIT_PROMPTS[(int(y) + 3) % 10] for y in labels]
     reward = rewards.get_reward("digit_alignment")
     assert not reward.on_host
     aligned, misaligned = np.asarray(reward(images, right)), np.asarray(reward(images, wrong))
@@ -102,10 +103,10 @@ def test_digit_log_odds_is_the_prompted_digits_log_odds_in_float64():
     """log(p / (1 - p)) against float64 numpy from the classifier's logits: one sign where the
     prompt is right and the other where it is wrong, and values far above the ceiling of
     `digit_alignment`'s 0 (the room a run climbs into)."""
-    images, labels = tiny.digits_dataset("test")
+    images, labels = digits_dataset("test")
     images, labels = jnp.asarray(images[:40]), labels[:40]
-    right = [tiny.DIGIT_PROMPTS[int(y)] for y in labels]
-    wrong = [tiny.DIGIT_PROMPTS[(int(y) + 3) % 10] for y in labels]
+    right = [DIGIT_PROMPTS[int(y)] for y in labels]
+    wrong = [DIGIT_PROMPTS[(int(y) + 3) % 10] for y in labels]
     logits = np.asarray(classifier.digit_log_probs(images), np.float64)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -125,7 +126,7 @@ def test_digit_log_odds_is_the_prompted_digits_log_odds_in_float64():
 
 
 def test_classifier_takes_rgb_and_larger_images():
-    images, labels = tiny.digits_dataset("test")
+    images, labels = digits_dataset("test")
     images = jnp.asarray(images[:20])
     rgb = jnp.repeat(images, 3, axis=-1)
     np.testing.assert_allclose(
@@ -139,4 +140,4 @@ def test_classifier_takes_rgb_and_larger_images():
 def test_prompt_count_must_match_images():
     images = jnp.zeros((2, 8, 8, 1))
     with pytest.raises(ValueError, match="one per image"):
-        rewards.get_reward("digit_alignment")(images, [tiny.DIGIT_PROMPTS[0]])
+        rewards.get_reward("digit_alignment")(images, [DIGIT_PROMPTS[0]])

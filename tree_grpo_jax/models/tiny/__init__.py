@@ -12,45 +12,10 @@ scaled_linear schedule) and `flow` (rectified flow, velocity prediction). The we
     weights     the msgpack weight files in `assets/`
     model       `TinyModel`, `load_tiny`, `build_tiny`
     classifier  the digit classifier behind the digit rewards
+    rewards     the digit rewards
+    family      the family's record (`model.name="tiny"`)
     train       the pretraining and evaluation script
+
+Modules are imported by name (`from tree_grpo_jax.models.tiny.model import load_tiny`), so that
+importing the package (as finding the families does) reads nothing heavy.
 """
-
-from tree_grpo_jax.models.tiny.data import digits_dataset
-from tree_grpo_jax.models.tiny.grammar import (
-    DIGIT_PROMPTS,
-    DIGIT_WORDS,
-    STYLE_WORDS,
-    STYLED_PROMPTS,
-    digit_prompt,
-    prompt_digit,
-)
-from tree_grpo_jax.models.tiny.model import TinyModel, build_tiny, load_tiny, model_from_weights
-from tree_grpo_jax.models.tiny.networks import SAMPLE_SHAPE, decode
-from tree_grpo_jax.models.tiny.weights import (
-    ASSETS_DIR,
-    KINDS,
-    load_weights,
-    save_weights,
-    weights_path,
-)
-
-__all__ = [
-    "ASSETS_DIR",
-    "DIGIT_PROMPTS",
-    "DIGIT_WORDS",
-    "KINDS",
-    "SAMPLE_SHAPE",
-    "STYLED_PROMPTS",
-    "STYLE_WORDS",
-    "TinyModel",
-    "build_tiny",
-    "decode",
-    "digit_prompt",
-    "digits_dataset",
-    "load_tiny",
-    "load_weights",
-    "model_from_weights",
-    "prompt_digit",
-    "save_weights",
-    "weights_path",
-]
