@@ -2,6 +2,8 @@
 by `weights.convert`, as the loaders convert them). (Against transformers' former Flax CLIP,
 bit for bit: tests/parity/test_flax_references.py.)"""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,12 +85,15 @@ def _close(ours, theirs, atol=ATOL):
 
 @pytest.mark.parametrize("act, eos", CASES)
 @pytest.mark.parametrize("projection", [False, True])
-def test_text_towers_equal_pytorch(act, eos, projection):
+@pytest.mark.parametrize("own_config", [False, True], ids=["transformers_config", "TextConfig"])
+def test_text_towers_equal_pytorch(act, eos, projection, own_config):
     config = _text_config(act, eos)
     names = ("CLIPTextModelWithProjection", "CLIPTextModel") if projection else ("CLIPTextModel",)
     ours_class = clip.CLIPTextModelWithProjection if projection else clip.CLIPTextModel
     model = _torch_model(getattr(transformers, names[0]), config)
-    module = ours_class(config)
+    # the package's own config (the tiny model's, no transformers import) builds the same tower
+    ours = clip.TextConfig(hidden_act=act, eos_token_id=eos, **TEXT) if own_config else config
+    module = ours_class(ours)
     params = _converted(model, clip.param_shapes(clip.init_text, module))
     ids, mask = _ids_and_mask()
     for attention_mask in (mask, None):  # the pipelines pass none: padding is attended
@@ -107,6 +112,12 @@ def test_text_towers_equal_pytorch(act, eos, projection):
             _close(out.embeds, theirs.text_embeds)
         else:
             _close(out.pooler_output, theirs.pooler_output)
+
+
+def test_text_config_defaults_are_transformers():
+    theirs = transformers.CLIPTextConfig()
+    for field in dataclasses.fields(clip.TextConfig):
+        assert getattr(theirs, field.name) == field.default, field.name
 
 
 @pytest.mark.parametrize("act, eos", CASES)

@@ -2,7 +2,9 @@
 transformer and the dual model that the preference rewards, the SD/SD3/FLUX text towers and
 the tiny model's text encoder run.
 
-Configured from transformers' `CLIPConfig`, `CLIPTextConfig` and `CLIPVisionConfig`. The
+Configured from transformers' `CLIPConfig`, `CLIPTextConfig` and `CLIPVisionConfig`, or, for a
+text tower built in code (the tiny model's), from `TextConfig`: the fields these modules read,
+without importing transformers (seconds of a command's start). The
 parameter tree is the one transformers' Flax CLIP modules (removed in transformers 5) built:
 the same names, nesting, shapes and initialisers, so the shipped tiny weights, Flax msgpack
 files and PyTorch safetensors converted by `weights.convert` load unchanged, and `init_text`
@@ -14,6 +16,7 @@ which would move bfloat16 outputs, so it is not used here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -37,6 +40,26 @@ ACTIVATIONS = {
 # The pooled token was the largest id while configs said eos_token_id=2 (before
 # transformers PR #24773); such configs keep that rule, the rest take the first eos token.
 LEGACY_EOS_TOKEN_ID = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """A text tower's settings: the fields of transformers' `CLIPTextConfig` that the text
+    modules read, with its defaults."""
+
+    vocab_size: int = 49408
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    projection_dim: int = 512
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    attention_dropout: float = 0.0
+    pad_token_id: int = 1
+    bos_token_id: int = 49406
+    eos_token_id: int = 49407
 
 
 class CLIPOutput(NamedTuple):
@@ -264,7 +287,7 @@ class CLIPTextTransformer(nn.Module):
     hidden states [B, L, D], the eos token's as pooled [B, D]. Attention is causal; padding
     is masked only where `attention_mask` says so."""
 
-    config: Any  # transformers.CLIPTextConfig
+    config: Any  # transformers.CLIPTextConfig or `TextConfig`
     dtype: Any = jnp.float32
 
     def setup(self):
@@ -313,7 +336,7 @@ class CLIPVisionTransformer(nn.Module):
 class CLIPTextModel(nn.Module):
     """transformers' `CLIPTextModel`: `text_model` only."""
 
-    config: Any  # transformers.CLIPTextConfig
+    config: Any  # transformers.CLIPTextConfig or `TextConfig`
     dtype: Any = jnp.float32
 
     def setup(self):
@@ -327,7 +350,7 @@ class CLIPTextModelWithProjection(nn.Module):
     """transformers' `CLIPTextModelWithProjection`: `text_model` and `text_projection`;
     the output's `embeds` is the projected pooled token [B, projection_dim]."""
 
-    config: Any  # transformers.CLIPTextConfig
+    config: Any  # transformers.CLIPTextConfig or `TextConfig`
     dtype: Any = jnp.float32
 
     def setup(self):

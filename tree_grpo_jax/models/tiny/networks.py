@@ -53,9 +53,7 @@ def make_unet(dtype=jnp.float32) -> unet.UNet2DConditionModel:
 
 @functools.cache
 def make_text_encoder(dtype=jnp.float32) -> clip.CLIPTextModel:
-    from transformers import CLIPTextConfig
-
-    return clip.CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG), dtype=dtype)
+    return clip.CLIPTextModel(clip.TextConfig(**TEXT_CONFIG), dtype=dtype)
 
 
 def init_weights(key: jax.Array) -> dict:
