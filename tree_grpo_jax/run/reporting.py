@@ -267,21 +267,89 @@ def save_sample(path: str, sample) -> list[str]:
     return [path, _save_animation(animation_path(path), [picture(f) for f in sample])]
 
 
+CURVE_SIZE = (600, 384)  # pixels
+CURVE_COLOR = (31, 119, 180)  # the line and its markers
+_CURVE_MARGINS = (78, 34, 18, 50)  # left, top, right, bottom: the axes' labels and the title
+_CURVE_SUPERSAMPLING = 2  # drawn larger, then scaled down: smooth lines and markers
+
+
+def nice_ticks(low: float, high: float, count: int = 6, integer: bool = False) -> np.ndarray:
+    """Round values, 1, 2 or 5 times a power of ten apart, from at or below `low` to at or
+    above `high` in about `count` steps (whole numbers at least 1 apart when `integer`)."""
+    raw = (high - low) / max(count, 1)
+    power = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    if integer:
+        step = max(step, 1.0)
+    first = math.floor(low / step + 1e-9) * step
+    return first + step * np.arange(int(math.ceil((high - first) / step - 1e-9)) + 1)
+
+
+def _tick_label(value: float, step: float) -> str:
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    text = f"{value:.{decimals}f}"
+    return "0" if float(text) == 0 else text
+
+
+def _padded(low: float, high: float) -> tuple[float, float]:
+    """A range around [low, high] that keeps the extreme points off the axes' edges."""
+    span = high - low
+    pad = 0.05 * span if span > 0 else max(abs(low) * 0.1, 1.0)
+    return low - pad, high + pad
+
+
 def save_curve(path: str, steps, values, ylabel: str, title: str) -> str:
-    import matplotlib
+    """A line plot of `values` over `steps` (iterations) as the PNG `path`: axes with round
+    ticks and a light grid, the points marked, the title above. Drawn with PIL (a plotting
+    library would add a second or two to the command's imports)."""
+    from PIL import ImageDraw, ImageFont
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    k = _CURVE_SUPERSAMPLING
+    steps = np.asarray(steps, np.float64)
+    values = np.asarray(values, np.float64)
+    width, height = CURVE_SIZE[0] * k, CURVE_SIZE[1] * k
+    left, top, right, bottom = (m * k for m in _CURVE_MARGINS)
+    x0, y0, x1, y1 = left, top, width - right, height - bottom  # the axes' box
+    x_low, x_high = _padded(float(steps.min()), float(steps.max()))
+    y_low, y_high = _padded(float(values.min()), float(values.max()))
+    x_ticks = [t for t in nice_ticks(x_low, x_high, integer=True) if x_low <= t <= x_high]
+    y_all = nice_ticks(y_low, y_high)
+    y_ticks = [t for t in y_all if y_low <= t <= y_high]
+    y_step = float(y_all[1] - y_all[0]) if len(y_all) > 1 else 1.0
 
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.plot(steps, values, marker="o", markersize=3)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    def at(step, value):
+        x = x0 + (step - x_low) / (x_high - x_low) * (x1 - x0)
+        y = y1 - (value - y_low) / (y_high - y_low) * (y1 - y0)
+        return x, y
+
+    font = ImageFont.load_default(size=13 * k)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    grid, ink = (222, 222, 222), (40, 40, 40)
+    for t in x_ticks:
+        x = at(t, y_low)[0]
+        draw.line([(x, y0), (x, y1)], fill=grid, width=k)
+        draw.line([(x, y1), (x, y1 + 4 * k)], fill=ink, width=k)
+        draw.text((x, y1 + 6 * k), f"{t:.0f}", fill=ink, font=font, anchor="mt")
+    for t in y_ticks:
+        y = at(x_low, t)[1]
+        draw.line([(x0, y), (x1, y)], fill=grid, width=k)
+        draw.line([(x0 - 4 * k, y), (x0, y)], fill=ink, width=k)
+        draw.text((x0 - 6 * k, y), _tick_label(t, y_step), fill=ink, font=font, anchor="rm")
+    draw.rectangle([x0, y0, x1, y1], outline=ink, width=k)
+    points = [at(s, v) for s, v in zip(steps, values)]
+    if len(points) > 1:
+        draw.line(points, fill=CURVE_COLOR, width=2 * k, joint="curve")
+    for x, y in points:
+        draw.ellipse([x - 3 * k, y - 3 * k, x + 3 * k, y + 3 * k], fill=CURVE_COLOR)
+    draw.text(((x0 + x1) / 2, height - 6 * k), "iteration", fill=ink, font=font, anchor="md")
+    title_font = ImageFont.load_default(size=15 * k)
+    draw.text(((x0 + x1) / 2, y0 - 8 * k), title, fill=ink, font=title_font, anchor="md")
+    label = Image.new("RGB", (int(draw.textlength(ylabel, font=font)) + 4 * k, 18 * k), "white")
+    ImageDraw.Draw(label).text((2 * k, 9 * k), ylabel, fill=ink, font=font, anchor="lm")
+    label = label.rotate(90, expand=True)
+    image.paste(label, (6 * k, (y0 + y1 - label.height) // 2))
+    image.resize(CURVE_SIZE, Image.Resampling.LANCZOS).save(path)
     return path
 
 
