@@ -14,6 +14,7 @@ placements and copies.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -169,7 +170,13 @@ def replicate_host(mesh: Mesh, x) -> jax.Array:
 
 def replicate(mesh: Mesh, tree):
     """(Global) arrays -> copies on every device of the mesh."""
-    return jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
+    return _replicating(mesh)(tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _replicating(mesh: Mesh):
+    """One jitted copy per mesh: a new function on every call would be traced anew."""
+    return jax.jit(lambda t: t, out_shardings=replicated(mesh))
 
 
 def local_rows(x, rows: slice, axis: int = 0) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree  # noqa: F401 - re-exported
 from tree_grpo_jax.core.sampling import (
@@ -36,7 +37,9 @@ def cast_floats(tree: PyTree, dtype) -> PyTree:
     """Every floating leaf as a jax array of `dtype`; integer and bool leaves unchanged."""
 
     def cast(x):
-        x = jnp.asarray(x)
+        # a host array is put on the device as it is (`jnp.asarray` would compile a program
+        # per shape: dozens at a model's load); a cast, when needed, runs there
+        x = x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x))
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree_util.tree_map(cast, tree)
