@@ -90,7 +90,7 @@ def load_classifier(path=None):
     shapes = lambda tree: jax.tree.map(lambda a: tuple(getattr(a, "shape", ())), tree)
     if params is None or shapes(params) != shapes(expected):
         raise ModelLoadError(f"{path} does not hold digit classifier weights of this architecture.")
-    return jax.tree.map(jnp.asarray, params)
+    return jax.device_put(params)  # as they are: `jnp.asarray` compiles a program per shape
 
 
 @functools.cache

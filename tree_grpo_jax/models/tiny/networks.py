@@ -114,6 +114,7 @@ def denoise_fn(dtype):
     return denoise
 
 
+@jax.jit  # one program per batch size, not one per operation
 def decode(x: jax.Array) -> jax.Array:
     """Pixel space [-1, 1], channels first -> images `[B, 8, 8, 1]` in [0, 1]."""
     chex.assert_rank(x, 4)

@@ -10,20 +10,28 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tree_grpo_jax.models.tiny.classifier import digit_log_probs
 from tree_grpo_jax.models.tiny.grammar import prompt_digit
 
 
-def prompt_labels(prompts: Sequence[str], batch: int) -> jax.Array:
+def prompt_labels(prompts: Sequence[str], batch: int) -> np.ndarray:
     """The prompted digit of each image; one prompt per image."""
     if len(prompts) != batch:
         raise ValueError(f"got {len(prompts)} prompts for {batch} images; pass one per image.")
-    return jnp.asarray([prompt_digit(p) for p in prompts], jnp.int32)
+    return np.asarray([prompt_digit(p) for p in prompts], np.int32)
 
 
+# Jitted, each one program (run op by op, a handful per batch size, compiled on a first run).
+@jax.jit
 def _prompted(log_probs: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
+
+
+@jax.jit
+def _top_is(log_probs: jax.Array, labels: jax.Array) -> jax.Array:
+    return (jnp.argmax(log_probs, axis=-1) == labels).astype(jnp.float32)
 
 
 def digit_alignment(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
@@ -51,8 +59,7 @@ def digit_log_odds(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
 
 def digit_accuracy(images: jax.Array, prompts: Sequence[str]) -> jax.Array:
     """1.0 where the classifier's top class is the prompted digit, else 0.0, `[B]`."""
-    predicted = jnp.argmax(digit_log_probs(images), axis=-1)
-    return (predicted == prompt_labels(prompts, images.shape[0])).astype(jnp.float32)
+    return _top_is(digit_log_probs(images), prompt_labels(prompts, images.shape[0]))
 
 
 # The family's rewards for the reward registry: name -> (reward, on_host); JAX-native, so
