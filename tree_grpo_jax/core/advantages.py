@@ -56,6 +56,7 @@ Which method uses which function, and the clipping, is `tree_grpo_jax.methods`' 
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Hashable, Sequence
 
 import chex
@@ -136,9 +137,17 @@ def branch_log_probs(spec: TreeSpec, tree: Tree) -> list[jax.Array]:
 def per_segment(tree: Tree, levels: Sequence[jax.Array]) -> Advantages:
     """Edge values from node values: a segment's edges take its children's structural level,
     `levels[seg.level]`, at every one of its steps."""
+    layout = tuple((seg.level, tuple(seg.log_probs.shape)) for seg in tree.segments)
+    return _per_segment(layout, tuple(levels))
+
+
+# Jitted, as one program: op by op they are dozens of small programs, each compiled (or read
+# from the compilation cache) on a run's first iteration. Only exact operations (copies, sums
+# of siblings in order, products by 1/k) are joined: a fused normalization rounds differently.
+@functools.partial(jax.jit, static_argnums=(0,))
+def _per_segment(layout, levels) -> Advantages:
     return tuple(
-        jnp.broadcast_to(levels[seg.level][None], seg.log_probs.shape).astype(jnp.float32)
-        for seg in tree.segments
+        jnp.broadcast_to(levels[level][None], shape).astype(jnp.float32) for level, shape in layout
     )
 
 
@@ -179,6 +188,9 @@ def backup_mean(spec: TreeSpec, leaf_values: jax.Array) -> list[jax.Array]:
     """
     ks = spec.branch_ks
     return backup(spec, leaf_values, lambda b, children: jnp.full_like(children, 1.0 / ks[b]))
+
+
+_backup_mean = jax.jit(backup_mean, static_argnums=(0,))  # one program (see `_per_segment`)
 
 
 def backup_path_prob(
@@ -366,7 +378,7 @@ def treegrpo_advantages(
         raise ValueError(
             f"edge_normalization must be one of {EDGE_NORMALIZATIONS}, got {edge_normalization!r}."
         )
-    levels = backup_mean(spec, group_normalize(rewards, ddof))
+    levels = _backup_mean(spec, group_normalize(rewards, ddof))
     if edge_normalization == "per_depth":
         levels = [per_depth_normalize(level, ddof) for level in levels]
     elif edge_normalization == "per_leaf":

@@ -19,6 +19,7 @@ functions they call take plain values and static specs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
@@ -123,7 +124,7 @@ class Method:
                 tree, rewards, node_values, ddof=o.std_ddof, alive=alive
             )
             raw = adv.mix_credit(gains, leaf, float(o.node_mix))
-        return tuple(jnp.clip(a, -o.clip, o.clip) for a in raw)
+        return _clipped(tuple(raw), float(o.clip))
 
     def node_survival(self, config: ml_collections.ConfigDict, tree: Tree, node_values):
         """Node pruning's (alive levels, decisions) for this rollout, or None when off."""
@@ -432,3 +433,8 @@ def compute_advantages(
     return get(config.tree.method).clipped_advantages(
         config, spec, tree, rewards, prompt_ids=prompt_ids, tracker=tracker
     )
+
+
+@functools.partial(jax.jit, static_argnums=(1,))  # one program, not one per segment
+def _clipped(advantages: tuple, bound: float) -> tuple:
+    return tuple(jnp.clip(a, -bound, bound) for a in advantages)
