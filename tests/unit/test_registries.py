@@ -203,6 +203,34 @@ def test_every_family_of_the_package_is_found():
     assert exportable == {"sd", "sd3", "flux", "wan"}
 
 
+def test_a_family_that_fails_to_import_fails_every_lookup_alike(monkeypatch):
+    """Finding the families is all or nothing: one family's import error is raised by every
+    call (not "unknown model.name" for the families after it), and none is half registered."""
+    import importlib
+    import sys
+
+    families = [f"tree_grpo_jax.models.{n}.family" for n in ("flux", "sd15", "tiny")]
+    for name in families:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(model_registry, "_FAMILIES", {})
+    monkeypatch.setattr(model_registry, "_discovered", False)
+    real_import = importlib.import_module
+
+    def failing(name, *args):
+        if name == "tree_grpo_jax.models.sd15.family":
+            raise ImportError("cannot import name 'x' from 'somewhere'")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(model_registry.importlib, "import_module", failing)
+    for _ in range(2):
+        with pytest.raises(ImportError, match="cannot import name 'x'"):
+            model_registry.family_of("random_tiny_flow")
+        assert model_registry._FAMILIES == {}
+    monkeypatch.setattr(model_registry.importlib, "import_module", real_import)
+    assert model_registry.family_of("random_tiny_flow").name == "tiny"  # found once it imports
+    assert {"flux", "sd", "tiny"} <= {f.name for f in model_registry.families()}
+
+
 def test_load_options_hold_the_family_section_and_the_run_time_fields():
     from tree_grpo_jax.models.sd3 import load as sd3_load
     from tree_grpo_jax.models.wan import load as wan_load

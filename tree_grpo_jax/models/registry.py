@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import json
 import pkgutil
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -211,19 +212,37 @@ def unregister(name: str) -> None:
 
 
 def _discover() -> None:
-    """Imports every `models/<family>/family.py` once: each registers its family."""
+    """Imports every `models/<family>/family.py` once: each registers its family.
+
+    All or nothing: when one of them fails to import, the families registered on the way are
+    dropped again and the error raised, so every later call raises it too rather than answer
+    with part of the families ("unknown model.name" for a family that merely failed)."""
     global _discovered
     if _discovered:
         return
-    _discovered = True
+    before, imported = dict(_FAMILIES), []
     package = importlib.import_module("tree_grpo_jax.models")
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.ispkg:
+    try:
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            if not info.ispkg:
+                continue
+            name = f"tree_grpo_jax.models.{info.name}.family"
+            fresh = name not in sys.modules
             try:
-                importlib.import_module(f"tree_grpo_jax.models.{info.name}.family")
+                importlib.import_module(name)
             except ModuleNotFoundError as e:
-                if e.name != f"tree_grpo_jax.models.{info.name}.family":
+                if e.name != name:
                     raise
+                continue
+            if fresh:
+                imported.append(name)
+    except BaseException:
+        _FAMILIES.clear()
+        _FAMILIES.update(before)
+        for name in imported:  # imported again, and so registered again, by the next call
+            sys.modules.pop(name, None)
+        raise
+    _discovered = True
 
 
 def families() -> tuple[ModelFamily, ...]:
