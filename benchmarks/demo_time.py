@@ -12,8 +12,8 @@ their seconds do not.
 
 Per run: the wall clock of the whole command, its CPU seconds (user + system), the load
 average at its start, the seconds from its start at which its progress lines arrived (traced,
-compiled, first evaluation, first iteration, done) and the traced and compiled seconds the
-lines report, and a digest of every number its metrics.jsonl holds but the timings (equal
+or lowered from the program store; compiled, first evaluation, first iteration, done) and the
+traced (or lowered) and compiled seconds the lines report, and a digest of every number its metrics.jsonl holds but the timings (equal
 digests: the same numbers, bit for bit). Results: `<out>/demo_time.json` (written after every
 run) and a table of medians on stdout; `<out>` is `runs/benchmarks/demo_time` unless `--out`
 says otherwise.
@@ -38,7 +38,8 @@ from tree_grpo_jax.errors import OneLineErrors
 
 COMMAND = [sys.executable, "-m", "tree_grpo_jax.main", "--config=configs/tiny.py"]
 MARKS = {  # progress line -> the name of the moment it arrives
-    "traced": re.compile(r"^traced .* in ([0-9.]+) s"),
+    # "lowered ... (traced by an earlier run)" when the program store held them
+    "traced": re.compile(r"^(?:traced|lowered) .* in ([0-9.]+) s"),
     "compiled": re.compile(r"^compiled in ([0-9.]+) s"),
     "first_eval": re.compile(r"^eval after 0 iterations"),
     "first_iteration": re.compile(r"^\[\s*1/"),

@@ -394,10 +394,10 @@ def test_out_of_memory_in_the_first_iteration_names_the_rollouts_settings_and_le
 
     real = core_rollout.rollout
 
-    def rollout(*args, lower=False, **kwargs):
-        if not lower:  # the run's own rollout, not its ahead-of-time compile
+    def rollout(*args, lower=False, export=False, **kwargs):
+        if not (lower or export):  # the run's own rollout, not its ahead-of-time compile
             raise jax.errors.JaxRuntimeError(OUT_OF_MEMORY)
-        return real(*args, lower=lower, **kwargs)
+        return real(*args, lower=lower, export=export, **kwargs)
 
     line, config, workdir = _oom_run(
         tmp_path, monkeypatch, lambda p: p.setattr(core_rollout, "rollout", rollout)

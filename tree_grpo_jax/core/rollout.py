@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import chex
@@ -234,6 +235,8 @@ def rollout(
     lower: bool = False,
     record_means: bool = False,
     record_x0: str = "none",
+    export: bool = False,
+    program: Callable | None = None,
 ) -> Tree:
     """Rolls out `spec.num_trees` trees for each of the P prompts in `cond` [P, L, D].
 
@@ -248,7 +251,10 @@ def rollout(
 
     Compiles once per spec, batch shape, denoiser and options, for every window position;
     the same key gives the same tree. `lower=True` returns the program lowered for these
-    arguments instead (`.compile()` it ahead: a later call of the same shapes reuses it).
+    arguments instead (`.compile()` it ahead: a later call of the same shapes reuses it),
+    `export=True` the program exported (`jax.export`); `program`, such a program made ahead
+    (`run.program_store.StoredProgram`: its static arguments are part of it), is called (or
+    lowered) with the arguments in place of tracing `_rollout`.
     """
     chex.assert_rank(cond, 3)
     if schedule.num_steps != spec.num_steps:
@@ -263,10 +269,8 @@ def rollout(
         raise ValueError(f"record_x0 must be one of {X0_RECORDS}, got {record_x0!r}.")
     if spec.sliding and not isinstance(window_start, jax.core.Tracer):
         spec.at(int(window_start))  # raises SpecError for a window that does not fit
-    fn = _rollout.lower if lower else _rollout
     options = RolloutOptions(tuple(sample_shape), reduce, split_log_prob, record_means, record_x0)
-    return fn(
-        denoise_fn,
+    arguments = (
         params,
         cond,
         key,
@@ -274,9 +278,10 @@ def rollout(
         jnp.asarray(window_start, jnp.int32),
         uncond,
         guidance_scale,
-        spec=spec,
-        options=options,
     )
+    if program is not None:
+        return (program.lower if lower else program)(*arguments)
+    return staged(_rollout, lower, export)(denoise_fn, *arguments, spec=spec, options=options)
 
 
 @functools.partial(jax.jit, static_argnames=("denoise_fn", "spec", "options"))
@@ -417,11 +422,22 @@ def sample_deterministic(
     uncond: jax.Array | None = None,
     guidance_scale: jax.Array | float = 1.0,
     lower: bool = False,
+    export: bool = False,
+    program: Callable | None = None,
 ) -> jax.Array:
     """The deterministic sampler (DDIM eta 0 / Euler) from given noise [P, *S]: evaluation.
-    `lower=True`: the program lowered for these arguments, as in `rollout`."""
-    fn = _sample_deterministic.lower if lower else _sample_deterministic
-    return fn(denoise_fn, params, cond, noise, schedule, uncond, guidance_scale)
+    `lower`, `export` and `program` as in `rollout`."""
+    arguments = (params, cond, noise, schedule, uncond, guidance_scale)
+    if program is not None:
+        return (program.lower if lower else program)(*arguments)
+    return staged(_sample_deterministic, lower, export)(denoise_fn, *arguments)
+
+
+def staged(jitted, lower: bool = False, export: bool = False):
+    """A jitted function, its `lower`, or its `jax.export` exporter (all called alike)."""
+    if export:
+        return jax.export.export(jitted)
+    return jitted.lower if lower else jitted
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

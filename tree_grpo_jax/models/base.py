@@ -184,6 +184,11 @@ class TextToImageModel:
     # `REMAT_MODES` name (model.remat) asked the family, so the train step needs no
     # checkpoint around the whole denoiser.
     remat: str = "none"
+    # True: a run's programs follow from the package's code, the run's config and the shapes
+    # of its arrays alone (the tiny model, its architecture in its code), so a later run may
+    # run them stored (`run.program_store`); a model whose architecture comes from a
+    # folder's config files keeps False.
+    programs_from_code: bool = False
 
     def __post_init__(self):
         media_kinds.check_media(self.media, f"model {self.name!r}")

@@ -9,7 +9,9 @@ entry point does, unless switched off.
 
 The default folder is `$XDG_CACHE_HOME/tree_grpo_jax/jax`, or `~/.cache/tree_grpo_jax/jax`.
 Entries are keyed by the program, the JAX/jaxlib version and the device, so one folder
-serves every run and model on a machine; deleting it only costs a cold start.
+serves every run and model on a machine; deleting it only costs a cold start. Its
+`programs/` subfolder is the program store's (`run.program_store`: the traced programs
+themselves, which spares a later run their tracing).
 """
 
 from __future__ import annotations

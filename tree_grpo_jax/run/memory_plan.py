@@ -413,7 +413,7 @@ def plan_memory(
     trainer, state = build.abstract_trainer(config, model, mesh)
     cond = _shaped((config.prompts.batch_size, *model.cond_shape), mesh)
     eval_args = eval_arguments(trainer)
-    lowered = trainer.lower_programs(state, cond, eval_args, accumulating=True)
+    lowered = dict(trainer.lower_programs(state, cond, eval_args, accumulating=True))
     tree = lowered["rollout"].out_info
     resident = resident_bytes(trainer, state, tree, _tree_shardings(tree, mesh))
     what = _descriptions(trainer, eval_args)

@@ -1,8 +1,10 @@
 """The run's rollout and evaluation compiled ahead, side by side, before anything is written.
 
 Both programs are lowered for exactly the arguments the run will pass them (`Trainer.
-lowered_programs`) and compiled in parallel threads (XLA compiles without holding Python's
-lock), so the first iteration and the first evaluation find them compiled. XLA's memory
+lower_programs`) and compiled in parallel threads, each from the moment it is lowered (XLA
+compiles without holding Python's lock, so the next program traces meanwhile), so the first
+iteration and the first evaluation find them compiled. A tiny-model run lowers the programs an
+earlier run traced (`run.program_store`), or traces, exports and stores them. XLA's memory
 analysis of each compiled program, with what the run keeps on the device meanwhile (the
 optimizer state, the KL reference), is then held against the device's memory: a tree or an
 eval set too large for it is refused in one sentence, naming the largest batch that fits,
@@ -23,8 +25,10 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
-from tree_grpo_jax.run import memory
+from tree_grpo_jax.run import memory, program_store
 from tree_grpo_jax.run.train_step import old_params
+
+MAX_PROGRAMS = 4  # a run's programs compiled ahead: rollout, evaluation, one or two steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,24 +69,34 @@ def device_bytes(tree) -> int:
 
 
 def compile_programs(
-    lowered: dict, held: dict[str, int], progress: Callable[[str], None] = lambda s: None
+    lowered,
+    held: dict[str, int],
+    progress: Callable[[str], None] = lambda s: None,
+    on_lowered: Callable[[list[str]], None] = lambda names: None,
 ) -> dict[str, ProgramFit]:
-    """Compiles every lowered program at once; their memory on one device."""
+    """Compiles every lowered program (a dict, or (name, lowered) pairs as each is ready),
+    each in its own thread from the moment it arrives (XLA compiles without holding Python's
+    lock, so the next one traces meanwhile); their memory on one device. `on_lowered(names)`
+    runs once the last one has arrived."""
 
-    def compile_one(name):
+    def compile_one(program):
         start = time.perf_counter()
-        compiled = lowered[name].compile()
+        compiled = program.compile()
         return compiled, time.perf_counter() - start
 
-    start = time.perf_counter()
-    progress(f"compiling {_listed(lowered)} side by side (the first run of a config is slow)...")
     done = {}
-    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        futures = {pool.submit(compile_one, name): name for name in lowered}
+    with concurrent.futures.ThreadPoolExecutor(MAX_PROGRAMS) as pool:
+        futures = {}
+        for name, program in lowered.items() if isinstance(lowered, dict) else lowered:
+            futures[pool.submit(compile_one, program)] = name
+        names = list(futures.values())
+        on_lowered(names)
+        start = time.perf_counter()
+        progress(f"compiling {_listed(names)} side by side (the first run of a config is slow)...")
         for future in concurrent.futures.as_completed(futures):
             done[futures[future]] = future.result()
             progress(f"  compiled the {futures[future]} in {done[futures[future]][1]:.1f} s")
-    done = {name: done[name] for name in lowered}
+    done = {name: done[name] for name in names}
     progress(f"compiled in {time.perf_counter() - start:.0f} s")
     fits = {}
     for name, (compiled, seconds) in done.items():
@@ -91,6 +105,11 @@ def compile_programs(
             continue
         fits[name] = ProgramFit(name, stats.peak, stats.argument, held[name], seconds)
     return fits
+
+
+def display_name(name: str) -> str:
+    """A `Trainer.lower_programs` name as the progress lines say it ("train step")."""
+    return "evaluation" if name == "evaluate" else name.replace("_", " ")
 
 
 def _listed(programs) -> str:
@@ -175,15 +194,53 @@ def _held(trainer, state) -> dict[str, int]:
     return {"rollout": optimizer + device_bytes(copy), "evaluation": optimizer, "train step": 0}
 
 
+def stores_programs(trainer) -> bool:
+    """Whether the run keeps its programs in the program store (its docstring says when)."""
+    return (
+        trainer.model.programs_from_code
+        and trainer.adapter is None
+        and not trainer.config.train.get("updates_per_iteration", 0)
+        and jax.process_count() == 1
+        and trainer.mesh.devices.size == 1
+        and program_store.folder() is not None
+    )
+
+
 def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Compiles the run's rollout and evaluation ahead and refuses, in one sentence, a run
-    whose programs cannot fit in the device's memory; returns their fits."""
+    whose programs cannot fit in the device's memory; returns their fits. A run that keeps
+    its programs in the program store lowers them from there, or traces, exports and stores
+    them."""
     start = time.perf_counter()
-    progress("tracing the run's programs...")
-    lowered = trainer.lowered_programs(state)
-    progress(f"traced {_listed(lowered)} in {time.perf_counter() - start:.1f} s")
-    fits = compile_programs(lowered, _held(trainer, state), progress)
-    if "train step" not in lowered:  # updates spanning minibatches: compiled at first use
+    cond, eval_args = trainer.program_inputs()
+    directory = program_store.folder() if stores_programs(trainer) else None
+    stored = False
+    if directory is not None:
+        arguments = (state, cond, eval_args, trainer.ref_params, trainer.kl_reference)
+        key = program_store.key(trainer.config, (arguments, trainer.train_uncond))
+        found = program_store.read(directory, key)
+        stored = found is not None
+        trainer.programs.update(found or {})
+    if not stored:
+        progress("tracing the run's programs...")
+    export = directory is not None and not stored
+    names = []
+
+    def lowered(programs: list[str]) -> None:
+        names.extend(programs)
+        seconds = time.perf_counter() - start
+        if stored:
+            progress(f"lowered {_listed(names)} in {seconds:.1f} s (traced by an earlier run)")
+        else:
+            progress(f"traced {_listed(names)} in {seconds:.1f} s")
+        if export and set(trainer.programs) == set(program_store.DUE):
+            exported = {n: p.exported for n, p in trainer.programs.items()}
+            program_store.write(directory, key, exported)
+
+    staged = trainer.lower_programs(state, cond, eval_args, export=export)
+    named = ((display_name(n), p) for n, p in staged)
+    fits = compile_programs(named, _held(trainer, state), progress, lowered)
+    if "train step" not in names:  # updates spanning minibatches: compiled at first use
         progress(
             "the train step (train.updates_per_iteration spreads an update over minibatches) "
             "compiles during the first iteration."

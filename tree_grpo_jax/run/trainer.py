@@ -38,6 +38,7 @@ from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
+from tree_grpo_jax.run.program_store import exported_program
 from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
@@ -130,6 +131,8 @@ class Trainer:
     loss_uncond: jax.Array | None = None
     # `train.replay`: the last iterations' rows, trained again (core/replay.py); None: off
     replay: replay.ReplayBuffer | None = None
+    # programs made ahead, run in place of tracing them (`run.program_store`, by `precompile`)
+    programs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def train_uncond(self) -> jax.Array | None:
@@ -187,7 +190,9 @@ class Trainer:
         cond = sharding.replicate(self.mesh, cond)  # a minibatch row may meet any prompt
         return Rollout(prompts, cond, self.spec(), start, tree, rows)
 
-    def _rollout_program(self, weights, cond, key, window_start: int, lower: bool = False):
+    def _rollout_program(
+        self, weights, cond, key, window_start: int, lower: bool = False, export: bool = False
+    ):
         c = self.config
         return rollout.rollout(
             self.denoise,
@@ -203,6 +208,8 @@ class Trainer:
             window_start=jnp.int32(window_start),  # data: one program for every position
             split_log_prob=c.tree.split_log_prob,
             lower=lower,
+            export=export,
+            program=None if export else self.programs.get("rollout"),
             **self.method.objective.rollout_options(c),
         )
 
@@ -295,7 +302,7 @@ class Trainer:
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
             if not updates:  # one update per minibatch (or per grad_accumulation of them)
-                state, m = self.train_step(
+                state, m = self.programs.get("train_step", self.train_step)(
                     state, batch, *context, jnp.float32(lr), *self._step_args()
                 )
                 step_metrics.append(m)
@@ -457,9 +464,14 @@ class Trainer:
         )
         return rows, mine, args
 
-    def _eval_program(self, weights, args: tuple, with_kl: bool, lower: bool = False):
+    def _eval_program(
+        self, weights, args: tuple, with_kl: bool, lower: bool = False, export: bool = False
+    ):
+        program = None if export else self.programs.get("evaluate")
         if with_kl:
-            fn = rollout.sample_with_kl.lower if lower else rollout.sample_with_kl
+            if program is not None:
+                return (program.lower if lower else program)(weights, self.kl_reference, *args)
+            fn = rollout.staged(rollout.sample_with_kl, lower, export)
             return fn(self.denoise, weights, self.kl_reference, *args)
         cond, noise, schedule, uncond, scale = args
         return rollout.sample_deterministic(
@@ -471,6 +483,8 @@ class Trainer:
             uncond=uncond,
             guidance_scale=scale,
             lower=lower,
+            export=export,
+            program=program,
         )
 
     def eval_inputs(self) -> tuple[list[str], np.ndarray]:
@@ -481,10 +495,9 @@ class Trainer:
             self.config.eval.seed, len(prompts), self.model.sample_shape
         )
 
-    def lowered_programs(self, state: TrainState) -> dict:
-        """The rollout's, the evaluation's and the train step's programs lowered for the
-        arguments the run will pass them, nothing computed: compiled ahead, they tell the
-        programs' memory, and the run's own calls reuse them."""
+    def program_inputs(self) -> tuple[jax.Array, tuple]:
+        """What the run passes its programs besides the state: a prompt batch's conditioning
+        (split over the mesh) and the evaluation's arguments after the weights (`_eval_args`)."""
         c = self.config
         batch = [
             self.prompts.prompts[i % len(self.prompts.prompts)]
@@ -494,19 +507,16 @@ class Trainer:
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
         prompts, noise = self.eval_inputs()
         _, _, eval_args = self._eval_args(prompts, noise)
-        lowered = self.lower_programs(state, cond, eval_args)
-        return {
-            "evaluation" if n == "evaluate" else n.replace("_", " "): p for n, p in lowered.items()
-        }
+        return cond, eval_args
 
-    def lower_programs(
-        self, state: TrainState, cond, eval_args: tuple, accumulating: bool = False
-    ) -> dict:
+    def lower_programs(self, state, cond, eval_args, accumulating=False, export=False):
         """The programs the run calls, lowered for `state`, the prompt batch's conditioning
         `cond` (split over the mesh) and the evaluation's arguments after the weights (see
-        `_eval_args`): arrays, or shapes that carry their shardings (the memory plan).
-        "rollout", "evaluate" and either "train_step" or, for a run with
-        `train.updates_per_iteration` and when `accumulating`, "accumulate" and "apply"."""
+        `_eval_args`): arrays, or shapes that carry their shardings (the memory plan). Yields
+        (name, lowered) as each is ready: "rollout", "evaluate" and either "train_step" or, for
+        a run with `train.updates_per_iteration` and when `accumulating`, "accumulate" and
+        "apply". `export=True` first exports each of the three (`jax.export`), keeps it in
+        `programs` and lowers that: the program store's programs (`run.program_store`)."""
         c = self.config
         weights = state.params
         if self.adapter is not None:  # the base with the factors, laid out as the params are
@@ -522,13 +532,21 @@ class Trainer:
                 sharding.param_shardings(self.mesh, weights),
             )
         key = jax.random.split(jax.random.fold_in(self.key, 0))[0]
-        lowered = {"rollout": self._rollout_program(weights, cond, key, 0, lower=True)}
-        lowered["evaluate"] = self._eval_program(
-            weights, eval_args, self.kl_reference is not None, lower=True
+
+        def staged(name, stage):  # stage(lower=..., export=...): the program lowered or exported
+            if export:
+                self.programs.update(exported_program(name, lambda: stage(export=True)))
+            return stage(lower=True)
+
+        first = staged("rollout", lambda **s: self._rollout_program(weights, cond, key, 0, **s))
+        yield "rollout", first
+        kl = self.kl_reference is not None
+        yield (
+            "evaluate",
+            staged("evaluate", lambda **s: self._eval_program(weights, eval_args, kl, **s)),
         )
-        tree = lowered["rollout"].out_info
         rest = (
-            self._zero_minibatch(tree),
+            self._zero_minibatch(first.out_info),
             self._train_cond_like(cond),
             self.schedule(),
             self.train_uncond,
@@ -536,13 +554,18 @@ class Trainer:
         )
         lr = jnp.float32(learning_rate(c.train, 0))
         if not c.train.get("updates_per_iteration", 0):
-            lowered["train_step"] = self.train_step.lower(state, *rest, lr, *self._step_args())
+
+            def step(lower=False, export=False):
+                stored = self.programs.get("train_step", self.train_step)
+                staging = jax.export.export(self.train_step) if export else stored.lower
+                return staging(state, *rest, lr, *self._step_args())
+
+            yield "train_step", staged("train_step", step)
         elif accumulating:
             step = self.accumulating
             acc = jax.eval_shape(step.start, state)
-            lowered["accumulate"] = step.accumulate.lower(acc, state, *rest, *self._step_args())
-            lowered["apply"] = step.apply.lower(state, acc, lr)
-        return lowered
+            yield "accumulate", step.accumulate.lower(acc, state, *rest, *self._step_args())
+            yield "apply", step.apply.lower(state, acc, lr)
 
     def _train_cond_like(self, cond):
         """The train step's conditioning for a prompt batch's `cond`: replicated, with

@@ -66,6 +66,7 @@ def model_from_weights(
         decode=networks.decode,
         schedule_config=_SCHEDULES[kind],
         kind=kind,
+        programs_from_code=True,
     )
 
 
