@@ -1,5 +1,6 @@
 """The program store: keyed by code, config and arguments; a damaged file is a miss in one
-line; a stored program computes what the traced one does, bit for bit."""
+line; a stored program computes what the traced one does, bit for bit, and is lowered ahead
+exactly as it will be (the same program for JAX's cache)."""
 
 import functools
 import os
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from small_configs import small_config
 
+from tree_grpo_jax import sharding
 from tree_grpo_jax.core import rollout
 from tree_grpo_jax.run import program_store
 
@@ -32,9 +34,34 @@ def _inputs(seed=0, rows=5):
     return state, rng.standard_normal((rows, 3)).astype(np.float32), 0.7
 
 
+def _placed(mesh, rows=5):
+    """`_inputs` as a run passes them: the state on the mesh, the rows split over it (as
+    shapes, the way the run lowers its train step), a Python scalar."""
+    state, x, scale = _inputs(rows=rows)
+    state = jax.device_put(state, sharding.replicated(mesh))
+    rows = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh))
+    return state, rows, scale
+
+
 def _exported(depth=2, rows=5):
     state, x, scale = _inputs(rows=rows)
     return rollout.staged(_step, export=True)(depth, state, x, scale)
+
+
+def _stored(name="train_step", depth=2):
+    """A `StoredProgram` lowered once, as a run's are before they are stored."""
+    program = program_store.exported_program(name, lambda: _exported(depth))[name]
+    program.lower(*_inputs())
+    return program
+
+
+DEPTHS = dict(zip(program_store.DUE, (1, 2, 3)))  # three programs that differ
+
+
+def _write(directory, name, run_key="r" * 64):
+    programs = {n: _stored(n, depth) for n, depth in DEPTHS.items()}
+    program_store.write(directory, name, run_key, programs)
+    return programs
 
 
 def test_the_key_follows_the_code_the_config_and_the_arguments(monkeypatch):
@@ -46,23 +73,32 @@ def test_the_key_follows_the_code_the_config_and_the_arguments(monkeypatch):
     def changed(edit):
         c = config.copy_and_resolve_references()
         edit(c)
-        return program_store.key(c, arguments)
+        return program_store.key(c, arguments), program_store.file_key(c)
 
-    # settings that reach a program change the key; where a run reports and saves does not
-    assert changed(lambda c: setattr(c.sampling, "num_steps", 5)) != base
-    assert changed(lambda c: setattr(c.train, "clip_range", 0.1)) != base
-    assert changed(lambda c: setattr(c.tree, "k", 3)) != base
-    assert changed(lambda c: setattr(c, "name", "another")) == base
-    assert changed(lambda c: setattr(c.log, "progress", True)) == base
-    assert changed(lambda c: setattr(c.checkpoint, "every", 7)) == base
-    # another shape, dtype or tree of the arguments
+    # settings that reach a program change the keys; where a run reports and saves does not
+    file_key = program_store.file_key(config)
+    for edit in (
+        lambda c: setattr(c.sampling, "num_steps", 5),
+        lambda c: setattr(c.train, "clip_range", 0.1),
+        lambda c: setattr(c.tree, "k", 3),
+    ):
+        assert all(a != b for a, b in zip(changed(edit), (base, file_key)))
+    for edit in (
+        lambda c: setattr(c, "name", "another"),
+        lambda c: setattr(c.log, "progress", True),
+        lambda c: setattr(c.checkpoint, "every", 7),
+    ):
+        assert changed(edit) == (base, file_key)
+    # another shape, dtype, tree or placement of the arguments: another run key, same file
     state, x, scale = arguments
     assert program_store.key(config, (state, x[:4], scale)) != base
     assert program_store.key(config, (state, x.astype(np.float16), scale)) != base
     assert program_store.key(config, ({"w": state["w"]}, x, scale)) != base
+    assert program_store.key(config, (state, jax.device_put(x, jax.devices()[0]), scale)) != base
     # the package's code
     monkeypatch.setattr(program_store, "code_digest", lambda: "0" * 64)
     assert program_store.key(config, arguments) != base
+    assert program_store.file_key(config) != file_key
 
 
 def test_the_code_digest_reads_the_package_sources():
@@ -71,22 +107,48 @@ def test_the_code_digest_reads_the_package_sources():
 
 
 def test_a_stored_program_computes_what_the_traced_one_does(tmp_path):
-    program_store.write(tmp_path, "k" * 64, {"train_step": _exported()})
-    stored = program_store.read(tmp_path, "k" * 64)["train_step"]
-    assert stored.donate_argnums == (0,)  # the run's train step donates its state
+    _write(tmp_path, "k" * 64)
+    stored = program_store.read(tmp_path, "k" * 64)
+    assert stored.key == "r" * 64 and set(stored.programs) == set(program_store.DUE)
+    program = stored.programs["train_step"]
+    assert program.donate_argnums == (0,)  # the run's train step donates its state
     state, x, scale = _inputs()
-    expected = jax.device_get(_step(2, jax.device_put(state), x, scale))
-    got = jax.device_get(stored(jax.device_put(state), x, scale))
+    expected = jax.device_get(_step(DEPTHS["train_step"], jax.device_put(state), x, scale))
+    got = jax.device_get(program(jax.device_put(state), x, scale))
     jax.tree.map(np.testing.assert_array_equal, got, expected)
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     # a program of other shapes is another program: the stored one refuses them
     with pytest.raises(Exception, match="shape"):
-        stored(jax.device_put(state), np.zeros((4, 3), np.float32), scale)
+        program(jax.device_put(state), np.zeros((4, 3), np.float32), scale)
+
+
+def test_a_program_is_lowered_ahead_as_it_will_be_lowered():
+    """`lower_ahead` (before the arguments exist) gives the very program the run's own
+    lowering gives: JAX's compilation cache then answers both with one entry."""
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    program = program_store.exported_program("train_step", lambda: _exported(2))["train_step"]
+    text = program.lower(*_placed(mesh)).as_text()
+    assert program.lower_ahead(mesh).as_text() == text
+    # what the arguments' placement says is part of it: unplaced rows lower another program
+    state, rows, scale = _placed(mesh)
+    other = program_store.StoredProgram(program.exported, (0,))
+    unplaced = jax.ShapeDtypeStruct(rows.shape, rows.dtype)
+    assert other.lower(state, unplaced, scale).as_text() != text
+
+
+def test_stored_programs_load_early_and_run_once(tmp_path, capsys):
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    _write(tmp_path, "e" * 64)
+    early = program_store.EarlyPrograms(tmp_path, "e" * 64, mesh)
+    stored = early.result()
+    assert stored is not None and set(stored.programs) == set(program_store.DUE)
+    assert program_store.EarlyPrograms(tmp_path, "n" * 64, mesh).result() is None  # none
+    assert capsys.readouterr().err == ""
 
 
 def test_a_damaged_file_is_one_line_and_a_miss(tmp_path, capsys):
     key = "d" * 64
-    program_store.write(tmp_path, key, {"evaluate": _exported()})
+    _write(tmp_path, key)
     path = tmp_path / f"{key}{program_store.SUFFIX}"
     whole = path.read_bytes()
     assert program_store.read(tmp_path, "e" * 64) is None  # none stored: silent
@@ -121,13 +183,13 @@ def test_a_program_jax_cannot_export_is_traced_and_said_once(capsys):
 
 
 def test_writers_at_once_leave_one_whole_file(tmp_path):
-    exported = {"rollout": _exported(depth=1), "evaluate": _exported(depth=3)}
+    programs = {n: _stored(n, depth) for n, depth in DEPTHS.items()}
     errors = []
 
     def write():
         try:
             for _ in range(3):
-                program_store.write(tmp_path, "w" * 64, exported)
+                program_store.write(tmp_path, "w" * 64, "r" * 64, programs)
         except Exception as e:  # pragma: no cover - the assertion below reports it
             errors.append(e)
 
@@ -138,14 +200,13 @@ def test_writers_at_once_leave_one_whole_file(tmp_path):
         t.join()
     assert not errors
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{'w' * 64}{program_store.SUFFIX}"]
-    assert set(program_store.read(tmp_path, "w" * 64)) == {"rollout", "evaluate"}
+    assert set(program_store.read(tmp_path, "w" * 64).programs) == set(program_store.DUE)
 
 
 def test_the_most_recently_used_files_are_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(program_store, "MAX_ENTRIES", 2)
-    exported = {"evaluate": _exported(depth=1)}
     for i, key in enumerate(("a" * 64, "b" * 64)):
-        program_store.write(tmp_path, key, exported)
+        _write(tmp_path, key)
         long_ago = 1_000_000 + i
         os.utime(tmp_path / f"{key}{program_store.SUFFIX}", (long_ago, long_ago))
     program_store.read(tmp_path, "a" * 64)  # used now: the newest
@@ -153,7 +214,7 @@ def test_the_most_recently_used_files_are_kept(tmp_path, monkeypatch):
     (tmp_path / ".old.partial").write_bytes(b"x")
     os.utime(tmp_path / ".old.partial", (1_000_000, 1_000_000))
     (tmp_path / ".new.partial").write_bytes(b"x")
-    program_store.write(tmp_path, "c" * 64, exported)
+    _write(tmp_path, "c" * 64)
     kept = sorted(p.name[0] for p in tmp_path.glob(f"*{program_store.SUFFIX}"))
     assert kept == ["a", "c"]
     assert not (tmp_path / ".old.partial").exists() and (tmp_path / ".new.partial").exists()

@@ -198,29 +198,51 @@ def stores_programs(trainer) -> bool:
     """Whether the run keeps its programs in the program store (its docstring says when)."""
     return (
         trainer.model.programs_from_code
-        and trainer.adapter is None
-        and not trainer.config.train.get("updates_per_iteration", 0)
-        and jax.process_count() == 1
-        and trainer.mesh.devices.size == 1
+        and _may_store(trainer.config, trainer.mesh)
         and program_store.folder() is not None
     )
 
 
-def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None) -> dict:
+def _may_store(config, mesh) -> bool:
+    return (
+        not int(config.lora.rank)
+        and not config.train.get("updates_per_iteration", 0)
+        and jax.process_count() == 1
+        and mesh.devices.size == 1
+    )
+
+
+def start_early(config) -> program_store.EarlyPrograms | None:
+    """The program store's file for `config` read, and its programs compiled, in a thread
+    while the run builds (`precompile` takes them if they are the run's); None when the
+    run cannot keep its programs there."""
+    directory = program_store.folder()
+    if directory is None:
+        return None
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    if not _may_store(config, mesh):
+        return None
+    return program_store.EarlyPrograms(directory, program_store.file_key(config), mesh)
+
+
+def precompile(
+    trainer, state, progress: Callable[[str], None] = lambda s: None, early=None
+) -> dict:
     """Compiles the run's rollout and evaluation ahead and refuses, in one sentence, a run
     whose programs cannot fit in the device's memory; returns their fits. A run that keeps
-    its programs in the program store lowers them from there, or traces, exports and stores
-    them."""
+    its programs in the program store takes them from there (from `early`, `start_early`'s,
+    when given), or traces, exports and stores them."""
     start = time.perf_counter()
     cond, eval_args = trainer.program_inputs()
     directory = program_store.folder() if stores_programs(trainer) else None
     stored = False
     if directory is not None:
         arguments = (state, cond, eval_args, trainer.ref_params, trainer.kl_reference)
-        key = program_store.key(trainer.config, (arguments, trainer.train_uncond))
-        found = program_store.read(directory, key)
-        stored = found is not None
-        trainer.programs.update(found or {})
+        run_key = program_store.key(trainer.config, (arguments, trainer.train_uncond))
+        name = program_store.file_key(trainer.config)
+        found = early.result() if early is not None else program_store.read(directory, name)
+        stored = found is not None and found.key == run_key  # else another run's arguments
+        trainer.programs.update(found.programs if stored else {})
     if not stored:
         progress("tracing the run's programs...")
     export = directory is not None and not stored
@@ -234,8 +256,7 @@ def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None)
         else:
             progress(f"traced {_listed(names)} in {seconds:.1f} s")
         if export and set(trainer.programs) == set(program_store.DUE):
-            exported = {n: p.exported for n, p in trainer.programs.items()}
-            program_store.write(directory, key, exported)
+            program_store.write(directory, name, run_key, trainer.programs)
 
     staged = trainer.lower_programs(state, cond, eval_args, export=export)
     named = ((display_name(n), p) for n, p in staged)

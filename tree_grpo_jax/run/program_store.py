@@ -1,4 +1,4 @@
-"""The run's programs kept between runs: a second start neither traces nor lowers them.
+"""The run's programs kept between runs: a second start does not trace them.
 
 Tracing a run's rollout, evaluation and train step takes seconds (about 4 s of the tiny
 demo's start on two CPU cores) before JAX's persistent compilation cache can even look for
@@ -14,10 +14,15 @@ they are:
   `compile_cache`);
 - the tree, shapes, dtypes and shardings of the programs' arguments.
 
-A run whose key finds its file lowers the stored programs (a fraction of a second) and
-compiles them, which JAX's cache answers; a run that finds none traces and exports them,
-writes the file and runs those. Either way a run with the store runs the exported programs:
-their results are bit for bit the traced ones' (tests/unit/test_program_store.py).
+A file is named by all of the key but the arguments (`file_key`: known from the config
+alone), and holds the whole key of the run that wrote it and what each program was lowered
+for. So a run reads its file, lowers the programs for those shapes, compiles them (JAX's
+cache answers) and runs the rollout and the train step once on zeros (their first call's
+setup) in a thread while its model loads (`EarlyPrograms`); once its arguments exist it takes
+them if the whole key is its own. A run that finds none traces and exports them, writes the
+file and runs those. Either way a run with the store runs the exported programs: their
+results are bit for bit the traced ones' (tests/unit/test_program_store.py,
+tests/integration/test_stored_programs.py).
 
 The files live in `<compilation cache folder>/programs/`, one per key. Each is written whole
 under a temporary name and renamed into place, so two runs at once each read a whole file
@@ -43,6 +48,7 @@ import pathlib
 import pickle
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,7 +57,7 @@ import numpy as np
 
 from tree_grpo_jax.errors import first_line, reason
 
-FORMAT = 1  # of the files: a change of what they hold makes every older one a miss
+FORMAT = 2  # of the files: a change of what they hold makes every older one a miss
 MAGIC = b"tree_grpo_jax programs\n"
 MAX_ENTRIES = 16
 STALE_TEMPORARY_S = 3600
@@ -64,23 +70,85 @@ DUE = ("rollout", "evaluate", "train_step")  # what a file holds: every program,
 DONATED = {"train_step": (0,)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class StoredProgram:
     """An exported program run in place of the traced one: called (or lowered) with the
-    traced function's arguments but its static ones, which are part of it."""
+    traced function's arguments but its static ones, which are part of it. It notes what it
+    was lowered for (`arguments`), so that a later run can lower it before its arguments
+    exist (`lower_ahead`), as they will be: the same program, JAX's cache's same entry."""
 
     exported: jax.export.Exported
     donate_argnums: tuple[int, ...] = ()
+    arguments: list | None = None  # `described` arguments of the last lowering
 
     @functools.cached_property
     def _jitted(self):
         return jax.jit(self.exported.call, donate_argnums=self.donate_argnums)
 
     def lower(self, *args):
+        self.arguments = described(args)
         return self._jitted.lower(*args)
+
+    def lower_ahead(self, mesh):
+        """Lowered for shapes like the `arguments` it was last lowered for (on `mesh`)."""
+        return self._jitted.lower(*jax.tree_util.tree_unflatten(*_shapes(self.arguments, mesh)))
 
     def __call__(self, *args):
         return self._jitted(*args)
+
+
+def described(args) -> list:
+    """What a lowering sees of `args`: their tree and, per leaf, shape, dtype, weak type and
+    where it is placed (None: not committed to a device, so the program chooses)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+
+    def leaf(x):
+        aval = jax.typeof(x)
+        where = None
+        sharding = getattr(x, "sharding", None)
+        # an array placed on purpose, or shapes that say where they go (`ShapeDtypeStruct`)
+        if getattr(x, "committed", not isinstance(x, jax.Array)) and sharding is not None:
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                where = ("mesh", tuple(sharding.spec))
+            else:  # one device's
+                where = ("device", next(iter(sharding.device_set)).id)
+        return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), where)
+
+    return [treedef, [leaf(x) for x in leaves]]
+
+
+def _placement(where, mesh):
+    if where is None:
+        return None
+    if where[0] == "mesh":
+        return jax.sharding.NamedSharding(mesh, jax.P(*where[1]))
+    return jax.sharding.SingleDeviceSharding(jax.devices()[where[1]])
+
+
+def _shapes(arguments: list, mesh) -> tuple:
+    treedef, leaves = arguments
+
+    def shape(leaf):
+        dims, dtype, weak, where = leaf
+        sharding = _placement(where, mesh)
+        return jax.ShapeDtypeStruct(dims, np.dtype(dtype), weak_type=weak, sharding=sharding)
+
+    return treedef, [shape(leaf) for leaf in leaves]
+
+
+def _zeros(arguments: list, mesh) -> list:
+    """Arguments of zeros as `arguments` describes them (host arrays, placed where the run
+    places its own; Python numbers where the run passes weakly typed scalars)."""
+    treedef, leaves = arguments
+
+    def zeros(leaf):
+        dims, dtype, weak, where = leaf
+        if weak and not dims:
+            return np.zeros((), dtype).item()
+        value = np.zeros(dims, dtype)
+        return value if where is None else jax.device_put(value, _placement(where, mesh))
+
+    return jax.tree_util.tree_unflatten(treedef, [zeros(leaf) for leaf in leaves])
 
 
 def exported_program(name: str, export: Callable[[], jax.export.Exported]) -> dict:
@@ -152,36 +220,44 @@ def config_fields(config) -> dict:
 
 
 def signature(tree) -> list:
-    """The tree of `tree` and each leaf's shape, dtype, weak type and sharding."""
+    """The tree of `tree` and each leaf's shape, dtype, weak type and placement."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
 
     def leaf(x):
         sharding = getattr(x, "sharding", None)
         return [
             list(np.shape(x)),
-            str(jax.numpy.result_type(x)) if not hasattr(x, "dtype") else str(x.dtype),
+            str(x.dtype) if hasattr(x, "dtype") else type(x).__name__,
             bool(getattr(x, "weak_type", False)),
+            bool(getattr(x, "committed", False)),
             None if sharding is None else repr(sharding),
         ]
 
     return [str(treedef), [leaf(x) for x in leaves]]
 
 
-def key(config, arguments) -> str:
-    """The store's key for a run of `config` whose programs take `arguments` (any tree)."""
-    text = json.dumps(
+def _digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_key(config) -> str:
+    """What names a run's file: everything of `key` but the arguments, known before the
+    model loads (so its programs can be read and compiled meanwhile, `EarlyPrograms`)."""
+    return _digest(
         {
             "format": FORMAT,
             "code": code_digest(),
             "versions": _versions(),
             "backend": _backend(),
             "config": config_fields(config),
-            "arguments": signature(arguments),
-        },
-        sort_keys=True,
-        default=str,
+        }
     )
-    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def key(config, arguments) -> str:
+    """The store's key for a run of `config` whose programs take `arguments` (any tree): its
+    file's (`file_key`) and the arguments' tree, shapes, dtypes and placements."""
+    return _digest({"file": file_key(config), "arguments": signature(arguments)})
 
 
 def folder() -> pathlib.Path | None:
@@ -197,10 +273,18 @@ def _note(line: str) -> None:
     print(f"note: {line}", file=sys.stderr, flush=True)
 
 
-def read(directory: pathlib.Path, entry_key: str) -> dict[str, StoredProgram] | None:
-    """The programs stored under `entry_key`, or None: none stored, or a file that cannot be
-    read whole (one line says so; the caller traces them again)."""
-    path = directory / f"{entry_key}{SUFFIX}"
+@dataclasses.dataclass
+class Stored:
+    """A file's content: its programs, and the `key` of the run that stored them."""
+
+    key: str
+    programs: dict[str, StoredProgram]
+
+
+def read(directory: pathlib.Path, name: str) -> Stored | None:
+    """The programs stored under the file key `name`, or None: none stored, or a file that
+    cannot be read whole (one line says so; the caller traces them again)."""
+    path = directory / f"{name}{SUFFIX}"
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -209,16 +293,16 @@ def read(directory: pathlib.Path, entry_key: str) -> dict[str, StoredProgram] | 
         _note(f"could not read the stored programs {path} ({reason(e)}); tracing them again.")
         return None
     try:
-        programs = _decode(data, entry_key)
+        stored = _decode(data, name)
     except Exception as e:  # a truncated or damaged file, whatever unpickling raises
         _note(f"the stored programs {path} are damaged ({reason(e)}); tracing them again.")
         return None
     with contextlib.suppress(OSError):
         os.utime(path)  # recently used: kept longest
-    return programs
+    return stored
 
 
-def _decode(data: bytes, entry_key: str) -> dict[str, StoredProgram]:
+def _decode(data: bytes, name: str) -> Stored:
     head = len(MAGIC) + 32
     if len(data) < head or not data.startswith(MAGIC):
         raise ValueError("not a programs file")
@@ -226,36 +310,42 @@ def _decode(data: bytes, entry_key: str) -> dict[str, StoredProgram]:
     if hashlib.sha256(payload).digest() != data[len(MAGIC) : head]:
         raise ValueError("its checksum does not match: truncated or changed")
     stored = pickle.loads(payload)
-    if stored["format"] != FORMAT or stored["key"] != entry_key:
+    if stored["format"] != FORMAT or stored["file"] != name or set(stored["programs"]) != set(DUE):
         raise ValueError("it holds another key's programs")
-    return {
-        name: StoredProgram(exported, DONATED.get(name, ()))
-        for name, exported in stored["programs"].items()
+    programs = {
+        n: StoredProgram(exported, DONATED.get(n, ()), arguments)
+        for n, (exported, arguments) in stored["programs"].items()
     }
+    return Stored(stored["key"], programs)
 
 
-def write(directory: pathlib.Path, entry_key: str, exported: dict) -> None:
-    """Stores `exported` (name -> `jax.export.Exported`) under `entry_key`, whole or not at
-    all; a failure is one line (the next run traces them again)."""
+def write(directory: pathlib.Path, name: str, run_key: str, programs: dict) -> None:
+    """Stores `programs` (name -> `StoredProgram`, each lowered once) under the file key
+    `name`, for runs whose `key` is `run_key`, whole or not at all; a failure is one line
+    (the next run traces them again)."""
     try:
-        programs = {
-            # the exported VJP is a local function (not picklable); no program of a run
-            # takes a gradient through a stored program
-            name: dataclasses.replace(e, _get_vjp=None)
-            for name, e in exported.items()
-        }
         payload = pickle.dumps(
-            {"format": FORMAT, "key": entry_key, "programs": programs},
+            {
+                "format": FORMAT,
+                "file": name,
+                "key": run_key,
+                # the exported VJP is a local function (not picklable); no program of a run
+                # takes a gradient through a stored program
+                "programs": {
+                    n: (dataclasses.replace(p.exported, _get_vjp=None), p.arguments)
+                    for n, p in programs.items()
+                },
+            },
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         directory.mkdir(parents=True, exist_ok=True)
         data = MAGIC + hashlib.sha256(payload).digest() + payload
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{entry_key[:16]}.")
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name[:16]}.")
         try:
             with os.fdopen(handle, "wb") as f:
                 f.write(data)
             os.chmod(temporary, 0o644)  # as JAX's cache entries beside it
-            os.replace(temporary, directory / f"{entry_key}{SUFFIX}")
+            os.replace(temporary, directory / f"{name}{SUFFIX}")
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
@@ -284,3 +374,41 @@ def _evict(directory: pathlib.Path) -> None:
     for _, path in sorted(entries, reverse=True)[MAX_ENTRIES:]:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+# run once on zeros ahead: the first call of a loaded executable sets up its kernels (XLA:CPU
+# builds their runtimes), seconds of the first iteration; the evaluation's is small
+WARMED_UP = ("rollout", "train_step")
+
+
+class EarlyPrograms:
+    """The stored programs of a run read, lowered, compiled and run once on zeros in a
+    thread while the run starts (its model loads, its rewards build; XLA works without
+    Python's lock), for `precompile` to take if their key is the run's."""
+
+    def __init__(self, directory: pathlib.Path, name: str, mesh):
+        self._stored = None
+        self._thread = threading.Thread(
+            target=self._load, args=(directory, name, mesh), name="stored-programs", daemon=True
+        )
+        self._thread.start()
+
+    def _load(self, directory, name, mesh) -> None:
+        stored = read(directory, name)
+        if stored is None:
+            return
+        try:
+            for program_name, program in stored.programs.items():
+                compiled = program.lower_ahead(mesh).compile()
+                if program_name in WARMED_UP:
+                    args = _zeros(program.arguments, mesh)
+                    jax.block_until_ready(compiled(*args))
+        except Exception as e:  # a program of another JAX, a device that went away
+            _note(f"the stored programs in {directory} could not be loaded ({first_line(e)}).")
+            return
+        self._stored = stored
+
+    def result(self) -> Stored | None:
+        """The stored programs, lowered and compiled (waits for them), or None."""
+        self._thread.join()
+        return self._stored
