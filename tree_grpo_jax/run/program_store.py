@@ -38,6 +38,7 @@ architecture from files the key does not hold). Other runs trace as before.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -397,12 +398,20 @@ class EarlyPrograms:
         stored = read(directory, name)
         if stored is None:
             return
-        try:
-            for program_name, program in stored.programs.items():
-                compiled = program.lower_ahead(mesh).compile()
-                if program_name in WARMED_UP:
-                    args = _zeros(program.arguments, mesh)
-                    jax.block_until_ready(compiled(*args))
+
+        def ready(program_name, lowered, arguments):
+            compiled = lowered.compile()
+            if program_name in WARMED_UP:
+                jax.block_until_ready(compiled(*_zeros(arguments, mesh)))
+
+        try:  # each compiles (and runs) in its own thread as soon as it is lowered
+            with concurrent.futures.ThreadPoolExecutor(len(stored.programs)) as pool:
+                done = [
+                    pool.submit(ready, n, p.lower_ahead(mesh), p.arguments)
+                    for n, p in stored.programs.items()
+                ]
+                for future in done:
+                    future.result()
         except Exception as e:  # a program of another JAX, a device that went away
             _note(f"the stored programs in {directory} could not be loaded ({first_line(e)}).")
             return
