@@ -79,7 +79,7 @@ def compile_programs(
     lock, so the next one traces meanwhile); their memory on one device. `on_lowered(names)`
     runs once the last one has arrived."""
 
-    def compile_one(program):
+    def compile_one(name, program):  # `name`: what an out-of-memory sentence names
         start = time.perf_counter()
         compiled = program.compile()
         return compiled, time.perf_counter() - start
@@ -88,7 +88,7 @@ def compile_programs(
     with concurrent.futures.ThreadPoolExecutor(MAX_PROGRAMS) as pool:
         futures = {}
         for name, program in lowered.items() if isinstance(lowered, dict) else lowered:
-            futures[pool.submit(compile_one, program)] = name
+            futures[pool.submit(compile_one, name, program)] = name
         names = list(futures.values())
         on_lowered(names)
         start = time.perf_counter()
@@ -219,7 +219,10 @@ def start_early(config) -> program_store.EarlyPrograms | None:
     directory = program_store.folder()
     if directory is None:
         return None
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    try:
+        mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    except ValueError:  # a mesh these devices cannot form: the build says so
+        return None
     if not _may_store(config, mesh):
         return None
     return program_store.EarlyPrograms(directory, program_store.file_key(config), mesh)
