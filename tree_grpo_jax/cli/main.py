@@ -18,8 +18,10 @@ folder.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import pathlib
 import shlex
 import sys
 
@@ -118,8 +120,27 @@ def _out_of_memory(e, checkpoints: str, workdir: str) -> str:
     return f"{line}; {kept}; resume it with {field}={value}: {resume}"
 
 
+def _start_loading_programs(config) -> None:
+    """A run of a config stored before starts loading its programs now, beside its checks
+    and imports (`program_store.start_early`): only when its compilation cache folder, and
+    the program store's in it, are already there (nothing is made before the checks)."""
+    cache = None if config is None else config.get("compile_cache")
+    if cache is None or not cache.enabled:
+        return
+    from tree_grpo_jax.run import compile_cache, program_store
+
+    folder = pathlib.Path(cache.dir).expanduser() if cache.dir else compile_cache.default_dir()
+    if not (folder / program_store.FOLDER).is_dir():
+        return
+    try:
+        compile_cache.enable(folder)
+    except (OSError, RuntimeError):  # the run's own enabling says why, after the checks
+        return
+    program_store.start_early(config)
+
+
 def _enable_compile_cache(config) -> None:
-    cache = config.get("compile_cache")
+    cache = None if config is None else config.get("compile_cache")
     if cache is None or not cache.enabled:
         return
     from tree_grpo_jax.run import compile_cache
@@ -215,6 +236,8 @@ def main(argv=None) -> None:
     from tree_grpo_jax.run import reporting
 
     reporting.survive_closed_streams()  # a closed `| tee` must not lose an iteration
+    with contextlib.suppress(Exception):  # a config the checks below refuse: they say why
+        _start_loading_programs(CONFIG.value)
     config = _checked_config()
     workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
     summary = _train(config, workdir)

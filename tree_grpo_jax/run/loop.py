@@ -30,7 +30,7 @@ from tree_grpo_jax.evaluation import guard
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import fingerprint as run_fingerprint
-from tree_grpo_jax.run import identity, precompile, reporting
+from tree_grpo_jax.run import identity, precompile, program_store, reporting
 from tree_grpo_jax.run.build import build, setup
 from tree_grpo_jax.run.checkpoint import (
     Checkpointer,
@@ -315,11 +315,11 @@ def _remove_new_run(workdir: str, created: list[str], checkpoints: str) -> None:
 
 def _start_and_loop(config, workdir: str, reward_weights, primary: bool, ckpt) -> dict:
     check_resume(config, ckpt)
-    early = precompile.start_early(config)  # stored programs load while the run builds
+    program_store.start_early(config)  # stored programs load while the run builds
     trainer, state = build(config, workdir, reward_weights)
     state, start, history = resume(trainer, state, ckpt)
     if start < config.train.iterations:  # refused here if it cannot fit
-        precompile.precompile(trainer, state, _say(config), early)
+        precompile.precompile(trainer, state, _say(config))
     # Written only once the resume checks have passed: it describes the checkpoints.
     # A finished run asked for fewer iterations than it holds keeps its own.
     written = os.path.join(workdir, "config.json")

@@ -198,43 +198,16 @@ def stores_programs(trainer) -> bool:
     """Whether the run keeps its programs in the program store (its docstring says when)."""
     return (
         trainer.model.programs_from_code
-        and _may_store(trainer.config, trainer.mesh)
+        and program_store.may_store(trainer.config, trainer.mesh)
         and program_store.folder() is not None
     )
 
 
-def _may_store(config, mesh) -> bool:
-    return (
-        not int(config.lora.rank)
-        and not config.train.get("updates_per_iteration", 0)
-        and jax.process_count() == 1
-        and mesh.devices.size == 1
-    )
-
-
-def start_early(config) -> program_store.EarlyPrograms | None:
-    """The program store's file for `config` read, and its programs compiled, in a thread
-    while the run builds (`precompile` takes them if they are the run's); None when the
-    run cannot keep its programs there."""
-    directory = program_store.folder()
-    if directory is None:
-        return None
-    try:
-        mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
-    except ValueError:  # a mesh these devices cannot form: the build says so
-        return None
-    if not _may_store(config, mesh):
-        return None
-    return program_store.EarlyPrograms(directory, program_store.file_key(config), mesh)
-
-
-def precompile(
-    trainer, state, progress: Callable[[str], None] = lambda s: None, early=None
-) -> dict:
+def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Compiles the run's rollout and evaluation ahead and refuses, in one sentence, a run
     whose programs cannot fit in the device's memory; returns their fits. A run that keeps
-    its programs in the program store takes them from there (from `early`, `start_early`'s,
-    when given), or traces, exports and stores them."""
+    its programs in the program store takes them from there (loaded meanwhile when
+    `program_store.start_early` was called), or traces, exports and stores them."""
     start = time.perf_counter()
     cond, eval_args = trainer.program_inputs()
     directory = program_store.folder() if stores_programs(trainer) else None
@@ -243,6 +216,7 @@ def precompile(
         arguments = (state, cond, eval_args, trainer.ref_params, trainer.kl_reference)
         run_key = program_store.key(trainer.config, (arguments, trainer.train_uncond))
         name = program_store.file_key(trainer.config)
+        early = program_store.early_programs(name)
         found = early.result() if early is not None else program_store.read(directory, name)
         stored = found is not None and found.key == run_key  # else another run's arguments
         trainer.programs.update(found.programs if stored else {})

@@ -382,6 +382,45 @@ def _evict(directory: pathlib.Path) -> None:
 WARMED_UP = ("rollout", "train_step")
 
 
+def may_store(config, mesh) -> bool:
+    """Whether a run of `config` on `mesh` may keep its programs here (the model aside:
+    `TextToImageModel.programs_from_code`)."""
+    return (
+        not int(config.lora.rank)
+        and not config.train.get("updates_per_iteration", 0)
+        and jax.process_count() == 1
+        and mesh.devices.size == 1
+    )
+
+
+_early: dict = {}  # file key -> its `EarlyPrograms`, until the run takes them
+
+
+def start_early(config) -> None:
+    """Starts loading the stored programs of a run of `config` (`EarlyPrograms`), when JAX's
+    persistent cache is on and the run may keep its programs; once per file key. The run's
+    `precompile` takes them (`early_programs`) if they turn out to be its own."""
+    from tree_grpo_jax import sharding
+
+    directory = folder()
+    if directory is None or not directory.is_dir():
+        return
+    name = file_key(config)
+    if name in _early:
+        return
+    try:
+        mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    except ValueError:  # a mesh these devices cannot form: the run's build says so
+        return
+    if may_store(config, mesh):
+        _early[name] = EarlyPrograms(directory, name, mesh)
+
+
+def early_programs(name: str):
+    """The `EarlyPrograms` started for the file key `name`, handed over once, or None."""
+    return _early.pop(name, None)
+
+
 class EarlyPrograms:
     """The stored programs of a run read, lowered, compiled and run once on zeros in a
     thread while the run starts (its model loads, its rewards build; XLA works without
