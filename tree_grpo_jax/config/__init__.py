@@ -1,13 +1,15 @@
 """A run's config: its schema (every field with its default) and the checks that turn a bad
 value into one sentence.
 
-schema   `base_config()`: the shared fields, and the sections the registered model families
-         and rewards declare, each default written once (in the record that reads it);
+settings `Setting`: one typed declaration per setting (default, type, range or choices,
+         meaning), from which the defaults, the type checks and the range sentences come
+schema   `base_config()`: the shared fields' declarations, and the sections the registered
+         model families, objectives and rewards declare, each in the record that reads it;
          `saved_config` (a run's config.json read today); `flatten` (a ConfigDict as dotted
          fields)
 shape    `check_shape`, `check_types` (every field present, of its default's type),
-         `ConfigError`
-checks   `validate` (each value), the reward string's syntax
+         `check_ranges` (each declared value within its range or choices), `ConfigError`
+checks   `validate` (every check, and the rules spanning fields), the reward string's syntax
 
 An experiment file starts from the schema:
 
@@ -30,14 +32,16 @@ from tree_grpo_jax.config.checks import (
 )
 from tree_grpo_jax.config.schema import (
     base_config,
+    declared_settings,
     flatten,
     registered_sections,
     saved_config,
     shared_config,
 )
+from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.config.shape import (
-    TUPLE_FIELDS,
     ConfigError,
+    check_ranges,
     check_shape,
     check_types,
     moved_fields,
@@ -48,12 +52,14 @@ __all__ = [
     "GUARD_ACTIONS",
     "LR_SCHEDULES",
     "SEED_LIMIT",
-    "TUPLE_FIELDS",
     "WIDTH_PRUNING",
     "ConfigError",
+    "Setting",
     "base_config",
+    "check_ranges",
     "check_shape",
     "check_types",
+    "declared_settings",
     "flatten",
     "guard_on",
     "moved_fields",

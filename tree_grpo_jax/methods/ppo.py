@@ -13,9 +13,9 @@ with it and reweights the steps (core/loss.py). Off by default: today's runs are
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.core import pruning, sampling, transitions
 from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
@@ -38,28 +38,22 @@ class PPOObjective(Objective):
     section = "grpo_guard"
     replays_rows = True
 
-    def options(self):
-        """GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
-        variants), flow models only. The ratio becomes
-        exp(s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2))), s the step's std, mu_old the
-        rollout's step mean (recorded by the rollout: one more state per trained parent),
-        and with reweight "dt" each edge's term is divided by its step's |dt|. Sources:
-        Flow-Factory src/flow_factory/trainers/grpo.py (GRPOGuardTrainer: the normalised
-        ratio) and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
-        reweighting); arXiv 2510.22319."""
-        g = ml_collections.ConfigDict()
-        g.enabled = False
-        g.reweight = "dt"  # "dt": divide each step's terms by |dt|; "none": the ratio alone
-        return g
-
-    def check_section(self, config):
-        g = config.grpo_guard
-        if g.reweight not in GUARD_REWEIGHTS:
-            return (
-                f"grpo_guard.reweight must be one of {', '.join(GUARD_REWEIGHTS)}, got "
-                f"{g.reweight!r}."
-            )
-        return None
+    # GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
+    # variants), flow models only. The ratio becomes
+    # exp(s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2))), s the step's std, mu_old the
+    # rollout's step mean (recorded by the rollout: one more state per trained parent), and
+    # with reweight "dt" each edge's term is divided by its step's |dt|. Sources:
+    # Flow-Factory src/flow_factory/trainers/grpo.py (GRPOGuardTrainer: the normalised ratio)
+    # and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
+    # reweighting); arXiv 2510.22319.
+    settings = {
+        "enabled": Setting(False),
+        "reweight": Setting(
+            "dt",
+            '"dt": divide each step\'s terms by |dt|; "none": the ratio alone',
+            choices=GUARD_REWEIGHTS,
+        ),
+    }
 
     def check_run(self, config, spec):
         if spec.trainable_edges > 0:
