@@ -640,7 +640,7 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
         "reward_curve": "c.png",
         "iterations": 4,
     }
-    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    monkeypatch.setattr(train, "train", lambda config, workdir, reward_weights: summary)
     result = run_in_process(
         "--config=configs/tiny.py",
         f"--workdir={tmp_path / 'run'}",
@@ -665,7 +665,7 @@ def test_the_done_lines_say_where_the_metrics_events_and_checkpoints_are(
         "wall_time_s": 1.0, "rollout_denoiser_calls_per_leaf": 6.94, "first_grid": "a.png",
         "last_grid": "b.png", "reward_curve": "c.png", "iterations": 4,
     }  # fmt: skip
-    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    monkeypatch.setattr(train, "train", lambda config, workdir, reward_weights: summary)
     workdir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
     result = run_in_process(
         "--config=configs/tiny.py", f"--workdir={workdir}", "--config.compile_cache.enabled=False",

@@ -114,8 +114,8 @@ class PPOObjective(Objective):
             reduce=str(c.sampling.log_prob_reduce),
             guard=bool(c.grpo_guard.enabled),
             guard_reweight=str(c.grpo_guard.reweight),
-            correction=str(c.train.get("replay_correction", "clip")),
-            weight_max=float(c.train.get("replay_weight_max", 1.0)),
+            correction=str(c.train.replay_correction),
+            weight_max=float(c.train.replay_weight_max),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
@@ -127,7 +127,7 @@ class PPOObjective(Objective):
         rewards: each kept parent's x0 estimate."""
         blocks = spec.segment_blocks
         means = sum(b.num_steps * b.nodes_in for b in blocks) if config.grpo_guard.enabled else 0
-        kept = config.advantage.get("node_rewards", "none")
+        kept = config.advantage.node_rewards
         x0 = sum(
             b.num_steps * b.nodes_in
             for b in blocks
