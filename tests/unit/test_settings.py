@@ -13,6 +13,7 @@ from configs import tiny
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.rewards import registry as rewards
+from tree_grpo_jax.rewards import remote_settings
 
 PRESETS = sorted(
     p.stem
@@ -122,3 +123,12 @@ def test_every_number_declares_its_range():
         if not s.has_range
     }
     assert free == ANY_FINITE, free ^ ANY_FINITE
+
+
+@pytest.mark.parametrize("field", sorted(remote_settings.SETTINGS))
+def test_every_remote_setting_refuses_a_value_outside_its_range(field):
+    """A served reward's settings (`reward_options.remote.<name>`) are declared the same way."""
+    where = "reward_options.remote.judge"
+    for value in _candidates(remote_settings.SETTINGS[field]):
+        said = remote_settings.check_settings("judge", {"url": "http://host:1/score", field: value})
+        assert said is not None and said.startswith(f"{where}.{field} "), (value, said)

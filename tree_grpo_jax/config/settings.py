@@ -86,15 +86,15 @@ class Setting:
             return False
         return high is None or not (value > high or (self.open_high and value == high))
 
-    def sentence(self, path: str, value) -> str | None:
+    def sentence(self, path: str, value, show: Callable[[Any], str] = repr) -> str | None:
         """One sentence when `value` (of the setting's type, checked before) is outside the
-        range or choices, or refused by `check`; else None."""
+        range or choices, or refused by `check`; else None. `show` quotes the value."""
         if self.phrase() and not self.within(value):
             if self.also:
                 said = f"{_shown(self.also[0])}" + (f" ({self.note})" if self.note else "")
-                return f"{path} must be {said} or {self.phrase()}, got {value!r}."
+                return f"{path} must be {said} or {self.phrase()}, got {show(value)}."
             note = f" ({self.note})" if self.note else ""
-            return f"{path} must be {self.phrase()}{note}, got {value!r}."
+            return f"{path} must be {self.phrase()}{note}, got {show(value)}."
         if self.check is not None:
             return self.check(value)
         return None
