@@ -11,6 +11,7 @@ import pytest
 
 from configs import tiny
 from tree_grpo_jax import config as cfg
+from tree_grpo_jax.config import reference
 from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.rewards import registry as rewards
 from tree_grpo_jax.rewards import remote_settings
@@ -132,3 +133,11 @@ def test_every_remote_setting_refuses_a_value_outside_its_range(field):
     for value in _candidates(remote_settings.SETTINGS[field]):
         said = remote_settings.check_settings("judge", {"url": "http://host:1/score", field: value})
         assert said is not None and said.startswith(f"{where}.{field} "), (value, said)
+
+
+def test_the_settings_page_is_made_from_the_declarations():
+    page = pathlib.Path(__file__).parents[2] / "docs" / "settings.md"
+    assert page.read_text() == reference.markdown(), (
+        "docs/settings.md differs from the declarations; write it again with "
+        "`python -m tree_grpo_jax.config.reference > docs/settings.md`"
+    )

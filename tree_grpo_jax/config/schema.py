@@ -263,7 +263,9 @@ ADVANTAGE = {
     "width_pruning": Setting(
         "none", '"none", "top_per_branch" or "best_worst"', choices=WIDTH_PRUNING
     ),
-    "width_pruning_ratio": _fraction(0.5, open_low=True),
+    "width_pruning_ratio": _fraction(
+        0.5, "the share of a branch's children width pruning keeps", open_low=True
+    ),
     "pruning_step_ratio": _at_least(
         0,
         1.0,
@@ -301,24 +303,29 @@ ADVANTAGE = {
     ),
     "node_pruning_threshold": _fraction(
         0.5,
+        "cluster: the band around a level's mean, in its standard deviations",
         open_low=True,
         open_high=True,
         note="standard deviations from the level's mean; at 1 or more every node could go",
     ),
-    "node_pruning_quantile": _fraction(0.25, open_low=True, open_high=True),
-    "node_pruning_keep": _fraction(0.5, open_low=True),
+    "node_pruning_quantile": _fraction(
+        0.25, "quantile: the nodes below it are dropped", open_low=True, open_high=True
+    ),
+    "node_pruning_keep": _fraction(0.5, "variance: the share of nodes kept", open_low=True),
 }
 
 # Optimization.
 TRAIN = {
-    "iterations": _at_least(1, 20),
-    "learning_rate": _positive(1e-4),
-    "lr_schedule": Setting("constant", choices=LR_SCHEDULES),
-    "warmup_iterations": _at_least(0, 0, note="0: no warmup"),
-    "weight_decay": _at_least(0, 1e-4),
-    "adam_b1": _fraction(0.9, open_high=True),
-    "adam_b2": _fraction(0.999, open_high=True),
-    "adam_eps": _positive(1e-8),
+    "iterations": _at_least(1, 20, "rollouts and updates of the run"),
+    "learning_rate": _positive(1e-4, "AdamW's peak learning rate"),
+    "lr_schedule": Setting(
+        "constant", "after the warmup: constant, or a cosine decay to 0", choices=LR_SCHEDULES
+    ),
+    "warmup_iterations": _at_least(0, 0, "iterations of linear warmup", note="0: no warmup"),
+    "weight_decay": _at_least(0, 1e-4, "AdamW's decoupled weight decay"),
+    "adam_b1": _fraction(0.9, "Adam's first-moment decay", open_high=True),
+    "adam_b2": _fraction(0.999, "Adam's second-moment decay", open_high=True),
+    "adam_eps": _positive(1e-8, "Adam's epsilon"),
     "optimizer_state_dtype": Setting(
         "float32",
         'Adam\'s two moments: "float32", or "bfloat16" (half their memory; each update '
@@ -326,7 +333,7 @@ TRAIN = {
         choices=OPTIMIZER_STATE_DTYPES,
         note="the dtype Adam's two moments are kept in",
     ),
-    "max_grad_norm": _positive(1.0),
+    "max_grad_norm": _positive(1.0, "gradients clipped to this global norm"),
     "inner_epochs": _at_least(1, 1, "passes over each iteration's transitions"),
     "rows_per_minibatch": _at_least(1, 32, "denoiser rows (parents) per train step"),
     "grad_accumulation": _at_least(1, 1, "minibatches per optimizer update"),
@@ -358,7 +365,7 @@ TRAIN = {
         "iteration, where a fresh row's ratio is 1 and PPO's clip is idle)",
         choices=REPLAY_CORRECTIONS,
     ),
-    "replay_weight_max": _positive(1.0),
+    "replay_weight_max": _positive(1.0, "truncated: a replayed row's ratio cap"),
     "kl_beta": _at_least(0, 0.0, "KL to the initial model (0: off, no reference copy kept)"),
 }
 
@@ -366,9 +373,15 @@ TRAIN = {
 # names; () = the family's defaults in tree_grpo_jax.lora), the base frozen in the compute
 # dtype; only the factors are optimized and checkpointed.
 LORA = {
-    "rank": _at_least(0, 0, note="0: full fine-tuning"),
+    "rank": _at_least(0, 0, "the factors' rank (0: full fine-tuning)", note="0: full fine-tuning"),
     "alpha": _at_least(0, 0.0, "0: alpha = rank (scale 1)", note="0: alpha = rank"),
-    "targets": Setting((), element=str, example="\"('to_q','to_v')\"", check=_targets_sentence),
+    "targets": Setting(
+        (),
+        "module names; () = the family's defaults",
+        element=str,
+        example="\"('to_q','to_v')\"",
+        check=_targets_sentence,
+    ),
 }
 
 # A reward's own settings are its sub-section (see its module in tree_grpo_jax/rewards).
@@ -423,7 +436,7 @@ EVAL = {
 # Checkpoints: in <workdir>/checkpoints, or in `dir` (a local folder or a gs:// URL, which
 # every host of a pod can reach); a restart with the same workdir resumes.
 CHECKPOINT = {
-    "dir": Setting(""),
+    "dir": Setting("", '"" = <workdir>/checkpoints; a local folder or a gs:// URL'),
     "every": _at_least(0, 10, "iterations between checkpoints"),
     "keep": _at_least(1, 2, "checkpoints kept"),
 }
@@ -458,14 +471,14 @@ SHARED = {
     "checkpoint": CHECKPOINT,
     # JAX's persistent compilation cache (the command line only): a second run starts warm.
     "compile_cache": {
-        "enabled": Setting(True),
+        "enabled": Setting(True, "a second run starts warm"),
         "dir": Setting("", '"" = $TREE_GRPO_JAX_COMPILE_CACHE or ~/.cache/tree_grpo_jax/jax'),
     },
     # Devices: mesh axes.
     "mesh": {"data": _mesh_axis(-1), "fsdp": _mesh_axis(1)},
     "log": {
-        "progress": Setting(True),
-        "tensorboard": Setting(True),
+        "progress": Setting(True, "the progress line and the eval lines"),
+        "tensorboard": Setting(True, "TensorBoard event files beside metrics.jsonl"),
         "wandb_project": Setting("", "set to log to wandb as well"),
     },
 }

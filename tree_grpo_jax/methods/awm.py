@@ -294,7 +294,7 @@ class AWMObjective(Objective):
             3.0, '"uniform" / "logit_normal": t -> s t / (1 + (s - 1) t)', low=0, open_low=True
         ),
         "weighting": Setting("ghuber", "the loss's weighting over time", choices=WEIGHTINGS),
-        "ghuber_power": Setting(0.25, low=0, open_low=True),
+        "ghuber_power": Setting(0.25, "ghuber's power", low=0, open_low=True),
         "advantage_max": Setting(
             1.0, "advantages clipped to +-advantage.clip, scaled to +-this", low=0, open_low=True
         ),
@@ -304,7 +304,7 @@ class AWMObjective(Objective):
             '"linear": min(rate * iterations, max); "constant": max',
             choices=("linear", "constant"),
         ),
-        "ema_decay_rate": Setting(0.001, low=0),
+        "ema_decay_rate": Setting(0.001, "the EMA decay's rise per iteration", low=0),
         "ema_decay_max": Setting(0.3, "their kl_ema_decay", low=0, high=1, open_high=True),
         "off_policy": Setting(False, "sample with the EMA copy and take its logp as the old one"),
     }

@@ -245,7 +245,7 @@ class CRDObjective(Objective):
     # adv_clip_range (5).
     settings = {
         "beta": Setting(1.0, "their crd_beta", low=0, open_low=True),
-        "loss_type": Setting("mse", choices=LOSS_TYPES),
+        "loss_type": Setting("mse", "the reward match: squared error or BCE", choices=LOSS_TYPES),
         "use_old_for_loss": Setting(
             True, "the implicit reward against the old copy (else initial)"
         ),
@@ -257,19 +257,21 @@ class CRDObjective(Objective):
             low=0,
             note="0: from the sampling steps",
         ),
-        "time_sampling": Setting("discrete", choices=awm.TIME_SAMPLINGS),
-        "timestep_range": Setting(0.99, low=0, high=1, open_low=True),
-        "time_shift": Setting(3.0, low=0, open_low=True),
+        "time_sampling": Setting("discrete", "how times are drawn", choices=awm.TIME_SAMPLINGS),
+        "timestep_range": Setting(
+            0.99, "the top share of the noise levels drawn", low=0, high=1, open_low=True
+        ),
+        "time_shift": Setting(3.0, "the continuous draws' shift", low=0, open_low=True),
         "kl_cfg": Setting(
             4.5, "guidance of the KL's reference (1: none)", low=1, note="1: no guidance"
         ),
-        "reward_adaptive_kl": Setting(True),
+        "reward_adaptive_kl": Setting(True, "the KL weighted by the reward"),
         "old_decay_start": Setting(
             0, "optimizer steps before the old copy's decay starts rising", low=0
         ),
-        "old_decay_initial": Setting(0.25, low=0, high=1),
-        "old_decay_slope": Setting(0.005, low=0),
-        "old_decay_max": Setting(0.999, low=0, high=1),
+        "old_decay_initial": Setting(0.25, "the old copy's first decay", low=0, high=1),
+        "old_decay_slope": Setting(0.005, "its rise per optimizer step", low=0),
+        "old_decay_max": Setting(0.999, "its cap", low=0, high=1),
     }
 
     def check_run(self, config, spec):

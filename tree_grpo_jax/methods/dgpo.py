@@ -221,21 +221,21 @@ class DGPOObjective(Objective):
     # iterations, the per-prompt std (global_std False); train.kl_beta is their train.beta
     # (0.02).
     settings = {
-        "beta_dpo": Setting(100.0, low=0, open_low=True),
+        "beta_dpo": Setting(100.0, "the preference's temperature", low=0, open_low=True),
         "train_timesteps": Setting(
             4, "steps each group is trained at (their num_train_timesteps)", low=1
         ),
         "trunc_steps": Setting(4, "drawn from the first trunc_steps + 1 sampler steps", low=0),
         "shared_noise": Setting(True, "one forward noise per group (their use_shared_noise)"),
         "clip_dsm": Setting(True, "PPO-style clip of the DSM loss against the EMA copy"),
-        "clip_range": Setting(1e-2, low=0, open_low=True),
+        "clip_range": Setting(1e-2, "clip_dsm's range", low=0, open_low=True),
         "reference": Setting(
             "initial",
             'the preference\'s reference: "initial" or "ema" (use_ema_ref)',
             choices=REFERENCES,
         ),
-        "ema_decay_rate": Setting(0.001, low=0),
-        "ema_decay_max": Setting(0.3, low=0, high=1, open_high=True),
+        "ema_decay_rate": Setting(0.001, "the EMA decay's rise per iteration", low=0),
+        "ema_decay_max": Setting(0.3, "the EMA decay's cap", low=0, high=1, open_high=True),
         "switch_ema_ref": Setting(
             500, "sample with the EMA copy after this many iterations", low=0
         ),

@@ -179,7 +179,7 @@ class DPOObjective(Objective):
     # arguments' own default is 2000), one time per pair from a logit-normal (mean 0, std 1,
     # no shift) over the top 99% of the noise levels.
     settings = {
-        "beta": Setting(100.0, low=0, open_low=True),
+        "beta": Setting(100.0, "the preference's temperature", low=0, open_low=True),
         "train_timesteps": Setting(
             1, "times each pair is trained at (their num_train_timesteps)", low=1
         ),
@@ -187,8 +187,8 @@ class DPOObjective(Objective):
             0.99, "sigma = 1 - timestep_range * u", low=0, high=1, open_low=True
         ),
         "logit_mean": Setting(0.0, "the logit-normal's mean"),
-        "logit_std": Setting(1.0, low=0, open_low=True),
-        "time_shift": Setting(1.0, low=0, open_low=True),
+        "logit_std": Setting(1.0, "the logit-normal's std", low=0, open_low=True),
+        "time_shift": Setting(1.0, "t -> s t / (1 + (s - 1) t)", low=0, open_low=True),
     }
 
     def check_run(self, config, spec):

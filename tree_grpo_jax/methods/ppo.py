@@ -47,7 +47,7 @@ class PPOObjective(Objective):
     # and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
     # reweighting); arXiv 2510.22319.
     settings = {
-        "enabled": Setting(False),
+        "enabled": Setting(False, "the normalised ratio (flow models)"),
         "reweight": Setting(
             "dt",
             '"dt": divide each step\'s terms by |dt|; "none": the ratio alone',
