@@ -1,4 +1,4 @@
-"""Every setting has one declaration (config/settings.py), and every declaration refuses a
+"""Every setting has one declaration (core/settings.py), and every declaration refuses a
 value outside its range, choices or type in a sentence naming the field: the cases are made
 from the declarations, so a setting added without one, or a range that stopped being checked,
 fails here."""
@@ -12,7 +12,7 @@ import pytest
 from configs import tiny
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax.config import reference
-from tree_grpo_jax.config.settings import Setting
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.rewards import registry as rewards
 from tree_grpo_jax.rewards import remote_settings
 

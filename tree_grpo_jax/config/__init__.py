@@ -1,8 +1,8 @@
 """A run's config: its schema (every field with its default) and the checks that turn a bad
-value into one sentence.
+value into one sentence. Each setting is declared once, a `Setting` (tree_grpo_jax.core.
+settings: default, type, range or choices, meaning), in the record that reads it; the
+defaults, the type checks and the range sentences come from the declarations.
 
-settings `Setting`: one typed declaration per setting (default, type, range or choices,
-         meaning), from which the defaults, the type checks and the range sentences come
 schema   `base_config()`: the shared fields' declarations, and the sections the registered
          model families, objectives and rewards declare, each in the record that reads it;
          `saved_config` (a run's config.json read today); `flatten` (a ConfigDict as dotted
@@ -10,6 +10,7 @@ schema   `base_config()`: the shared fields' declarations, and the sections the 
 shape    `check_shape`, `check_types` (every field present, of its default's type),
          `check_ranges` (each declared value within its range or choices), `ConfigError`
 checks   `validate` (every check, and the rules spanning fields), the reward string's syntax
+reference `markdown()`: docs/settings.md, every setting's table row from its declaration
 
 An experiment file starts from the schema:
 
@@ -38,7 +39,6 @@ from tree_grpo_jax.config.schema import (
     saved_config,
     shared_config,
 )
-from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.config.shape import (
     ConfigError,
     check_ranges,
@@ -47,6 +47,7 @@ from tree_grpo_jax.config.shape import (
     moved_fields,
     tuple_fields,
 )
+from tree_grpo_jax.core.settings import Setting
 
 __all__ = [
     "GUARD_ACTIONS",

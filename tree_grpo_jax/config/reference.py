@@ -8,12 +8,12 @@ changing a declaration, write it again with
 from __future__ import annotations
 
 from tree_grpo_jax.config.schema import declared_settings
-from tree_grpo_jax.config.settings import Setting, flat
+from tree_grpo_jax.core.settings import Setting, flat
 
 INTRO = """# Settings
 
 Every setting of a run's config, with its default, what it may be and what it means, made
-from the settings' declarations (`tree_grpo_jax/config/settings.py`: `Setting`) by
+from the settings' declarations (`tree_grpo_jax/core/settings.py`: `Setting`) by
 `python -m tree_grpo_jax.config.reference`. A value outside what a setting may be is
 refused before anything starts, in one sentence naming the field; rules spanning several
 settings (a window inside the sampling steps, say) are checked beside. Set any of them on

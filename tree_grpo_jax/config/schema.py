@@ -17,11 +17,11 @@ import dataclasses
 
 import ml_collections
 
-from tree_grpo_jax.config.settings import Setting, flat, section
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, rollout
 from tree_grpo_jax.core.loss import REPLAY_CORRECTIONS
 from tree_grpo_jax.core.sampling import FLOW_SDES
+from tree_grpo_jax.core.settings import Setting, describe, flat, section
 from tree_grpo_jax.models import attention
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, REMAT_MODES
@@ -41,8 +41,6 @@ MAX_GUIDANCE_SCALE = 100.0
 def _remat_sentence(value) -> str | None:
     if isinstance(value, bool) or value in REMAT_MODES:
         return None
-    from tree_grpo_jax.config.shape import describe
-
     return (
         f"model.remat must be True, False or one of {', '.join(REMAT_MODES)}, e.g. "
         f"--config.model.remat=block; got {describe(value)}."

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import numbers
 
 import ml_collections
 
@@ -17,7 +16,7 @@ from tree_grpo_jax.config.schema import (
     registered_sections,
     shared_config,
 )
-from tree_grpo_jax.config.settings import is_int, is_number
+from tree_grpo_jax.core.settings import describe, is_int, is_number
 from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
@@ -71,18 +70,6 @@ def _check_moved(config, source: str = "the config") -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Shape and types: a config holds every shared field of the schema, each of its default's type.
-
-
-def describe(value) -> str:
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, ml_collections.ConfigDict):
-        return "a section"
-    if isinstance(value, (tuple, list)):
-        return repr(tuple(value))
-    if value is None or isinstance(value, numbers.Number):
-        return repr(value)
-    return f"a {type(value).__name__}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree, guided_prediction
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import awm, nft
 from tree_grpo_jax.methods.objective import Objective, RowSource

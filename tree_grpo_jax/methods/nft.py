@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 

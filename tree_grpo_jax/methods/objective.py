@@ -25,11 +25,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from tree_grpo_jax.config.settings import Setting
-from tree_grpo_jax.config.settings import section as section_of
 from tree_grpo_jax.core import tree_spec
 from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.core.settings import Setting
+from tree_grpo_jax.core.settings import section as section_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Objective(abc.ABC):
 
     # -- its own config section (`config.<section>`), or none ------------------------------------
     section: ClassVar[str | None] = None
-    # the section's declarations (`tree_grpo_jax.config.settings.Setting`): its defaults,
+    # the section's declarations (`tree_grpo_jax.core.settings.Setting`): its defaults,
     # types and ranges, checked whichever method a run uses
     settings: ClassVar[Mapping[str, Setting]] = {}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.config.settings import Setting
 from tree_grpo_jax.core import pruning, sampling, transitions
 from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
 

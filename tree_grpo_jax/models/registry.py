@@ -68,7 +68,7 @@ class ModelFamily:
     load: Callable[[LoadRequest], Any]  # -> a `base.TextToImageModel`
     needs_path: bool = False  # True: model.path must name its folder
     path_hint: str = ""  # what model.path should be, ending the sentence when it is missing
-    # the defaults of `model.<name>` (a ConfigDict); made by `config.settings.defaults_of`,
+    # the defaults of `model.<name>` (a ConfigDict); made by `core.settings.defaults_of`,
     # it carries the fields' declarations (types, ranges), which the config checks read
     options: Callable[[], Any] | None = None
     # `model.<name>` -> one sentence for a rule spanning its fields, or None

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tree_grpo_jax.config.settings import Setting, defaults_of
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.rewards import clip, registry
 from tree_grpo_jax.weights import files

@@ -11,7 +11,7 @@ import numbers
 import re
 import urllib.parse
 
-from tree_grpo_jax.config.settings import Setting, defaults_of
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.errors import echo
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.rewards import chat

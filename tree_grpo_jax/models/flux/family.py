@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tree_grpo_jax.config.settings import Setting, defaults_of
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 TRANSFORMER_CLASS = "FluxTransformer2DModel"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tree_grpo_jax.config.settings import Setting, defaults_of
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 # `model.sd3`: the family's own settings.

@@ -3,7 +3,7 @@ folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers)."""
 
 from __future__ import annotations
 
-from tree_grpo_jax.config.settings import Setting, defaults_of
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"

@@ -148,6 +148,19 @@ def flat(settings: Settings, prefix: str = "") -> dict[str, Setting]:
     return out
 
 
+def describe(value) -> str:
+    """A value as a sentence quotes it: a string as such, a section by its kind."""
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, ml_collections.ConfigDict):
+        return "a section"
+    if isinstance(value, (tuple, list)):
+        return repr(tuple(value))
+    if value is None or isinstance(value, numbers.Number):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
 def is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
