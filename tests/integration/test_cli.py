@@ -58,7 +58,7 @@ BAD_INPUTS = [
     (["--config.model.name=sd"], "needs model.path"),
     (["--config.model.name=sd", "--config.model.path=/nonexistent/sd15"], "/nonexistent/sd15"),
     (["--config.model.name=sd3", "--config.model.path=/nonexistent/sd35"], "/nonexistent/sd35"),
-    (["--config.train.learning_rate=-1.0"], "train.learning_rate must be a positive number"),
+    (["--config.train.learning_rate=-1.0"], "train.learning_rate must be positive, got -1.0."),
     (["--config.tree.window=12"], "a sliding window of 12 steps does not fit in 10 steps"),
     (["--config.tree.window_start=8"], "runs past the last step"),
     (["--config.tree.split_log_prob=scaled"], "tree.split_log_prob must be one of"),

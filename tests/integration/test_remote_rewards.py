@@ -303,9 +303,9 @@ def test_a_rewards_own_error_at_the_start_is_the_rewards_not_the_prompts(tmp_pat
 @pytest.mark.parametrize(
     "flag, said",
     [
-        ("timeout_s=1e300", "timeout_s must be positive and at most 3600 (seconds for one whole"),
-        ("backoff_s=1e300", "backoff_s must be between 0 and 600 seconds, got 1e+300."),
-        ("retries=1000000", "retries must be between 0 and 20 further tries, got 1000000."),
+        ("timeout_s=1e300", "timeout_s must be in (0, 3600] (seconds for one whole request)"),
+        ("backoff_s=1e300", "backoff_s must be in [0, 600] (seconds), got 1e+300."),
+        ("retries=1000000", "retries must be in [0, 20] (further tries), got 1000000."),
         ("timeout_s=nan", "timeout_s must be a finite number, got nan."),
     ],
 )

@@ -259,7 +259,7 @@ def test_a_chat_setting_without_the_chat_protocol_is_one_sentence():
 @pytest.mark.parametrize(
     "fields, said",
     [
-        (dict(protocol="grpc"), "protocol must be one of ('scores', 'chat'), got 'grpc'"),
+        (dict(protocol="grpc"), "protocol must be one of scores, chat, got 'grpc'"),
         (dict(model=""), "reward_options.remote.judge.model is missing"),
         (dict(question=""), "reward_options.remote.judge.question is missing"),
         (dict(question="Is it {0}?"), "has the placeholder {0}; use {prompt}"),
@@ -271,7 +271,7 @@ def test_a_chat_setting_without_the_chat_protocol_is_one_sentence():
             "{{ or }} for a literal brace).",
         ),
         (dict(question="Is it }?"), "is not a template (Single '}' encountered in format string"),
-        (dict(score_from="tokens"), "score_from must be one of ('answer', 'logprobs')"),
+        (dict(score_from="tokens"), "score_from must be one of answer, logprobs, got 'tokens'"),
         (dict(scale=0.0), "scale must be positive, got 0.0"),
         (dict(scale=float("inf")), "scale must be a finite number, got inf"),
         (dict(question="{" * 4999), "question '{{{{{"),

@@ -231,9 +231,9 @@ def test_lists_for_tuples_and_ints_for_floats_pass():
 
 
 RANGE_CASES = [
-    ("seed", 2**70, "seed must be a whole number in [0, 2**32)"),
-    ("seed", 2**32, "seed must be a whole number in [0, 2**32)"),
-    ("seed", -1, "seed must be a whole number in [0, 2**32)"),
+    ("seed", 2**70, "seed must be in [0, 2**32) (what jax.random.PRNGKey keeps)"),
+    ("seed", 2**32, "seed must be in [0, 2**32) (what jax.random.PRNGKey keeps)"),
+    ("seed", -1, "seed must be in [0, 2**32) (what jax.random.PRNGKey keeps)"),
     ("model.sd3.t5_max_length", 0, "model.sd3.t5_max_length must be at least 1"),
     ("model.sd3.sample_size", -1, "model.sd3.sample_size must be >= 0"),
     ("model.flux.guidance", -1.0, "model.flux.guidance must be >= 0"),
@@ -251,28 +251,40 @@ RANGE_CASES = [
     ("sampling.eta", 0.0, "sampling.eta must be in (0, 1]"),
     ("sampling.noise_level", NAN, "sampling.noise_level must be a finite number"),
     ("sampling.noise_level", 0.0, "sampling.noise_level must be positive"),
-    ("sampling.shift", 0.0, "sampling.shift (the flow sigma shift) must be positive"),
-    ("sampling.denoise_rows", -1, "sampling.denoise_rows must be a whole number >= 0"),
+    ("sampling.shift", 0.0, "sampling.shift must be positive (the flow sigma shift)"),
+    (
+        "sampling.denoise_rows",
+        -1,
+        "sampling.denoise_rows must be >= 0 (0: every row at once), got -1.",
+    ),
     ("sampling.guidance_scale", -1.0, "sampling.guidance_scale must be in [0, 100]"),
     ("sampling.guidance_scale", 1e30, "sampling.guidance_scale must be in [0, 100], got 1e+30"),
     ("tree.group_size", 0, "tree.group_size must be at least 1"),
-    ("tree.window", 0, "the window must hold at least one step"),
+    ("tree.window", 0, "tree.window must be at least 1, got 0."),
     ("tree.window_start", 8, "runs past the last step"),
-    ("tree.window_slide_every", -1, "tree.window_slide_every must be 0 (fixed) or positive"),
-    ("tree.k", 1, "a branch needs k >= 2 children"),
+    (
+        "tree.window_slide_every",
+        -1,
+        "tree.window_slide_every must be 0 (fixed) or at least 1, got -1.",
+    ),
+    ("tree.k", 1, "tree.k must be at least 2 (children per branch), got 1."),
     ("tree.num_trees", 0, "num_trees must be at least 1"),
     ("tree.split_noise_scale", 0.0, "tree.split_noise_scale must be positive"),
     ("advantage.clip", INF, "advantage.clip must be a finite number"),
     ("advantage.clip", 0.0, "advantage.clip must be positive"),
     ("advantage.fusion_alpha", NAN, "advantage.fusion_alpha must be a finite number"),
-    ("advantage.fusion_alpha", 0.0, "advantage.fusion_alpha (a softmax temperature) must be"),
+    (
+        "advantage.fusion_alpha",
+        0.0,
+        "advantage.fusion_alpha must be positive (a softmax temperature)",
+    ),
     ("advantage.std_ddof", 2, "advantage.std_ddof must be 0 or 1"),
     ("advantage.node_mix", -0.1, "advantage.node_mix must be in [0, 1]"),
     ("advantage.node_pruning_threshold", 1.0, "advantage.node_pruning_threshold must be in (0, 1)"),
     ("advantage.node_pruning_quantile", 0.0, "advantage.node_pruning_quantile must be in (0, 1)"),
     ("advantage.node_pruning_keep", 0.0, "advantage.node_pruning_keep must be in (0, 1]"),
     ("advantage.tracker_buffer", 8, "advantage.tracker_buffer must be at least"),
-    ("advantage.tracker_min_count", 0, "advantage.tracker_buffer must be at least"),
+    ("advantage.tracker_min_count", 0, "advantage.tracker_min_count must be at least 1"),
     ("advantage.depth_pruning", (0,), "advantage.depth_pruning holds depth(s) [0] outside 1..10"),
     ("advantage.depth_pruning", (3, 11), "holds depth(s) [11] outside 1..10"),
     ("advantage.depth_pruning_slide_every", -1, "advantage.depth_pruning_slide_every must be 0"),
@@ -282,7 +294,7 @@ RANGE_CASES = [
     ("advantage.pruning_step_ratio", -0.5, "advantage.pruning_step_ratio must be >= 0"),
     ("advantage.depth_pruning_count_from", 2, "advantage.depth_pruning_count_from must be 0"),
     ("train.iterations", 0, "train.iterations must be at least 1"),
-    ("train.learning_rate", 0.0, "train.learning_rate must be a positive number"),
+    ("train.learning_rate", 0.0, "train.learning_rate must be positive, got 0.0."),
     ("train.warmup_iterations", -1, "train.warmup_iterations must be >= 0"),
     ("train.weight_decay", -1e-4, "train.weight_decay must be >= 0"),
     ("train.weight_decay", NAN, "train.weight_decay must be a finite number"),
@@ -300,7 +312,7 @@ RANGE_CASES = [
     ("train.updates_per_iteration", -1, "train.updates_per_iteration must be 0"),
     ("train.clip_range", 0.0, "train.clip_range must be positive"),
     ("train.kl_beta", -1.0, "train.kl_beta must be >= 0"),
-    ("train.replay", -1, "train.replay must be 0 (off) or a number of past iterations"),
+    ("train.replay", -1, "train.replay must be 0 (off) or at least 1, got -1."),
     ("train.replay_weight_max", 0.0, "train.replay_weight_max must be positive"),
     ("diffusion_nft.beta", 0.0, "diffusion_nft.beta must be positive"),
     ("diffusion_nft.old_policy_flat", -1, "diffusion_nft.old_policy_flat must be >= 0"),
@@ -314,12 +326,12 @@ RANGE_CASES = [
     ("reward_options.decode_chunks", 0, "reward_options.decode_chunks must be at least 1"),
     ("reward_options.pickscore.divisor", 0.0, "reward_options.pickscore.divisor must be positive"),
     ("eval.every", -1, "eval.every must be >= 0"),
-    ("eval.seed", -5, "eval.seed must be a whole number in [0, 2**32)"),
+    ("eval.seed", -5, "eval.seed must be in [0, 2**32) (what jax.random.PRNGKey keeps)"),
     ("eval.num_steps", -3, "eval.num_steps must be 0 (the training steps) or at least 2"),
     ("eval.num_steps", 1, "eval.num_steps must be 0 (the training steps) or at least 2"),
-    ("eval.samples_per_prompt", 0, "eval.samples_per_prompt must be a whole number >= 1"),
+    ("eval.samples_per_prompt", 0, "eval.samples_per_prompt must be at least 1, got 0."),
     ("eval.guard.min_diversity_fraction", 1.0, "eval.guard.min_diversity_fraction must be in"),
-    ("eval.guard.held_out_drop", -0.1, "eval.guard.held_out_drop must be a number >= 0"),
+    ("eval.guard.held_out_drop", -0.1, "eval.guard.held_out_drop must be >= 0 (0: off), got -0.1."),
     ("checkpoint.every", -1, "checkpoint.every must be >= 0"),
     ("checkpoint.keep", 0, "checkpoint.keep must be at least 1"),
     ("mesh.data", 0, "mesh.data must be -1 (every remaining device) or at least 1"),
@@ -363,8 +375,12 @@ NAME_CASES = [
     ("name", "a/b", "name must be a folder name without '/'"),
     ("prompts.source", "", "prompts.source must name a prompt set or file"),
     ("train.optimizer_state_dtype", "float16", "train.optimizer_state_dtype must be one of"),
-    ("train.optimizer_state_dtype", "bf16", "float32, bfloat16 (the dtype Adam's two moments"),
-    ("crd.loss_type", "l1", "crd.loss_type must be mse or bce"),
+    (
+        "train.optimizer_state_dtype",
+        "bf16",
+        "float32, bfloat16 (the dtype Adam's two moments are kept in), got 'bf16'.",
+    ),
+    ("crd.loss_type", "l1", "crd.loss_type must be one of mse, bce"),
     ("crd.time_sampling", "sometimes", "crd.time_sampling must be one of discrete"),
 ]
 
@@ -391,7 +407,7 @@ def test_every_number_of_the_base_has_a_range_case():
 @pytest.mark.parametrize(
     "values, message",
     [  # the fields a method does not read are checked too
-        ({"tree__method": "grpo", "tree__k": 1}, "tree.k (children per branch) must be at least 2"),
+        ({"tree__method": "grpo", "tree__k": 1}, "tree.k must be at least 2 (children per branch)"),
         ({"tree__method": "grpo", "tree__split_steps": (-1,)}, "tree.split_steps must be step"),
         ({"tree__method": "grpo", "tree__window_start": -1}, "tree.window_start must be >= 0"),
         ({"mesh__data": -1, "mesh__fsdp": -1}, "only one of mesh.data and mesh.fsdp may be -1"),
@@ -624,7 +640,7 @@ def test_the_done_line_prints_rewards_as_the_eval_line_does(tmp_path, monkeypatc
         "reward_curve": "c.png",
         "iterations": 4,
     }
-    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    monkeypatch.setattr(train, "train", lambda config, workdir, reward_weights: summary)
     result = run_in_process(
         "--config=configs/tiny.py",
         f"--workdir={tmp_path / 'run'}",
@@ -649,7 +665,7 @@ def test_the_done_lines_say_where_the_metrics_events_and_checkpoints_are(
         "wall_time_s": 1.0, "rollout_denoiser_calls_per_leaf": 6.94, "first_grid": "a.png",
         "last_grid": "b.png", "reward_curve": "c.png", "iterations": 4,
     }  # fmt: skip
-    monkeypatch.setattr(train, "train", lambda config, workdir: summary)
+    monkeypatch.setattr(train, "train", lambda config, workdir, reward_weights: summary)
     workdir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
     result = run_in_process(
         "--config=configs/tiny.py", f"--workdir={workdir}", "--config.compile_cache.enabled=False",

@@ -64,11 +64,11 @@ def test_best_is_the_highest_eval_reward_earliest_first():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("samples_per_prompt", 0, "eval.samples_per_prompt must be a whole number >= 1"),
+        ("samples_per_prompt", 0, "eval.samples_per_prompt must be at least 1, got 0."),
         ("guard.min_diversity_fraction", -0.1, "eval.guard.min_diversity_fraction must be in"),
         ("guard.min_diversity_fraction", 1.5, "eval.guard.min_diversity_fraction must be in"),
-        ("guard.held_out_drop", -0.1, "eval.guard.held_out_drop must be a number >= 0"),
-        ("guard.action", "halt", "eval.guard.action must be one of ('stop', 'warn')"),
+        ("guard.held_out_drop", -0.1, "eval.guard.held_out_drop must be >= 0 (0: off), got -0.1."),
+        ("guard.action", "halt", "eval.guard.action must be one of stop, warn, got 'halt'."),
     ],
 )
 def test_bad_guard_settings_are_one_sentence(field, value, message):

@@ -241,10 +241,10 @@ def test_the_rewards_string_names_remote_rewards():
     [
         (dict(url=""), "reward_options.remote.r.url is missing"),
         (dict(url="ftp://host/x"), "is not an http:// or https:// URL"),
-        (dict(timeout_s=-1.0), "timeout_s must be positive and at most 3600"),
+        (dict(timeout_s=-1.0), "timeout_s must be in (0, 3600] (seconds for one whole request)"),
         (dict(batch_size=0), "batch_size must be at least 1"),
-        (dict(retries=-1), "retries must be between 0 and 20 further tries, got -1."),
-        (dict(format="jpeg"), "format must be one of ('png', 'raw')"),
+        (dict(retries=-1), "retries must be in [0, 20] (further tries), got -1."),
+        (dict(format="jpeg"), "format must be one of png, raw, got 'jpeg'."),
         (dict(header="Authorization"), "sets one of header and token_env"),
         (dict(timeout_s="soon"), "timeout_s must be a finite number"),
         (dict(tiemout_s=3.0), "sets 'tiemout_s', which is not a setting"),
@@ -365,12 +365,15 @@ def test_retry_after_reads_seconds_and_http_dates():
 @pytest.mark.parametrize(
     "fields, said",
     [
-        (dict(timeout_s=1e300), "timeout_s must be positive and at most 3600 (seconds for one "),
+        (
+            dict(timeout_s=1e300),
+            "timeout_s must be in (0, 3600] (seconds for one whole request), got 1e+300.",
+        ),
         (dict(timeout_s=float("nan")), "timeout_s must be a finite number, got nan."),
-        (dict(backoff_s=1e300), "backoff_s must be between 0 and 600 seconds, got 1e+300."),
+        (dict(backoff_s=1e300), "backoff_s must be in [0, 600] (seconds), got 1e+300."),
         (dict(backoff_s=float("inf")), "backoff_s must be a finite number, got inf."),
-        (dict(retries=10**6), "retries must be between 0 and 20 further tries, got 1000000."),
-        (dict(in_flight=10**6), "in_flight must be between 1 and 256 requests at once"),
+        (dict(retries=10**6), "retries must be in [0, 20] (further tries), got 1000000."),
+        (dict(in_flight=10**6), "in_flight must be in [1, 256] (requests at once)"),
         (dict(retries=10**5000), "got a number of thousands of digits."),
         (dict(retries=1.5), "retries must be a whole number, got 1.5."),
         (dict(batch_size="x" * 10_000), "must be a whole number, got 'xxxxx"),

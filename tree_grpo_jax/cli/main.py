@@ -64,8 +64,9 @@ def default_workdir(name: str) -> str:
 
 
 def _checked_config():
-    """The config of the command line, validated before the compilation cache's folder, or
-    the workdir, is made."""
+    """The config of the command line, validated (once: the run takes the reward weights
+    found) before the compilation cache's folder, or the workdir, is made; and its reward
+    weights."""
     from tree_grpo_jax import config as cfg
     from tree_grpo_jax.rewards import registry as reward_registry
     from tree_grpo_jax.run import loop as train
@@ -83,7 +84,7 @@ def _checked_config():
     )
     if sentence:
         fail(sentence, EXIT_BAD_INPUT)
-    return config
+    return config, rewards
 
 
 def _kept(checkpoints: str, command: str) -> str:
@@ -140,8 +141,8 @@ def _start_loading_programs(config) -> None:
 
 
 def _enable_compile_cache(config) -> None:
-    cache = None if config is None else config.get("compile_cache")
-    if cache is None or not cache.enabled:
+    cache = config.compile_cache
+    if not cache.enabled:
         return
     from tree_grpo_jax.run import compile_cache
 
@@ -151,7 +152,7 @@ def _enable_compile_cache(config) -> None:
         print(f"warning: no compilation cache ({first_line(e)}).", file=sys.stderr)
 
 
-def _train(config, workdir: str) -> dict:
+def _train(config, workdir: str, rewards: dict) -> dict:
     """`train.train`, every way it can stop told in one line with the command that goes on."""
     from tree_grpo_jax.run import loop as train
 
@@ -163,7 +164,7 @@ def _train(config, workdir: str) -> dict:
     )
     _enable_compile_cache(config)
     try:
-        return train.train(config, workdir)
+        return train.train(config, workdir, reward_weights=rewards)
     except train.BAD_INPUT as e:  # what the run created is gone already
         fail(first_line(e), EXIT_BAD_INPUT)
     except train.Interrupted as e:
@@ -238,9 +239,9 @@ def main(argv=None) -> None:
     reporting.survive_closed_streams()  # a closed `| tee` must not lose an iteration
     with contextlib.suppress(Exception):  # a config the checks below refuse: they say why
         _start_loading_programs(CONFIG.value)
-    config = _checked_config()
-    workdir = WORKDIR.value or default_workdir(config.get("name", "run"))
-    summary = _train(config, workdir)
+    config, rewards = _checked_config()
+    workdir = WORKDIR.value or default_workdir(config.name)
+    summary = _train(config, workdir, rewards)
     interrupts.set_stop_line(  # the run has ended and saved all it did: nothing to stop
         lambda name: f"{name} arrived after the run had ended; nothing was lost ({workdir})."
     )

@@ -149,9 +149,8 @@ def _sampling_config(config, args):
     c.eval.samples_per_prompt = 1
     c.eval.kl = False
     c.train.kl_beta = 0.0
-    if c.eval.get("guard") is not None:
-        c.eval.guard.min_diversity_fraction = 0.0
-        c.eval.guard.held_out_drop = 0.0
+    c.eval.guard.min_diversity_fraction = 0.0
+    c.eval.guard.held_out_drop = 0.0
     c.prompts.eval_count = 1  # the trainer's own eval list: one prompt, no repeats
     # a video model's trainer embeds frames for the eval's temporal distance, which drawing
     # never reads: no CLIP folder is opened for it
@@ -294,7 +293,7 @@ def sample(args) -> Drawn:
             f"there is no checkpoint {args.step} in {directory}; it holds "
             f"{', '.join(map(str, steps))}."
         )
-    batch = args.batch_size or config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
+    batch = args.batch_size or config.prompts.eval_count * config.eval.samples_per_prompt
 
     config = _sampling_config(config, args)
     trainer, state = setup(config, workdir, model=_model(config, prompts))

@@ -1,13 +1,16 @@
 """A run's config: its schema (every field with its default) and the checks that turn a bad
-value into one sentence.
+value into one sentence. Each setting is declared once, a `Setting` (tree_grpo_jax.core.
+settings: default, type, range or choices, meaning), in the record that reads it; the
+defaults, the type checks and the range sentences come from the declarations.
 
-schema   `base_config()`: the shared fields, and the sections the registered model families
-         and rewards declare, each default written once (in the record that reads it);
+schema   `base_config()`: the shared fields' declarations, and the sections the registered
+         model families, objectives and rewards declare, each in the record that reads it;
          `saved_config` (a run's config.json read today); `flatten` (a ConfigDict as dotted
          fields)
 shape    `check_shape`, `check_types` (every field present, of its default's type),
-         `ConfigError`
-checks   `validate` (each value), the reward string's syntax
+         `check_ranges` (each declared value within its range or choices), `ConfigError`
+checks   `validate` (every check, and the rules spanning fields), the reward string's syntax
+reference `markdown()`: docs/settings.md, every setting's table row from its declaration
 
 An experiment file starts from the schema:
 
@@ -30,30 +33,34 @@ from tree_grpo_jax.config.checks import (
 )
 from tree_grpo_jax.config.schema import (
     base_config,
+    declared_settings,
     flatten,
     registered_sections,
     saved_config,
     shared_config,
 )
 from tree_grpo_jax.config.shape import (
-    TUPLE_FIELDS,
     ConfigError,
+    check_ranges,
     check_shape,
     check_types,
     moved_fields,
     tuple_fields,
 )
+from tree_grpo_jax.core.settings import Setting
 
 __all__ = [
     "GUARD_ACTIONS",
     "LR_SCHEDULES",
     "SEED_LIMIT",
-    "TUPLE_FIELDS",
     "WIDTH_PRUNING",
     "ConfigError",
+    "Setting",
     "base_config",
+    "check_ranges",
     "check_shape",
     "check_types",
+    "declared_settings",
     "flatten",
     "guard_on",
     "moved_fields",

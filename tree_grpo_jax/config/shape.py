@@ -7,33 +7,30 @@ from __future__ import annotations
 
 import difflib
 import functools
-import math
-import numbers
 
 import ml_collections
 
-from tree_grpo_jax.config.schema import flatten, registered_sections, shared_config
+from tree_grpo_jax.config.schema import (
+    declared_settings,
+    flatten,
+    registered_sections,
+    shared_config,
+)
+from tree_grpo_jax.core.settings import describe, is_int, is_number
 from tree_grpo_jax.errors import UserError
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
 
-# Tuple fields: their elements' type (an empty default cannot tell) and a command-line example
-# (the command line reads the text as a Python literal; a bare word is a one-entry tuple).
-TUPLE_FIELDS = {
-    "tree.split_steps": (int, "'(0,3,6,9)'"),
-    "advantage.depth_pruning": (int, "'(2,3)'"),
-    "eval.extra_rewards": (str, "\"('digit_accuracy','clip_score')\""),
-    "lora.targets": (str, "\"('to_q','to_v')\""),
-}
-
 
 def tuple_fields() -> dict:
-    """`TUPLE_FIELDS` and those the model families declare in their records."""
-    found = dict(TUPLE_FIELDS)
-    for family in model_registry.families():
-        for field, kind in family.tuple_fields.items():
-            found[f"model.{family.name}.{field}"] = kind
-    return found
+    """Tuple fields: path -> their elements' type (an empty default cannot tell) and a
+    command-line example (the command line reads the text as a Python literal; a bare word is
+    a one-entry tuple), from their declarations."""
+    return {
+        path: (setting.element, setting.example)
+        for path, setting in declared_settings().items()
+        if isinstance(setting.default, tuple)
+    }
 
 
 class ConfigError(UserError):
@@ -73,26 +70,6 @@ def _check_moved(config, source: str = "the config") -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Shape and types: a config holds every shared field of the schema, each of its default's type.
-
-
-def is_number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def describe(value) -> str:
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, ml_collections.ConfigDict):
-        return "a section"
-    if isinstance(value, (tuple, list)):
-        return repr(tuple(value))
-    if value is None or isinstance(value, numbers.Number):
-        return repr(value)
-    return f"a {type(value).__name__}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -207,17 +184,24 @@ def _type_sentence(path: str, default, value) -> str | None:
     return None
 
 
-# Fields that take values of more than one type, checked with their values instead.
-CHECKED_BY_VALUE = ("model.remat",)
-
-
 def check_types(config) -> None:
     """Every field of the schema (the registered sections' too) has its default's type: a
     bool is True/False, an int a whole number, a float a finite number, a tuple a tuple (or
-    list) of its elements' type."""
+    list) of its elements' type; a field declared to take several types is its check's."""
     _, fields, _ = _known_fields()
+    declared = declared_settings()
     have = flatten(config)
     for path, default in fields.items():
-        if path in have and path not in CHECKED_BY_VALUE:
+        if path in have and not (path in declared and declared[path].any_type):
             sentence = _type_sentence(path, default, have[path])
+            require(sentence is None, sentence)
+
+
+def check_ranges(config) -> None:
+    """Every declared field the config holds within its declared range or choices (its type
+    checked before)."""
+    have = flatten(config)
+    for path, setting in declared_settings().items():
+        if path in have:
+            sentence = setting.sentence(path, have[path])
             require(sentence is None, sentence)

@@ -33,7 +33,6 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import struct
 
@@ -46,6 +45,7 @@ from tree_grpo_jax.core.loss import (
     masked_mean,
     ratio_metrics,
 )
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -274,56 +274,40 @@ class AWMObjective(Objective):
     section = "awm"
     reported_metrics = ("matching_error", "ema_kl")
 
-    def options(self):
-        """AWM's settings (tree.method "awm" / "awm_tree"). Defaults: the released SD3.5-M
-        GenEval/OCR configs (scxue/advantage_weighted_matching config/dgx_awm.py:
-        train_timesteps 6, time_type discrete_wo_init, timestep_fraction 0.9, time_shift 3,
-        weighting ghuber with power 0.25, advantage_max 1 over adv_clip_max 5
-        (advantage.clip), clip_range 1 (train.clip_range), ema_beta 1, kl_ema_decay 0.3
-        "linear", off_policy False); train.kl_beta is their beta (0.003; 1e-4 PickScore)."""
-        a = ml_collections.ConfigDict()
-        a.train_timesteps = 6  # times each sample is trained at
-        a.time_sampling = "discrete_wo_init"  # one of TIME_SAMPLINGS (their time_type)
-        a.timestep_fraction = 0.9  # "discrete*": strata over int(num_steps * fraction)
-        a.time_shift = 3.0  # "uniform" / "logit_normal": t -> s t / (1 + (s - 1) t)
-        a.weighting = "ghuber"  # one of WEIGHTINGS
-        a.ghuber_power = 0.25
-        a.advantage_max = 1.0  # advantages clipped to +-advantage.clip, scaled to +-this
-        a.ema_beta = 1.0  # weight of |v - v_ema|^2 (their ema_beta)
-        a.ema_decay_type = "linear"  # "linear": min(rate * iterations, max); "constant": max
-        a.ema_decay_rate = 0.001
-        a.ema_decay_max = 0.3  # their kl_ema_decay
-        a.off_policy = False  # sample with the EMA copy and take its logp as the old one
-        return a
-
-    def check_section(self, config):
-        a = config.awm
-        if not a.train_timesteps >= 1:
-            return f"awm.train_timesteps must be at least 1, got {a.train_timesteps}."
-        if a.time_sampling not in TIME_SAMPLINGS:
-            return (
-                f"awm.time_sampling must be one of {', '.join(TIME_SAMPLINGS)}, got "
-                f"{a.time_sampling!r}."
-            )
-        if not 0 < a.timestep_fraction <= 1:
-            return f"awm.timestep_fraction must be in (0, 1], got {a.timestep_fraction}."
-        if not a.time_shift > 0:
-            return f"awm.time_shift must be positive, got {a.time_shift}."
-        if a.weighting not in WEIGHTINGS:
-            return f"awm.weighting must be one of {', '.join(WEIGHTINGS)}, got {a.weighting!r}."
-        if not a.ghuber_power > 0:
-            return f"awm.ghuber_power must be positive, got {a.ghuber_power}."
-        if not a.advantage_max > 0:
-            return f"awm.advantage_max must be positive, got {a.advantage_max}."
-        if not a.ema_beta >= 0:
-            return f"awm.ema_beta must be >= 0, got {a.ema_beta}."
-        if a.ema_decay_type not in ("linear", "constant"):
-            return f"awm.ema_decay_type must be linear or constant, got {a.ema_decay_type!r}."
-        if not a.ema_decay_rate >= 0:
-            return f"awm.ema_decay_rate must be >= 0, got {a.ema_decay_rate}."
-        if not 0 <= a.ema_decay_max < 1:
-            return f"awm.ema_decay_max must be in [0, 1), got {a.ema_decay_max}."
-        return None
+    # AWM's settings (tree.method "awm" / "awm_tree"). Defaults: the released SD3.5-M
+    # GenEval/OCR configs (scxue/advantage_weighted_matching config/dgx_awm.py:
+    # train_timesteps 6, time_type discrete_wo_init, timestep_fraction 0.9, time_shift 3,
+    # weighting ghuber with power 0.25, advantage_max 1 over adv_clip_max 5
+    # (advantage.clip), clip_range 1 (train.clip_range), ema_beta 1, kl_ema_decay 0.3
+    # "linear", off_policy False); train.kl_beta is their beta (0.003; 1e-4 PickScore).
+    settings = {
+        "train_timesteps": Setting(6, "times each sample is trained at", low=1),
+        "time_sampling": Setting("discrete_wo_init", "their time_type", choices=TIME_SAMPLINGS),
+        "timestep_fraction": Setting(
+            0.9,
+            '"discrete*": strata over int(num_steps * fraction)',
+            low=0,
+            high=1,
+            open_low=True,
+        ),
+        "time_shift": Setting(
+            3.0, '"uniform" / "logit_normal": t -> s t / (1 + (s - 1) t)', low=0, open_low=True
+        ),
+        "weighting": Setting("ghuber", "the loss's weighting over time", choices=WEIGHTINGS),
+        "ghuber_power": Setting(0.25, "ghuber's power", low=0, open_low=True),
+        "advantage_max": Setting(
+            1.0, "advantages clipped to +-advantage.clip, scaled to +-this", low=0, open_low=True
+        ),
+        "ema_beta": Setting(1.0, "weight of |v - v_ema|^2 (their ema_beta)", low=0),
+        "ema_decay_type": Setting(
+            "linear",
+            '"linear": min(rate * iterations, max); "constant": max',
+            choices=("linear", "constant"),
+        ),
+        "ema_decay_rate": Setting(0.001, "the EMA decay's rise per iteration", low=0),
+        "ema_decay_max": Setting(0.3, "their kl_ema_decay", low=0, high=1, open_high=True),
+        "off_policy": Setting(False, "sample with the EMA copy and take its logp as the old one"),
+    }
 
     def check_run(self, config, spec):
         a = config.awm

@@ -33,18 +33,17 @@ setting).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree, guided_prediction
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import awm, nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -236,69 +235,44 @@ class CRDObjective(Objective):
     section = "crd"
     reported_metrics = ("implicit_reward", "unscaled_policy_loss")
 
-    def options(self):
-        """CRD's settings (tree.method "crd"). Defaults: Flow-Factory's CRDTrainingArguments
-        and its SD3.5-M example (examples/crd/lora/sd3_5/default.yaml, the paper's Table 3
-        OCR setting): beta 1, the squared-error match, the old copy as the implicit
-        reward's reference with adaptive weights, uniform centring, the old copy's decay
-        0.25 rising by 0.005 per optimizer step to 0.999, "discrete" times at the sampler's
-        own sigmas over the top 99% (shift 3 for the continuous draws), the KL's reference
-        guided at 4.5 and weighted by the reward; train.kl_beta is their kl_beta (0.1),
-        advantage.clip their adv_clip_range (5)."""
-        d = ml_collections.ConfigDict()
-        d.beta = 1.0  # their crd_beta
-        d.loss_type = "mse"  # "mse" or "bce"
-        d.use_old_for_loss = True  # the implicit reward against the old copy (else initial)
-        d.adaptive_logp = True  # each squared error over its own mean absolute error
-        d.weight_temp = -1.0  # centring: < 0 uniform, > 0 softmax temperature, 0 hard
-        d.train_timesteps = 0  # times per group; 0: int(sampling.num_steps * timestep_range)
-        d.time_sampling = "discrete"  # one of awm.TIME_SAMPLINGS
-        d.timestep_range = 0.99
-        d.time_shift = 3.0
-        d.kl_cfg = 4.5  # guidance of the KL's reference (1: none)
-        d.reward_adaptive_kl = True
-        d.old_decay_start = 0  # optimizer steps before the old copy's decay starts rising
-        d.old_decay_initial = 0.25
-        d.old_decay_slope = 0.005
-        d.old_decay_max = 0.999
-        return d
-
-    def check_section(self, config):
-        d = config.crd
-        if not d.beta > 0:
-            return f"crd.beta must be positive, got {d.beta}."
-        if d.loss_type not in LOSS_TYPES:
-            return f"crd.loss_type must be mse or bce, got {d.loss_type!r}."
-        if not math.isfinite(d.weight_temp):
-            return (
-                f"crd.weight_temp must be a finite number (< 0: uniform centring), got "
-                f"{d.weight_temp}."
-            )
-        if not d.train_timesteps >= 0:
-            return (
-                f"crd.train_timesteps must be >= 0 (0: from the sampling steps), got "
-                f"{d.train_timesteps}."
-            )
-        if d.time_sampling not in awm.TIME_SAMPLINGS:
-            return (
-                f"crd.time_sampling must be one of {', '.join(awm.TIME_SAMPLINGS)}, got "
-                f"{d.time_sampling!r}."
-            )
-        if not 0 < d.timestep_range <= 1:
-            return f"crd.timestep_range must be in (0, 1], got {d.timestep_range}."
-        if not d.time_shift > 0:
-            return f"crd.time_shift must be positive, got {d.time_shift}."
-        if not d.kl_cfg >= 1:
-            return f"crd.kl_cfg must be at least 1 (1: no guidance), got {d.kl_cfg}."
-        if not d.old_decay_start >= 0:
-            return f"crd.old_decay_start must be >= 0, got {d.old_decay_start}."
-        if not 0 <= d.old_decay_initial <= 1:
-            return f"crd.old_decay_initial must be in [0, 1], got {d.old_decay_initial}."
-        if not d.old_decay_slope >= 0:
-            return f"crd.old_decay_slope must be >= 0, got {d.old_decay_slope}."
-        if not 0 <= d.old_decay_max <= 1:
-            return f"crd.old_decay_max must be in [0, 1], got {d.old_decay_max}."
-        return None
+    # CRD's settings (tree.method "crd"). Defaults: Flow-Factory's CRDTrainingArguments and
+    # its SD3.5-M example (examples/crd/lora/sd3_5/default.yaml, the paper's Table 3 OCR
+    # setting): beta 1, the squared-error match, the old copy as the implicit reward's
+    # reference with adaptive weights, uniform centring, the old copy's decay 0.25 rising by
+    # 0.005 per optimizer step to 0.999, "discrete" times at the sampler's own sigmas over the
+    # top 99% (shift 3 for the continuous draws), the KL's reference guided at 4.5 and
+    # weighted by the reward; train.kl_beta is their kl_beta (0.1), advantage.clip their
+    # adv_clip_range (5).
+    settings = {
+        "beta": Setting(1.0, "their crd_beta", low=0, open_low=True),
+        "loss_type": Setting("mse", "the reward match: squared error or BCE", choices=LOSS_TYPES),
+        "use_old_for_loss": Setting(
+            True, "the implicit reward against the old copy (else initial)"
+        ),
+        "adaptive_logp": Setting(True, "each squared error over its own mean absolute error"),
+        "weight_temp": Setting(-1.0, "centring: < 0 uniform, > 0 softmax temperature, 0 hard"),
+        "train_timesteps": Setting(
+            0,
+            "times per group; 0: int(sampling.num_steps * timestep_range)",
+            low=0,
+            note="0: from the sampling steps",
+        ),
+        "time_sampling": Setting("discrete", "how times are drawn", choices=awm.TIME_SAMPLINGS),
+        "timestep_range": Setting(
+            0.99, "the top share of the noise levels drawn", low=0, high=1, open_low=True
+        ),
+        "time_shift": Setting(3.0, "the continuous draws' shift", low=0, open_low=True),
+        "kl_cfg": Setting(
+            4.5, "guidance of the KL's reference (1: none)", low=1, note="1: no guidance"
+        ),
+        "reward_adaptive_kl": Setting(True, "the KL weighted by the reward"),
+        "old_decay_start": Setting(
+            0, "optimizer steps before the old copy's decay starts rising", low=0
+        ),
+        "old_decay_initial": Setting(0.25, "the old copy's first decay", low=0, high=1),
+        "old_decay_slope": Setting(0.005, "its rise per optimizer step", low=0),
+        "old_decay_max": Setting(0.999, "its cap", low=0, high=1),
+    }
 
     def check_run(self, config, spec):
         if config.tree.group_size < 2:

@@ -31,13 +31,13 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -214,50 +214,41 @@ class DGPOObjective(Objective):
     section = "dgpo"
     reported_metrics = ("dsm", "dsm_gap", "group_weight")
 
-    def options(self):
-        """DGPO's settings (tree.method "dgpo"). Defaults: the released SD3.5-M GenEval
-        config (Luo-Yihong/DGPO config/dgpo.py geneval_sd3_4gpu over config/base.py):
-        beta_dpo 100, 4 training steps of the first trunc_steps + 1 = 5, shared noise,
-        clip_dsm with clip range 1e-2, the EMA reference's decay min(0.001 * step, 0.3),
-        sampling with it after 500 iterations, the per-prompt std (global_std False);
-        train.kl_beta is their train.beta (0.02)."""
-        d = ml_collections.ConfigDict()
-        d.beta_dpo = 100.0
-        d.train_timesteps = 4  # steps each group is trained at (their num_train_timesteps)
-        d.trunc_steps = 4  # drawn from the first trunc_steps + 1 sampler steps
-        d.shared_noise = True  # one forward noise per group (their use_shared_noise)
-        d.clip_dsm = True  # PPO-style clip of the DSM loss against the EMA copy
-        d.clip_range = 1e-2
-        d.reference = "initial"  # the preference's reference: "initial" or "ema" (use_ema_ref)
-        d.ema_decay_rate = 0.001
-        d.ema_decay_max = 0.3
-        d.switch_ema_ref = 500  # sample with the EMA copy after this many iterations
-        d.global_std = False  # advantages over the batch's std (True) or each prompt's
-        return d
+    # DGPO's settings (tree.method "dgpo"). Defaults: the released SD3.5-M GenEval config
+    # (Luo-Yihong/DGPO config/dgpo.py geneval_sd3_4gpu over config/base.py): beta_dpo 100, 4
+    # training steps of the first trunc_steps + 1 = 5, shared noise, clip_dsm with clip range
+    # 1e-2, the EMA reference's decay min(0.001 * step, 0.3), sampling with it after 500
+    # iterations, the per-prompt std (global_std False); train.kl_beta is their train.beta
+    # (0.02).
+    settings = {
+        "beta_dpo": Setting(100.0, "the preference's temperature", low=0, open_low=True),
+        "train_timesteps": Setting(
+            4, "steps each group is trained at (their num_train_timesteps)", low=1
+        ),
+        "trunc_steps": Setting(4, "drawn from the first trunc_steps + 1 sampler steps", low=0),
+        "shared_noise": Setting(True, "one forward noise per group (their use_shared_noise)"),
+        "clip_dsm": Setting(True, "PPO-style clip of the DSM loss against the EMA copy"),
+        "clip_range": Setting(1e-2, "clip_dsm's range", low=0, open_low=True),
+        "reference": Setting(
+            "initial",
+            'the preference\'s reference: "initial" or "ema" (use_ema_ref)',
+            choices=REFERENCES,
+        ),
+        "ema_decay_rate": Setting(0.001, "the EMA decay's rise per iteration", low=0),
+        "ema_decay_max": Setting(0.3, "the EMA decay's cap", low=0, high=1, open_high=True),
+        "switch_ema_ref": Setting(
+            500, "sample with the EMA copy after this many iterations", low=0
+        ),
+        "global_std": Setting(False, "advantages over the batch's std (True) or each prompt's"),
+    }
 
     def check_section(self, config):
         d = config.dgpo
-        if not d.beta_dpo > 0:
-            return f"dgpo.beta_dpo must be positive, got {d.beta_dpo}."
-        if not d.train_timesteps >= 1:
-            return f"dgpo.train_timesteps must be at least 1, got {d.train_timesteps}."
-        if not d.trunc_steps >= 0:
-            return f"dgpo.trunc_steps must be >= 0, got {d.trunc_steps}."
         if d.train_timesteps > d.trunc_steps + 1:
             return (
                 f"dgpo.train_timesteps={d.train_timesteps} distinct steps cannot be drawn from "
                 f"the first dgpo.trunc_steps + 1 = {d.trunc_steps + 1}."
             )
-        if not d.clip_range > 0:
-            return f"dgpo.clip_range must be positive, got {d.clip_range}."
-        if d.reference not in REFERENCES:
-            return f"dgpo.reference must be initial or ema, got {d.reference!r}."
-        if not d.ema_decay_rate >= 0:
-            return f"dgpo.ema_decay_rate must be >= 0, got {d.ema_decay_rate}."
-        if not 0 <= d.ema_decay_max < 1:
-            return f"dgpo.ema_decay_max must be in [0, 1), got {d.ema_decay_max}."
-        if not d.switch_ema_ref >= 0:
-            return f"dgpo.switch_ema_ref must be >= 0, got {d.switch_ema_ref}."
         return None
 
     def check_run(self, config, spec):

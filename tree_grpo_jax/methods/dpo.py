@@ -25,18 +25,17 @@ hparams/training_args.py (DPOTrainingArguments) with examples/dpo/lora/sd3_5/def
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import nft
 from tree_grpo_jax.methods.objective import Objective, RowSource
@@ -175,35 +174,22 @@ class DPOObjective(Objective):
     section = "dpo"
     reported_metrics = ("reward_margin", "implicit_accuracy")
 
-    def options(self):
-        """Diffusion-DPO's settings (tree.method "dpo"). Defaults: Flow-Factory's SD3.5-M
-        example (examples/dpo/lora/sd3_5/default.yaml over DPOTrainingArguments): beta 100
-        (the arguments' own default is 2000), one time per pair from a logit-normal (mean
-        0, std 1, no shift) over the top 99% of the noise levels."""
-        d = ml_collections.ConfigDict()
-        d.beta = 100.0
-        d.train_timesteps = 1  # times each pair is trained at (their num_train_timesteps)
-        d.timestep_range = 0.99  # sigma = 1 - timestep_range * u
-        d.logit_mean = 0.0
-        d.logit_std = 1.0
-        d.time_shift = 1.0
-        return d
-
-    def check_section(self, config):
-        d = config.dpo
-        if not d.beta > 0:
-            return f"dpo.beta must be positive, got {d.beta}."
-        if not d.train_timesteps >= 1:
-            return f"dpo.train_timesteps must be at least 1, got {d.train_timesteps}."
-        if not 0 < d.timestep_range <= 1:
-            return f"dpo.timestep_range must be in (0, 1], got {d.timestep_range}."
-        if not math.isfinite(d.logit_mean):
-            return f"dpo.logit_mean must be a finite number, got {d.logit_mean}."
-        if not d.logit_std > 0:
-            return f"dpo.logit_std must be positive, got {d.logit_std}."
-        if not d.time_shift > 0:
-            return f"dpo.time_shift must be positive, got {d.time_shift}."
-        return None
+    # Diffusion-DPO's settings (tree.method "dpo"). Defaults: Flow-Factory's SD3.5-M example
+    # (examples/dpo/lora/sd3_5/default.yaml over DPOTrainingArguments): beta 100 (the
+    # arguments' own default is 2000), one time per pair from a logit-normal (mean 0, std 1,
+    # no shift) over the top 99% of the noise levels.
+    settings = {
+        "beta": Setting(100.0, "the preference's temperature", low=0, open_low=True),
+        "train_timesteps": Setting(
+            1, "times each pair is trained at (their num_train_timesteps)", low=1
+        ),
+        "timestep_range": Setting(
+            0.99, "sigma = 1 - timestep_range * u", low=0, high=1, open_low=True
+        ),
+        "logit_mean": Setting(0.0, "the logit-normal's mean"),
+        "logit_std": Setting(1.0, "the logit-normal's std", low=0, open_low=True),
+        "time_shift": Setting(1.0, "t -> s t / (1 + (s - 1) t)", low=0, open_low=True),
+    }
 
     def check_run(self, config, spec):
         if config.tree.group_size < 2:

@@ -29,13 +29,13 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -258,46 +258,38 @@ class NFTObjective(Objective):
     draws_rows = True  # the sigmas and noises of its rows
     section = "diffusion_nft"
 
-    def options(self):
-        """DiffusionNFT's settings (tree.method "diffusion_nft" / "diffusion_nft_tree"): the
-        velocity is trained on the leaves noised again at sampling sigmas, between the
-        implicit policies beta * v + (1 - beta) * v_old and (1 + beta) * v_old - beta * v,
-        each leaf weighted by its optimality r = clip(A / (2 * advantage.clip) + 1/2, 0, 1).
-        Defaults: the released SD3.5-M configs (NVlabs/DiffusionNFT config/nft.py);
-        train.kl_beta is its KL to the initial model (theirs: 1e-4) and advantage.clip its
-        adv_clip_max (5)."""
-        n = ml_collections.ConfigDict()
-        n.beta = 1.0  # the implicit policies' step (theirs: 1.0; 0.1 for OCR)
+    # DiffusionNFT's settings (tree.method "diffusion_nft" / "diffusion_nft_tree"): the
+    # velocity is trained on the leaves noised again at sampling sigmas, between the implicit
+    # policies beta * v + (1 - beta) * v_old and (1 + beta) * v_old - beta * v, each leaf
+    # weighted by its optimality r = clip(A / (2 * advantage.clip) + 1/2, 0, 1). Defaults:
+    # the released SD3.5-M configs (NVlabs/DiffusionNFT config/nft.py); train.kl_beta is its
+    # KL to the initial model (theirs: 1e-4) and advantage.clip its adv_clip_max (5).
+    settings = {
+        "beta": Setting(
+            1.0, "the implicit policies' step (theirs: 1.0; 0.1 for OCR)", low=0, open_low=True
+        ),
         # The old policy samples and anchors the loss: after each iteration
         # old <- d * old + (1 - d) * new, d = min(max(0, iterations done - flat) * rate, max)
         # (their decay_type 1: 0, 0.001, 0.5; decay_type 2, for OCR: 75, 0.0075, 0.999).
-        n.old_policy_flat = 0
-        n.old_policy_rate = 0.001
-        n.old_policy_max = 0.5
-        # sigmas each leaf is trained at: int(sampling.num_steps * fraction) of the sampling
-        # steps, drawn per leaf without repeats, each with its own noise (theirs: 0.99)
-        n.timestep_fraction = 0.99
-        return n
-
-    def check_section(self, config):
-        """The `diffusion_nft` section: the first of its fields that is wrong."""
-        n = config.diffusion_nft
-        if not n.beta > 0:
-            return f"diffusion_nft.beta must be positive, got {n.beta}."
-        if not n.old_policy_flat >= 0:
-            return (
-                f"diffusion_nft.old_policy_flat must be >= 0 iterations, got {n.old_policy_flat}."
-            )
-        if not n.old_policy_rate >= 0:
-            return f"diffusion_nft.old_policy_rate must be >= 0, got {n.old_policy_rate}."
-        if not 0 <= n.old_policy_max < 1:
-            return (
-                "diffusion_nft.old_policy_max must be in [0, 1) (1 would never move the old "
-                f"policy), got {n.old_policy_max}."
-            )
-        if not 0 < n.timestep_fraction <= 1:
-            return f"diffusion_nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}."
-        return None
+        "old_policy_flat": Setting(0, "iterations before the old policy starts moving", low=0),
+        "old_policy_rate": Setting(0.001, "the decay's rise per iteration", low=0),
+        "old_policy_max": Setting(
+            0.5,
+            "the decay's cap",
+            low=0,
+            high=1,
+            open_high=True,
+            note="1 would never move the old policy",
+        ),
+        "timestep_fraction": Setting(
+            0.99,
+            "sigmas each leaf is trained at: int(sampling.num_steps * fraction) of the sampling "
+            "steps, drawn per leaf without repeats, each with its own noise (theirs: 0.99)",
+            low=0,
+            high=1,
+            open_low=True,
+        ),
+    }
 
     def check_run(self, config, spec):
         if config.sampling.guidance_scale == 1.0:

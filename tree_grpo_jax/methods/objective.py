@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -28,6 +28,8 @@ import numpy as np
 from tree_grpo_jax.core import tree_spec
 from tree_grpo_jax.core.loss import LossSettings
 from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.core.settings import Setting
+from tree_grpo_jax.core.settings import section as section_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +80,19 @@ class Objective(abc.ABC):
 
     # -- its own config section (`config.<section>`), or none ------------------------------------
     section: ClassVar[str | None] = None
+    # the section's declarations (`tree_grpo_jax.core.settings.Setting`): its defaults,
+    # types and ranges, checked whichever method a run uses
+    settings: ClassVar[Mapping[str, Setting]] = {}
 
     def options(self) -> ml_collections.ConfigDict | None:
         """The section's fields at their defaults; the schema composes them into every run's
         config (`tree_grpo_jax.config.base_config`)."""
-        return None
+        return section_of(self.settings) if self.section is not None else None
 
     # -- config checks: one sentence for the user, or None -------------------------------------
     def check_section(self, config: ml_collections.ConfigDict) -> str | None:
-        """The objective's own config section, checked whichever method a run uses."""
+        """The rules of the objective's own section that span its fields (each field's range
+        is its declaration's), checked whichever method a run uses."""
         return None
 
     def check_run(self, config: ml_collections.ConfigDict, spec: tree_spec.TreeSpec) -> str | None:

@@ -13,11 +13,11 @@ with it and reweights the steps (core/loss.py). Off by default: today's runs are
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from tree_grpo_jax.core import pruning, sampling, transitions
 from tree_grpo_jax.core.loss import GUARD_REWEIGHTS, PPOSettings, ppo_loss
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.tree_spec import Kind, TreeSpec
 from tree_grpo_jax.methods.objective import Objective, RowSource
 
@@ -38,28 +38,22 @@ class PPOObjective(Objective):
     section = "grpo_guard"
     replays_rows = True
 
-    def options(self):
-        """GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
-        variants), flow models only. The ratio becomes
-        exp(s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2))), s the step's std, mu_old the
-        rollout's step mean (recorded by the rollout: one more state per trained parent),
-        and with reweight "dt" each edge's term is divided by its step's |dt|. Sources:
-        Flow-Factory src/flow_factory/trainers/grpo.py (GRPOGuardTrainer: the normalised
-        ratio) and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
-        reweighting); arXiv 2510.22319."""
-        g = ml_collections.ConfigDict()
-        g.enabled = False
-        g.reweight = "dt"  # "dt": divide each step's terms by |dt|; "none": the ratio alone
-        return g
-
-    def check_section(self, config):
-        g = config.grpo_guard
-        if g.reweight not in GUARD_REWEIGHTS:
-            return (
-                f"grpo_guard.reweight must be one of {', '.join(GUARD_REWEIGHTS)}, got "
-                f"{g.reweight!r}."
-            )
-        return None
+    # GRPO-Guard for the PPO methods (grpo, mixgrpo, treegrpo, branchgrpo and their
+    # variants), flow models only. The ratio becomes
+    # exp(s * (logp - logp_old + |mu - mu_old|^2 / (2 s^2))), s the step's std, mu_old the
+    # rollout's step mean (recorded by the rollout: one more state per trained parent), and
+    # with reweight "dt" each edge's term is divided by its step's |dt|. Sources:
+    # Flow-Factory src/flow_factory/trainers/grpo.py (GRPOGuardTrainer: the normalised ratio)
+    # and the Flow-GRPO-based GRPO-Guard trainers (the `policy_loss / sqrt_dt**2`
+    # reweighting); arXiv 2510.22319.
+    settings = {
+        "enabled": Setting(False, "the normalised ratio (flow models)"),
+        "reweight": Setting(
+            "dt",
+            '"dt": divide each step\'s terms by |dt|; "none": the ratio alone',
+            choices=GUARD_REWEIGHTS,
+        ),
+    }
 
     def check_run(self, config, spec):
         if spec.trainable_edges > 0:
@@ -120,8 +114,8 @@ class PPOObjective(Objective):
             reduce=str(c.sampling.log_prob_reduce),
             guard=bool(c.grpo_guard.enabled),
             guard_reweight=str(c.grpo_guard.reweight),
-            correction=str(c.train.get("replay_correction", "clip")),
-            weight_max=float(c.train.get("replay_weight_max", 1.0)),
+            correction=str(c.train.replay_correction),
+            weight_max=float(c.train.replay_weight_max),
         )
 
     def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
@@ -133,7 +127,7 @@ class PPOObjective(Objective):
         rewards: each kept parent's x0 estimate."""
         blocks = spec.segment_blocks
         means = sum(b.num_steps * b.nodes_in for b in blocks) if config.grpo_guard.enabled else 0
-        kept = config.advantage.get("node_rewards", "none")
+        kept = config.advantage.node_rewards
         x0 = sum(
             b.num_steps * b.nodes_in
             for b in blocks

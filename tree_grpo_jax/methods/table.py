@@ -197,7 +197,7 @@ class Method:
         (`Objective.training_counts`, after the tree's description and leaves)."""
         spec = self.spec_at(config, iteration)
         counts = self.objective.training_counts(config, spec, self.pruning)
-        replay = config.train.get("replay", 0)
+        replay = config.train.replay
         if replay:  # the rows of the last `replay` iterations are trained again
             past = [
                 self.objective.training_counts(config, self.spec_at(config, i), self.pruning)
@@ -253,7 +253,7 @@ def _treegrpo_credit(spec, tree, rewards, credit: Credit):
         tree,
         rewards,
         ddof=o.std_ddof,
-        edge_normalization=o.get("edge_normalization", "none"),
+        edge_normalization=o.edge_normalization,
     )
 
 
@@ -265,12 +265,12 @@ def _branchgrpo_credit(spec, tree, rewards, credit: Credit):
         rewards,
         fusion=o.fusion,
         alpha=o.fusion_alpha,
-        normalization=o.get("branch_normalization", "depthwise"),
+        normalization=o.branch_normalization,
     )
 
 
 def _treegrpo_leaf_credit(options) -> bool:
-    return options.get("edge_normalization", "none") == "none"
+    return options.edge_normalization == "none"
 
 
 def _branch_leaf_credit(options) -> bool:

@@ -68,14 +68,13 @@ class ModelFamily:
     load: Callable[[LoadRequest], Any]  # -> a `base.TextToImageModel`
     needs_path: bool = False  # True: model.path must name its folder
     path_hint: str = ""  # what model.path should be, ending the sentence when it is missing
-    options: Callable[[], Any] | None = None  # the defaults of `model.<name>` (a ConfigDict)
-    # `model.<name>` -> one sentence for its first bad value, or None
+    # the defaults of `model.<name>` (a ConfigDict); made by `core.settings.defaults_of`,
+    # it carries the fields' declarations (types, ranges), which the config checks read
+    options: Callable[[], Any] | None = None
+    # `model.<name>` -> one sentence for a rule spanning its fields, or None
     check_options: Callable[[Any], str | None] | None = None
     # fields of the shared `model` section that moved into `model.<name>` (old -> new path)
     moved_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # the tuple fields of `model.<name>` (field -> its elements' type and a command-line
-    # example), for the config's type check: an empty or mixed default cannot tell
-    tuple_fields: Mapping[str, tuple[type, str]] = dataclasses.field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # LoRA's default target modules (Flax names)
     recognizes: Callable[[Path], bool] | None = None  # a local folder has this family's layout
     export: FamilyExport | None = None  # None: nothing to export into

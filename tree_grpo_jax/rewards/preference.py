@@ -16,15 +16,14 @@ Each builder takes its folder and returns `fn(images [B, H, W, C] in [0, 1], pro
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.rewards import clip, registry
 from tree_grpo_jax.weights import files
@@ -185,18 +184,16 @@ def aesthetic(path: str, **options) -> Callable:
     return reward
 
 
-def pickscore_options() -> ml_collections.ConfigDict:
-    """`reward_options.pickscore`: PickScore's own settings, with their defaults."""
-    c = ml_collections.ConfigDict()
-    c.divisor = 1.0  # 1: the authors' scale; Flow-GRPO uses 26
-    return c
-
-
-def check_pickscore_options(o) -> str | None:
-    d = o.divisor
-    if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d > 0):
-        return f"reward_options.pickscore.divisor must be positive, got {d!r}."
-    return None
+# `reward_options.pickscore`: PickScore's own settings.
+PICKSCORE_SETTINGS = {
+    "divisor": Setting(
+        1.0,
+        "the score is divided by it: 1, the authors' scale; Flow-GRPO uses 26",
+        low=0,
+        open_low=True,
+    ),
+}
+pickscore_options = defaults_of(PICKSCORE_SETTINGS)
 
 
 def register_all() -> None:
@@ -207,7 +204,6 @@ def register_all() -> None:
         pickscore,
         weights="a PickScore_v1 folder",
         options=pickscore_options,
-        check_options=check_pickscore_options,
         moved_fields={"reward_options.pickscore_divisor": "reward_options.pickscore.divisor"},
     )
     registry.register_model(

@@ -505,6 +505,11 @@ def load_reward(name: str, path: str | None = None, **options) -> Reward:
     return entry.reward(name, fn)
 
 
+def options_function(name: str) -> Callable[[], Any] | None:
+    """The reward's `options` (() -> its section's defaults), or None."""
+    return _entry(name).options
+
+
 def options_of(name: str, reward_options) -> Any:
     """The reward's own section of a config's `reward_options` (its defaults when absent);
     None for a reward without settings of its own."""

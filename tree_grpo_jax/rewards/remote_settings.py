@@ -1,7 +1,7 @@
-"""The settings of a served reward, `reward_options.remote.<name>`: their defaults
-(`settings()`) and their checks, one sentence for the first bad one (`check_settings`), each
-value quoted short and with a URL's credentials hidden (`shown`, `redacted`). The client is
-`remote.py`.
+"""The settings of a served reward, `reward_options.remote.<name>`: their declarations
+(`SETTINGS`: defaults, ranges, choices; `settings()` the defaults) and their checks, one
+sentence for the first bad one (`check_settings`), each value quoted short and with a URL's
+credentials hidden (`shown`, `redacted`). The client is `remote.py`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import numbers
 import re
 import urllib.parse
 
-import ml_collections
-
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.errors import echo
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.rewards import chat
@@ -29,30 +28,60 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _CREDENTIALS = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^/?#]*@")
 
 
-def settings() -> ml_collections.ConfigDict:
-    """One remote reward's settings, `reward_options.remote.<name>`, at their defaults."""
-    c = ml_collections.ConfigDict()
-    c.url = ""  # http(s)://host:port/path; several, comma-separated, are taken in turn
-    c.batch_size = 16  # images per request
-    c.in_flight = 2  # requests at once
-    c.timeout_s = 60.0  # a request's deadline: connecting, sending and the whole answer
-    c.retries = 3  # further tries of a request that failed to connect, timed out or got 5xx
-    c.backoff_s = 0.5  # the wait before the first retry, doubled before each next one
-    c.score_field = "scores"  # the answer's field holding one score per image
-    c.format = "raw"  # how images travel: "raw" (uint8 bytes) or "png"
-    c.media = media_kinds.IMAGE  # "image": videos go frame by frame; "video": whole
-    c.header = ""  # a header carrying the token, e.g. "Authorization" ("" = none)
-    c.token_env = ""  # the environment variable holding the header's value
-    # the protocol: "scores" (the wire format above) or "chat" (an OpenAI-compatible chat
-    # endpoint asked `question` per image; `chat.py`), whose settings follow
-    c.protocol = "scores"
-    c.model = ""  # chat: the served model's name
-    c.question = ""  # chat: a template; {prompt} and the prompt's metadata fields
-    c.score_from = "answer"  # chat: "answer" (yes/no or a number) or "logprobs" (P(yes))
-    c.scale = 1.0  # chat: an answer's number is divided by it
-    c.max_tokens = 8  # chat: the longest answer
-    c.top_logprobs = 5  # chat: the first token's alternatives read by "logprobs"
-    return c
+# One remote reward's settings, `reward_options.remote.<name>`.
+SETTINGS = {
+    "url": Setting("", "http(s)://host:port/path; several, comma-separated, are taken in turn"),
+    "batch_size": Setting(16, "images per request", low=1),
+    "in_flight": Setting(2, "requests at once", low=1, high=MAX_IN_FLIGHT, note="requests at once"),
+    "timeout_s": Setting(
+        60.0,
+        "a request's deadline: connecting, sending and the whole answer",
+        low=0,
+        open_low=True,
+        high=MAX_TIMEOUT_S,
+        note="seconds for one whole request",
+    ),
+    "retries": Setting(
+        3,
+        "further tries of a request that failed to connect, timed out or got 5xx",
+        low=0,
+        high=MAX_RETRIES,
+        note="further tries",
+    ),
+    "backoff_s": Setting(
+        0.5,
+        "the wait before the first retry, doubled before each next one",
+        low=0,
+        high=MAX_BACKOFF_S,
+        note="seconds",
+    ),
+    "score_field": Setting("scores", "the answer's field holding one score per image"),
+    "format": Setting("raw", 'how images travel: "raw" (uint8 bytes) or "png"', choices=FORMATS),
+    "media": Setting(
+        media_kinds.IMAGE,
+        '"image": videos go frame by frame; "video": whole',
+        choices=tuple(media_kinds.RANKS),
+    ),
+    "header": Setting("", 'a header carrying the token, e.g. "Authorization" ("" = none)'),
+    "token_env": Setting("", "the environment variable holding the header's value"),
+    "protocol": Setting(
+        "scores",
+        'the protocol: "scores" (the wire format above) or "chat" (an OpenAI-compatible chat '
+        "endpoint asked `question` per image; `chat.py`), whose settings follow",
+        choices=chat.PROTOCOLS,
+    ),
+    "model": Setting("", "chat: the served model's name"),
+    "question": Setting("", "chat: a template; {prompt} and the prompt's metadata fields"),
+    "score_from": Setting(
+        "answer",
+        'chat: "answer" (yes/no or a number) or "logprobs" (P(yes))',
+        choices=chat.SCORE_FROM,
+    ),
+    "scale": Setting(1.0, "chat: an answer's number is divided by it", low=0, open_low=True),
+    "max_tokens": Setting(8, "chat: the longest answer", low=1),
+    "top_logprobs": Setting(5, 'chat: the first token\'s alternatives read by "logprobs"', low=1),
+}
+settings = defaults_of(SETTINGS)
 
 
 FIELDS = tuple(settings().keys())
@@ -110,15 +139,13 @@ def check_settings(instance: str, s) -> str | None:
             or not math.isfinite(value)
         ):
             return f"{where}.{field} must be a finite number, got {shown(value)}."
+    for field, setting in SETTINGS.items():  # the ranges and choices declared above
+        sentence = setting.sentence(f"{where}.{field}", s[field], show=shown)
+        if sentence:
+            return sentence
     sentence = _check_urls(where, s["url"])
     if sentence:
         return sentence
-    sentence = _check_numbers(where, s)
-    if sentence:
-        return sentence
-    for field, allowed in (("format", FORMATS), ("media", tuple(media_kinds.RANKS))):
-        if s[field] not in allowed:
-            return f"{where}.{field} must be one of {allowed}, got {shown(s[field])}."
     if not s["score_field"]:
         return f"{where}.score_field must name the answer's field of scores."
     if bool(s["header"]) != bool(s["token_env"]):
@@ -128,8 +155,6 @@ def check_settings(instance: str, s) -> str | None:
         )
     if s["header"] and not _HEADER_NAME.match(s["header"]):
         return f"{where}.header {shown(s['header'])} is not a header name."
-    if s["protocol"] not in chat.PROTOCOLS:
-        return f"{where}.protocol must be one of {chat.PROTOCOLS}, got {shown(s['protocol'])}."
     if s["protocol"] == "chat":
         return _check_chat(where, s)
     unread = [f for f in CHAT_FIELDS if s[f] != settings()[f]]
@@ -170,41 +195,12 @@ def _check_urls(where: str, text: str) -> str | None:
     return None
 
 
-def _check_numbers(where: str, s: dict) -> str | None:
-    """The numbers within their bounds (finite, as checked already)."""
-    if s["batch_size"] < 1:
-        return f"{where}.batch_size must be at least 1, got {shown(s['batch_size'])}."
-    bounds = (
-        ("in_flight", 1, MAX_IN_FLIGHT, " requests at once"),
-        ("retries", 0, MAX_RETRIES, " further tries"),
-        ("backoff_s", 0, MAX_BACKOFF_S, " seconds"),
-    )
-    if not 0 < s["timeout_s"] <= MAX_TIMEOUT_S:
-        return (
-            f"{where}.timeout_s must be positive and at most {MAX_TIMEOUT_S:g} (seconds for "
-            f"one whole request), got {shown(s['timeout_s'])}."
-        )
-    for field, low, high, unit in bounds:
-        if not low <= s[field] <= high:
-            return (
-                f"{where}.{field} must be between {low} and {high:g}{unit}, got {shown(s[field])}."
-            )
-    return None
-
-
 def _check_chat(where: str, s: dict) -> str | None:
     if not s["model"]:
         return f"{where}.model is missing: set the name the chat server serves its model under."
     sentence = chat.check_question(where, s["question"])
     if sentence:
         return sentence
-    if s["score_from"] not in chat.SCORE_FROM:
-        return f"{where}.score_from must be one of {chat.SCORE_FROM}, got {shown(s['score_from'])}."
-    if s["scale"] <= 0:
-        return f"{where}.scale must be positive, got {shown(s['scale'])}."
-    for field in ("max_tokens", "top_logprobs"):
-        if s[field] < 1:
-            return f"{where}.{field} must be at least 1, got {shown(s[field])}."
     if s["media"] != media_kinds.IMAGE:
         return f"{where}.media must be 'image' with protocol 'chat' (one image per question)."
     return None

@@ -72,7 +72,7 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_
     prompts = config.prompts.batch_size
     states = spec.recorded_states + objective.row_samples(config, spec)
     per_prompt = (states + spec.leaves) * sample_bytes + spec.leaves * picture_bytes
-    eval_rows = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
+    eval_rows = config.prompts.eval_count * config.eval.samples_per_prompt
     # the fixed noise (drawn, then copied to the host), the samples and their pictures
     per_eval = 3 * sample_bytes + picture_bytes
     limit, where = precompile.memory_limit()
@@ -96,7 +96,7 @@ def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_
             f"prompts.batch_size (at most {limit // per_prompt} fit) or the tree's size."
         )
     # train.replay keeps N iterations' rows on the host (numpy, outside the device's memory)
-    kept = config.train.get("replay", 0)
+    kept = config.train.replay
     held = kept and kept * prompts * objective.replay_samples(config, spec) * sample_bytes
     free = _host_available() if held else None
     if free is not None and held > free:
@@ -271,7 +271,7 @@ def references(config, params, base):
     keep = keeps_reference(config, methods.get(config.tree.method).objective)
     # the eval's exact KL to the initial policy: asked for, watched by the guard, or beside a
     # reference kept anyway
-    eval_kl = config.eval.get("kl", False) or cfg.guard_on(config) or keep
+    eval_kl = config.eval.kl or cfg.guard_on(config) or keep
     initial = params if base is None else base
     return (initial if keep else None), (initial if eval_kl else None)
 
@@ -351,7 +351,7 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         uncond=uncond,
         loss_uncond=loss_uncond,
         tracker=None,
-        replay=replay.buffer(config.train.get("replay", 0)),  # sizes the step's conditioning
+        replay=replay.buffer(config.train.replay),  # sizes the step's conditioning
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -500,7 +500,7 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         uncond=uncond,
         loss_uncond=loss_uncond,
         tracker=make_tracker(config, method),
-        replay=replay.buffer(config.train.get("replay", 0)),
+        replay=replay.buffer(config.train.replay),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -529,9 +529,8 @@ def diversity_embed(config, eval_prompts, mesh, media: str = media_kinds.IMAGE, 
     in the eval list, or `eval.samples_per_prompt` > 1); else None, or one sentence when
     the guard would watch a diversity there is none of. Videos are embedded frame by
     frame. `image_embed`: the image embedding already built (else it is built here)."""
-    if config.eval.get("samples_per_prompt", 1) < 2 and not diversity.repeats(eval_prompts):
-        guard = config.eval.get("guard")
-        if guard is not None and guard.min_diversity_fraction > 0:
+    if config.eval.samples_per_prompt < 2 and not diversity.repeats(eval_prompts):
+        if config.eval.guard.min_diversity_fraction > 0:
             raise cfg.ConfigError(
                 "eval.guard.min_diversity_fraction needs several samples of an eval prompt: "
                 f"set eval.samples_per_prompt >= 2 (the {len(eval_prompts)} eval prompts are "

@@ -61,7 +61,7 @@ _kept = reuse.Kept(8)
 def sampling_denoise(model, config, mesh) -> DenoiseFn:
     """The rollout's and the evaluation's denoiser: `sampling.denoise_rows` rows at a time
     (0: a whole level at once), laid out over `mesh`."""
-    rows = int(config.sampling.get("denoise_rows", 0))
+    rows = int(config.sampling.denoise_rows)
     return _kept.get(
         ("sampling", model.denoise, mesh, rows),
         lambda: in_chunks(laid_out(model.denoise, mesh), rows),

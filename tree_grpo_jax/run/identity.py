@@ -148,7 +148,7 @@ def _frozen_folders(config) -> dict[str, str]:
     reads from a folder."""
     parts = {}
     family = model_registry.family_of(config.model.name)
-    path = config.model.get("path", "") or ""
+    path = config.model.path
     if family.needs_path and path:
         root = pathlib.Path(os.path.expanduser(path))
         if not os.path.isdir(root):  # not a folder, or not one to look at: the loader says

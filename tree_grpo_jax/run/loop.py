@@ -267,10 +267,15 @@ def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -
     return metrics
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs (or resumes) the configured training; returns the final summary."""
+def train(
+    config: ml_collections.ConfigDict, workdir: str, reward_weights: dict | None = None
+) -> dict:
+    """Runs (or resumes) the configured training; returns the final summary. The config is
+    validated here unless the caller did (the command line), which passes the reward weights
+    `cfg.validate` returned."""
     session_start = time.time()
-    reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
+    if reward_weights is None:
+        reward_weights = cfg.validate(config, known_rewards=reward_registry.available_rewards())
     if "://" in workdir:
         raise cfg.ConfigError(
             f"--workdir {workdir} is not a local folder; keep the workdir (logs, pictures) "

@@ -122,15 +122,15 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
     """The settings that lower `program`'s memory, each with a value to try; those that
     already have their smallest value left out."""
     c = config
-    full = not c.lora.get("rank", 0)
+    full = not c.lora.rank
     rows = c.train.rows_per_minibatch
-    accumulation = c.train.get("grad_accumulation", 1)
+    accumulation = c.train.grad_accumulation
     batch = _Setting("prompts.batch_size", _half(c.prompts.batch_size), "prompts an iteration")
     eval_count = _Setting("prompts.eval_count", _half(c.prompts.eval_count))
-    per_prompt = c.eval.get("samples_per_prompt", 1)
+    per_prompt = c.eval.samples_per_prompt
     eval_samples = _Setting("eval.samples_per_prompt", _half(per_prompt))
     denoise = _Setting("sampling.denoise_rows", 8, "rows through the denoiser at once")
-    if c.sampling.get("denoise_rows", 0) not in (0, None):
+    if c.sampling.denoise_rows not in (0, None):
         denoise = _Setting("sampling.denoise_rows", _half(c.sampling.denoise_rows))
     minibatch = _Setting(
         "train.rows_per_minibatch",
@@ -147,7 +147,7 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
     on_host = getattr(getattr(trainer, "reward", None), "on_host", False)
     parts = _Setting(
         "reward_options.decode_chunks",
-        2 * c.reward_options.get("decode_chunks", 1),
+        2 * c.reward_options.decode_chunks,
         "the decode in parts, each scored as it comes",
     )
 
@@ -155,14 +155,13 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
         "prompts.batch_size": c.prompts.batch_size > 1,
         "prompts.eval_count": c.prompts.eval_count > 1,
         "eval.samples_per_prompt": per_prompt > 1,
-        "sampling.denoise_rows": c.sampling.get("denoise_rows", 0) != 1,
+        "sampling.denoise_rows": c.sampling.denoise_rows != 1,
         "train.rows_per_minibatch": rows > 1,
         "model.remat": remat_mode(c.model.remat) == "none",
         "model.compute_dtype": c.model.compute_dtype == "float32",
-        "train.optimizer_state_dtype": full
-        and c.train.get("optimizer_state_dtype", "float32") == "float32",
+        "train.optimizer_state_dtype": full and c.train.optimizer_state_dtype == "float32",
         "lora.rank": full,
-        "mesh.fsdp": devices > 1 and c.mesh.get("fsdp", 1) == 1,
+        "mesh.fsdp": devices > 1 and c.mesh.fsdp == 1,
         "reward_options.chunk_size": c.reward_options.chunk_size > 1,
         "reward_options.decode_chunks": on_host,
     }
@@ -186,7 +185,7 @@ def out_of_memory(error: BaseException, config) -> OutOfMemory | None:
         program = "decode"  # a host reward takes no device memory: its parts' decode does
     evaluating = "evaluation" in when or program == "evaluation"
     settings = _settings(program, evaluating, config, trainer)
-    rank = int(config.lora.get("rank", 0))
+    rank = int(config.lora.rank)
     likely = ""
     if rank > LARGE_LORA_RANK:
         likely = f"; lora.rank={rank} is the likely cause (LoRA ranks are 4-256): lower it"

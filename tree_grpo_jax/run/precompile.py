@@ -134,7 +134,7 @@ def check_fits(
     """One sentence for the first program that cannot fit in `limit` bytes per device
     (`per_device`: how many of a process's devices its batches split over), naming the
     largest setting of its batch that would."""
-    samples = config.prompts.eval_count * config.eval.get("samples_per_prompt", 1)
+    samples = config.prompts.eval_count * config.eval.samples_per_prompt
     remat = "" if remat_mode(config.model.remat) != "none" else " (or set model.remat=True)"
     # when not even one fits, the sample's own size may be what to lower
     sized_by = model_registry.sample_settings(config.model)

@@ -102,10 +102,8 @@ def load_prompts(source: str, field: str = "", category_field: str = "") -> list
 
 
 def prompt_settings(config) -> tuple[str, str]:
-    """(prompts.field, prompts.category_field) of `config`; a config that predates them
-    reads as their defaults (empty: found by name)."""
-    p = config.prompts
-    return p.get("field", "") or "", p.get("category_field", "") or ""
+    """(prompts.field, prompts.category_field) of `config` (empty: found by name)."""
+    return config.prompts.field, config.prompts.category_field
 
 
 def config_prompt_set(config, eval_set: bool = False) -> PromptSet:
@@ -113,7 +111,7 @@ def config_prompt_set(config, eval_set: bool = False) -> PromptSet:
     prompts are drawn from (`prompts.eval_source`, else `prompts.source`)."""
     source = config.prompts.source
     if eval_set:
-        source = config.prompts.get("eval_source") or source
+        source = config.prompts.eval_source or source
     return load_prompt_set(source, *prompt_settings(config))
 
 

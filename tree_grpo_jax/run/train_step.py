@@ -64,7 +64,7 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
         float(train.adam_eps),
         float(train.weight_decay),
         int(train.grad_accumulation),
-        str(train.get("optimizer_state_dtype", "float32")),
+        str(train.optimizer_state_dtype),
     )
 
 

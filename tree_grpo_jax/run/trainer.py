@@ -293,7 +293,7 @@ class Trainer:
         per_process = c.train.rows_per_minibatch // jax.process_count()
         count = int(sharding.agree(transitions.num_minibatches(rows.num_rows, per_process)))
         total = count * c.train.inner_epochs
-        asked = c.train.get("updates_per_iteration", 0)
+        asked = c.train.updates_per_iteration
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
@@ -489,7 +489,7 @@ class Trainer:
 
     def eval_inputs(self) -> tuple[list[str], np.ndarray]:
         """The fixed eval prompts (`eval.samples_per_prompt` rounds of them) and noise."""
-        k = self.config.eval.get("samples_per_prompt", 1)
+        k = self.config.eval.samples_per_prompt
         prompts = list(self.eval_prompts) * k
         return prompts, eval_metrics.eval_noise(
             self.config.eval.seed, len(prompts), self.model.sample_shape
@@ -553,7 +553,7 @@ class Trainer:
             self.ref_params,
         )
         lr = jnp.float32(learning_rate(c.train, 0))
-        if not c.train.get("updates_per_iteration", 0):
+        if not c.train.updates_per_iteration:
 
             def step(lower=False, export=False):
                 stored = self.programs.get("train_step", self.train_step)
@@ -606,7 +606,7 @@ class Trainer:
         prompts, noise = self.eval_inputs()
         with_kl = self.kl_reference is not None
         groups = diversity.groups_by_text(prompts)
-        k = self.config.eval.get("samples_per_prompt", 1)
+        k = self.config.eval.samples_per_prompt
         metadata = list(self.eval_metadata) * k if self.eval_metadata else None
         with _reward_failures():  # a held-out reward served over HTTP
             measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl, metadata)
@@ -645,7 +645,7 @@ class Trainer:
             config=config,
             prompts=prompt_iterator(config),
             tracker=tracking.make_tracker(config, self.method),
-            replay=replay.buffer(config.train.get("replay", 0)),
+            replay=replay.buffer(config.train.replay),
             key=jax.random.PRNGKey(seed),
         )
 

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import ml_collections
-
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
-
-def options() -> ml_collections.ConfigDict:
-    """`model.sd3`: the family's own settings, with their defaults."""
-    c = ml_collections.ConfigDict()
-    c.use_t5 = True  # False leaves the 4.7B T5 unread (its tokens are zeros)
-    c.t5_max_length = 256  # T5 tokens per prompt
-    c.sample_size = 0  # latent side (0: the folder's; 64 -> 512 px)
-    return c
-
-
-def check_options(o) -> str | None:
-    if not isinstance(o.use_t5, bool):
-        return f"model.sd3.use_t5 must be True or False, got {o.use_t5!r}."
-    if o.t5_max_length < 1:
-        return "model.sd3.t5_max_length must be at least 1."
-    if o.sample_size < 0:
-        return f"model.sd3.sample_size must be >= 0 (0: the folder's), got {o.sample_size}."
-    return None
+# `model.sd3`: the family's own settings.
+SETTINGS = {
+    "use_t5": Setting(True, "False leaves the 4.7B T5 unread (its tokens are zeros)"),
+    "t5_max_length": Setting(256, "T5 tokens per prompt", low=1),
+    "sample_size": Setting(
+        0, "latent side (0: the folder's; 64 -> 512 px)", low=0, note="0: the folder's"
+    ),
+}
+options = defaults_of(SETTINGS)
 
 
 # A `transformer/` whose config names no class but SD3's (other transformer families share the
@@ -37,7 +27,6 @@ FAMILY = registry.register(
         "sd3",
         options,
         path_hint="a diffusers-layout Stable Diffusion 3 / 3.5 folder (or a hub id)",
-        check_options=check_options,
         moved_fields={
             "model.use_t5": "model.sd3.use_t5",
             "model.t5_max_length": "model.sd3.t5_max_length",

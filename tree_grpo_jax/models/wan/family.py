@@ -3,8 +3,7 @@ folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers)."""
 
 from __future__ import annotations
 
-import ml_collections
-
+from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
@@ -17,19 +16,6 @@ SIDE_MULTIPLE = 16
 FRAME_STRIDE = 4  # the VAE's temporal compression: a video has 4k + 1 frames
 
 
-def options() -> ml_collections.ConfigDict:
-    """`model.wan`: the family's own settings, with their defaults."""
-    c = ml_collections.ConfigDict()
-    c.resolution = DEFAULT_RESOLUTION  # (height, width) in pixels, multiples of 16
-    c.num_frames = DEFAULT_FRAMES  # frames per video, 4k + 1 (latent frames: k + 1)
-    # > 0: the sigma shift (the scheduler's flow_shift; Wan uses 3 at 480p, 5 at 720p) in
-    # place of the folder's; 0: the folder's scheduler config
-    c.shift = 0.0
-    c.t5_max_length = T5_MAX_LENGTH  # umT5 tokens per prompt (WanPipeline's 512)
-    c.decode_batch_size = 1  # videos through the VAE decoder at once
-    return c
-
-
 def resolution_of(value) -> tuple[int, int] | None:
     """`model.wan.resolution` as (height, width) ints; None when it is not a pair of ints."""
     pair = isinstance(value, (tuple, list)) and len(value) == 2
@@ -38,15 +24,17 @@ def resolution_of(value) -> tuple[int, int] | None:
     return None
 
 
-def check_options(o) -> str | None:
-    size = resolution_of(o.resolution)
+def _resolution_sentence(value) -> str | None:
+    size = resolution_of(value)
     if size is None or min(size) <= 0 or any(s % SIDE_MULTIPLE for s in size):
         return (
             "model.wan.resolution must be (height, width) in pixels, each a positive multiple "
-            f"of {SIDE_MULTIPLE} (8 pixels per latent, 2x2 latents per token), got "
-            f"{o.resolution!r}."
+            f"of {SIDE_MULTIPLE} (8 pixels per latent, 2x2 latents per token), got {value!r}."
         )
-    frames = o.num_frames
+    return None
+
+
+def _frames_sentence(frames) -> str | None:
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
         return f"model.wan.num_frames must be a positive integer 4k + 1, got {frames!r}."
     if (frames - 1) % FRAME_STRIDE:
@@ -55,16 +43,40 @@ def check_options(o) -> str | None:
             f"frame after the first): {frames} is not; try {frames - (frames - 1) % 4} or "
             f"{frames - (frames - 1) % 4 + 4}."
         )
-    if not o.shift >= 0:
-        return f"model.wan.shift must be >= 0 (0: the folder's flow_shift), got {o.shift}."
-    if not 1 <= o.t5_max_length <= T5_MAX_LENGTH:
-        return (
-            f"model.wan.t5_max_length must be in [1, {T5_MAX_LENGTH}] (WanPipeline's "
-            f"max_sequence_length), got {o.t5_max_length}."
-        )
-    if o.decode_batch_size < 1:
-        return f"model.wan.decode_batch_size must be at least 1, got {o.decode_batch_size}."
     return None
+
+
+# `model.wan`: the family's own settings.
+SETTINGS = {
+    "resolution": Setting(
+        DEFAULT_RESOLUTION,
+        "(height, width) in pixels, multiples of 16",
+        element=int,
+        example="'(480,832)'",
+        check=_resolution_sentence,
+    ),
+    "num_frames": Setting(
+        DEFAULT_FRAMES,
+        "frames per video, 4k + 1 (latent frames: k + 1)",
+        check=_frames_sentence,
+    ),
+    "shift": Setting(
+        0.0,
+        "> 0: the sigma shift (the scheduler's flow_shift; Wan uses 3 at 480p, 5 at 720p) in "
+        "place of the folder's; 0: the folder's scheduler config",
+        low=0,
+        note="0: the folder's flow_shift",
+    ),
+    "t5_max_length": Setting(
+        T5_MAX_LENGTH,
+        "umT5 tokens per prompt (WanPipeline's 512)",
+        low=1,
+        high=T5_MAX_LENGTH,
+        note="WanPipeline's max_sequence_length",
+    ),
+    "decode_batch_size": Setting(1, "videos through the VAE decoder at once", low=1),
+}
+options = defaults_of(SETTINGS)
 
 
 # A folder whose `transformer/config.json` names WanTransformer3DModel.
@@ -75,8 +87,6 @@ FAMILY = registry.register(
         "wan",
         options,
         path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
-        check_options=check_options,
-        tuple_fields={"resolution": (int, "'(480,832)'")},
         # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
         # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
         # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's
