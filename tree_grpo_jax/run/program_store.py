@@ -387,7 +387,7 @@ def may_store(config, mesh) -> bool:
     `TextToImageModel.programs_from_code`)."""
     return (
         not int(config.lora.rank)
-        and not config.train.get("updates_per_iteration", 0)
+        and not config.train.updates_per_iteration
         and jax.process_count() == 1
         and mesh.devices.size == 1
     )
