@@ -291,11 +291,12 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def serve(server: Server, grace_s: float) -> int:
+def serve(server: Server, grace_s: float, announce: str | None = None) -> int:
     """Serves until Ctrl-C or SIGTERM, then takes no more requests, lets those in flight
     finish (at most `grace_s` seconds), says so in one line and returns 0. With `interrupts`
     installed (the command) a second signal stops at once; without (called from Python)
-    Ctrl-C is the KeyboardInterrupt it always is."""
+    Ctrl-C is the KeyboardInterrupt it always is. `announce` is printed once the signals
+    are the serving ones: a client that reads it and stops the server is answered so."""
     thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True)
     name = "Ctrl-C"
     with interrupts.deferred():
@@ -306,6 +307,8 @@ def serve(server: Server, grace_s: float) -> int:
             )
         )
         thread.start()
+        if announce is not None:
+            _say(announce)
         try:
             while interrupts.installed() and interrupts.requested() is None:
                 time.sleep(0.05)
@@ -334,8 +337,7 @@ def main(argv=None) -> int:
     except BadFlags as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    _say(serving_line(what, url_of(server)))
-    return serve(server, args.grace_s)
+    return serve(server, args.grace_s, announce=serving_line(what, url_of(server)))
 
 
 def run() -> None:
