@@ -44,9 +44,9 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
+from tree_grpo_jax.plan.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory, scoring
-from tree_grpo_jax.run.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.run.train_step import old_params
 
 # How a fusion the CPU compiler hands to a library (XNNPACK, oneDNN) is marked in its HLO.
