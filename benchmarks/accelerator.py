@@ -336,9 +336,9 @@ class ModelBench:
         batch = transitions.minibatches(rows, jax.random.PRNGKey(4), self.train_rows)[0]
         batch = sharding.shard_batch(trainer.mesh, batch)
         lr = jnp.float32(trainer.config.train.learning_rate)
-        args = (sampled.cond, trainer.schedule(), trainer.train_uncond, trainer.ref_params, lr)
+        args = trainer.step_args(batch, sampled.cond, trainer.schedule(), lr)
         start = time.perf_counter()
-        compiled = trainer.train_step.lower(state, batch, *args).compile()
+        compiled = trainer.train_step.lower(state, *args).compile()
         flops = flops_of(compiled, trainer.mesh.size)
         compile_s = time.perf_counter() - start
         planned = program_memory(compiled)
@@ -350,7 +350,7 @@ class ModelBench:
         self.live = None  # the step consumes (donates) the state
 
         def go():
-            holder["state"], metrics = compiled(holder["state"], batch, *args)
+            holder["state"], metrics = compiled(holder["state"], *args)
             return metrics["loss"]
 
         first, times, _ = timed(go, self.run.reps)

@@ -118,10 +118,9 @@ def step_times(reps: int) -> dict:
 
     def call(name):
         t, holder = runs[name][0], holders[name]
-        args = (sampled.cond, t.schedule(), t.train_uncond, t.ref_params, jnp.float32(1e-5))
-        extra = () if t.adapter is None else (t.adapter.base,)
+        args = t.step_args(batch, sampled.cond, t.schedule(), 1e-5)
         t0 = time.perf_counter()
-        holder["state"], metrics = t.train_step(holder["state"], batch, *args, *extra)
+        holder["state"], metrics = t.train_step(holder["state"], *args)
         jax.block_until_ready(metrics["loss"])
         return time.perf_counter() - t0
 

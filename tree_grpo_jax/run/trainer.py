@@ -155,8 +155,14 @@ class Trainer:
         merged block by block in scanned runs, `lora.attach`)."""
         return params if self.adapter is None else self.adapter.weights(params)
 
-    def _step_args(self) -> tuple:
-        return () if self.adapter is None else (self.adapter.base,)
+    def step_args(self, batch, cond, schedule, lr=None) -> tuple:
+        """The train step's arguments after the state, in one place for every caller: the
+        minibatch, its conditioning, the schedule, the loss's `uncond`, the reference weights,
+        the learning rate (`lr`; None for `accumulate`, which takes none) and, with LoRA, the
+        frozen base the step merges the factors into."""
+        rate = () if lr is None else (jnp.float32(lr),)
+        frozen = () if self.adapter is None else (self.adapter.base,)
+        return (batch, cond, schedule, self.train_uncond, self.ref_params, *rate, *frozen)
 
     # -- pieces of an iteration ------------------------------------------------------------
     def spec(self):
@@ -290,20 +296,19 @@ class Trainer:
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
-        context = (cond, schedule, self.train_uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
             if not updates:  # one update per minibatch (or per grad_accumulation of them)
-                state, m = self.train_step(
-                    state, batch, *context, jnp.float32(lr), *self._step_args()
-                )
+                state, m = self.train_step(state, *self.step_args(batch, cond, schedule, lr))
                 step_metrics.append(m)
                 continue
             # `updates` updates, each over a run of consecutive minibatches
             group = index * updates // total
             acc = self.accumulating.start(state) if acc is None else acc
-            acc, m = self.accumulating.accumulate(acc, state, batch, *context, *self._step_args())
+            acc, m = self.accumulating.accumulate(
+                acc, state, *self.step_args(batch, cond, schedule)
+            )
             step_metrics.append(m)
             if index + 1 == total or (index + 1) * updates // total != group:
                 state, m = self.accumulating.apply(state, acc, jnp.float32(lr))
@@ -527,20 +532,14 @@ class Trainer:
             weights, eval_args, self.kl_reference is not None, lower=True
         )
         tree = lowered["rollout"].out_info
-        rest = (
-            self._zero_minibatch(tree),
-            self._train_cond_like(cond),
-            self.schedule(),
-            self.train_uncond,
-            self.ref_params,
-        )
+        rest = (self._zero_minibatch(tree), self._train_cond_like(cond), self.schedule())
         lr = jnp.float32(learning_rate(c.train, 0))
         if not c.train.get("updates_per_iteration", 0):
-            lowered["train_step"] = self.train_step.lower(state, *rest, lr, *self._step_args())
+            lowered["train_step"] = self.train_step.lower(state, *self.step_args(*rest, lr))
         elif accumulating:
             step = self.accumulating
             acc = jax.eval_shape(step.start, state)
-            lowered["accumulate"] = step.accumulate.lower(acc, state, *rest, *self._step_args())
+            lowered["accumulate"] = step.accumulate.lower(acc, state, *self.step_args(*rest))
             lowered["apply"] = step.apply.lower(state, acc, lr)
         return lowered
 
