@@ -109,7 +109,9 @@ def step_times(reps: int) -> dict:
 
     runs = {"full": setup(0), "lora_rank_4": setup(4)}
     trainer, state = runs["full"]
-    sampled = trainer.rollout(state.params, trainer.prompts.next_batch(), jax.random.PRNGKey(0))
+    sampled = trainer.rollout(
+        state.params, trainer.host_state.prompts.next_batch(), jax.random.PRNGKey(0)
+    )
     rewards = jax.random.normal(jax.random.PRNGKey(1), (2, sampled.spec.leaves))
     rows = trainer.trainable_rows(sampled, rewards)
     batch = transitions.minibatches(rows, jax.random.PRNGKey(2), 16)[0]

@@ -25,6 +25,7 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import denoiser, precompile, reuse
+from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
 from tree_grpo_jax.run.tracking import make_tracker
 from tree_grpo_jax.run.train_step import (
@@ -346,12 +347,11 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         method=method,
         reward=None,
         eval_rewards={},
-        prompts=None,
+        # no prompts drawn; the replay buffer sizes the step's conditioning
+        host_state=HostState(None, None, replay.buffer(config.train.get("replay", 0))),
         eval_prompts=[],
         uncond=uncond,
         loss_uncond=loss_uncond,
-        tracker=None,
-        replay=replay.buffer(config.train.get("replay", 0)),  # sizes the step's conditioning
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -495,12 +495,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         method=method,
         reward=reward,
         eval_rewards=eval_rewards,
-        prompts=prompts,
+        host_state=HostState(
+            prompts, make_tracker(config, method), replay.buffer(config.train.get("replay", 0))
+        ),
         eval_prompts=eval_prompts,
         uncond=uncond,
         loss_uncond=loss_uncond,
-        tracker=make_tracker(config, method),
-        replay=replay.buffer(config.train.get("replay", 0)),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,

@@ -32,13 +32,13 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import lora, methods, sharding
-from tree_grpo_jax.core import advantages as adv
-from tree_grpo_jax.core import replay, rollout, transitions
+from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.rewards.registry import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
-from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
+from tree_grpo_jax.run.host_state import HostState
+from tree_grpo_jax.run.prompts import leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
@@ -92,8 +92,9 @@ def _note_fewer_updates(asked: int, total: int) -> None:
 class Trainer:
     """Everything an iteration needs that does not change between iterations.
 
-    Mutable parts (the prompt iterator's position, the stat tracker) belong to one trainer;
-    `reseed` gives a trainer with its own, sharing the model and the compiled step.
+    Its mutable parts (`host_state`: the prompt iterator's position, the stat tracker, the
+    replay buffer) belong to one trainer; `reseed` gives a trainer with its own, sharing the
+    model and the compiled step.
     """
 
     config: ml_collections.ConfigDict
@@ -103,13 +104,12 @@ class Trainer:
     method: methods.Method
     reward: Any
     eval_rewards: dict
-    prompts: PromptIterator
+    host_state: HostState  # changed in place by every iteration
     eval_prompts: list[str]
     uncond: jax.Array | None
     train_step: Any
     accumulating: Any  # train_step.AccumulatingStep: updates that span several minibatches
     init_state: Any  # params -> a fresh TrainState, laid out on the mesh
-    tracker: adv.PerPromptStatTracker | None
     ref_params: Any
     key: jax.Array
     adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
@@ -128,8 +128,6 @@ class Trainer:
     # the empty prompt's embedding for the loss alone, in a run that samples without guidance
     # (`Objective.loss_reads_empty_prompt`); None: the loss gets `uncond`
     loss_uncond: jax.Array | None = None
-    # `train.replay`: the last iterations' rows, trained again (core/replay.py); None: off
-    replay: replay.ReplayBuffer | None = None
 
     @property
     def train_uncond(self) -> jax.Array | None:
@@ -244,7 +242,7 @@ class Trainer:
         (updating the stat tracker when the method uses one), DiffusionNFT's leaves noised
         again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`)."""
         rewards = np.asarray(rewards, np.float32)
-        tracker = self.tracker
+        tracker = self.host_state.tracker
         if tracker is not None:
             tracker = tracking.TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
         source = methods.RowSource(
@@ -282,8 +280,9 @@ class Trainer:
             rows_key, key = jax.random.split(key)
         fresh = rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         cond = sampled.cond
-        if self.replay is not None:  # the held iterations' rows beside this one's
-            rows, cond = self.replay.mixed(fresh, cond)
+        held = self.host_state.replay
+        if held is not None:  # the held iterations' rows beside this one's
+            rows, cond = held.mixed(fresh, cond)
             cond = sharding.replicate_host(self.mesh, cond)  # the same on every process
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
@@ -334,9 +333,9 @@ class Trainer:
             if "ratio_min" in step_metrics[0]:
                 metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
-        if self.replay is not None:  # this iteration's own rows are held for the next ones
+        if held is not None:  # this iteration's own rows are held for the next ones
             metrics["replayed_rows"] = int(sharding.agree(rows.num_rows - fresh.num_rows, "sum"))
-            self.replay.push(iteration, fresh, sampled.cond)
+            held.push(iteration, fresh, sampled.cond)
         if old_params(state) is not None:  # the old policy's move towards the new weights
             old, moved = objective.after_update(c, old_params(state), state.params, iteration)
             state = state.replace(old_params=old)
@@ -351,7 +350,7 @@ class Trainer:
             )
 
     def prompt_metadata(self, batch, rows: slice = slice(None), repeat: int = 1) -> list[dict]:
-        """The rewards' metadata: of the global batch `batch` (`self.prompts`' draw, which
+        """The rewards' metadata: of the global batch `batch` (`host_state.prompts`' draw, which
         carries it), the metadata of prompts `rows` (a process's, `Rollout.rows`), each
         repeated `repeat` times (a prompt's leaves), in the order of the prompts the rewards
         are given with the images. A plain list of prompts gives {} for each."""
@@ -362,7 +361,7 @@ class Trainer:
         timings = {}
         t0 = time.perf_counter()
         rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
-        prompts = self.prompts.next_global_batch()
+        prompts = self.host_state.prompts.next_global_batch()
         sampled = self.rollout(
             self.sampling_params(state, iteration), prompts, rollout_key, iteration
         )
@@ -491,10 +490,8 @@ class Trainer:
         arguments the run will pass them, nothing computed: compiled ahead, they tell the
         programs' memory, and the run's own calls reuse them."""
         c = self.config
-        batch = [
-            self.prompts.prompts[i % len(self.prompts.prompts)]
-            for i in range(c.prompts.batch_size * jax.process_count())
-        ]
+        texts = self.host_state.prompts.prompts
+        batch = [texts[i % len(texts)] for i in range(c.prompts.batch_size * jax.process_count())]
         rows = sharding.process_rows(len(batch))
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
         prompts, noise = self.eval_inputs()
@@ -546,8 +543,9 @@ class Trainer:
     def _train_cond_like(self, cond):
         """The train step's conditioning for a prompt batch's `cond`: replicated, with
         replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
-        if self.replay is not None:
-            cond = jax.ShapeDtypeStruct(self.replay.cond_shape(cond.shape), cond.dtype)
+        if self.host_state.replay is not None:
+            shape = self.host_state.replay.cond_shape(cond.shape)
+            cond = jax.ShapeDtypeStruct(shape, cond.dtype)
         return _replicated_like(self.mesh, cond)
 
     def _zero_minibatch(self, tree):
@@ -619,9 +617,7 @@ class Trainer:
         return dataclasses.replace(
             self,
             config=config,
-            prompts=prompt_iterator(config),
-            tracker=tracking.make_tracker(config, self.method),
-            replay=replay.buffer(config.train.get("replay", 0)),
+            host_state=HostState.fresh(config, self.method),
             key=jax.random.PRNGKey(seed),
         )
 
