@@ -24,6 +24,7 @@ from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.rewards.base import RewardShapeError, RewardUnavailable
 from tree_grpo_jax.run import denoiser, precompile, reuse
 from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
@@ -190,7 +191,7 @@ def check_prompts(
         for reward in scored:
             try:
                 reward(blank[: len(part)], part, [first[p] for p in part])
-            except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
+            except (RewardShapeError, RewardUnavailable) as e:
                 raise cfg.ConfigError(first_line(e)) from None
             except PromptError as e:  # the reward cannot read a prompt: the source's fault
                 raise cfg.ConfigError(f"{where}: {first_line(e)}") from None

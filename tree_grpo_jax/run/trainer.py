@@ -35,7 +35,7 @@ from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
-from tree_grpo_jax.rewards.registry import RewardUnavailable
+from tree_grpo_jax.rewards.base import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
 from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.prompts import leaf_metadata
