@@ -57,8 +57,9 @@ from benchmarks import random_models
 from benchmarks.common import PRESETS, default_out, markdown_table
 from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.models.base import remat_mode
-from tree_grpo_jax.run import accelerators, memory
-from tree_grpo_jax.run.program_cost import program_cost
+from tree_grpo_jax.plan import accelerators
+from tree_grpo_jax.plan.program_cost import program_cost
+from tree_grpo_jax.run import memory
 
 METHODS = ("treegrpo", "grpo")  # the tree first: a run cut short keeps it
 # Trained by default: a train step costs about the same per row whichever tree its rows come
@@ -68,7 +69,7 @@ LEAVES = 16  # per prompt, in every preset of PRESETS
 SMOKE_LEAVES = 2  # a smoke run's: one branch step of two children, or two chains
 SMOKE_TOWER = "vit_l14"  # the reward tower a smoke run measures, at a tiny size
 SECTIONS = ("flops", "rollout", "train", "node_loop", "rewards")
-# A device kind (as JAX names it) -> the plan's accelerator (run/accelerators.py): dense bf16
+# A device kind (as JAX names it) -> the plan's accelerator (plan/accelerators.py): dense bf16
 # peak and bandwidth from the data sheets. First match wins: "TPU v5 lite" is a v5e.
 DEVICE_KINDS = (
     ("H200", "h200"),
@@ -335,9 +336,9 @@ class ModelBench:
         batch = transitions.minibatches(rows, jax.random.PRNGKey(4), self.train_rows)[0]
         batch = sharding.shard_batch(trainer.mesh, batch)
         lr = jnp.float32(trainer.config.train.learning_rate)
-        args = (sampled.cond, trainer.schedule(), trainer.train_uncond, trainer.ref_params, lr)
+        args = trainer.step_args(batch, sampled.cond, trainer.schedule(), lr)
         start = time.perf_counter()
-        compiled = trainer.train_step.lower(state, batch, *args).compile()
+        compiled = trainer.train_step.lower(state, *args).compile()
         flops = flops_of(compiled, trainer.mesh.size)
         compile_s = time.perf_counter() - start
         planned = program_memory(compiled)
@@ -349,7 +350,7 @@ class ModelBench:
         self.live = None  # the step consumes (donates) the state
 
         def go():
-            holder["state"], metrics = compiled(holder["state"], batch, *args)
+            holder["state"], metrics = compiled(holder["state"], *args)
             return metrics["loss"]
 
         first, times, _ = timed(go, self.run.reps)

@@ -158,7 +158,7 @@ def one_batch(trainer, state, iteration: int):
     """(rows, cond) of one iteration's rollout from `state`, drawn as `Trainer.iteration`
     draws them (no update)."""
     rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(trainer.key, iteration))
-    prompts = trainer.prompts.next_global_batch()
+    prompts = trainer.host_state.prompts.next_global_batch()
     sampled = trainer.rollout(
         trainer.sampling_params(state, iteration), prompts, rollout_key, iteration
     )

@@ -109,7 +109,9 @@ def step_times(reps: int) -> dict:
 
     runs = {"full": setup(0), "lora_rank_4": setup(4)}
     trainer, state = runs["full"]
-    sampled = trainer.rollout(state.params, trainer.prompts.next_batch(), jax.random.PRNGKey(0))
+    sampled = trainer.rollout(
+        state.params, trainer.host_state.prompts.next_batch(), jax.random.PRNGKey(0)
+    )
     rewards = jax.random.normal(jax.random.PRNGKey(1), (2, sampled.spec.leaves))
     rows = trainer.trainable_rows(sampled, rewards)
     batch = transitions.minibatches(rows, jax.random.PRNGKey(2), 16)[0]
@@ -118,10 +120,9 @@ def step_times(reps: int) -> dict:
 
     def call(name):
         t, holder = runs[name][0], holders[name]
-        args = (sampled.cond, t.schedule(), t.train_uncond, t.ref_params, jnp.float32(1e-5))
-        extra = () if t.adapter is None else (t.adapter.base,)
+        args = t.step_args(batch, sampled.cond, t.schedule(), 1e-5)
         t0 = time.perf_counter()
-        holder["state"], metrics = t.train_step(holder["state"], batch, *args, *extra)
+        holder["state"], metrics = t.train_step(holder["state"], *args)
         jax.block_until_ready(metrics["loss"])
         return time.perf_counter() - t0
 

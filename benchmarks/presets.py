@@ -6,7 +6,7 @@ import dataclasses
 
 from benchmarks.common import FLOW_PRESETS, PRESETS, standin_model
 from tree_grpo_jax.models.base import TextToImageModel
-from tree_grpo_jax.run import time_plan
+from tree_grpo_jax.plan import time_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import accelerator, costs, random_models, run
 from benchmarks.common import PRESETS
 from benchmarks.presets import Settings, make_config, minibatches_per_iteration
-from tree_grpo_jax.run import accelerators
+from tree_grpo_jax.plan import accelerators
 
 SUITE_FILES = (
     "costs.json",

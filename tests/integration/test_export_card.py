@@ -211,6 +211,24 @@ def test_a_tiny_run_is_pointed_to_sample(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.parametrize("text, said", [("{not json", "could not read"), ("[1]", "JSON object")])
+def test_an_unreadable_config_json_is_one_sentence(tmp_path, capsys, text, said):
+    """A run's config.json cut short or not an object: one `error:` line naming the file
+    and the way out (--model_path), exit 2, nothing written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(text)
+    assert export.main([f"--workdir={run}", f"--out={tmp_path / 'out'}"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {run / 'config.json'}") or line.startswith(
+        f"error: could not read {run / 'config.json'}"
+    )
+    assert said in line and line.endswith(
+        "pass --model_path, the base pipeline folder it was trained from."
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_help_is_a_summary_with_examples(capsys):
     with pytest.raises(SystemExit) as exit_info:
         export.main(["--help"])

@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-from tree_grpo_jax.cli.plan import SIMULATED
+from tree_grpo_jax.plan.command import SIMULATED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAMS = {"rollout", "train_step", "evaluate", "decode"}
@@ -36,7 +36,7 @@ def run_plan(*args) -> subprocess.CompletedProcess:
     start the command again)."""
     from in_process import run_in_process
 
-    from tree_grpo_jax.cli import plan
+    from tree_grpo_jax.plan import command as plan
 
     # each flag is given once: a test's own --devices (a bad one) replaces the 1
     devices = [] if any(a.split("=")[0] == "--devices" for a in args) else ["--devices=1"]

@@ -34,6 +34,7 @@ from remote_servers import (
 
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.rewards import remote
+from tree_grpo_jax.rewards.base import RewardUnavailable
 from tree_grpo_jax.run import reporting
 from tree_grpo_jax.run.checkpoint import Checkpointer
 
@@ -415,7 +416,7 @@ def test_a_signal_lets_the_request_in_flight_finish_then_one_line(
     def ask():
         try:
             got["scores"] = load(url, retries=0)(np.zeros((2, 8, 8, 3), np.float32), ["a", "b"])
-        except reward_registry.RewardUnavailable as e:
+        except RewardUnavailable as e:
             got["error"] = str(e)
 
     client = threading.Thread(target=ask)

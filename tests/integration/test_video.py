@@ -24,6 +24,7 @@ from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DDIMScheduleConfig, TextToImageModel
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.rewards.base import RewardMediaError
 from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run import reporting
 
@@ -189,15 +190,15 @@ def test_a_video_reward_gets_the_videos_whole_and_combines_with_frame_rewards(to
 
 def test_rewards_refuse_what_they_do_not_take_in_one_sentence(toy_video):
     images = np.zeros((2, SIDE, SIDE, 1), np.float32)
-    with pytest.raises(reward_registry.RewardMediaError) as info:
+    with pytest.raises(RewardMediaError) as info:
         reward_registry.get_reward("steadiness")(images, list(PROMPTS))
     assert str(info.value) == (
         "reward 'steadiness' scores whole videos [B, T, H, W, C], not images; choose a reward "
         "for images."
     )
-    with pytest.raises(reward_registry.RewardMediaError, match="still images only"):
+    with pytest.raises(RewardMediaError, match="still images only"):
         reward_registry.get_reward("still_only")(random_videos(2), list(PROMPTS))
-    with pytest.raises(reward_registry.RewardMediaError, match=r"shape \(2, 8\)"):
+    with pytest.raises(RewardMediaError, match=r"shape \(2, 8\)"):
         reward_registry.get_reward("frame_brightness")(np.zeros((2, 8)), list(PROMPTS))
 
 

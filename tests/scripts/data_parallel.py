@@ -52,7 +52,9 @@ def flat(params) -> dict:
 def run(kind: str, data: int, fsdp: int, arrays: dict) -> dict:
     name = f"{kind}:{data}:{fsdp}"
     trainer, state = train.setup(config(kind, data, fsdp), tempfile.mkdtemp())
-    sampled = trainer.rollout(state.params, trainer.prompts.prompts[:8], jax.random.key(0))
+    sampled = trainer.rollout(
+        state.params, trainer.host_state.prompts.prompts[:8], jax.random.key(0)
+    )
     leaves = sampled.tree.leaves
     before, _ = trainer.evaluate(state.params)
     arrays.update({f"{name}/before/{k}": v for k, v in flat(state.params).items()})

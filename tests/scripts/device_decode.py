@@ -16,9 +16,9 @@ import numpy as np
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.config import base_config
+from tree_grpo_jax.plan.program_cost import program_cost
 from tree_grpo_jax.run import loop as train
 from tree_grpo_jax.run import scoring
-from tree_grpo_jax.run.program_cost import program_cost
 
 
 def config(folder: str):

@@ -19,7 +19,8 @@ from remote_servers import json_answer, load, scripted
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
-from tree_grpo_jax.rewards import chat, registry, remote
+from tree_grpo_jax.rewards import chat, remote
+from tree_grpo_jax.rewards.base import RewardUnavailable
 
 IMAGES = np.random.default_rng(1).uniform(size=(5, 16, 16, 3)).astype(np.float32)
 PROMPTS = [f"p{i}" for i in range(5)]
@@ -124,7 +125,7 @@ def test_the_question_takes_the_prompts_metadata():
     ]
     with (
         scripted(lambda i, b: _said("yes")) as (url, _),
-        pytest.raises(registry.RewardUnavailable) as info,
+        pytest.raises(RewardUnavailable) as info,
     ):
         _judge(url, question=question)(IMAGES[:1], ["x"], [{"tag": "t", "count": 1}])
     assert str(info.value) == (
@@ -207,7 +208,7 @@ def test_a_server_error_is_retried_as_for_the_scores_protocol():
 def test_a_malformed_answer_is_one_sentence_naming_the_server_and_field(answer, score_from, said):
     with (
         scripted(lambda i, b: answer) as (url, record),
-        pytest.raises(registry.RewardUnavailable, match=said) as info,
+        pytest.raises(RewardUnavailable, match=said) as info,
     ):
         _judge(url, score_from=score_from, scale=10.0)(IMAGES[:1], PROMPTS[:1])
     message = str(info.value)

@@ -406,15 +406,14 @@ def test_the_progress_line_shows_replayed_rows_and_node_pruned_only_when_on(caps
     from configs import tiny
     from tree_grpo_jax.run import loop as train
     from tree_grpo_jax.run import reporting
+    from tree_grpo_jax.run.host_state import HostState
 
     metrics = {"reward_mean": -0.101, "loss": 1.89e-08, "approx_kl": 3.43e-15,
                "clip_fraction": 0.0, "time_iteration": 4.06, "train_rows": 60, **extra}  # fmt: skip
     trainer = SimpleNamespace(
         config=tiny.get_config(),
         iteration=lambda state, iteration: (state, dict(metrics)),
-        prompts=SimpleNamespace(state_dict=dict),
-        tracker=None,
-        replay=None,
+        host_state=HostState(SimpleNamespace(state_dict=dict), None, None),
         method=methods.get("treegrpo"),
         workdir="",
     )

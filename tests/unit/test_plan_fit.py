@@ -1,4 +1,4 @@
-"""`plan`'s memory verdicts (cli/plan_fit.py) on made-up totals: each accelerator against its
+"""`plan`'s memory verdicts (cli/fit.py) on made-up totals: each accelerator against its
 data sheet's memory, JAX's 75% share held back on GPUs only; the mesh estimated to fit."""
 
 import dataclasses
@@ -6,21 +6,20 @@ import dataclasses
 import ml_collections
 import pytest
 
-from tree_grpo_jax.cli import plan_fit
-from tree_grpo_jax.run import accelerators
+from tree_grpo_jax.plan import accelerators, fit
 
 GIB = 2**30
 
 
 def _targets(*names, sizes=()):
-    return plan_fit.targets([accelerators.ACCELERATORS[n] for n in names], sizes)
+    return fit.targets([accelerators.ACCELERATORS[n] for n in names], sizes)
 
 
 def test_each_accelerator_gets_its_own_verdict():
     checked = _targets("tpu-v5e", "h100", "tpu-v5p", "b200", sizes=[70])
     # 70 GB: above a v5e's 16 GB; above 75% of an H100's 80 GB (60) but within it; within a
     # v5p's 95 GB (a TPU keeps no share back); within 75% of a B200's 180 GB (135)
-    verdicts = {v.target.label: v for v in plan_fit.verdicts(70e9, checked)}
+    verdicts = {v.target.label: v for v in fit.verdicts(70e9, checked)}
     assert [(v.fits, v.fits_default) for v in verdicts.values()] == [
         (False, False),
         (True, False),
@@ -39,7 +38,7 @@ def test_each_accelerator_gets_its_own_verdict():
 
 def test_a_custom_accelerator_has_no_memory_to_check():
     custom = accelerators.accelerator("custom", 100, 1)
-    assert plan_fit.targets([custom], []) == []
+    assert fit.targets([custom], []) == []
 
 
 @dataclasses.dataclass
@@ -75,7 +74,7 @@ def test_the_suggested_mesh_divides_the_weights_and_keeps_the_rest():
     rollout = _Program("rollout", 310 * GIB, temp=10 * GIB)  # no gradients: state alone
     plan = _Plan(2, {"data": 2, "fsdp": 1}, state, (rollout, step))
     h100 = _targets("h100")[0]  # 60e9 bytes usable by default
-    s = plan_fit.suggest(plan, _config(), h100, 4096)
+    s = fit.suggest(plan, _config(), h100, 4096)
     # by hand: the step keeps 430 - 300 - 130 = 0 GiB and splits 430, the rollout keeps 10
     # and splits 300; at fsdp 8 they need 53.75 and 47.5 GiB, within 60e9 bytes (55.9 GiB);
     # at fsdp 4 the step's 107.5 GiB is not
@@ -89,17 +88,17 @@ def test_the_suggested_mesh_divides_the_weights_and_keeps_the_rest():
     )
     assert "8 devices at mesh.fsdp=8 need about 53.75 GiB per device" in s.sentence()
     # a mesh.data set by hand is freed for the new fsdp
-    assert "--config.mesh.data=-1" in plan_fit.suggest(plan, _config(data=2), h100, 4096).flags
+    assert "--config.mesh.data=-1" in fit.suggest(plan, _config(data=2), h100, 4096).flags
     # on the planned devices when fsdp suffices there: 430 / f GiB <= 135e9 bytes at f = 4
     plan4 = dataclasses.replace(plan, devices=4, mesh={"data": 4, "fsdp": 1})
-    on_four = plan_fit.suggest(plan4, _config(), _targets("b200")[0], 4096)
+    on_four = fit.suggest(plan4, _config(), _targets("b200")[0], 4096)
     assert (on_four.devices, on_four.fsdp) == (4, 4)
 
 
 def test_no_mesh_when_the_rest_alone_is_too_big():
     state = {"trained params": GIB}
     plan = _Plan(1, {"data": 1, "fsdp": 1}, state, (_Program("train_step", 30 * GIB),))
-    s = plan_fit.suggest(plan, _config(), _targets("tpu-v5e")[0], 4096)
+    s = fit.suggest(plan, _config(), _targets("tpu-v5e")[0], 4096)
     assert s.devices == 0 and s.flags == ()
     assert "mesh.fsdp alone would not" in s.sentence()
     assert s.as_json()["devices"] is None

@@ -12,7 +12,7 @@ from benchmarks.random_models import FLUX1_DEV
 from tree_grpo_jax import methods
 from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.flux import load, transformer
-from tree_grpo_jax.run.program_cost import program_cost
+from tree_grpo_jax.plan.program_cost import program_cost
 
 N = 256
 
@@ -160,7 +160,7 @@ def test_the_rollout_costs_its_denoiser_rows():
     from small_configs import small_config
 
     from tree_grpo_jax.models import registry
-    from tree_grpo_jax.run import memory_plan
+    from tree_grpo_jax.plan import memory_plan
 
     c = small_config("treegrpo")  # guidance on: two rows per node and step
     c.sampling.num_steps = 6

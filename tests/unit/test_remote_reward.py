@@ -17,7 +17,8 @@ from remote_servers import json_answer, load, reference, scripted, settings, tri
 
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import rewards
-from tree_grpo_jax.rewards import registry, remote, serve
+from tree_grpo_jax.rewards import families, remote, serve
+from tree_grpo_jax.rewards.base import RewardUnavailable
 
 IMAGES = np.random.default_rng(0).uniform(size=(7, 24, 24, 3)).astype(np.float32)
 PROMPTS = [f"p{i}" for i in range(7)]
@@ -111,7 +112,7 @@ def test_server_errors_are_retried_then_one_sentence():
     crashed = json_answer({"error": "scorer crashed"}, 500)
     with (
         scripted(lambda i, b: crashed) as (url, record),
-        pytest.raises(registry.RewardUnavailable) as info,
+        pytest.raises(RewardUnavailable) as info,
     ):
         load(url, retries=2, backoff_s=0.01)(IMAGES[:2], PROMPTS[:2])
     assert len(record.requests) == 3
@@ -138,7 +139,7 @@ def test_a_stalled_server_times_out():
 
     with (
         scripted(answer) as (url, _),
-        pytest.raises(registry.RewardUnavailable, match=r"no full answer within 0.2s"),
+        pytest.raises(RewardUnavailable, match=r"no full answer within 0.2s"),
     ):
         load(url, timeout_s=0.2, retries=1, backoff_s=0)(IMAGES[:1], PROMPTS[:1])
 
@@ -165,7 +166,7 @@ def test_a_stalled_server_times_out():
 def test_a_bad_answer_is_one_sentence_naming_the_server_and_field(answer, said):
     with (
         scripted(lambda i, b: answer) as (url, record),
-        pytest.raises(registry.RewardUnavailable, match=said) as info,
+        pytest.raises(RewardUnavailable, match=said) as info,
     ):
         load(url)(IMAGES[:2], PROMPTS[:2])
     assert url in str(info.value) and "\n" not in str(info.value)
@@ -191,24 +192,24 @@ def test_redirects_stay_on_the_host_and_the_token_goes_nowhere_else(monkeypatch)
             assert [r[0] for r in record.requests] == ["/old", "/new"]
             assert all(r[1]["Authorization"] == "Bearer s3cret" for r in record.requests)
             away = load(f"{url}/away", header="Authorization", token_env="TEST_REMOTE_TOKEN")
-            with pytest.raises(registry.RewardUnavailable, match="redirected to another host"):
+            with pytest.raises(RewardUnavailable, match="redirected to another host"):
                 away(IMAGES[:1], PROMPTS[:1])
     assert other_record.requests == []
 
 
 def test_a_server_down_is_one_sentence_before_scoring():
     options = settings("http://127.0.0.1:9/score")
-    sentence = registry.unreachable(["remote:r"], options)
+    sentence = families.unreachable(["remote:r"], options)
     assert sentence.startswith("remote reward 'remote:r': nothing answers at http://127.0.0.1:9")
     with scripted(lambda i, b: json_answer({})) as (url, record):
-        assert registry.unreachable(["remote:r"], settings(url)) is None
+        assert families.unreachable(["remote:r"], settings(url)) is None
     assert record.requests == []  # the probe connects and scores nothing
 
 
 def test_a_missing_token_variable_is_one_sentence(monkeypatch):
     monkeypatch.delenv("TEST_REMOTE_TOKEN", raising=False)
     options = settings("http://127.0.0.1:9/", header="X-Key", token_env="TEST_REMOTE_TOKEN")
-    assert "environment variable TEST_REMOTE_TOKEN, which is not set" in registry.unreachable(
+    assert "environment variable TEST_REMOTE_TOKEN, which is not set" in families.unreachable(
         ["remote:r"], options
     )
 
@@ -320,7 +321,7 @@ def test_a_trickling_server_is_cut_off_at_each_requests_deadline(in_headers):
     with trickling(0.05, in_headers) as (url, lasted):
         reward = load(url, timeout_s=timeout, retries=1, backoff_s=backoff)
         start = time.monotonic()
-        with pytest.raises(registry.RewardUnavailable) as info:
+        with pytest.raises(RewardUnavailable) as info:
             reward(IMAGES[:1], PROMPTS[:1])
         elapsed = time.monotonic() - start
         deadline = time.monotonic() + 2
@@ -411,8 +412,8 @@ def test_a_token_a_header_cannot_carry_is_named_by_its_variable(monkeypatch, tok
     monkeypatch.setenv("TEST_REMOTE_TOKEN", token)
     fields = dict(header="Authorization", token_env="TEST_REMOTE_TOKEN")
     with scripted(lambda i, b: json_answer({"scores": [1.0]})) as (url, record):
-        probed = registry.unreachable(["remote:r"], settings(url, **fields))
-        with pytest.raises(registry.RewardUnavailable) as info:
+        probed = families.unreachable(["remote:r"], settings(url, **fields))
+        with pytest.raises(RewardUnavailable) as info:
             load(url, **fields)(IMAGES[:1], PROMPTS[:1])
     assert record.requests == []
     for sentence in (probed, str(info.value)):

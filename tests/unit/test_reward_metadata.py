@@ -6,6 +6,7 @@ import pytest
 
 from tree_grpo_jax import rewards
 from tree_grpo_jax.rewards import registry
+from tree_grpo_jax.rewards.base import Scores
 
 
 @pytest.fixture
@@ -18,7 +19,7 @@ def counting():
         counts = [
             0.0 if m is None else float(m["count"]) for m in (metadata or [None] * len(images))
         ]
-        return registry.Scores.of(counts, {"twice": np.asarray(counts) * 2})
+        return Scores.of(counts, {"twice": np.asarray(counts) * 2})
 
     reward = rewards.register("count_meta", fn, on_host=True, takes_metadata=True)
     yield reward, seen

@@ -4,8 +4,8 @@ program runs, the sliding window's trip counts averaged over the run."""
 import pytest
 from small_configs import small_config
 
-from tree_grpo_jax.run import accelerators, time_plan
-from tree_grpo_jax.run.program_cost import Loop, ProgramCost
+from tree_grpo_jax.plan import accelerators, time_plan
+from tree_grpo_jax.plan.program_cost import Loop, ProgramCost
 
 H100 = accelerators.ACCELERATORS["h100"]
 

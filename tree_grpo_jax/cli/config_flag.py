@@ -318,9 +318,9 @@ def _add_family_member(config, parent: str) -> None:
     section, family, member = (parent.split(".") + ["", "", ""])[:3]
     if section != "reward_options" or not member or parent.count(".") != 2:
         return
-    from tree_grpo_jax.rewards import registry  # only now: it starts JAX
+    from tree_grpo_jax.rewards import families  # only now: it starts JAX
 
-    defaults = registry.instance_defaults(family)
+    defaults = families.instance_defaults(family)
     options = config.get("reward_options") if _is_config(config) else None
     if defaults is None or not isinstance(options, ml_collections.ConfigDict):
         return

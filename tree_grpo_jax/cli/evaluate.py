@@ -99,7 +99,7 @@ TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py
 
 def _metric_names(config, text: str | None) -> list[str]:
     from tree_grpo_jax import config as cfg
-    from tree_grpo_jax.rewards import registry
+    from tree_grpo_jax.rewards import families, registry
 
     if text is None:
         names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
@@ -109,12 +109,12 @@ def _metric_names(config, text: str | None) -> list[str]:
             raise BadInput("--metrics names no metric; give reward names, e.g. --metrics=hpsv2.")
     known = registry.available_rewards()
     for name in names:
-        if name not in known and not registry.split_name(name):
+        if name not in known and not families.split_name(name):
             raise BadInput(f"unknown metric {name!r} in --metrics; known: {', '.join(known)}.")
         missing = registry.missing_weights(name, config.reward_models.get(name))
         if missing:
             raise BadInput(missing)
-    unreachable = registry.unreachable(names, config.reward_options)  # a served reward's server
+    unreachable = families.unreachable(names, config.reward_options)  # a served reward's server
     if unreachable:
         raise BadInput(unreachable)
     return list(dict.fromkeys(names))

@@ -52,7 +52,7 @@ from tree_grpo_jax.models.registry import ModelFamily, families, family_of_folde
 from tree_grpo_jax.run import identity
 from tree_grpo_jax.run.checkpoint import CheckpointError, quiet_orbax_reads
 from tree_grpo_jax.weights import staging
-from tree_grpo_jax.weights.files import unwrap_params
+from tree_grpo_jax.weights.files import read_json, unwrap_params
 
 DESCRIPTION = """\
 Export a training run's trained denoiser (or a params file) as a diffusers pipeline folder
@@ -152,16 +152,11 @@ def _built_in_sentence(workdir: Path, name: str) -> str:
 def _run_model(workdir: Path) -> tuple[ModelFamily, str, dict, dict]:
     """The model family, base folder, LoRA settings and whole config.json of a run."""
     config_file = workdir / "config.json"
+    point = "pass --model_path, the base pipeline folder it was trained from"
     if not config_file.is_file():
-        raise ValueError(
-            f"{workdir} has no config.json, so it is not a training run; "
-            "pass --model_path, the base pipeline folder it was trained from."
-        )
-    try:
-        run_config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not read {config_file} ({reason(e)}).") from None
-    model = run_config.get("model") if isinstance(run_config, dict) else None
+        raise ValueError(f"{workdir} has no config.json, so it is not a training run; {point}.")
+    run_config = read_json(config_file, point)
+    model = run_config.get("model")
     name = model.get("name") if isinstance(model, dict) else None
     family = next((f for f in families() if name in f.model_names), None)
     if family is not None and family.export is None and not family.needs_path:

@@ -68,6 +68,7 @@ def _checked_config():
     found) before the compilation cache's folder, or the workdir, is made; and its reward
     weights."""
     from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.rewards import families as reward_families
     from tree_grpo_jax.rewards import registry as reward_registry
     from tree_grpo_jax.run import loop as train
 
@@ -79,7 +80,7 @@ def _checked_config():
     except train.BAD_INPUT as e:
         fail(first_line(e), EXIT_BAD_INPUT)
     # a served reward's server answers before anything is written
-    sentence = reward_registry.unreachable(
+    sentence = reward_families.unreachable(
         [*rewards, *config.eval.extra_rewards], config.reward_options
     )
     if sentence:

@@ -12,7 +12,9 @@ The `remote` family's rewards, `remote:<name>`, are scored by a server over HTTP
 A new reward is one `register` (or `register_model`, for one that reads a folder, with its
 own settings as `options`) in its own module, imported here.
 
+base        a reward (`Reward`), its errors, the weighted sum of several (`CombinedReward`)
 registry    the registry, `load_reward`, `load_rewards`, `combined_reward`
+families    the `<family>:<instance>` rewards (`remote:<name>`): their settings, checks, probes
 jpeg        JPEG (in)compressibility
 clip        a frozen CLIP embedding images and prompts (`models.clip`'s Flax towers)
 preprocess  the official scorers' image preprocessing, bit-exact, in JAX
@@ -74,9 +76,8 @@ if sys.argv[:1] == ["-m"] and SERVER in getattr(sys, "orig_argv", ()):
     starting_server()
 
 from tree_grpo_jax.rewards import imagereward, jpeg, preference, remote  # noqa: E402
+from tree_grpo_jax.rewards.base import CombinedReward, Reward  # noqa: E402
 from tree_grpo_jax.rewards.registry import (  # noqa: E402
-    CombinedReward,
-    Reward,
     available_rewards,
     combined_reward,
     get_reward,

@@ -63,7 +63,7 @@ from PIL import Image
 
 from tree_grpo_jax.errors import echo
 from tree_grpo_jax.models import media as media_kinds
-from tree_grpo_jax.rewards import chat, registry
+from tree_grpo_jax.rewards import base, chat, registry
 from tree_grpo_jax.rewards.remote_settings import (  # noqa: F401 - re-exported
     CHAT_FIELDS,
     FIELDS,
@@ -89,7 +89,7 @@ PNG_LEVEL = 1  # zlib level of the PNGs sent: fast, and lossless whatever the le
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what a header value cannot carry
 
 
-class RemoteRewardError(registry.RewardUnavailable):
+class RemoteRewardError(base.RewardUnavailable):
     """A served reward that did not score; one sentence naming the server and the field."""
 
 
@@ -215,7 +215,7 @@ class RemoteReward:
         size = 1 if self.chat else self.s["batch_size"]  # a chat request asks of one image
         starts = list(range(0, count, size))
         if not starts:
-            return registry.Scores.of(np.zeros(0, np.float32))
+            return base.Scores.of(np.zeros(0, np.float32))
         with self._lock:
             first = next(self._turn)
             for _ in starts[1:]:
@@ -234,7 +234,7 @@ class RemoteReward:
         scores = np.concatenate([a[0] for a in answers])
         names = set.intersection(*(set(a[1]) for a in answers))
         parts = {n: np.concatenate([a[1][n] for a in answers]) for n in sorted(names)}
-        return registry.Scores.of(scores, parts)
+        return base.Scores.of(scores, parts)
 
     def _headers(self, url: str) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}

@@ -24,7 +24,9 @@ from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
+from tree_grpo_jax.rewards.base import RewardShapeError, RewardUnavailable
 from tree_grpo_jax.run import denoiser, precompile, reuse
+from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
 from tree_grpo_jax.run.tracking import make_tracker
 from tree_grpo_jax.run.train_step import (
@@ -189,7 +191,7 @@ def check_prompts(
         for reward in scored:
             try:
                 reward(blank[: len(part)], part, [first[p] for p in part])
-            except (reward_registry.RewardShapeError, reward_registry.RewardUnavailable) as e:
+            except (RewardShapeError, RewardUnavailable) as e:
                 raise cfg.ConfigError(first_line(e)) from None
             except PromptError as e:  # the reward cannot read a prompt: the source's fault
                 raise cfg.ConfigError(f"{where}: {first_line(e)}") from None
@@ -346,12 +348,11 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         method=method,
         reward=None,
         eval_rewards={},
-        prompts=None,
+        # no prompts drawn; the replay buffer sizes the step's conditioning
+        host_state=HostState(None, None, replay.buffer(config.train.get("replay", 0))),
         eval_prompts=[],
         uncond=uncond,
         loss_uncond=loss_uncond,
-        tracker=None,
-        replay=replay.buffer(config.train.replay),  # sizes the step's conditioning
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
@@ -495,12 +496,12 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
         method=method,
         reward=reward,
         eval_rewards=eval_rewards,
-        prompts=prompts,
+        host_state=HostState(
+            prompts, make_tracker(config, method), replay.buffer(config.train.get("replay", 0))
+        ),
         eval_prompts=eval_prompts,
         uncond=uncond,
         loss_uncond=loss_uncond,
-        tracker=make_tracker(config, method),
-        replay=replay.buffer(config.train.replay),
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,

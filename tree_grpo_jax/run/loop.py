@@ -30,7 +30,7 @@ from tree_grpo_jax.evaluation import guard
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import fingerprint as run_fingerprint
-from tree_grpo_jax.run import identity, precompile, program_store, reporting
+from tree_grpo_jax.run import host_state, identity, precompile, program_store, reporting
 from tree_grpo_jax.run.build import build, setup
 from tree_grpo_jax.run.checkpoint import (
     Checkpointer,
@@ -151,19 +151,6 @@ class _Signals:
             signal.signal(signum, handler)
 
 
-REPLAY = "replay"  # the host state's key of the replay buffer (saved as arrays)
-
-
-def _host_state(trainer: Trainer) -> dict:
-    """What besides the arrays decides the next iteration, taken between iterations (the
-    replay buffer's rows are saved as arrays beside the checkpoint, not in its meta)."""
-    return {
-        "prompt_iterator": trainer.prompts.state_dict(),
-        "stat_tracker": trainer.tracker.state_dict() if trainer.tracker else None,
-        REPLAY: trainer.replay.snapshot() if trainer.replay else None,
-    }
-
-
 def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> dict:
     return {
         "next_iteration": next_iteration,
@@ -173,9 +160,7 @@ def _meta(trainer: Trainer, next_iteration: int, history: dict, host: dict) -> d
         "base_weights": trainer.adapter.base_fingerprint if trainer.adapter else None,
         "identity": identity.of_run(trainer.config),  # taken once, by check_resume
         "history": history,
-        **{k: v for k, v in host.items() if k != REPLAY},
-        # each process saved its own replayed rows: a resume needs as many processes
-        **({"replay_processes": jax.process_count()} if host.get(REPLAY) else {}),
+        **host_state.in_meta(host),
     }
 
 
@@ -231,18 +216,7 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
         return state, 0, {"eval": [], "wall_time": 0.0}
     check_base_weights(trainer, ckpt.read_meta(), ckpt.directory)
     state, meta, step = ckpt.restore(state)
-    trainer.prompts.load_state_dict(meta["prompt_iterator"])
-    if trainer.replay is not None:
-        saved = meta.get("replay_processes", jax.process_count())
-        if saved != jax.process_count():
-            raise CheckpointError(
-                f"checkpoint {step} in {ckpt.directory} holds the replay buffers of {saved} "
-                f"processes, each its own rows; resume it with {saved} processes, not "
-                f"{jax.process_count()}."
-            )
-        trainer.replay.load(ckpt.read_host_arrays(step))
-    if trainer.tracker is not None and meta.get("stat_tracker"):
-        trainer.tracker.load_state_dict(meta["stat_tracker"])
+    trainer.host_state.restore(meta, step, ckpt)
     return state, int(meta["next_iteration"]), meta["history"]
 
 
@@ -409,7 +383,7 @@ def _loop(trainer: Trainer, state, start: int, history: dict, ckpt: Checkpointer
 
     writer, progress = _reporting(trainer, state, spec, start)
     wall_start = time.time() - history.get("wall_time", 0.0)
-    run = _Run(trainer, ckpt, history, writer, state, _host_state(trainer), wall_start)
+    run = _Run(trainer, ckpt, history, writer, state, trainer.host_state.snapshot(), wall_start)
     if run.guarding and history.get("best_step") is not None:
         ckpt.protect(history["best_step"])
     try:
@@ -455,7 +429,7 @@ def _reporting(trainer: Trainer, state, spec, start: int):
 
 class _Run:
     """The loop's state between iterations: the train state, the host's prompt and tracker
-    state that goes with it (`_host_state`) and the history; and how they are saved and
+    state that goes with it (`HostState.snapshot`) and the history; and how they are saved and
     evaluated."""
 
     def __init__(self, trainer, ckpt, history, writer, state, host, wall_start):
@@ -467,7 +441,7 @@ class _Run:
     def save(self, done: int) -> None:
         self.history["wall_time"] = time.time() - self.wall_start
         meta = _meta(self.trainer, done, self.history, self.host)
-        replay = self.host[REPLAY]
+        replay = self.host[host_state.REPLAY]
         self.ckpt.save(done, self.state, meta, None if replay is None else replay.arrays())
 
     def evaluated(self, done: int) -> str | None:
@@ -531,7 +505,7 @@ class _Run:
                 self.save(iteration)
             raise
         done = iteration + 1
-        self.host = _host_state(self.trainer)
+        self.host = self.trainer.host_state.snapshot()
         with interrupts.critical():
             self.writer.write(done, metrics, prefix="train/")
         shown = ("reward_mean", "loss", "approx_kl", "clip_fraction")

@@ -32,14 +32,14 @@ import ml_collections
 import numpy as np
 
 from tree_grpo_jax import lora, methods, sharding
-from tree_grpo_jax.core import advantages as adv
-from tree_grpo_jax.core import replay, rollout, transitions
+from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
-from tree_grpo_jax.rewards.registry import RewardUnavailable
+from tree_grpo_jax.rewards.base import RewardUnavailable
 from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
+from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.program_store import exported_program
-from tree_grpo_jax.run.prompts import PromptIterator, leaf_metadata, prompt_iterator
+from tree_grpo_jax.run.prompts import leaf_metadata
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
 
@@ -93,8 +93,9 @@ def _note_fewer_updates(asked: int, total: int) -> None:
 class Trainer:
     """Everything an iteration needs that does not change between iterations.
 
-    Mutable parts (the prompt iterator's position, the stat tracker) belong to one trainer;
-    `reseed` gives a trainer with its own, sharing the model and the compiled step.
+    Its mutable parts (`host_state`: the prompt iterator's position, the stat tracker, the
+    replay buffer) belong to one trainer; `reseed` gives a trainer with its own, sharing the
+    model and the compiled step.
     """
 
     config: ml_collections.ConfigDict
@@ -104,13 +105,12 @@ class Trainer:
     method: methods.Method
     reward: Any
     eval_rewards: dict
-    prompts: PromptIterator
+    host_state: HostState  # changed in place by every iteration
     eval_prompts: list[str]
     uncond: jax.Array | None
     train_step: Any
     accumulating: Any  # train_step.AccumulatingStep: updates that span several minibatches
     init_state: Any  # params -> a fresh TrainState, laid out on the mesh
-    tracker: adv.PerPromptStatTracker | None
     ref_params: Any
     key: jax.Array
     adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
@@ -129,8 +129,6 @@ class Trainer:
     # the empty prompt's embedding for the loss alone, in a run that samples without guidance
     # (`Objective.loss_reads_empty_prompt`); None: the loss gets `uncond`
     loss_uncond: jax.Array | None = None
-    # `train.replay`: the last iterations' rows, trained again (core/replay.py); None: off
-    replay: replay.ReplayBuffer | None = None
     # programs made ahead, run in place of tracing them (`run.program_store`, by `precompile`)
     programs: dict = dataclasses.field(default_factory=dict)
 
@@ -158,8 +156,14 @@ class Trainer:
         merged block by block in scanned runs, `lora.attach`)."""
         return params if self.adapter is None else self.adapter.weights(params)
 
-    def _step_args(self) -> tuple:
-        return () if self.adapter is None else (self.adapter.base,)
+    def step_args(self, batch, cond, schedule, lr=None) -> tuple:
+        """The train step's arguments after the state, in one place for every caller: the
+        minibatch, its conditioning, the schedule, the loss's `uncond`, the reference weights,
+        the learning rate (`lr`; None for `accumulate`, which takes none) and, with LoRA, the
+        frozen base the step merges the factors into."""
+        rate = () if lr is None else (jnp.float32(lr),)
+        frozen = () if self.adapter is None else (self.adapter.base,)
+        return (batch, cond, schedule, self.train_uncond, self.ref_params, *rate, *frozen)
 
     # -- pieces of an iteration ------------------------------------------------------------
     def spec(self):
@@ -245,7 +249,7 @@ class Trainer:
         (updating the stat tracker when the method uses one), DiffusionNFT's leaves noised
         again, drawn with `key`. A row's `prompt` indexes the global batch (`sampled.cond`)."""
         rewards = np.asarray(rewards, np.float32)
-        tracker = self.tracker
+        tracker = self.host_state.tracker
         if tracker is not None:
             tracker = tracking.TrackerRows(tracker, sampled.prompts, rewards, sampled.rows)
         source = methods.RowSource(
@@ -283,8 +287,9 @@ class Trainer:
             rows_key, key = jax.random.split(key)
         fresh = rows = self.trainable_rows(sampled, rewards, iteration, rows_key)
         cond = sampled.cond
-        if self.replay is not None:  # the held iterations' rows beside this one's
-            rows, cond = self.replay.mixed(fresh, cond)
+        held = self.host_state.replay
+        if held is not None:  # the held iterations' rows beside this one's
+            rows, cond = held.mixed(fresh, cond)
             cond = sharding.replicate_host(self.mesh, cond)  # the same on every process
         lr = learning_rate(c.train, iteration)
         schedule = self.schedule()
@@ -297,20 +302,21 @@ class Trainer:
         if asked > total:
             _note_fewer_updates(asked, total)
         updates = min(asked, total)
-        context = (cond, schedule, self.train_uncond, self.ref_params)
         step_metrics, update_metrics, acc = [], [], None
         for index, batch in enumerate(self._minibatches(rows, key, per_process, count)):
             batch = sharding.shard_batch(self.mesh, batch)
             if not updates:  # one update per minibatch (or per grad_accumulation of them)
                 state, m = self.programs.get("train_step", self.train_step)(
-                    state, batch, *context, jnp.float32(lr), *self._step_args()
+                    state, *self.step_args(batch, cond, schedule, lr)
                 )
                 step_metrics.append(m)
                 continue
             # `updates` updates, each over a run of consecutive minibatches
             group = index * updates // total
             acc = self.accumulating.start(state) if acc is None else acc
-            acc, m = self.accumulating.accumulate(acc, state, batch, *context, *self._step_args())
+            acc, m = self.accumulating.accumulate(
+                acc, state, *self.step_args(batch, cond, schedule)
+            )
             step_metrics.append(m)
             if index + 1 == total or (index + 1) * updates // total != group:
                 state, m = self.accumulating.apply(state, acc, jnp.float32(lr))
@@ -336,9 +342,9 @@ class Trainer:
             if "ratio_min" in step_metrics[0]:
                 metrics["ratio_min"] = float(np.min([m["ratio_min"] for m in step_metrics]))
                 metrics["ratio_max"] = float(np.max([m["ratio_max"] for m in step_metrics]))
-        if self.replay is not None:  # this iteration's own rows are held for the next ones
+        if held is not None:  # this iteration's own rows are held for the next ones
             metrics["replayed_rows"] = int(sharding.agree(rows.num_rows - fresh.num_rows, "sum"))
-            self.replay.push(iteration, fresh, sampled.cond)
+            held.push(iteration, fresh, sampled.cond)
         if old_params(state) is not None:  # the old policy's move towards the new weights
             old, moved = objective.after_update(c, old_params(state), state.params, iteration)
             state = state.replace(old_params=old)
@@ -353,7 +359,7 @@ class Trainer:
             )
 
     def prompt_metadata(self, batch, rows: slice = slice(None), repeat: int = 1) -> list[dict]:
-        """The rewards' metadata: of the global batch `batch` (`self.prompts`' draw, which
+        """The rewards' metadata: of the global batch `batch` (`host_state.prompts`' draw, which
         carries it), the metadata of prompts `rows` (a process's, `Rollout.rows`), each
         repeated `repeat` times (a prompt's leaves), in the order of the prompts the rewards
         are given with the images. A plain list of prompts gives {} for each."""
@@ -364,7 +370,7 @@ class Trainer:
         timings = {}
         t0 = time.perf_counter()
         rollout_key, shuffle_key = jax.random.split(jax.random.fold_in(self.key, iteration))
-        prompts = self.prompts.next_global_batch()
+        prompts = self.host_state.prompts.next_global_batch()
         sampled = self.rollout(
             self.sampling_params(state, iteration), prompts, rollout_key, iteration
         )
@@ -499,10 +505,8 @@ class Trainer:
         """What the run passes its programs besides the state: a prompt batch's conditioning
         (split over the mesh) and the evaluation's arguments after the weights (`_eval_args`)."""
         c = self.config
-        batch = [
-            self.prompts.prompts[i % len(self.prompts.prompts)]
-            for i in range(c.prompts.batch_size * jax.process_count())
-        ]
+        texts = self.host_state.prompts.prompts
+        batch = [texts[i % len(texts)] for i in range(c.prompts.batch_size * jax.process_count())]
         rows = sharding.process_rows(len(batch))
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
         prompts, noise = self.eval_inputs()
@@ -545,33 +549,28 @@ class Trainer:
             "evaluate",
             staged("evaluate", lambda **s: self._eval_program(weights, eval_args, kl, **s)),
         )
-        rest = (
-            self._zero_minibatch(first.out_info),
-            self._train_cond_like(cond),
-            self.schedule(),
-            self.train_uncond,
-            self.ref_params,
-        )
+        rest = (self._zero_minibatch(first.out_info), self._train_cond_like(cond), self.schedule())
         lr = jnp.float32(learning_rate(c.train, 0))
         if not c.train.updates_per_iteration:
 
             def step(lower=False, export=False):
                 stored = self.programs.get("train_step", self.train_step)
                 staging = jax.export.export(self.train_step) if export else stored.lower
-                return staging(state, *rest, lr, *self._step_args())
+                return staging(state, *self.step_args(*rest, lr))
 
             yield "train_step", staged("train_step", step)
         elif accumulating:
             step = self.accumulating
             acc = jax.eval_shape(step.start, state)
-            yield "accumulate", step.accumulate.lower(acc, state, *rest, *self._step_args())
+            yield "accumulate", step.accumulate.lower(acc, state, *self.step_args(*rest))
             yield "apply", step.apply.lower(state, acc, lr)
 
     def _train_cond_like(self, cond):
         """The train step's conditioning for a prompt batch's `cond`: replicated, with
         replay the held iterations' batches after it (`ReplayBuffer.train_cond`)."""
-        if self.replay is not None:
-            cond = jax.ShapeDtypeStruct(self.replay.cond_shape(cond.shape), cond.dtype)
+        if self.host_state.replay is not None:
+            shape = self.host_state.replay.cond_shape(cond.shape)
+            cond = jax.ShapeDtypeStruct(shape, cond.dtype)
         return _replicated_like(self.mesh, cond)
 
     def _zero_minibatch(self, tree):
@@ -643,9 +642,7 @@ class Trainer:
         return dataclasses.replace(
             self,
             config=config,
-            prompts=prompt_iterator(config),
-            tracker=tracking.make_tracker(config, self.method),
-            replay=replay.buffer(config.train.replay),
+            host_state=HostState.fresh(config, self.method),
             key=jax.random.PRNGKey(seed),
         )
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 from tree_grpo_jax import methods
 from tree_grpo_jax.core import rollout, transitions
-from tree_grpo_jax.run.accelerators import DEFAULT_EFFICIENCY, Accelerator
-from tree_grpo_jax.run.program_cost import ProgramCost
+from tree_grpo_jax.plan.accelerators import DEFAULT_EFFICIENCY, Accelerator
+from tree_grpo_jax.plan.program_cost import ProgramCost
 
 # ---------------------------------------------------------------------------------------------
 # How often each program runs in one iteration.

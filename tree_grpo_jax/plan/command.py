@@ -13,7 +13,7 @@ bytes with every loop counted (`program_cost.py`) and the seconds they take on t
 accelerators at a fraction of the roofline (`time_plan.py`): an estimate, not a measurement.
 The largest program's total is checked against each named accelerator's memory and each
 `--device_memory` size, one verdict each; when none holds it, the time is marked not
-runnable (no hours) and a mesh estimated to fit is suggested (`plan_fit.py`).
+runnable (no hours) and a mesh estimated to fit is suggested (`fit.py`).
 `--compare` plans several runs (method names, each the config with `tree.method` replaced
 and its other settings kept, or config files, each its own settings given the same
 `--config.*` overrides) and prints one table of their rows per leaf, FLOPs and seconds per
@@ -40,11 +40,12 @@ import re
 import sys
 
 from tree_grpo_jax import interrupts
-from tree_grpo_jax.cli import common, plan_fit, time_table
+from tree_grpo_jax.cli import common
 from tree_grpo_jax.cli import config_flag as cli
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.gpu_flags import GPU_FLAGS
-from tree_grpo_jax.run import accelerators
+from tree_grpo_jax.plan import accelerators, time_table
+from tree_grpo_jax.plan import fit as plan_fit
 
 PARSER = cli.config_parser("plan", __doc__)
 DEVICES = cli.define(
@@ -185,7 +186,7 @@ def device_count(text: str) -> int:
 
 def figure(flag, text: str | None) -> float | None:
     """`--peak_tflops` or `--bandwidth` as a number (None when not given); one sentence for
-    anything but a finite positive one (run/accelerators.py checks the range)."""
+    anything but a finite positive one (plan/accelerators.py checks the range)."""
     if text is None:
         return None
     value = _float(text)
@@ -437,8 +438,8 @@ def main(argv=None) -> None:
 
     from tree_grpo_jax import config as cfg
     from tree_grpo_jax.models.base import ModelLoadError
+    from tree_grpo_jax.plan import memory_plan, time_plan
     from tree_grpo_jax.rewards import registry as reward_registry
-    from tree_grpo_jax.run import memory_plan, time_plan
 
     if COMPARE.present and not COMPARE.value:
         _fail("--compare needs runs: method names or config files, e.g. --compare=grpo,treegrpo.")
@@ -518,7 +519,7 @@ def _settings_note(plans, config_path: str) -> list[str]:
 
 
 def _print_comparison(plans, config_path: str) -> None:
-    from tree_grpo_jax.run import time_plan
+    from tree_grpo_jax.plan import time_plan
 
     per_accelerator = []
     for index in range(len(plans[0][4])):

@@ -1,5 +1,5 @@
 """`plan`'s verdicts on the memory: the largest program's total per device against each named
-accelerator's memory (`run/accelerators.py`) and each `--device_memory` size, one verdict
+accelerator's memory (`accelerators.py`) and each `--device_memory` size, one verdict
 each; and, when none fits, an estimate of the mesh that would (`suggest`).
 
 The estimate scales what `mesh.fsdp` divides and keeps the rest as it is (ZeRO-3's

@@ -44,9 +44,9 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
+from tree_grpo_jax.plan.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory, scoring
-from tree_grpo_jax.run.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.run.train_step import old_params
 
 # How a fusion the CPU compiler hands to a library (XNNPACK, oneDNN) is marked in its HLO.
@@ -335,8 +335,7 @@ def _not_planned(config, model, measured, names) -> tuple[str, ...]:
             f"the scratch memory of the CPU library fusions in {', '.join(hidden)} (run the "
             "plan as a command of its own: it switches them off before JAX starts)"
         )
-    weights = config.rewards.split(",")
-    names = [w.partition(":")[0].strip() for w in weights] + list(config.eval.extra_rewards)
+    names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
     models = [n for n in dict.fromkeys(names) if reward_registry.needs_weights(n)]
     if models:
         notes.append(f"the reward models ({', '.join(models)}): their weights are not read")

@@ -1,5 +1,5 @@
 """The plan's time figures as text and JSON: one iteration's programs on a named accelerator
-(`run/time_plan.py`), and runs compared side by side (`plan --compare`)."""
+(`plan/time_plan.py`), and runs compared side by side (`plan --compare`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command imports this before JAX starts
-    from tree_grpo_jax.run.time_plan import TimePlan
+    from tree_grpo_jax.plan.time_plan import TimePlan
 
 ESTIMATE = "estimate, not measured"
 

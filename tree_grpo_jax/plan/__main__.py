@@ -2,10 +2,10 @@
 
     python -m tree_grpo_jax.plan --config=configs/sd35m.py
 
-The command lives in `tree_grpo_jax.cli.plan`; this module is its `python -m` entry point.
+The command lives in `tree_grpo_jax.plan.command`; this module is its `python -m` entry point.
 """
 
-from tree_grpo_jax.cli.plan import run
+from tree_grpo_jax.plan.command import run
 
 if __name__ == "__main__":
     run()
