@@ -4,7 +4,8 @@
     ppo.py        PPO-clip on the rollout's own steps (`PPO`)
     nft.py        DiffusionNFT on forward-noised leaves, with its old policy (`NFT`)
     awm.py, dgpo.py, dpo.py, crd.py   AWM, DGPO, online Diffusion-DPO and CRD, likewise
-    table.py      every method as one `Method` entry; `get(name)` looks one up
+    table.py      every method as one `Method` entry; `get(name)` looks one up, `register`
+                  adds one
 
 A new objective is one module subclassing `Objective` and the table entries that use it.
 Nothing outside this package asks which objective a method has: it calls the objective.
@@ -25,7 +26,9 @@ from tree_grpo_jax.methods.table import (
     methods_of,
     objectives,
     other_sections,
+    register,
     spec_at,
+    unregister,
     window_start,
 )
 
@@ -45,6 +48,8 @@ __all__ = [
     "methods_of",
     "objectives",
     "other_sections",
+    "register",
     "spec_at",
+    "unregister",
     "window_start",
 ]

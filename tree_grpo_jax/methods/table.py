@@ -371,6 +371,21 @@ METHODS: dict[str, Method] = {
 }
 
 
+def register(method: Method, *, overwrite: bool = False) -> Method:
+    """Adds a method to the table; a name already taken needs `overwrite=True`."""
+    if method.name in METHODS and not overwrite:
+        raise ValueError(
+            f"a method named {method.name!r} is already registered; pass overwrite=True."
+        )
+    METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Removes a method (tests that register toys clean up with this)."""
+    METHODS.pop(name, None)
+
+
 class UnknownMethodError(ValueError):
     """A method name that is not in the table; the message is one sentence for the user."""
 
