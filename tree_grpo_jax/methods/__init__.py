@@ -4,6 +4,8 @@
     ppo.py        PPO-clip on the rollout's own steps (`PPO`)
     nft.py        DiffusionNFT on forward-noised leaves, with its old policy (`NFT`)
     awm.py, dgpo.py, dpo.py, crd.py   AWM, DGPO, online Diffusion-DPO and CRD, likewise
+    forward.py    what those forward-process objectives share (`ForwardObjective`, their
+                  credit, time draws, old-policy mixing and counts)
     table.py      every method as one `Method` entry; `get(name)` looks one up, `register`
                   adds one
 

@@ -11,7 +11,7 @@ a new objective is one module subclassing `Objective` and one table entry.
 
 The objectives: `ppo.PPO` (PPO-clip on the rollout's own steps, core/loss.py), and the
 forward-process ones on the leaves: `nft.NFT` (DiffusionNFT), `awm.AWM`, `dgpo.DGPO`,
-`dpo.DPO` and `crd.CRD`.
+`dpo.DPO` and `crd.CRD`, each a `forward.ForwardObjective`.
 """
 
 from __future__ import annotations

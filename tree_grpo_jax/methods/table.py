@@ -30,7 +30,7 @@ import numpy as np
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, tree_spec
 from tree_grpo_jax.core.rollout import Tree
-from tree_grpo_jax.methods import awm, crd, dgpo, dpo, nft
+from tree_grpo_jax.methods import awm, crd, dgpo, dpo, forward, nft
 from tree_grpo_jax.methods.objective import Objective
 from tree_grpo_jax.methods.ppo import PPO
 
@@ -278,7 +278,7 @@ def _branch_leaf_credit(options) -> bool:
 
 
 def _nft_credit(spec, tree, rewards, credit: Credit):
-    return (jnp.asarray(nft.advantages(np.asarray(rewards)), jnp.float32),)
+    return (jnp.asarray(forward.advantages(np.asarray(rewards)), jnp.float32),)
 
 
 def _on_ode_samples(name: str, objective: Objective, spec_name: str) -> Method:
