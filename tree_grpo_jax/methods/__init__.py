@@ -6,6 +6,7 @@
     awm.py, dgpo.py, dpo.py, crd.py   AWM, DGPO, online Diffusion-DPO and CRD, likewise
     forward.py    what those forward-process objectives share (`ForwardObjective`, their
                   credit, time draws, old-policy mixing and counts)
+    node_credit.py  node rewards' checks, node pruning's survival and their counts
     table.py      every method as one `Method` entry; `get(name)` looks one up, `register`
                   adds one
 
@@ -22,8 +23,6 @@ from tree_grpo_jax.methods.table import (
     Method,
     SpecBuilder,
     UnknownMethodError,
-    build_spec,
-    compute_advantages,
     get,
     methods_of,
     objectives,
@@ -31,7 +30,6 @@ from tree_grpo_jax.methods.table import (
     register,
     spec_at,
     unregister,
-    window_start,
 )
 
 __all__ = [
@@ -44,8 +42,6 @@ __all__ = [
     "RowSource",
     "SpecBuilder",
     "UnknownMethodError",
-    "build_spec",
-    "compute_advantages",
     "get",
     "methods_of",
     "objectives",
@@ -53,5 +49,4 @@ __all__ = [
     "register",
     "spec_at",
     "unregister",
-    "window_start",
 ]
