@@ -348,10 +348,10 @@ class CRDObjective(forward.ForwardObjective):
         return forward.row_counts(
             spec,
             c.sampling.guidance_scale != 1.0,
-            trained_edges=samples,
-            train_rows=steps,
-            forward_rows=samples * (2 + kl),
-            grad_rows=samples,  # the trained weights' only
+            edges=samples,
+            rows=steps,
+            forwards=samples * (2 + kl),
+            grads=samples,  # the trained weights' only
         )
 
 

@@ -299,10 +299,10 @@ class DGPOObjective(forward.ForwardObjective):
         return forward.row_counts(
             spec,
             c.sampling.guidance_scale != 1.0,
-            trained_edges=samples,
-            train_rows=d.train_timesteps,
-            forward_rows=samples * (1 + initial + ema),
-            grad_rows=samples,  # the trained weights' only
+            edges=samples,
+            rows=d.train_timesteps,
+            forwards=samples * (1 + initial + ema),
+            grads=samples,  # the trained weights' only
         )
 
 

@@ -233,10 +233,10 @@ class DPOObjective(forward.ForwardObjective):
         return forward.row_counts(
             spec,
             c.sampling.guidance_scale != 1.0,
-            trained_edges=2 * d.train_timesteps,
-            train_rows=d.train_timesteps,
-            forward_rows=4 * d.train_timesteps,
-            grad_rows=2 * d.train_timesteps,  # the trained weights' pair
+            edges=2 * d.train_timesteps,
+            rows=d.train_timesteps,
+            forwards=4 * d.train_timesteps,
+            grads=2 * d.train_timesteps,  # the trained weights' pair
         )
 
 

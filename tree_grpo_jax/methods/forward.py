@@ -1,13 +1,7 @@
-"""What the forward-process objectives share (`nft.NFT`, `awm.AWM`, `dgpo.DGPO`, `dpo.DPO`,
-`crd.CRD`): none scores a sampler step; each noises the rollout's final samples again along
-the flow and trains the velocity there.
-
-They share the credit (each prompt's rewards less their mean, over a std), the mean over a
-row's sample axes, the draw of the times the samples are noised to, the old copy of the
-policy and how it moves, the per-prompt counts of their rows, and the base class
-`ForwardObjective`: rows drawn at random, a rectified-flow model required, zero rows built
-from the rows' record, and the old copy mixed towards the trained weights after an update.
-"""
+"""What the forward-process objectives (`nft.NFT`, `awm.AWM`, `dgpo.DGPO`, `dpo.DPO`,
+`crd.CRD`) share: they noise the rollout's final samples again and train the velocity there.
+Their credit, row means, time draws, old-policy mixing and counts, and their base class
+`ForwardObjective` (drawn rows, a flow model, zero rows from the rows' record)."""
 
 from __future__ import annotations
 
@@ -143,35 +137,26 @@ def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
 # Counts.
 
 
-def row_counts(
-    spec, guidance: bool, *, trained_edges: int, train_rows: int, forward_rows: int, grad_rows: int
-) -> dict:
-    """`Objective.training_counts` of a forward-process objective: it trains no edge of the
-    tree, so the spec's own counts are 0; `guidance`: the rollout samples with guidance."""
+def row_counts(spec, guidance: bool, *, edges: int, rows: int, forwards: int, grads: int) -> dict:
+    """`Objective.training_counts` of a forward-process objective: `edges` trained samples,
+    `rows` training rows, `forwards` denoiser rows of which `grads` are differentiated; no
+    edge of the tree (the spec's own counts are 0). `guidance`: the rollout's."""
     return {
         "guidance": guidance,
         "rollout_rows": spec.rollout_denoiser_calls(guidance),
-        "trained_edges": trained_edges,
-        "train_rows": train_rows,
-        "train_forward_rows": forward_rows,
-        "train_grad_rows": grad_rows,
+        "trained_edges": edges,
+        "train_rows": rows,
+        "train_forward_rows": forwards,
+        "train_grad_rows": grads,
         "spec_trainable_edges": 0,
         "spec_train_rows": 0,
     }
 
 
 def leaf_row_counts(spec, rows: int, forwards: int) -> dict:
-    """The counts of an objective that trains `rows` rows of the rollout's final samples per
-    prompt, each through `forwards` denoiser calls of which one, the trained weights', is
-    differentiated; the rollout samples without guidance."""
-    return row_counts(
-        spec,
-        False,
-        trained_edges=rows,
-        train_rows=rows,
-        forward_rows=rows * forwards,
-        grad_rows=rows,
-    )
+    """The counts of `rows` rows of the final samples per prompt, each through `forwards`
+    denoiser calls of which one, the trained weights', is differentiated; no guidance."""
+    return row_counts(spec, False, edges=rows, rows=rows, forwards=rows * forwards, grads=rows)
 
 
 # ---------------------------------------------------------------------------------------------

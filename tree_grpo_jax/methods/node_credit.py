@@ -1,13 +1,7 @@
-"""Node rewards: the rollout's x0 estimates scored beside the leaves, as credit and pruning.
-
-With `advantage.node_rewards` the rollout keeps Tweedie's estimate of the clean sample at the
-parents of its recorded steps; the run scores them (run/node_scoring.py) and a method whose
-entry has `node_credit` mixes their gains into its edges' credit
-(`Method.clipped_advantages`). Node pruning (`advantage.node_pruning`) drops the nodes whose
-values say little and their subtrees (`survival`, once per iteration). Here: which methods
-and trees these options apply to (`check`), node pruning's survival, and the per-prompt
-decodes, reward calls and pruned nodes they add (`counts`).
-"""
+"""Node rewards (the rollout's x0 estimates, scored by run/node_scoring.py; their gains mix
+into a `node_credit` method's edge credit in `Method.clipped_advantages`): which methods and
+trees they apply to (`check`), node pruning's survival (once per iteration), and the decodes,
+reward calls and pruned nodes they add per prompt (`counts`)."""
 
 from __future__ import annotations
 
