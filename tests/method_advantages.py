@@ -35,4 +35,4 @@ def advantages_of(
             },
         }
     )
-    return methods.compute_advantages(config, spec, tree, rewards)
+    return methods.get(config.tree.method).clipped_advantages(config, spec, tree, rewards)

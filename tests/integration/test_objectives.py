@@ -52,16 +52,18 @@ class FrozenObjective(PPOObjective):
 
 
 @pytest.fixture
-def frozen_method(monkeypatch):
-    entry = methods.Method(
-        "frozen_grpo",
-        spec=methods.get("grpo").spec,
-        advantages=methods.get("grpo").advantages,
-        objective=FrozenObjective(),
+def frozen_method():
+    entry = methods.register(
+        methods.Method(
+            "frozen_grpo",
+            spec=methods.get("grpo").spec,
+            advantages=methods.get("grpo").advantages,
+            objective=FrozenObjective(),
+        )
     )
-    monkeypatch.setitem(methods.METHODS, entry.name, entry)
     CALLS.clear()
-    return entry
+    yield entry
+    methods.unregister(entry.name)
 
 
 def small_config():

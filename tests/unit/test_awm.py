@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax.core.sampling import make_flow_schedule
-from tree_grpo_jax.methods import awm
+from tree_grpo_jax.methods import awm, forward
 
 SHAPE = (3, 2)
 NUM_STEPS = 10
@@ -208,7 +208,7 @@ def test_the_time_samplers_follow_the_released_strata():
     sigmas = np.asarray(make_flow_schedule(14, shift=3.0).sigmas)
     rng = np.random.default_rng(0)
     # discrete_wo_init, 6 of int(14 * 0.9) = 12: steps one per stratum of [1, 12)
-    t = awm.sample_times("discrete_wo_init", rng, 200, 6, sigmas, 0.9, 3.0)
+    t = forward.sample_times("discrete_wo_init", rng, 200, 6, sigmas, 0.9, 3.0)
     steps = np.array([[int(np.argmin(np.abs(sigmas - x))) for x in row] for row in t])
     bounds = np.floor(np.linspace(1, 12, 7))
     for j in range(6):
@@ -216,14 +216,14 @@ def test_the_time_samplers_follow_the_released_strata():
             (steps[:, j] >= bounds[j]) & (steps[:, j] < max(bounds[j + 1], bounds[j] + 1))
         ).all()
     assert len(np.unique(steps)) == 11  # every step of [1, 12) drawn somewhere, none other
-    t = awm.sample_times("discrete_with_init", rng, 50, 6, sigmas, 0.9, 3.0)
+    t = forward.sample_times("discrete_with_init", rng, 50, 6, sigmas, 0.9, 3.0)
     np.testing.assert_array_equal(t[:, 0], sigmas[0])
     # uniform: one draw per fifth of [0.2, 1], shifted by 3
-    t = awm.sample_times("uniform", rng, 100, 5, sigmas, 0.9, 3.0)
+    t = forward.sample_times("uniform", rng, 100, 5, sigmas, 0.9, 3.0)
     u = (t / (3 - 2 * t) - 0.2) / 0.8  # the shift's inverse, back to [0, 1]
     np.testing.assert_array_equal(np.sort(np.floor(u * 5), axis=1), np.tile(np.arange(5), (100, 1)))
-    t = awm.sample_times("logit_normal", rng, 100, 6, sigmas, 0.9, 3.0)
-    assert t.min() >= awm.MIN_TIME and t.max() < 1
+    t = forward.sample_times("logit_normal", rng, 100, 6, sigmas, 0.9, 3.0)
+    assert t.min() >= forward.MIN_TIME and t.max() < 1
     # stratified: each sample's six times fall one in each sixth of the normal's mass
     z = np.log((t / (3 - 2 * t)) / (1 - t / (3 - 2 * t)))  # unshift, logit
     from scipy.stats import norm

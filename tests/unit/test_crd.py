@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax.core.sampling import make_flow_schedule
-from tree_grpo_jax.methods import crd, nft
+from tree_grpo_jax.methods import crd, forward
 
 SHAPE = (3, 2)
 NUM_STEPS = 10
@@ -254,7 +254,7 @@ def test_the_old_copy_s_decay_by_hand():
 def test_rows_hold_each_group_at_one_sigma_with_its_normalised_rewards():
     leaves = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
     rewards = np.array([[1.0, 2.0, 6.0], [0.0, 0.0, 0.0]])
-    opt = nft.optimality(nft.advantages(rewards), 5.0)
+    opt = forward.optimality(forward.advantages(rewards), 5.0)
     # (r - prompt mean) / batch std / 10 + 1/2 by hand
     std = rewards.std()
     np.testing.assert_allclose(opt[0], (np.array([-2, -1, 3]) / (std + 1e-4)) / 10 + 0.5)

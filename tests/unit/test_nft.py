@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax.core.sampling import make_flow_schedule
-from tree_grpo_jax.methods import nft
+from tree_grpo_jax.methods import forward, nft
 
 SHAPE = (3, 2)  # a sample's entries
 NUM_STEPS = 5
@@ -64,7 +64,7 @@ def reference_loss(params, old, ref, rows, schedule, cond, beta, clip, kl_beta):
         terms = []
         for v_implicit in (beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v):
             error = (xt - s * v_implicit) - x0
-            terms.append(np.mean(error**2) / max(np.mean(np.abs(error)), nft.WEIGHT_FLOOR))
+            terms.append(np.mean(error**2) / max(np.mean(np.abs(error)), forward.WEIGHT_FLOOR))
         policy += clip / beta * (r * terms[0] + (1 - r) * terms[1])
         kl += np.mean((v - velocity(w_ref, xt, rows.step[i], rows.prompt[i])) ** 2)
         count += 1
@@ -153,12 +153,12 @@ def test_a_sure_loser_pushes_away_and_the_mean_sample_does_not_move():
 
 def test_advantages_centre_each_prompt_and_scale_by_the_batch():
     rewards = np.array([[1.0, 2.0, 3.0], [10.0, 10.0, 13.0]])
-    a = nft.advantages(rewards)
+    a = forward.advantages(rewards)
     std = np.sqrt(np.mean((rewards - rewards.mean()) ** 2))
     np.testing.assert_allclose(a[0], np.array([-1.0, 0.0, 1.0]) / (std + 1e-4))
     np.testing.assert_allclose(a[1], np.array([-1.0, -1.0, 2.0]) / (std + 1e-4))
-    np.testing.assert_array_equal(nft.advantages(np.full((2, 3), -3.7)), 0.0)  # r = 1/2
-    r = nft.optimality(np.array([-7.0, -5.0, 0.0, 2.5, 9.0]), clip=5.0)
+    np.testing.assert_array_equal(forward.advantages(np.full((2, 3), -3.7)), 0.0)  # r = 1/2
+    r = forward.optimality(np.array([-7.0, -5.0, 0.0, 2.5, 9.0]), clip=5.0)
     np.testing.assert_allclose(r, [0.0, 0.0, 0.5, 0.75, 1.0])
 
 
@@ -180,15 +180,15 @@ def test_rows_hold_every_leaf_at_distinct_steps():
 
 def test_the_old_policy_follows_the_released_schedules():
     # decay_type 1 (flat 0, 0.001 per step, up to 0.5) and 2 (flat 75, 0.0075, up to 0.999)
-    assert nft.old_policy_decay(0, 0, 0.001, 0.5) == 0.0
-    assert nft.old_policy_decay(100, 0, 0.001, 0.5) == pytest.approx(0.1)
-    assert nft.old_policy_decay(5000, 0, 0.001, 0.5) == 0.5
-    assert nft.old_policy_decay(74, 75, 0.0075, 0.999) == 0.0
-    assert nft.old_policy_decay(175, 75, 0.0075, 0.999) == pytest.approx(0.75)
-    assert nft.old_policy_decay(500, 75, 0.0075, 0.999) == 0.999
+    assert forward.old_policy_decay(0, 0, 0.001, 0.5) == 0.0
+    assert forward.old_policy_decay(100, 0, 0.001, 0.5) == pytest.approx(0.1)
+    assert forward.old_policy_decay(5000, 0, 0.001, 0.5) == 0.5
+    assert forward.old_policy_decay(74, 75, 0.0075, 0.999) == 0.0
+    assert forward.old_policy_decay(175, 75, 0.0075, 0.999) == pytest.approx(0.75)
+    assert forward.old_policy_decay(500, 75, 0.0075, 0.999) == 0.999
     old = {"w": jnp.full((2,), 2.0), "h": jnp.full((1,), 4.0, jnp.bfloat16)}
     new = {"w": jnp.zeros((2,)), "h": jnp.zeros((1,), jnp.bfloat16)}
-    mixed = nft.mix_old_policy(old, new, jnp.float32(0.25))
+    mixed = forward.mix_old_policy(old, new, jnp.float32(0.25))
     np.testing.assert_allclose(np.asarray(mixed["w"]), [0.5, 0.5])
     assert mixed["h"].dtype == jnp.bfloat16 and float(mixed["h"][0]) == 1.0
 

@@ -15,6 +15,7 @@ from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, sampling
 from tree_grpo_jax.core import tree_spec as ts
 from tree_grpo_jax.core.rollout import rollout
+from tree_grpo_jax.methods import node_credit
 
 SHAPE = (2, 3)
 
@@ -220,7 +221,7 @@ def test_node_pruning_matches_a_loop_over_explicit_nodes(case, rule):
     plain = spec.at(start)
     dead, dropped = ref.node_pruning_reference(forest, plain, recorded, mode, level, level, level)
 
-    alive, decisions = methods.get(method).node_survival(config, tree, values)
+    alive, decisions = node_credit.survival(config, tree, values)
     masks = pruning.alive_edge_masks(tree, alive)
     got = methods.get(method).clipped_advantages(
         config, spec, tree, jnp.asarray(rewards), node_values=values, alive=alive

@@ -1,7 +1,7 @@
-"""Model families and rewards are registered records: a toy family and a toy reward defined
-here, outside the package, train the tiny loop; their own config sections reach their
-loader and builder; the schema takes their sections from them; moved fields and
-unknown names are one sentence each."""
+"""Model families, rewards and methods are registered records: a toy family and a toy reward
+defined here, outside the package, train the tiny loop; their own config sections reach their
+loader and builder; the schema takes their sections from them; moved fields and unknown names
+are one sentence each, and a taken name needs overwrite=True."""
 
 import dataclasses
 import json
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax import config as cfg
-from tree_grpo_jax import rewards
+from tree_grpo_jax import methods, rewards
 from tree_grpo_jax.config import base_config
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.tiny.model import build_tiny
@@ -145,6 +145,19 @@ def test_registering_a_taken_name_needs_overwrite(toys):
         model_registry.register(dataclasses.replace(toys, name="other"))
     with pytest.raises(ValueError, match="already registered"):
         reward_registry.register("brightness", lambda i, p: i, on_host=True)
+    taken = methods.get("grpo")
+    with pytest.raises(ValueError, match="^a method named 'grpo' is already registered; pass"):
+        methods.register(dataclasses.replace(taken, stat_tracker=False))
+    assert methods.register(taken, overwrite=True) is methods.get("grpo")
+    toy = methods.register(dataclasses.replace(taken, name="toy_grpo"))
+    try:
+        assert (
+            methods.get("toy_grpo") is toy and methods.methods_of(toy.objective)[-1] == "toy_grpo"
+        )
+    finally:
+        methods.unregister("toy_grpo")
+    with pytest.raises(methods.UnknownMethodError, match="'toy_grpo'"):
+        methods.get("toy_grpo")
 
 
 def test_unknown_model_names_the_registered_ones():

@@ -4,7 +4,11 @@
     ppo.py        PPO-clip on the rollout's own steps (`PPO`)
     nft.py        DiffusionNFT on forward-noised leaves, with its old policy (`NFT`)
     awm.py, dgpo.py, dpo.py, crd.py   AWM, DGPO, online Diffusion-DPO and CRD, likewise
-    table.py      every method as one `Method` entry; `get(name)` looks one up
+    forward.py    what those forward-process objectives share (`ForwardObjective`, their
+                  credit, time draws, old-policy mixing and counts)
+    node_credit.py  node rewards' checks, node pruning's survival and their counts
+    table.py      every method as one `Method` entry; `get(name)` looks one up, `register`
+                  adds one
 
 A new objective is one module subclassing `Objective` and the table entries that use it.
 Nothing outside this package asks which objective a method has: it calls the objective.
@@ -19,14 +23,13 @@ from tree_grpo_jax.methods.table import (
     Method,
     SpecBuilder,
     UnknownMethodError,
-    build_spec,
-    compute_advantages,
     get,
     methods_of,
     objectives,
     other_sections,
+    register,
     spec_at,
-    window_start,
+    unregister,
 )
 
 __all__ = [
@@ -39,12 +42,11 @@ __all__ = [
     "RowSource",
     "SpecBuilder",
     "UnknownMethodError",
-    "build_spec",
-    "compute_advantages",
     "get",
     "methods_of",
     "objectives",
     "other_sections",
+    "register",
     "spec_at",
-    "window_start",
+    "unregister",
 ]

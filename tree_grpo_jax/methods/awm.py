@@ -47,15 +47,11 @@ from tree_grpo_jax.core.loss import (
 )
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
-from tree_grpo_jax.methods import nft
-from tree_grpo_jax.methods.objective import Objective, RowSource
+from tree_grpo_jax.methods import forward
+from tree_grpo_jax.methods.objective import RowSource
 
-TIME_SAMPLINGS = ("discrete", "discrete_wo_init", "discrete_with_init", "uniform", "logit_normal")
 WEIGHTINGS = ("Uniform", "t", "t**2", "huber", "ghuber")
-# the released floors: the huber forms' 1e-10 under the power, the smallest continuous t
-HUBER_EPS = 1e-10
-MIN_TIME = 0.01
-UNIFORM_LOWER = 0.2  # the released "uniform" sampler's lower bound before the shift
+HUBER_EPS = 1e-10  # the released floor: the huber forms' 1e-10 under the power
 
 
 @struct.dataclass
@@ -68,67 +64,6 @@ class AWMRows(MaskedRows):
     mask: np.ndarray  # [R] bool, True = a real row
 
 
-def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> AWMRows:
-    return AWMRows(
-        x0=make((rows, *sample_shape), dtype),
-        noise=make((rows, *sample_shape), dtype),
-        time=make((rows,), np.float32),
-        prompt=make((rows,), np.int32),
-        advantage=make((rows,), np.float32),
-        mask=make((rows,), np.bool_),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Times.
-
-
-def _shift(t, shift: float):
-    return shift * t / (1.0 + (shift - 1.0) * t)
-
-
-def _strata(rng: np.random.Generator, samples: int, count: int) -> np.ndarray:
-    """[samples, count] one uniform draw per stratum [j / count, (j + 1) / count), each
-    sample's strata in its own random order (the released stratified draws)."""
-    u = (np.arange(count) + rng.uniform(size=(samples, count))) / count
-    return rng.permuted(u, axis=1)
-
-
-def sample_times(
-    kind: str,
-    rng: np.random.Generator,
-    samples: int,
-    count: int,
-    sigmas: np.ndarray,
-    fraction: float,
-    shift: float,
-) -> np.ndarray:
-    """[samples, count] times t in (0, 1] for each sample, as the released `time_type` does:
-    "discrete*" take the sampler's own sigmas at step indices drawn one per stratum of
-    [0 (1 without / forced init), int(N * fraction)] ("discrete_with_init": step 0 and
-    count - 1 strata from 1); "uniform" stratifies [0.2, 1] and shifts; "logit_normal"
-    stratifies a standard normal's quantiles, sigmoid, shift, at least 0.01."""
-    num_steps = len(sigmas) - 1
-    top = int(num_steps * fraction)
-    if kind.startswith("discrete"):
-        first = 0 if kind == "discrete" else 1
-        strata = count - 1 if kind == "discrete_with_init" else count
-        bounds = np.linspace(first, top, strata + 1)
-        lower, upper = np.floor(bounds[:-1]), np.floor(bounds[1:])
-        u = rng.uniform(size=(samples, strata))
-        steps = (lower + np.floor(u * (upper - lower))).astype(int)
-        if kind == "discrete_with_init":
-            steps = np.concatenate([np.zeros((samples, 1), int), steps], axis=1)
-        return np.asarray(sigmas, np.float64)[np.minimum(steps, num_steps - 1)]
-    u = _strata(rng, samples, count)
-    if kind == "uniform":
-        return _shift(UNIFORM_LOWER + u * (1.0 - UNIFORM_LOWER), shift)
-    from scipy.special import ndtri  # the normal's quantile function
-
-    t = _shift(1.0 / (1.0 + np.exp(-ndtri(np.clip(u, 1e-7, 1 - 1e-7)))), shift)
-    return np.maximum(t, MIN_TIME)
-
-
 # ---------------------------------------------------------------------------------------------
 # Credit.
 
@@ -136,7 +71,7 @@ def sample_times(
 def scaled_advantages(rewards: np.ndarray, clip: float, advantage_max: float) -> np.ndarray:
     """[P, L] rewards -> each prompt's advantages over the batch's std (the released tracker
     with global_std), clipped to +-clip and scaled to +-advantage_max."""
-    a = np.clip(nft.advantages(rewards), -clip, clip)
+    a = np.clip(forward.advantages(rewards), -clip, clip)
     return a / clip * advantage_max
 
 
@@ -225,11 +160,11 @@ def awm_loss(
         return settings.denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
 
     v = velocity(params)
-    log_prob = weighted_log_prob(nft.row_mean((v - target) ** 2), t, weighting, power)
+    log_prob = weighted_log_prob(forward.row_mean((v - target) ** 2), t, weighting, power)
     use_ema = settings.off_policy or settings.ema_beta != 0
     v_ema = jax.lax.stop_gradient(velocity(old_params)) if use_ema else None
     if settings.off_policy:
-        old = weighted_log_prob(nft.row_mean((v_ema - target) ** 2), t, weighting, power)
+        old = weighted_log_prob(forward.row_mean((v_ema - target) ** 2), t, weighting, power)
     else:
         old = jax.lax.stop_gradient(log_prob)
     log_ratio = jnp.where(mask, log_prob - old, 0.0)
@@ -241,13 +176,13 @@ def awm_loss(
     kl = zero
     if ref_params is not None:
         v_ref = jax.lax.stop_gradient(velocity(ref_params))
-        kl = masked_mean(nft.row_mean((v - v_ref) ** 2), mask)
-    ema_kl = zero if v_ema is None else masked_mean(nft.row_mean((v - v_ema) ** 2), mask)
+        kl = masked_mean(forward.row_mean((v - v_ref) ** 2), mask)
+    ema_kl = zero if v_ema is None else masked_mean(forward.row_mean((v - v_ema) ** 2), mask)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         "ema_kl": ema_kl,
-        "matching_error": masked_mean(nft.row_mean((v - target) ** 2), mask),
+        "matching_error": masked_mean(forward.row_mean((v - target) ** 2), mask),
         **ratio_metrics(ratio, mask, settings.clip_range),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
@@ -264,14 +199,14 @@ def ema_decay(iterations_done: int, kind: str, rate: float, ceiling: float) -> f
     released default, one optimizer step per iteration) or max ("constant")."""
     if kind == "constant":
         return float(ceiling)
-    return nft.old_policy_decay(iterations_done, 0, rate, ceiling)
+    return forward.old_policy_decay(iterations_done, 0, rate, ceiling)
 
 
-class AWMObjective(Objective):
-    name = "awm"
-    keeps_old_policy = True  # the EMA copy
-    draws_rows = True  # the times and noises of its rows
+class AWMObjective(forward.ForwardObjective):
+    name = "awm"  # its old policy is the EMA copy
     section = "awm"
+    rows_type = AWMRows
+    decay_metric = "ema_decay"
     reported_metrics = ("matching_error", "ema_kl")
 
     # AWM's settings (tree.method "awm" / "awm_tree"). Defaults: the released SD3.5-M
@@ -282,7 +217,9 @@ class AWMObjective(Objective):
     # "linear", off_policy False); train.kl_beta is their beta (0.003; 1e-4 PickScore).
     settings = {
         "train_timesteps": Setting(6, "times each sample is trained at", low=1),
-        "time_sampling": Setting("discrete_wo_init", "their time_type", choices=TIME_SAMPLINGS),
+        "time_sampling": Setting(
+            "discrete_wo_init", "their time_type", choices=forward.TIME_SAMPLINGS
+        ),
         "timestep_fraction": Setting(
             0.9,
             '"discrete*": strata over int(num_steps * fraction)',
@@ -329,9 +266,6 @@ class AWMObjective(Objective):
                 )
         return None
 
-    def check_model(self, config, model):
-        return nft.NFT.check_model(config, model)
-
     def samples_with_old_policy(self, config, iteration):
         return bool(config.awm.off_policy)
 
@@ -348,7 +282,7 @@ class AWMObjective(Objective):
         time_key, noise_key = jax.random.split(key)
         rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
         sigmas = np.asarray(source.schedule.sigmas)  # the sampler's own
-        times = sample_times(
+        times = forward.sample_times(
             a.time_sampling,
             rng,
             adv.size,
@@ -372,14 +306,10 @@ class AWMObjective(Objective):
             ema_beta=float(a.ema_beta),
         )
 
-    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return zero_rows(rows, sample_shape, dtype, make)
-
-    def after_update(self, config, old, params, iteration):
-        """ema <- d * ema + (1 - d) * new, d after iteration `iteration` is done."""
+    def decay(self, config, iterations_done):
+        """ema <- d * ema + (1 - d) * new, d after `iterations_done` iterations."""
         a = config.awm
-        decay = ema_decay(iteration + 1, a.ema_decay_type, a.ema_decay_rate, a.ema_decay_max)
-        return nft.mix_old_policy(old, params, jnp.float32(decay)), {"ema_decay": decay}
+        return ema_decay(iterations_done, a.ema_decay_type, a.ema_decay_rate, a.ema_decay_max)
 
     def row_samples(self, config, spec):
         """Each leaf and its noise, again, per time it is trained at."""
@@ -390,7 +320,7 @@ class AWMObjective(Objective):
         policy, the EMA copy (its KL or the off-policy ratio) and the KL reference."""
         a = config.awm
         forwards = 1 + (config.train.kl_beta > 0) + (a.ema_beta > 0 or bool(a.off_policy))
-        return nft.leaf_row_counts(spec, spec.leaves * a.train_timesteps, forwards)
+        return forward.leaf_row_counts(spec, spec.leaves * a.train_timesteps, forwards)
 
 
 AWM = AWMObjective()

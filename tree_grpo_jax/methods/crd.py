@@ -45,11 +45,10 @@ from tree_grpo_jax.core.guidance import PyTree, guided_prediction
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
-from tree_grpo_jax.methods import awm, nft
-from tree_grpo_jax.methods.objective import Objective, RowSource
+from tree_grpo_jax.methods import forward
+from tree_grpo_jax.methods.objective import RowSource
 
 LOSS_TYPES = ("mse", "bce")
-WEIGHT_FLOOR = 1e-5  # the released floor of the adaptive weights
 KL_FLOOR = 1e-4  # the released smallest KL weight under reward-adaptive KL
 
 
@@ -61,17 +60,6 @@ class CRDRows(MaskedRows):
     prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
     optimality: np.ndarray  # [R, G] float32 in [0, 1]: the normalised reward a_i
     mask: np.ndarray  # [R, G] bool, True = a real sample
-
-
-def zero_rows(rows: int, group: int, sample_shape, dtype=np.float32, make=np.zeros) -> CRDRows:
-    return CRDRows(
-        x0=make((rows, group, *sample_shape), dtype),
-        noise=make((rows, group, *sample_shape), dtype),
-        time=make((rows,), np.float32),
-        prompt=make((rows,), np.int32),
-        optimality=make((rows, group), np.float32),
-        mask=make((rows, group), np.bool_),
-    )
 
 
 def gather_rows(
@@ -189,7 +177,9 @@ def crd_loss(
     if settings.adaptive_logp:
         w = jax.lax.stop_gradient(sample_mean(jnp.abs(target - v)))
         w_old = sample_mean(jnp.abs(target - v_old))
-        w, w_old = (jnp.maximum(x, WEIGHT_FLOOR)[(...,) + (None,) * len(axes)] for x in (w, w_old))
+        w, w_old = (
+            jnp.maximum(x, forward.WEIGHT_FLOOR)[(...,) + (None,) * len(axes)] for x in (w, w_old)
+        )
         err, err_old = err / w, err_old / w_old
     r = -sample_mean(err - err_old)  # [R, G]
     a = batch.optimality.astype(jnp.float32)
@@ -228,11 +218,12 @@ def crd_loss(
     return policy_loss + settings.kl_beta * kl, metrics
 
 
-class CRDObjective(Objective):
-    name = "crd"
-    keeps_old_policy = True  # the old copy the implicit reward is measured against
-    draws_rows = True  # the times and noises of its rows
+class CRDObjective(forward.ForwardObjective):
+    name = "crd"  # its old policy is the copy the implicit reward is measured against
     section = "crd"
+    rows_type = CRDRows
+    grouped_fields = ("x0", "noise", "optimality", "mask")
+    decay_metric = "old_decay"
     reported_metrics = ("implicit_reward", "unscaled_policy_loss")
 
     # CRD's settings (tree.method "crd"). Defaults: Flow-Factory's CRDTrainingArguments and
@@ -257,7 +248,7 @@ class CRDObjective(Objective):
             low=0,
             note="0: from the sampling steps",
         ),
-        "time_sampling": Setting("discrete", "how times are drawn", choices=awm.TIME_SAMPLINGS),
+        "time_sampling": Setting("discrete", "how times are drawn", choices=forward.TIME_SAMPLINGS),
         "timestep_range": Setting(
             0.99, "the top share of the noise levels drawn", low=0, high=1, open_low=True
         ),
@@ -288,9 +279,6 @@ class CRDObjective(Objective):
     def needs_initial_model(self, config):
         return not config.crd.use_old_for_loss  # the implicit reward against it
 
-    def check_model(self, config, model):
-        return nft.NFT.check_model(config, model)
-
     def samples_with_old_policy(self, config, iteration):
         return False  # the trained weights sample; the old copy only measures the reward
 
@@ -304,12 +292,12 @@ class CRDObjective(Objective):
         """Every prompt's group at `train_timesteps` times, each with its normalised
         reward (advantages over the global batch's std, as on every process)."""
         c, d = config, config.crd
-        adv = nft.advantages(np.asarray(source.rewards))[source.rows]
-        optimality = nft.optimality(adv, c.advantage.clip)
+        adv = forward.advantages(np.asarray(source.rewards))[source.rows]
+        optimality = forward.optimality(adv, c.advantage.clip)
         key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
         time_key, noise_key = jax.random.split(key)
         rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
-        times = awm.sample_times(
+        times = forward.sample_times(
             d.time_sampling,
             rng,
             adv.shape[0],
@@ -336,17 +324,13 @@ class CRDObjective(Objective):
             advantage_clip=float(c.advantage.clip),
         )
 
-    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return zero_rows(rows, int(config.tree.group_size), sample_shape, dtype, make)
-
-    def after_update(self, config, old, params, iteration):
-        """old <- d * old + (1 - d) * new, d after iteration `iteration`'s optimizer steps."""
+    def decay(self, config, iterations_done):
+        """d once the optimizer steps of `iterations_done` iterations are done."""
         d = config.crd
-        steps = (iteration + 1) * int(config.train.updates_per_iteration)
-        decay = old_decay(
+        steps = iterations_done * int(config.train.updates_per_iteration)
+        return old_decay(
             steps, d.old_decay_start, d.old_decay_initial, d.old_decay_slope, d.old_decay_max
         )
-        return nft.mix_old_policy(old, params, jnp.float32(decay)), {"old_decay": decay}
 
     def row_samples(self, config, spec):
         """Each sample and its noise, again, per time it is trained at."""
@@ -361,16 +345,14 @@ class CRDObjective(Objective):
         samples = spec.leaves * steps
         guided = d.kl_cfg > 1
         kl = 0 if c.train.kl_beta == 0 else (2 if guided else 1)
-        return {
-            "guidance": c.sampling.guidance_scale != 1.0,
-            "rollout_rows": spec.rollout_denoiser_calls(c.sampling.guidance_scale != 1.0),
-            "trained_edges": samples,
-            "train_rows": steps,
-            "train_forward_rows": samples * (2 + kl),
-            "train_grad_rows": samples,  # the trained weights' only
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return forward.row_counts(
+            spec,
+            c.sampling.guidance_scale != 1.0,
+            edges=samples,
+            rows=steps,
+            forwards=samples * (2 + kl),
+            grads=samples,  # the trained weights' only
+        )
 
 
 CRD = CRDObjective()

@@ -39,10 +39,9 @@ from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
-from tree_grpo_jax.methods import nft
-from tree_grpo_jax.methods.objective import Objective, RowSource
+from tree_grpo_jax.methods import forward
+from tree_grpo_jax.methods.objective import RowSource
 
-STD_EPS = 1e-4  # the released stat tracker's
 REFERENCES = ("initial", "ema")
 
 
@@ -56,24 +55,14 @@ class DGPORows(MaskedRows):
     mask: np.ndarray  # [R, G] bool, True = a real sample
 
 
-def zero_rows(rows: int, group: int, sample_shape, dtype=np.float32, make=np.zeros) -> DGPORows:
-    return DGPORows(
-        x0=make((rows, group, *sample_shape), dtype),
-        noise=make((rows, group, *sample_shape), dtype),
-        step=make((rows,), np.int32),
-        prompt=make((rows,), np.int32),
-        advantage=make((rows, group), np.float32),
-        mask=make((rows, group), np.bool_),
-    )
-
-
 def advantages(rewards: np.ndarray, global_std: bool) -> np.ndarray:
     """[P, G] rewards -> each prompt's rewards less their mean, over the batch's std
     (`global_std`) or the prompt's own (the released per-prompt tracker)."""
     if global_std:
-        return nft.advantages(rewards)
+        return forward.advantages(rewards)
     rewards = np.asarray(rewards, np.float64)
-    return nft.centred_per_prompt(rewards) / (rewards.std(axis=1, keepdims=True) + STD_EPS)
+    std = rewards.std(axis=1, keepdims=True)
+    return forward.centred_per_prompt(rewards) / (std + forward.STD_EPS)
 
 
 def gather_rows(
@@ -204,14 +193,15 @@ def dgpo_loss(
 def ema_decay(iterations_done: int, rate: float, ceiling: float) -> float:
     """d after `iterations_done` iterations: the released min(rate * global_step, max),
     global_step counting the optimizer steps before this one (0 at the first)."""
-    return nft.old_policy_decay(iterations_done, 1, rate, ceiling)
+    return forward.old_policy_decay(iterations_done, 1, rate, ceiling)
 
 
-class DGPOObjective(Objective):
-    name = "dgpo"
-    keeps_old_policy = True  # the EMA reference ("ema_ref")
-    draws_rows = True  # the steps and noises of its rows
+class DGPOObjective(forward.ForwardObjective):
+    name = "dgpo"  # its old policy is the EMA reference ("ema_ref")
     section = "dgpo"
+    rows_type = DGPORows
+    grouped_fields = ("x0", "noise", "advantage", "mask")
+    decay_metric = "ema_decay"
     reported_metrics = ("dsm", "dsm_gap", "group_weight")
 
     # DGPO's settings (tree.method "dgpo"). Defaults: the released SD3.5-M GenEval config
@@ -263,9 +253,6 @@ class DGPOObjective(Objective):
     def needs_initial_model(self, config):
         return config.dgpo.reference == "initial"  # with or without a KL term, as the release
 
-    def check_model(self, config, model):
-        return nft.NFT.check_model(config, model)
-
     def samples_with_old_policy(self, config, iteration):
         # the release samples with its EMA reference once global_step > switch_ema_ref
         return iteration > config.dgpo.switch_ema_ref
@@ -293,13 +280,9 @@ class DGPOObjective(Objective):
             clip_range=float(d.clip_range),
         )
 
-    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return zero_rows(rows, int(config.tree.group_size), sample_shape, dtype, make)
-
-    def after_update(self, config, old, params, iteration):
+    def decay(self, config, iterations_done):
         d = config.dgpo
-        decay = ema_decay(iteration + 1, d.ema_decay_rate, d.ema_decay_max)
-        return nft.mix_old_policy(old, params, jnp.float32(decay)), {"ema_decay": decay}
+        return ema_decay(iterations_done, d.ema_decay_rate, d.ema_decay_max)
 
     def row_samples(self, config, spec):
         """Each sample and its noise, again, per step it is trained at."""
@@ -313,16 +296,14 @@ class DGPOObjective(Objective):
         samples = spec.leaves * d.train_timesteps
         initial = d.reference == "initial" or c.train.kl_beta > 0
         ema = d.clip_dsm or d.reference == "ema"
-        return {
-            "guidance": c.sampling.guidance_scale != 1.0,
-            "rollout_rows": spec.rollout_denoiser_calls(c.sampling.guidance_scale != 1.0),
-            "trained_edges": samples,
-            "train_rows": d.train_timesteps,
-            "train_forward_rows": samples * (1 + initial + ema),
-            "train_grad_rows": samples,  # the trained weights' only
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return forward.row_counts(
+            spec,
+            c.sampling.guidance_scale != 1.0,
+            edges=samples,
+            rows=d.train_timesteps,
+            forwards=samples * (1 + initial + ema),
+            grads=samples,  # the trained weights' only
+        )
 
 
 DGPO = DGPOObjective()

@@ -37,8 +37,8 @@ from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
-from tree_grpo_jax.methods import nft
-from tree_grpo_jax.methods.objective import Objective, RowSource
+from tree_grpo_jax.methods import forward
+from tree_grpo_jax.methods.objective import RowSource
 
 # the released logit-normal draw's floor and ceiling on u before sigma = 1 - range * u
 TIME_FLOOR, TIME_CEILING = 0.01, 1.0 - 1e-6
@@ -51,16 +51,6 @@ class DPORows(MaskedRows):
     time: np.ndarray  # [R] float32 in (0, 1): the sigma both are noised to
     prompt: np.ndarray  # [R] int32, row of the prompt batch (cond[prompt])
     mask: np.ndarray  # [R] bool, True = a real pair
-
-
-def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> DPORows:
-    return DPORows(
-        x0=make((rows, 2, *sample_shape), dtype),
-        noise=make((rows, *sample_shape), dtype),
-        time=make((rows,), np.float32),
-        prompt=make((rows,), np.int32),
-        mask=make((rows,), np.bool_),
-    )
 
 
 def pair_indices(rewards: np.ndarray) -> np.ndarray:
@@ -168,10 +158,12 @@ def dpo_loss(
     return policy_loss + settings.kl_beta * kl, metrics
 
 
-class DPOObjective(Objective):
+class DPOObjective(forward.ForwardObjective):
     name = "dpo"
-    draws_rows = True  # the times and noises of its rows
+    keeps_old_policy = False  # the preference is measured against the initial model
     section = "dpo"
+    rows_type = DPORows
+    grouped_fields = ("x0",)  # a pair: the winner and the loser
     reported_metrics = ("reward_margin", "implicit_accuracy")
 
     # Diffusion-DPO's settings (tree.method "dpo"). Defaults: Flow-Factory's SD3.5-M example
@@ -202,9 +194,6 @@ class DPOObjective(Objective):
     def needs_initial_model(self, config):
         return True  # the preference is measured against it
 
-    def check_model(self, config, model):
-        return nft.NFT.check_model(config, model)
-
     def rows(self, method, config, source: RowSource, key=None) -> DPORows:
         """Every prompt's (best, worst) pair at `train_timesteps` times."""
         d = config.dpo
@@ -230,8 +219,8 @@ class DPOObjective(Objective):
             beta=float(config.dpo.beta),
         )
 
-    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return zero_rows(rows, sample_shape, dtype, make)
+    def row_group(self, config):
+        return 2
 
     def row_samples(self, config, spec):
         """Per time a pair is trained at: its winner, its loser and their noise."""
@@ -241,16 +230,14 @@ class DPOObjective(Objective):
         """A row is a pair at one time: its two samples through the trained weights and
         through the initial model."""
         c, d = config, config.dpo
-        return {
-            "guidance": c.sampling.guidance_scale != 1.0,
-            "rollout_rows": spec.rollout_denoiser_calls(c.sampling.guidance_scale != 1.0),
-            "trained_edges": 2 * d.train_timesteps,
-            "train_rows": d.train_timesteps,
-            "train_forward_rows": 4 * d.train_timesteps,
-            "train_grad_rows": 2 * d.train_timesteps,  # the trained weights' pair
-            "spec_trainable_edges": 0,
-            "spec_train_rows": 0,
-        }
+        return forward.row_counts(
+            spec,
+            c.sampling.guidance_scale != 1.0,
+            edges=2 * d.train_timesteps,
+            rows=d.train_timesteps,
+            forwards=4 * d.train_timesteps,
+            grads=2 * d.train_timesteps,  # the trained weights' pair
+        )
 
 
 DPO = DPOObjective()

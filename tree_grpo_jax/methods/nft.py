@@ -24,7 +24,6 @@ Rows (`NFTRows`) are (sample, sigma, noise) triples, built on the host once per 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -37,12 +36,8 @@ from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
-from tree_grpo_jax.methods.objective import Objective, RowSource
-
-# The adaptive weights' floor: the released code's, so a perfect prediction divides by it.
-WEIGHT_FLOOR = 1e-5
-# advantages = (reward - prompt mean) / (batch std + STD_EPS), the released stat tracker's.
-STD_EPS = 1e-4
+from tree_grpo_jax.methods import forward
+from tree_grpo_jax.methods.objective import RowSource
 
 
 @struct.dataclass
@@ -55,43 +50,8 @@ class NFTRows(MaskedRows):
     mask: np.ndarray  # [R] bool, True = a real row
 
 
-def zero_rows(rows: int, sample_shape, dtype=np.float32, make=np.zeros) -> NFTRows:
-    """`rows` rows of zeros (`make=jax.ShapeDtypeStruct`: their shapes alone)."""
-    return NFTRows(
-        x0=make((rows, *sample_shape), dtype),
-        noise=make((rows, *sample_shape), dtype),
-        step=make((rows,), np.int32),
-        prompt=make((rows,), np.int32),
-        optimality=make((rows,), np.float32),
-        mask=make((rows,), np.bool_),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
-# Credit: rewards -> advantages -> optimality probabilities.
-
-
-def centred_per_prompt(rewards: np.ndarray) -> np.ndarray:
-    """[P, L] rewards less each prompt's mean, in float64."""
-    rewards = np.asarray(rewards, np.float64)
-    chex.assert_rank(rewards, 2)
-    # less each prompt's first reward before the mean: a constant prompt gives exact zeros
-    shifted = rewards - rewards[:, :1]
-    return shifted - shifted.mean(axis=1, keepdims=True)
-
-
-def advantages(rewards: np.ndarray) -> np.ndarray:
-    """[P, L] rewards -> advantages: each prompt's rewards less their mean, over the std of
-    the whole batch (the released code's per-prompt tracker with `global_std`)."""
-    rewards = np.asarray(rewards, np.float64)
-    return centred_per_prompt(rewards) / (rewards.std() + STD_EPS)
-
-
-def optimality(advantages: np.ndarray, clip: float) -> np.ndarray:
-    """Advantages clipped to +-clip, mapped linearly onto [0, 1] (0: the worst, 1/2: the
-    prompt's mean, 1: the best)."""
-    a = np.clip(np.asarray(advantages, np.float64), -clip, clip)
-    return np.clip(a / clip / 2.0 + 0.5, 0.0, 1.0)
+# Rows: every leaf at a share of the sampling steps.
 
 
 def steps_per_sample(num_steps: int, timestep_fraction: float) -> int:
@@ -133,16 +93,13 @@ def gather_rows(
 # The objective.
 
 
-def row_mean(values: jax.Array) -> jax.Array:
-    """The mean of each row [R, ...] over its sample axes."""
-    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
-
-
 def _weighted_error(x0_hat: jax.Array, x0: jax.Array) -> jax.Array:
     """|x0_hat - x0|^2 per row over its (constant) mean absolute error."""
     error = x0_hat - x0
-    weight = jax.lax.stop_gradient(jnp.maximum(row_mean(jnp.abs(error)), WEIGHT_FLOOR))
-    return row_mean(error**2) / weight
+    weight = jax.lax.stop_gradient(
+        jnp.maximum(forward.row_mean(jnp.abs(error)), forward.WEIGHT_FLOOR)
+    )
+    return forward.row_mean(error**2) / weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +149,14 @@ def nft_loss(
     policy_loss = masked_mean(per_row * (clip / beta), mask)
     if ref_params is not None:
         v_ref = jax.lax.stop_gradient(velocity(ref_params))
-        kl = masked_mean(row_mean((v - v_ref) ** 2), mask)
+        kl = masked_mean(forward.row_mean((v - v_ref) ** 2), mask)
     else:
         kl = jnp.zeros((), jnp.float32)
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
         # how far the trained velocity has moved from the sampling policy's
-        "old_deviation": masked_mean(row_mean((v - v_old) ** 2), mask),
+        "old_deviation": masked_mean(forward.row_mean((v - v_old) ** 2), mask),
         "optimality_mean": masked_mean(r, mask),
         "trained_edges": jnp.sum(mask),
         "rows": jnp.sum(mask),
@@ -208,55 +165,13 @@ def nft_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# The old policy.
-
-
-def old_policy_decay(iterations_done: int, flat: int, rate: float, ceiling: float) -> float:
-    """d after `iterations_done` iterations: 0 for the first `flat`, then rising by `rate`
-    per iteration up to `ceiling` (the released `return_decay`, counted in iterations)."""
-    if iterations_done < flat:
-        return 0.0
-    return float(min((iterations_done - flat) * rate, ceiling))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def mix_old_policy(old: PyTree, new: PyTree, decay: jax.Array) -> PyTree:
-    """old <- decay * old + (1 - decay) * new, leaf by leaf, in the old leaves' dtype."""
-    return jax.tree_util.tree_map(
-        lambda o, n: (decay * o.astype(jnp.float32) + (1.0 - decay) * n.astype(jnp.float32)).astype(
-            o.dtype
-        ),
-        old,
-        new,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # The objective as the method table holds it.
 
 
-def leaf_row_counts(spec, rows: int, forwards: int) -> dict:
-    """`Objective.training_counts` of an objective that trains `rows` rows of the rollout's
-    final samples per prompt (no edge of the tree), each through `forwards` denoiser calls
-    of which one, the trained weights', is differentiated; the rollout samples without
-    guidance."""
-    return {
-        "guidance": False,
-        "rollout_rows": spec.rollout_denoiser_calls(False),
-        "trained_edges": rows,
-        "train_rows": rows,
-        "train_forward_rows": rows * forwards,
-        "train_grad_rows": rows,
-        "spec_trainable_edges": 0,
-        "spec_train_rows": 0,
-    }
-
-
-class NFTObjective(Objective):
+class NFTObjective(forward.ForwardObjective):
     name = "nft"
-    keeps_old_policy = True
-    draws_rows = True  # the sigmas and noises of its rows
     section = "diffusion_nft"
+    rows_type = NFTRows
 
     # DiffusionNFT's settings (tree.method "diffusion_nft" / "diffusion_nft_tree"): the
     # velocity is trained on the leaves noised again at sampling sigmas, between the implicit
@@ -300,16 +215,6 @@ class NFTObjective(Objective):
             f"{config.sampling.guidance_scale}."
         )
 
-    def check_model(self, config, model):
-        schedule = model.make_schedule(config.sampling.num_steps, config.sampling)
-        if isinstance(schedule, sampling.FlowSchedule):
-            return None
-        return (
-            f"tree.method={config.tree.method} trains a velocity on forward-noised samples: it "
-            f"needs a rectified-flow model (tiny_flow, sd3, flux), not model.name="
-            f"{config.model.name}."
-        )
-
     def rows(self, method, config, source: RowSource, key=None) -> NFTRows:
         """Every leaf at `timestep_fraction` of the sampling steps, weighted by its
         optimality (normalised over the global batch, as every process)."""
@@ -317,7 +222,7 @@ class NFTObjective(Objective):
         (leaf_advantages,) = method.clipped_advantages(
             c, source.spec, source.tree, jnp.asarray(source.rewards)
         )
-        r = optimality(np.asarray(leaf_advantages)[source.rows], c.advantage.clip)
+        r = forward.optimality(np.asarray(leaf_advantages)[source.rows], c.advantage.clip)
         num_steps = c.sampling.num_steps
         per_sample = steps_per_sample(num_steps, c.diffusion_nft.timestep_fraction)
         key = jax.random.fold_in(key, jax.process_index())  # each process its own noise
@@ -332,16 +237,11 @@ class NFTObjective(Objective):
             clip=float(config.advantage.clip),
         )
 
-    def zero_rows(self, config, rows, sample_shape, max_k, dtype, make=np.zeros):
-        return zero_rows(rows, sample_shape, dtype, make)
-
-    def after_update(self, config, old, params, iteration):
-        """old <- d * old + (1 - d) * new, d after iteration `iteration` is done."""
+    def decay(self, config, iterations_done):
         n = config.diffusion_nft
-        decay = old_policy_decay(
-            iteration + 1, n.old_policy_flat, n.old_policy_rate, n.old_policy_max
+        return forward.old_policy_decay(
+            iterations_done, n.old_policy_flat, n.old_policy_rate, n.old_policy_max
         )
-        return mix_old_policy(old, params, jnp.float32(decay)), {"old_policy_decay": decay}
 
     def _per_sample(self, config) -> int:
         return steps_per_sample(config.sampling.num_steps, config.diffusion_nft.timestep_fraction)
@@ -354,7 +254,7 @@ class NFTObjective(Objective):
         """Every leaf at its share of the sampling steps, one row each; a row runs the
         trained and the old policy (and the reference with a KL term)."""
         forwards = 3 if config.train.kl_beta > 0 else 2
-        return leaf_row_counts(spec, spec.leaves * self._per_sample(config), forwards)
+        return forward.leaf_row_counts(spec, spec.leaves * self._per_sample(config), forwards)
 
 
 NFT = NFTObjective()

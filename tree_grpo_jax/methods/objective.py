@@ -11,7 +11,7 @@ a new objective is one module subclassing `Objective` and one table entry.
 
 The objectives: `ppo.PPO` (PPO-clip on the rollout's own steps, core/loss.py), and the
 forward-process ones on the leaves: `nft.NFT` (DiffusionNFT), `awm.AWM`, `dgpo.DGPO`,
-`dpo.DPO` and `crd.CRD`.
+`dpo.DPO` and `crd.CRD`, each a `forward.ForwardObjective`.
 """
 
 from __future__ import annotations
@@ -47,15 +47,20 @@ class RowSource:
     # rows, updated with the global batch), or None
     tracker: Any = None
     schedule: Any = None  # the sampler's schedule (its sigmas: forward-process rows' times)
-    # node rewards: per segment, the global batch's rewards of its parents' x0 estimates,
-    # [T, P, n] (None for a segment that kept none), or None when node rewards are off
+    # node rewards (`node_credit.NodeScores`: the node values and node pruning's survival),
+    # or None when node rewards are off
     node_values: Any = None
 
     def local_node_values(self):
-        """`node_values` of this process's rows, or None."""
+        """The node values of this process's rows, or None."""
         if self.node_values is None:
             return None
-        return tuple(None if v is None else v[:, self.rows] for v in self.node_values)
+        return self.node_values.local(self.rows)
+
+    @property
+    def node_survival(self):
+        """Node pruning's (alive levels, decisions) of this process's rows, or None."""
+        return None if self.node_values is None else self.node_values.survival
 
     def in_global_batch(self, rows):
         """`rows` made from `tree` with their `prompt` indexing the global batch."""

@@ -84,8 +84,7 @@ class PPOObjective(Objective):
         stat tracker updated when the method uses one), less the edges the masks drop (the
         method's pruning, and node pruning's dead subtrees)."""
         nodes = source.local_node_values()
-        survival = method.node_survival(config, source.tree, nodes)
-        alive = None if survival is None else survival[0]
+        alive = None if source.node_survival is None else source.node_survival[0]
         advantages = method.clipped_advantages(
             config,
             source.spec,

@@ -30,7 +30,7 @@ import numpy as np
 from tree_grpo_jax.core import advantages as adv
 from tree_grpo_jax.core import pruning, tree_spec
 from tree_grpo_jax.core.rollout import Tree
-from tree_grpo_jax.methods import awm, crd, dgpo, dpo, nft
+from tree_grpo_jax.methods import awm, crd, dgpo, dpo, forward, nft, node_credit
 from tree_grpo_jax.methods.objective import Objective
 from tree_grpo_jax.methods.ppo import PPO
 
@@ -126,49 +126,9 @@ class Method:
             raw = adv.mix_credit(gains, leaf, float(o.node_mix))
         return _clipped(tuple(raw), float(o.clip))
 
-    def node_survival(self, config: ml_collections.ConfigDict, tree: Tree, node_values):
-        """Node pruning's (alive levels, decisions) for this rollout, or None when off."""
-        o = config.advantage
-        if node_values is None or o.node_pruning == "none":
-            return None
-        return pruning.node_survival(
-            tree,
-            node_values,
-            mode=o.node_pruning,
-            threshold=o.node_pruning_threshold,
-            quantile=o.node_pruning_quantile,
-            keep=o.node_pruning_keep,
-        )
-
     def check_node_rewards(self, config: ml_collections.ConfigDict, spec) -> str | None:
-        """One sentence where the `advantage` section's node rewards or node pruning do not
-        apply to this method and tree (`spec`: its tree at iteration 0)."""
-        o, name = config.advantage, self.name
-        if o.node_rewards == "none":
-            if o.node_pruning != "none":
-                return "advantage.node_pruning needs node values: set advantage.node_rewards."
-            return None
-        if not self.node_credit:
-            return f"advantage.node_rewards credits the rollout's edges; {name} trains none."
-        if o.node_rewards == "branch_points" and not spec.branch_ks:
-            return (
-                f"advantage.node_rewards='branch_points' needs BRANCH steps; the {name} tree "
-                "has none (use 'all_steps')."
-            )
-        if o.node_pruning == "none":
-            return None
-        if self.treegrpo_leaf_credit is None or not self.treegrpo_leaf_credit(o):
-            return (
-                "advantage.node_pruning recomputes TreeGRPO's leaf credit over the kept leaves: "
-                "use treegrpo with edge_normalization='none', or branchgrpo with "
-                "branch_normalization='leaf' and fusion='mean'."
-            )
-        if len(spec.branch_ks) < 2:
-            return (
-                "advantage.node_pruning drops nodes a BRANCH step made before they branch "
-                f"again: the {name} tree needs at least two BRANCH steps."
-            )
-        return None
+        """`node_credit.check` of this method (the config checks ask the method)."""
+        return node_credit.check(self, config, spec)
 
     def edge_masks_at(
         self,
@@ -206,33 +166,8 @@ class Method:
             counts["replayed_rows"] = sum(p["train_rows"] for p in past)
             for name in ("trained_edges", "train_rows", "train_forward_rows", "train_grad_rows"):
                 counts[name] += sum(p[name] for p in past)
-        nodes = self.node_counts(config, spec)
+        nodes = node_credit.counts(self, config, spec)
         return {"spec": spec.describe(), "leaves": spec.leaves, **counts, **nodes}
-
-    def node_counts(self, config: ml_collections.ConfigDict, spec) -> dict:
-        """Per prompt, the x0 estimates node rewards decode and score each iteration beside
-        the leaves (the parents of the rollout's recorded steps; no extra denoiser rows), and
-        where node pruning's count follows from the tree (`pruning.planned_node_pruning`)
-        the nodes it drops and the rollout rows a sampler that stopped them would save (the
-        static rollout still runs them): empty when off. `spec`: the plain tree."""
-        o = config.advantage
-        if o.node_rewards == "none":
-            return {}
-        blocks = self.run_spec(config).segment_blocks  # the rollout's (a family's) segments
-        per_prompt = sum(
-            b.num_steps * b.nodes_in
-            for b in blocks
-            if o.node_rewards == "all_steps" or b.step.k > 1
-        )
-        counts = {"node_decodes": per_prompt, "node_reward_calls": per_prompt}
-        planned = pruning.planned_node_pruning(
-            spec, o.node_pruning, o.node_pruning_quantile, o.node_pruning_keep
-        )
-        if planned is not None:
-            guidance = 2 if config.sampling.guidance_scale != 1.0 else 1
-            counts["node_pruned"] = planned[0]
-            counts["node_saved_rollout_rows"] = planned[1] * guidance
-        return counts
 
 
 def _grpo_credit(spec, tree, rewards, credit: Credit):
@@ -278,7 +213,7 @@ def _branch_leaf_credit(options) -> bool:
 
 
 def _nft_credit(spec, tree, rewards, credit: Credit):
-    return (jnp.asarray(nft.advantages(np.asarray(rewards)), jnp.float32),)
+    return (jnp.asarray(forward.advantages(np.asarray(rewards)), jnp.float32),)
 
 
 def _on_ode_samples(name: str, objective: Objective, spec_name: str) -> Method:
@@ -371,6 +306,21 @@ METHODS: dict[str, Method] = {
 }
 
 
+def register(method: Method, *, overwrite: bool = False) -> Method:
+    """Adds a method to the table; a name already taken needs `overwrite=True`."""
+    if method.name in METHODS and not overwrite:
+        raise ValueError(
+            f"a method named {method.name!r} is already registered; pass overwrite=True."
+        )
+    METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Removes a method (tests that register toys clean up with this)."""
+    METHODS.pop(name, None)
+
+
 class UnknownMethodError(ValueError):
     """A method name that is not in the table; the message is one sentence for the user."""
 
@@ -402,37 +352,12 @@ def methods_of(objective: Objective) -> tuple[str, ...]:
     return tuple(name for name, m in METHODS.items() if m.objective is objective)
 
 
-# Look-ups by config, for the callers that hold no method (config checks, benchmarks, tests).
-
-
-def window_start(config: ml_collections.ConfigDict, iteration: int) -> int:
-    """Where the window of the configured method starts at `iteration`."""
-    return get(config.tree.method).window_start_at(config, iteration)
-
-
-def build_spec(config: ml_collections.ConfigDict) -> tree_spec.TreeSpec:
-    """The configured method's tree (`Method.run_spec`)."""
-    return get(config.tree.method).run_spec(config)
+# A look-up by config, for the callers that hold no method (config checks, benchmarks).
 
 
 def spec_at(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
     """The plain tree of `iteration` (the family at its window position): for counting."""
     return get(config.tree.method).spec_at(config, iteration)
-
-
-def compute_advantages(
-    config: ml_collections.ConfigDict,
-    spec: tree_spec.TreeSpec,
-    tree: Tree,
-    rewards: jax.Array,
-    *,
-    prompt_ids: Sequence[Hashable] = (),
-    tracker: adv.PerPromptStatTracker | None = None,
-) -> adv.Advantages:
-    """The configured method's advantages, clipped once (`Method.clipped_advantages`)."""
-    return get(config.tree.method).clipped_advantages(
-        config, spec, tree, rewards, prompt_ids=prompt_ids, tracker=tracker
-    )
 
 
 @functools.partial(jax.jit, static_argnums=(1,))  # one program, not one per segment

@@ -4,8 +4,9 @@ The rollout keeps Tweedie's estimate of the clean sample at the parents of its r
 steps (`Segment.x0_hats`, from the predictions it made anyway: no extra denoiser rows);
 here they are decoded and scored by the run's reward like the leaves (`run/scoring.py`),
 one batch per iteration, and laid back out per segment, [T, P, n], for the method's credit
-(`Method.clipped_advantages`) and node pruning (`Method.node_survival`). The decodes and
-reward calls are extra: `Method.node_counts` counts them per prompt.
+(`Method.clipped_advantages`) and node pruning (`methods.node_credit.survival`, once per
+iteration). The decodes and reward calls are extra: `node_credit.counts` counts them per
+prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from tree_grpo_jax.core import pruning
 from tree_grpo_jax.core.rollout import Tree
+from tree_grpo_jax.methods import node_credit
 from tree_grpo_jax.run import scoring
 
 
@@ -52,7 +54,8 @@ def per_segment(values: np.ndarray, shapes) -> tuple:
 
 def with_node_values(trainer, sampled, batch, iteration: int):
     """`sampled` (a `trainer.Rollout`) with the rewards of its kept x0 estimates, per
-    segment [T, P, n] for the global batch; unchanged when node rewards are off (nothing
+    segment [T, P, n] for the global batch, and node pruning's survival of its rows (once
+    per iteration; `node_credit.NodeScores`); unchanged when node rewards are off (nothing
     kept). Decoded in parts and scored as the leaves are (`Trainer.score`)."""
     x0, shapes = estimates(sampled.tree)
     if x0 is None:
@@ -69,26 +72,26 @@ def with_node_values(trainer, sampled, batch, iteration: int):
     where = f"on the node estimates of iteration {iteration}"
     values, _, _ = trainer.score(decoded, prompts, where, metadata)
     values = per_segment(values.reshape(len(sampled.prompts), per_prompt), shapes)
-    return dataclasses.replace(sampled, node_values=values)
+    scores = node_credit.NodeScores(values)
+    survival = node_credit.survival(trainer.config, sampled.tree, scores.local(sampled.rows))
+    scores = dataclasses.replace(scores, survival=survival)
+    return dataclasses.replace(sampled, node_values=scores)
 
 
 def node_metrics(trainer, sampled) -> dict:
     """The iteration's node figures: their mean reward, the estimates scored, and with node
     pruning the nodes dropped and the denoiser rows a sampler that stopped them would save
     (the static-shape rollout still computes those rows)."""
-    node_values = sampled.node_values
-    if node_values is None:
+    scores = sampled.node_values
+    if scores is None:
         return {}
-    kept = [v for v in node_values if v is not None]
+    kept = [v for v in scores.per_segment if v is not None]
     metrics = {
         "node_reward_mean": float(np.mean(np.concatenate([v.ravel() for v in kept]))),
         "node_decodes": int(sum(v.size for v in kept)),
     }
-    config = trainer.config
-    local = tuple(None if v is None else v[:, sampled.rows] for v in node_values)
-    survival = trainer.method.node_survival(config, sampled.tree, local)
-    if survival is not None:
-        _, decisions = survival
+    if scores.survival is not None:
+        _, decisions = scores.survival
         plain = sampled.spec.at(sampled.window_start)
         metrics["node_pruned"] = int(sum(d[2].sum() for d in decisions))
         metrics["node_saved_rollout_rows"] = pruning.saved_rollout_rows(
