@@ -14,9 +14,9 @@ Per run: the wall clock of the whole command, its CPU seconds (user + system), t
 average at its start, the seconds from its start at which its progress lines arrived (traced,
 or lowered from the program store; compiled, first evaluation, first iteration, done) and the
 traced (or lowered) and compiled seconds the lines report, and a digest of every number its
-metrics.jsonl holds but the timings (equal digests: the same numbers, bit for bit). Results: `<out>/demo_time.json` (written after every
-run) and a table of medians on stdout; `<out>` is `runs/benchmarks/demo_time` unless `--out`
-says otherwise.
+metrics.jsonl holds but the timings (equal digests: the same numbers, bit for bit).
+Results: `<out>/demo_time.json` (written after every run) and a table of medians on stdout;
+`<out>` is `runs/benchmarks/demo_time` unless `--out` says otherwise.
 """
 
 from __future__ import annotations
