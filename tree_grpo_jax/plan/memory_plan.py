@@ -353,7 +353,7 @@ def _training(config, trainer) -> str:
         what = f"LoRA rank {config.lora.rank} (frozen base {'/'.join(sorted(dtypes))})"
     mode = remat_mode(m.remat)
     remat = "no remat" if mode == "none" else f"remat ({mode})"
-    rows = config.sampling.get("denoise_rows", 0)
+    rows = config.sampling.denoise_rows
     chunks = f", sampling {rows} denoiser rows at a time" if rows else ""
     return f"{what}, params {m.param_dtype}, compute {m.compute_dtype}, {remat}{chunks}"
 

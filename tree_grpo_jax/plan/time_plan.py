@@ -58,7 +58,7 @@ def rows_per_leaf(config) -> tuple[int, float, float]:
 def calls_per_iteration(config) -> dict[str, float]:
     """How many times each program runs in one iteration, on average over the run."""
     minibatches = minibatches_per_iteration(config)
-    updates = config.train.get("updates_per_iteration", 0)
+    updates = config.train.updates_per_iteration
     every = config.eval.every
     return {
         "rollout": 1.0,
@@ -187,7 +187,7 @@ def plan_time(
         for name, cost in costs.items()
         if calls.get(name)
     )
-    steps = ("accumulate", "apply") if config.train.get("updates_per_iteration", 0) else ()
+    steps = ("accumulate", "apply") if config.train.updates_per_iteration else ()
     expected = ("rollout", "decode", *(steps or ("train_step",)), "evaluate")
     missing = [n for n in expected if calls[n] and n not in costs]
     not_counted = [

@@ -34,7 +34,7 @@ class HostState:
         return cls(
             prompt_iterator(config),
             make_tracker(config, method),
-            replay_buffer.buffer(config.train.get("replay", 0)),
+            replay_buffer.buffer(config.train.replay),
         )
 
     def snapshot(self) -> dict:
