@@ -404,13 +404,15 @@ def test_bad_folder_is_one_sentence(folder, tmp_path, change, words):
 
 
 def test_bad_options_are_one_sentence():
-    from tree_grpo_jax.models import registry
+    from tree_grpo_jax import config as cfg
+    from tree_grpo_jax.config import shape
 
-    family = registry.family_of("flux")
     for field, value in (("t5_max_length", 513), ("resolution", -1), ("shift", -1.0)):
-        options = family.options()
-        options[field] = value
-        sentence = family.check_options(options)
+        config = cfg.base_config()
+        config.model.flux[field] = value
+        with pytest.raises(cfg.ConfigError) as e:
+            shape.check_ranges(config)
+        sentence = str(e.value)
         assert sentence.startswith(f"model.flux.{field} must be") and "\n" not in sentence
 
 

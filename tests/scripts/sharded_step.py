@@ -81,6 +81,7 @@ def one_step(mesh, params, batch, cond, schedule):
             adam_eps=1e-8,
             weight_decay=1e-4,
             grad_accumulation=1,
+            optimizer_state_dtype="float32",
         )
     )
     tx = make_optimizer(train_cfg)

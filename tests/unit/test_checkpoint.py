@@ -32,6 +32,7 @@ TRAIN = ml_collections.ConfigDict(
         adam_eps=1e-8,
         weight_decay=1e-4,
         grad_accumulation=2,  # optax.MultiSteps around a chain: named tuples in named tuples
+        optimizer_state_dtype="float32",
     )
 )
 
