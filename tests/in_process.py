@@ -30,6 +30,10 @@ def run_in_process(module, *args, prog: str | None = None) -> subprocess.Complet
     finally:
         os.chdir(cwd)
         sys.argv = argv
+        # the next test starts from the flags' defaults, as a new process would (a flag left
+        # set, e.g. evaluate's --prompts, would reach a later test's config through `.value`)
+        for flag in (*getattr(module.PARSER, "flags", ()), *config_flag._SHARED):
+            flag.value, flag.present = flag.default, False
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
