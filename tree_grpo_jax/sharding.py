@@ -179,6 +179,17 @@ def _replicating(mesh: Mesh):
     return jax.jit(lambda t: t, out_shardings=replicated(mesh))
 
 
+def replicate_like(mesh: Mesh, tree):
+    """`tree` copied onto every device: arrays are copied, shapes (`ShapeDtypeStruct`, as a
+    plan passes) take the replicated layout."""
+    if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree)):
+        return replicate(mesh, tree)
+    rep = replicated(mesh)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree
+    )
+
+
 def local_rows(x, rows: slice, axis: int = 0) -> np.ndarray:
     """The `rows` of `axis` of a (possibly global) array, read from this process's shards
     only: the data path never needs another process's rows."""

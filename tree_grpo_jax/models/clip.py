@@ -27,7 +27,7 @@ from flax.linen.attention import dot_product_attention_weights
 
 from tree_grpo_jax.models.base import ModelLoadError
 
-# transformers' Flax activations (`modeling_flax_utils.ACT2FN`), the `hidden_act`s CLIP ran.
+# the activations transformers' former Flax CLIP offered by name, the `hidden_act`s CLIP ran.
 ACTIVATIONS = {
     "gelu": functools.partial(nn.gelu, approximate=False),
     "relu": nn.relu,

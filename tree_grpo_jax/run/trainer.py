@@ -571,7 +571,7 @@ class Trainer:
         if self.host_state.replay is not None:
             shape = self.host_state.replay.cond_shape(cond.shape)
             cond = jax.ShapeDtypeStruct(shape, cond.dtype)
-        return _replicated_like(self.mesh, cond)
+        return sharding.replicate_like(self.mesh, cond)
 
     def _zero_minibatch(self, tree):
         """The shapes of a minibatch as `transitions.minibatches` cuts them from `tree`
@@ -645,13 +645,3 @@ class Trainer:
             host_state=HostState.fresh(config, self.method),
             key=jax.random.PRNGKey(seed),
         )
-
-
-def _replicated_like(mesh, tree):
-    """`tree` copied onto every device (shapes: their replicated layout)."""
-    if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree)):
-        return sharding.replicate(mesh, tree)
-    rep = sharding.replicated(mesh)
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree
-    )
