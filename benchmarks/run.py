@@ -170,7 +170,7 @@ def engine_vs_loop(model_settings: Settings, trees, reps: int) -> dict:
         config = make_config(name, settings)
         prompts = load_prompts(config.prompts.source)
         prompts = [prompts[i % len(prompts)] for i in range(settings.prompts)]
-        spec = methods.spec_at(config)
+        spec = methods.get(config.tree.method).spec_at(config)
         log(f"[engine] {name}: {spec.describe()}")
         out[name] = node_loop.compare(
             model.denoise,

@@ -495,7 +495,7 @@ def setup_runs(names, settings: Settings, model, workdir: str) -> dict:
         warm.iteration(warm_state, 0)
         warm.evaluate(pr.initial_params)
         runs[name] = pr
-        spec = methods.spec_at(config)
+        spec = methods.get(config.tree.method).spec_at(config)
         log(f"[setup] {name}: {spec.describe()}, warm in {time.perf_counter() - t0:.1f} s")
     return runs
 
@@ -781,7 +781,7 @@ def depth_spread(model, reward: str, names, draws: int = 4, prompts: int = 10) -
     out = {}
     for name in names:
         c = config_of(name, Settings(reward=reward))
-        spec = methods.spec_at(c)
+        spec = methods.get(c.tree.method).spec_at(c)
         schedule = model.make_schedule(c.sampling.num_steps, c.sampling)
         cond = model.encode_prompts(texts)
         spreads = []

@@ -16,6 +16,11 @@ class UserError(ValueError):
     """Bad input, told in one sentence: the commands exit 2 on it, before anything is written."""
 
 
+class ConfigError(UserError):
+    """A config value that cannot work; the message is one sentence for the user. The config
+    checks raise it, and so does the reward string's parser, which the rewards package owns."""
+
+
 class PromptError(UserError):
     """A prompt that a model's text encoder or a reward cannot read; one sentence naming it.
     A start's check of the prompts blames the prompt source for this error only: any other

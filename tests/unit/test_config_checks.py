@@ -49,7 +49,7 @@ def sentence(config) -> str:
 
 def test_a_rebuilt_config_still_validates():
     c = tiny.get_config()
-    assert cfg.validate(with_values(c), known_rewards=KNOWN) == cfg.parse_rewards(c.rewards)
+    assert cfg.validate(with_values(c), known_rewards=KNOWN) == rewards.parse_rewards(c.rewards)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ CONFIGS = [name for name in CONFIGS if name not in ("__init__", "base")]
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_config_validates(name):
     c = importlib.import_module(f"configs.{name}").get_config()
-    used = [*cfg.parse_rewards(c.rewards), *c.eval.extra_rewards]
+    used = [*rewards.parse_rewards(c.rewards), *c.eval.extra_rewards]
     for reward in used:
         if rewards.missing_weights(reward, c.reward_models.get(reward)):
             with pytest.raises(cfg.ConfigError, match=f"reward_models.{reward}=/path"):
                 cfg.validate(c, known_rewards=rewards.available_rewards())
             c.reward_models[reward] = f"/models/{reward}"
     weights = cfg.validate(c, known_rewards=rewards.available_rewards())
-    assert weights == cfg.parse_rewards(c.rewards)
+    assert weights == rewards.parse_rewards(c.rewards)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ PAPER_REWARDS = {
 @pytest.mark.parametrize("name", sorted(PAPER_REWARDS))
 def test_a_papers_config_trains_on_the_papers_reward(name):
     c = importlib.import_module(f"configs.{name}").get_config()
-    assert cfg.parse_rewards(c.rewards) == {PAPER_REWARDS[name]: 1.0}
+    assert rewards.parse_rewards(c.rewards) == {PAPER_REWARDS[name]: 1.0}
     # the weightless try the model pages give: one flag, no reward folder
     c.rewards = "jpeg_compressibility"
     assert cfg.validate(c, known_rewards=rewards.available_rewards()) == {

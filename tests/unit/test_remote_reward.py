@@ -227,13 +227,13 @@ def _config(**fields):
 
 
 def test_the_rewards_string_names_remote_rewards():
-    assert cfg.parse_rewards("remote:judge") == {"remote:judge": 1.0}
-    assert cfg.parse_rewards("remote:a:0.5,jpeg_compressibility:0.1") == {
+    assert rewards.parse_rewards("remote:judge") == {"remote:judge": 1.0}
+    assert rewards.parse_rewards("remote:a:0.5,jpeg_compressibility:0.1") == {
         "remote:a": 0.5,
         "jpeg_compressibility": 0.1,
     }
     with pytest.raises(cfg.ConfigError, match="names no remote reward"):
-        cfg.parse_rewards("remote")
+        rewards.parse_rewards("remote")
     assert cfg.validate(_config(), rewards.available_rewards()) == {"remote:r": 1.0}
 
 

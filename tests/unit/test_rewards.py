@@ -67,6 +67,42 @@ def test_jax_only_combination_stays_on_device():
     assert not combined.on_host
 
 
+def test_the_reward_string_reads_names_weights_and_family_members():
+    assert rewards.parse_rewards(" a , b:0.1,remote:judge:-2") == {
+        "a": 1.0,
+        "b": 0.1,
+        "remote:judge": -2.0,
+    }
+    assert rewards.parse_rewards("remote:judge") == {"remote:judge": 1.0}
+
+
+@pytest.mark.parametrize(
+    "text, sentence",
+    [
+        ("a,,b", "rewards 'a,,b' has an empty entry; write name[:weight],..."),
+        (":2", "rewards ':2' has an empty entry; write name[:weight],..."),
+        ("a:x", "reward weight 'x' of 'a' is not a number; write name:weight."),
+        ("remote:j:x", "reward weight 'x' of 'remote:j' is not a number; write name:weight."),
+        (
+            "a, remote",
+            "rewards entry 'remote' names no remote reward; write remote:<name>[:weight] with "
+            "its settings in reward_options.remote.<name>.",
+        ),
+        (
+            "remote::1",
+            "rewards entry 'remote::1' names no remote reward; write remote:<name>[:weight] "
+            "with its settings in reward_options.remote.<name>.",
+        ),
+    ],
+)
+def test_a_bad_reward_string_is_one_config_error(text, sentence):
+    from tree_grpo_jax import config as cfg
+
+    with pytest.raises(cfg.ConfigError) as caught:
+        rewards.parse_rewards(text)
+    assert str(caught.value) == sentence
+
+
 def test_unknown_reward_names_known_ones():
     with pytest.raises(ValueError, match="unknown reward 'beauty'.*digit_alignment.*jpeg_"):
         rewards.get_reward("beauty")

@@ -98,11 +98,10 @@ TEMPORAL = "temporal_distance"  # a video model's figure (evaluation/temporal.py
 
 
 def _metric_names(config, text: str | None) -> list[str]:
-    from tree_grpo_jax import config as cfg
     from tree_grpo_jax.rewards import families, registry
 
     if text is None:
-        names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
+        names = [*registry.parse_rewards(config.rewards), *config.eval.extra_rewards]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         if not names:

@@ -8,9 +8,12 @@ schema   `base_config()`: the shared fields' declarations, and the sections the 
          `saved_config` (a run's config.json read today); `flatten` (a ConfigDict as dotted
          fields)
 shape    `check_shape`, `check_types` (every field present, of its default's type),
-         `check_ranges` (each declared value within its range or choices), `ConfigError`
-checks   `validate` (every check, and the rules spanning fields), the reward string's syntax
+         `check_ranges` (each declared value within its range or choices)
+checks   `validate` (every check, and the rules spanning fields)
 reference `markdown()`: docs/settings.md, every setting's table row from its declaration
+
+A bad value is a `ConfigError` (tree_grpo_jax.errors), one sentence; the reward string's
+syntax is the rewards package's (`rewards.registry.parse_rewards`).
 
 An experiment file starts from the schema:
 
@@ -28,7 +31,6 @@ from tree_grpo_jax.config.checks import (
     SEED_LIMIT,
     WIDTH_PRUNING,
     guard_on,
-    parse_rewards,
     validate,
 )
 from tree_grpo_jax.config.schema import (
@@ -40,7 +42,6 @@ from tree_grpo_jax.config.schema import (
     shared_config,
 )
 from tree_grpo_jax.config.shape import (
-    ConfigError,
     check_ranges,
     check_shape,
     check_types,
@@ -48,6 +49,7 @@ from tree_grpo_jax.config.shape import (
     tuple_fields,
 )
 from tree_grpo_jax.core.settings import Setting
+from tree_grpo_jax.errors import ConfigError
 
 __all__ = [
     "GUARD_ACTIONS",
@@ -64,7 +66,6 @@ __all__ = [
     "flatten",
     "guard_on",
     "moved_fields",
-    "parse_rewards",
     "registered_sections",
     "saved_config",
     "shared_config",

@@ -1,6 +1,6 @@
 """The checks that turn a bad config value into one clear sentence before anything heavy
-starts, and the reward string's syntax. The fields and their defaults are schema.py's; a
-config's shape and types are shape.py's."""
+starts. The fields and their defaults are schema.py's; a config's shape and types are
+shape.py's; the reward string's syntax is the rewards package's (`parse_rewards`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from tree_grpo_jax.config.schema import (  # noqa: F401 - re-exported
     flatten,
 )
 from tree_grpo_jax.config.shape import (
-    ConfigError,
     check_ranges,
     check_shape,
     check_types,
@@ -26,37 +25,9 @@ from tree_grpo_jax.config.shape import (
     shared_default,
 )
 from tree_grpo_jax.core import tree_spec
+from tree_grpo_jax.errors import ConfigError
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
-
-
-def parse_rewards(text: str) -> dict[str, float]:
-    """`"a"` -> {a: 1.0}; `"a:1,b:0.1"` -> {a: 1.0, b: 0.1}; a reward family's member is
-    `family:name[:weight]` (`"remote:judge:0.5"` -> {remote:judge: 0.5})."""
-    weights = {}
-    for part in str(text).split(","):
-        name, _, weight = part.strip().partition(":")
-        if not name:
-            raise ConfigError(f"rewards {text!r} has an empty entry; write name[:weight],...")
-        if name in reward_registry.reward_families():
-            member, _, weight = weight.partition(":")
-            if not member:
-                raise ConfigError(
-                    f"rewards entry {part.strip()!r} names no {name} reward; write "
-                    f"{name}:<name>[:weight] with its settings in reward_options.{name}.<name>."
-                )
-            name = f"{name}:{member}"
-        try:
-            weights[name] = float(weight) if weight else 1.0
-        except ValueError:
-            raise ConfigError(
-                f"reward weight {weight!r} of {name!r} is not a number; write name:weight."
-            ) from None
-    return weights
-
-
-# ---------------------------------------------------------------------------------------------
-# Values.
 
 
 def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, float]:
@@ -65,6 +36,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
     # The methods table (and the objectives' jax code) is needed only here: importing the
     # config package does not load it.
     from tree_grpo_jax import methods
+    from tree_grpo_jax.methods import node_credit
 
     check_shape(config)
     check_types(config)
@@ -78,7 +50,8 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
 
     t = config.tree
     try:
-        spec = methods.spec_at(config, 0)
+        method = methods.get(t.method)
+        spec = method.spec_at(config, 0)
     except methods.UnknownMethodError as e:
         raise ConfigError(str(e)) from e
     except tree_spec.SpecError as e:
@@ -87,7 +60,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         sentence = objective.check_section(config)
         require(sentence is None, sentence)
     _check_unused_sections(config)
-    objective = methods.get(t.method).objective
+    objective = method.objective
     sentence = objective.check_run(config, spec)
     require(sentence is None, sentence)
     require(
@@ -118,7 +91,7 @@ def validate(config: ml_collections.ConfigDict, known_rewards=()) -> dict[str, f
         "need at least 2 (raise tree.group_size, tree.k or tree.num_trees).",
     )
     _check_advantage(config.advantage, spec.num_steps)
-    sentence = methods.get(t.method).check_node_rewards(config, spec)
+    sentence = node_credit.check(method, config, spec)
     require(sentence is None, sentence)
     require(
         not (config.train.updates_per_iteration and config.train.grad_accumulation > 1),
@@ -215,7 +188,7 @@ def _check_advantage(a, num_steps: int) -> None:
 def _check_rewards(config, known_rewards) -> dict[str, float]:
     """The reward string and eval.extra_rewards name known rewards, each with its folder and
     valid settings; returns the parsed weights."""
-    rewards = parse_rewards(config.rewards)
+    rewards = reward_registry.parse_rewards(config.rewards)
     for name, weight in rewards.items():
         require(
             not known_rewards or name in known_rewards or reward_registry.split_name(name),

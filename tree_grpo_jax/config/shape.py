@@ -1,7 +1,7 @@
 """A config's shape and types: every shared field of the schema present, each value of its
 default's type (tuples element by element), no field that is not one, no field where it
-moved from; `ConfigError`, the one-sentence error every config check raises. The values
-themselves are checks.py's."""
+moved from; `require`, which raises the one-sentence `ConfigError` (tree_grpo_jax.errors) every
+config check raises. The values themselves are checks.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tree_grpo_jax.config.schema import (
     shared_config,
 )
 from tree_grpo_jax.core.settings import describe, is_int, is_number
-from tree_grpo_jax.errors import UserError
+from tree_grpo_jax.errors import ConfigError
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
 
@@ -31,10 +31,6 @@ def tuple_fields() -> dict:
         for path, setting in declared_settings().items()
         if isinstance(setting.default, tuple)
     }
-
-
-class ConfigError(UserError):
-    """A config value that cannot work; the message is one sentence for the user."""
 
 
 def require(condition: bool, message: str) -> None:

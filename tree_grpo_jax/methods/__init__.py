@@ -28,7 +28,6 @@ from tree_grpo_jax.methods.table import (
     objectives,
     other_sections,
     register,
-    spec_at,
     unregister,
 )
 
@@ -47,6 +46,5 @@ __all__ = [
     "objectives",
     "other_sections",
     "register",
-    "spec_at",
     "unregister",
 ]

@@ -126,10 +126,6 @@ class Method:
             raw = adv.mix_credit(gains, leaf, float(o.node_mix))
         return _clipped(tuple(raw), float(o.clip))
 
-    def check_node_rewards(self, config: ml_collections.ConfigDict, spec) -> str | None:
-        """`node_credit.check` of this method (the config checks ask the method)."""
-        return node_credit.check(self, config, spec)
-
     def edge_masks_at(
         self,
         config: ml_collections.ConfigDict,
@@ -350,14 +346,6 @@ def other_sections(method: str) -> dict[str, Objective]:
 def methods_of(objective: Objective) -> tuple[str, ...]:
     """The methods that train through `objective`, in table order."""
     return tuple(name for name, m in METHODS.items() if m.objective is objective)
-
-
-# A look-up by config, for the callers that hold no method (config checks, benchmarks).
-
-
-def spec_at(config: ml_collections.ConfigDict, iteration: int = 0) -> tree_spec.TreeSpec:
-    """The plain tree of `iteration` (the family at its window position): for counting."""
-    return get(config.tree.method).spec_at(config, iteration)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))  # one program, not one per segment

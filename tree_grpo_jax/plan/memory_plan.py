@@ -335,7 +335,7 @@ def _not_planned(config, model, measured, names) -> tuple[str, ...]:
             f"the scratch memory of the CPU library fusions in {', '.join(hidden)} (run the "
             "plan as a command of its own: it switches them off before JAX starts)"
         )
-    names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
+    names = [*reward_registry.parse_rewards(config.rewards), *config.eval.extra_rewards]
     models = [n for n in dict.fromkeys(names) if reward_registry.needs_weights(n)]
     if models:
         notes.append(f"the reward models ({', '.join(models)}): their weights are not read")

@@ -13,7 +13,8 @@ A new reward is one `register` (or `register_model`, for one that reads a folder
 own settings as `options`) in its own module, imported here.
 
 base        a reward (`Reward`), its errors, the weighted sum of several (`CombinedReward`)
-registry    the registry, `load_reward`, `load_rewards`, `combined_reward`
+registry    the registry, `load_reward`, `load_rewards`, `combined_reward`, the reward
+            string's syntax (`parse_rewards`)
 families    the `<family>:<instance>` rewards (`remote:<name>`): their settings, checks, probes
 jpeg        JPEG (in)compressibility
 clip        a frozen CLIP embedding images and prompts (`models.clip`'s Flax towers)
@@ -85,6 +86,7 @@ from tree_grpo_jax.rewards.registry import (  # noqa: E402
     load_rewards,
     missing_weights,
     needs_weights,
+    parse_rewards,
     register,
     register_model,
 )
@@ -105,6 +107,7 @@ __all__ = [
     "load_rewards",
     "missing_weights",
     "needs_weights",
+    "parse_rewards",
     "register",
     "register_model",
 ]

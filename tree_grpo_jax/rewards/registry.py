@@ -13,7 +13,8 @@ weighted sum frame by frame (a run logs them). Rewards that read a model (HPS-v2
 PickScore, ...) are registered with `register_model` and built from their folder by
 `load_reward(name, path)`; a reward with settings of its own registers their defaults
 (`options`), which a run's config holds in `reward_options.<name>` and which reach the
-builder as keyword arguments. Several rewards combine into one weighted sum with
+builder as keyword arguments. A config's reward string (`"a,b:0.1,remote:judge:0.5"`) is
+read by `parse_rewards`; several rewards combine into one weighted sum with
 `combined_reward`. `load_rewards` builds what a run's config names; nothing outside a
 reward's own module needs to know its name. A reward family (`register_family`) names its
 rewards `<family>:<instance>`, each with its own settings (`families.py`); the `Reward`
@@ -26,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tree_grpo_jax.errors import ConfigError
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.rewards import families
 from tree_grpo_jax.rewards.base import CombinedReward, Reward, RewardFn, check_media
@@ -295,6 +297,32 @@ def check_options(name: str, reward_options) -> str | None:
 def moved_fields() -> dict[str, str]:
     """Config fields that moved into some reward's own section (old path -> new path)."""
     return {old: new for e in _REGISTRY.values() for old, new in e.moved_fields.items()}
+
+
+def parse_rewards(text: str) -> dict[str, float]:
+    """A config's reward string as weights: `"a"` -> {a: 1.0}; `"a:1,b:0.1"` -> {a: 1.0,
+    b: 0.1}; a reward family's member is `family:name[:weight]` (`"remote:judge:0.5"` ->
+    {remote:judge: 0.5}). The one reader of that syntax; ConfigError with one sentence."""
+    weights = {}
+    for part in str(text).split(","):
+        name, _, weight = part.strip().partition(":")
+        if not name:
+            raise ConfigError(f"rewards {text!r} has an empty entry; write name[:weight],...")
+        if name in reward_families():
+            member, _, weight = weight.partition(":")
+            if not member:
+                raise ConfigError(
+                    f"rewards entry {part.strip()!r} names no {name} reward; write "
+                    f"{name}:<name>[:weight] with its settings in reward_options.{name}.<name>."
+                )
+            name = f"{name}:{member}"
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(
+                f"reward weight {weight!r} of {name!r} is not a number; write name:weight."
+            ) from None
+    return weights
 
 
 def load_rewards(

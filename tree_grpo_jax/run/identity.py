@@ -24,7 +24,6 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 
-from tree_grpo_jax import config as cfg
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run.prompts import config_prompt_set
@@ -159,7 +158,7 @@ def _frozen_folders(config) -> dict[str, str]:
             for sub in sorted(root.iterdir()):
                 if sub.is_dir() and not sub.name.startswith(".") and sub.name != trained:
                     parts[f"{MODEL}/{sub.name}"] = str(sub)
-    names = [*cfg.parse_rewards(config.rewards), *config.eval.extra_rewards]
+    names = [*reward_registry.parse_rewards(config.rewards), *config.eval.extra_rewards]
     for name in dict.fromkeys(names):
         if reward_registry.needs_weights(name):
             parts[f"reward_models.{name}"] = config.reward_models.get(name) or ""
