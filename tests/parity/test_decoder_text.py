@@ -3,7 +3,8 @@ built tiny and random: Qwen2, Qwen2.5-VL (the whole vision-language model, whose
 holds the text model under another prefix beside a vision tower and an LM head), Qwen3
 (head_dim apart from hidden / heads) and Mistral (a sliding window shorter than the input).
 Every hidden state matches in float32, at a full row, a right-padded row and a left-padded
-row (whose padded queries see no key; no caller keeps them), unscanned and scanned.
+row (whose padded queries see no key; no caller keeps them), unscanned, and scanned with
+recomputed blocks and the blockwise attention backend.
 
 No Qwen tokenizer is stored offline: the prompt tests build a byte-level `Qwen2Tokenizer`
 (one token a byte, the chat markers as special tokens, a chat template written here in the
@@ -158,6 +159,7 @@ def test_hidden_states_match_transformers(family):
     _, params, run = _flax(family)
     ours = run(params, jnp.asarray(ids), jnp.asarray(mask))
     _assert_states_match(ours, theirs, mask)
+    assert all(np.isfinite(state).all() for state in ours)  # padding that attends nothing too
     # The rows' states differ, and the left-padded row's tokens would differ unmasked.
     assert not np.allclose(theirs[-1][0], theirs[-1][1], atol=1e-2)
     unmasked = _torch_states(reference(family), ids, np.ones_like(mask))
@@ -181,10 +183,10 @@ def test_the_families_differ_where_their_configs_do():
     assert decoder_text.config_from_transformers(reference("qwen2").config).qkv_bias
 
 
-def test_scanned_and_rematerialised_layers_match():
+def test_scanned_rematerialised_blockwise_layers_match():
     ids, mask = _inputs()
     theirs = _torch_states(reference("qwen3"), ids, mask)
-    _, params, run = _flax("qwen3", scan_layers=True, remat="block")
+    _, params, run = _flax("qwen3", scan_layers=True, remat="block", attention="blockwise")
     assert "layers_0_to_2" in params and "layers_0" not in params
     ours = run(params, jnp.asarray(ids), jnp.asarray(mask))
     _assert_states_match(ours, theirs, mask)

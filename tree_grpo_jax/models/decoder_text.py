@@ -207,8 +207,8 @@ def causal_mask(
 ) -> jax.Array:
     """[B or 1, 1, L, L] bool, True where a query may attend a key: the key is not after the
     query, within `sliding_window` of it when there is one, and not padding (`padding`
-    [B, L], nonzero at tokens). Padded queries still attend the tokens before them, so their
-    states stay finite; they are states no caller keeps."""
+    [B, L], nonzero at tokens). A padded query with no token before it (left padding)
+    attends nothing; the backends give it a finite state, which no caller keeps."""
     query = jnp.arange(length)[:, None]
     key = jnp.arange(length)[None, :]
     allowed = key <= query
