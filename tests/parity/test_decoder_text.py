@@ -324,3 +324,17 @@ def test_z_image_prompt_embeds_match_the_pipeline():
     # the second-to-last block's output: not the normed last state
     last = run(params, ids, mask, layer=-1)
     assert not np.allclose(np.asarray(last)[0, :5], ours[0][:5], atol=1e-2)
+
+
+def test_an_older_qwen2_5_vl_config_json_is_read():
+    """Older files keep the text fields and `rope_theta` at the top, the rotary as
+    `rope_scaling: {"type": "mrope", ...}`."""
+    older = dict(
+        SHARED,
+        model_type="qwen2_5_vl",
+        rope_theta=700.0,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 32},
+    )
+    config = decoder_text.config_from_transformers(older)
+    assert config == decoder_text.config_from_transformers(reference("qwen2_5_vl").config)
