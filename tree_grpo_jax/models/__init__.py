@@ -7,6 +7,7 @@ abstract       a model as shapes, for the memory plan
 export         trained denoiser params -> a diffusers pipeline folder (shared by the families)
 clip           CLIP's text and vision towers in Flax (the rewards' and text encoders' CLIP)
 text_encoders  the text side the T5 families share (Flax T5, CLIP and T5 loading, caching)
+decoder_text   decoder-only language models (Qwen2 / 2.5-VL, Qwen3, Mistral) as prompt encoders
 autoencoder    the 16-channel VAE decoder the flow families share
 tiny           the embedded tiny digits model
 sd15           Stable Diffusion 1.x from a diffusers folder

@@ -171,13 +171,16 @@ class Attention(Layer):
     def _heads(self, x):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
-    def _attend(self, query, key, value):
-        """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]."""
+    def _attend(self, query, key, value, mask=None):
+        """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]; `mask` broadcasts to
+        [B, heads, S, S], True where a query may attend a key."""
         # The names let a remat policy keep these four (they are identities otherwise).
         query, key, value = (
             checkpoint_name(x, name) for x, name in zip((query, key, value), ATTENTION_SAVED)
         )
-        attended = attention_backends.attention(query, key, value, backend=self.attention)
+        attended = attention_backends.attention(
+            query, key, value, backend=self.attention, mask=mask
+        )
         attended = checkpoint_name(attended, ATTENTION_SAVED[-1])
         return attended.reshape(*attended.shape[:2], self.width)
 
