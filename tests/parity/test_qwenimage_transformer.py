@@ -35,8 +35,8 @@ SIGMAS = (0.03, 0.97)
 # non-square one with odd sides (3x5 tokens) with 7.
 CASES = ((8, 8, 5), (6, 10, 7))
 PADDING = 2  # the second prompt of a batch is this many tokens shorter
-# Relative to the output's scale (max |PyTorch output|); see the measured errors in the
-# module's docstring.
+# Measured: a largest difference of 1.2e-6 at outputs of scale ~2.5 in float32, and 1.2% of
+# the scale in bfloat16.
 FLOAT32_TOLERANCE = 1e-5
 BFLOAT16_TOLERANCE = 3e-2
 
