@@ -56,9 +56,14 @@ def timestep_frequencies(channels: int = TIMESTEP_CHANNELS) -> np.ndarray:
     return np.exp(exponents.astype(np.float64)).astype(np.float32)
 
 
-def timestep_features(values: jax.Array, channels: int = TIMESTEP_CHANNELS) -> jax.Array:
-    """[B] -> [B, channels] float32 sinusoidal features: cos then sin (`flip_sin_to_cos`)."""
+def timestep_features(
+    values: jax.Array, channels: int = TIMESTEP_CHANNELS, scale: float = 1.0
+) -> jax.Array:
+    """[B] -> [B, channels] float32 sinusoidal features: cos then sin (`flip_sin_to_cos`);
+    `scale` multiplies the angles after the frequencies, in PyTorch's order (`Timesteps`'
+    `scale`)."""
     angles = values.astype(jnp.float32)[:, None] * jnp.asarray(timestep_frequencies(channels))
+    angles = angles * scale
     return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
 
 
@@ -172,8 +177,8 @@ class Attention(Layer):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
     def _attend(self, query, key, value, mask=None):
-        """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]; `mask` broadcasts to
-        [B, heads, S, S], True where a query may attend a key."""
+        """[B, S, heads, head_dim] each -> [B, S, heads * head_dim]; `mask` (broadcasting to
+        [B, heads, S_query, S_key], True where a query may attend a key) or None."""
         # The names let a remat policy keep these four (they are identities otherwise).
         query, key, value = (
             checkpoint_name(x, name) for x, name in zip((query, key, value), ATTENTION_SAVED)
