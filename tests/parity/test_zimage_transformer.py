@@ -119,21 +119,23 @@ def torch_output(model, inputs, lengths=CAPTION_LENGTHS) -> np.ndarray:
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_matches_pytorch_in_float32(reference, scan_layers):
+    """Both latent sizes with the blocks one by one; the non-square one scanned (a compile
+    less)."""
     _, params, _ = reference.module(scan_layers)
     assert stacking.is_stacked(params) == scan_layers
     outputs = []
-    for height, width in LATENT_SIZES:
+    for height, width in LATENT_SIZES[1:] if scan_layers else LATENT_SIZES:
         inputs = make_inputs(height, width)
         theirs = torch_output(reference.torch_model, inputs)
         ours = reference.flax_output(inputs, scan_layers)
         assert ours.shape == theirs.shape == (2, CONFIG["in_channels"], height, width)
         assert_matches(ours, theirs)
-        outputs.append(theirs)
-    # The comparison can fail: the rows (time, caption) and the sizes give other outputs.
-    for theirs in outputs:
+        # The comparison can fail: the rows (time, caption) give other outputs.
         assert np.abs(theirs[0] - theirs[1]).max() > 0.1 * np.abs(theirs).max()
-    corner = (..., slice(0, 6), slice(0, 8))
-    assert np.abs(outputs[0][corner] - outputs[1][corner]).max() > 1e-2
+        outputs.append(theirs)
+    if not scan_layers:  # and so do the sizes
+        corner = (..., slice(0, 6), slice(0, 8))
+        assert np.abs(outputs[0][corner] - outputs[1][corner]).max() > 1e-2
 
 
 def test_caption_padding_matters_and_is_matched(reference):
@@ -149,7 +151,7 @@ def test_caption_padding_matters_and_is_matched(reference):
     features[1, 36:40] = inputs["caption_features"][1, 33:37]
     mask[1, 33:36], mask[1, 36:40] = False, True
     moved = dict(inputs, caption_features=features, caption_mask=mask)
-    assert_matches(reference.flax_output(moved), full)
+    assert_matches(reference.flax_output(moved, scan_layers=True), full)
 
 
 def test_bfloat16_compute_and_conversion_round_trip(reference):
@@ -157,7 +159,7 @@ def test_bfloat16_compute_and_conversion_round_trip(reference):
     assert sorted(exported) == sorted(reference.state)
     for key, value in reference.state.items():
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
-    inputs = make_inputs(8, 8)
+    inputs = make_inputs(*LATENT_SIZES[1])
     full = reference.flax_output(inputs, scan_layers=True)
     half = reference.flax_output(inputs, scan_layers=True, dtype=jnp.bfloat16)
     assert np.isfinite(half).all()

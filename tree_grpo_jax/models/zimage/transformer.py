@@ -422,7 +422,9 @@ class ZImageTransformer(DiT):
             rope_lookup, axes_dims=self.axes_dims, axes_lens=self.axes_lens, theta=self.rope_theta
         )
         image_rope = rope(image_ids)
-        caption_rope = tuple(jnp.broadcast_to(t[None], (batch, *t.shape)) for t in rope(caption_ids))
+        caption_rope = tuple(
+            jnp.broadcast_to(t[None], (batch, *t.shape)) for t in rope(caption_ids)
+        )
 
         (image,) = run_stack(self.noise_refiner, (image,), image_rope, None, adaln)
         (caption,) = run_stack(self.context_refiner, (caption,), caption_rope, caption_keys)
