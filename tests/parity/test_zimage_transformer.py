@@ -42,11 +42,12 @@ CAPTION_SLOTS = 40
 WEIGHT_NOISE = 0.02
 # Element-wise: 1e-5 relative, and an absolute floor of 5e-6 of the output's scale (max
 # |PyTorch output|, about 2.4) for the elements near zero. Measured: largest difference
-# 1.6e-6 of the scale; most of it from the timestep embedding, whose sinusoid frequencies
-# differ from PyTorch's float32 `exp` by one ulp at 3 of 128 (x 1000 t in the angle).
+# 1.9e-6 of the scale (4.1e-6), 2.1e-5 relative on elements over 0.1; 3/4 of it from the
+# timestep sinusoid, whose frequencies differ from PyTorch's float32 `exp` by one ulp at 3
+# of 128 (times 1000 t in the angle). bfloat16: 1.1%.
 FLOAT32_RTOL = 1e-5
 FLOAT32_ATOL = 5e-6
-BFLOAT16_TOLERANCE = 5e-2
+BFLOAT16_TOLERANCE = 3e-2
 
 
 class Reference:

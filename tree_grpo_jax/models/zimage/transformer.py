@@ -28,7 +28,12 @@ Module and attribute names are diffusers' with list indices merged (`layers_3/at
 table (`params_from_state_dict`, which also stacks scanned blocks).
 
 Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`; norms, RoPE and
-the timestep features are computed in float32 and rounded to `dtype`.
+the timestep features are computed in float32 and rounded to `dtype`. Against the PyTorch
+model in float32 on CPU (tests/parity/test_zimage_transformer.py: a tiny random model, 8x8
+and 6x10 latents, captions of 5 and 37 tokens, outputs of scale ~2.4) the largest difference
+is 1.9e-6 of the scale, blocks scanned or not; 3/4 of it comes from the timestep sinusoid,
+whose float32 frequencies differ from PyTorch's `exp` by one ulp at 3 of 128 (times t * 1000
+in the angle). bfloat16 compute with float32 params is within 1.1% of float32.
 """
 
 from __future__ import annotations
@@ -128,10 +133,16 @@ def rope_angle_tables(axes_dims: tuple, axes_lens: tuple, theta: float) -> tuple
 
 
 def rope_lookup(ids: jax.Array, axes_dims, axes_lens, theta: float):
-    """Integer position ids [..., 3] -> (cos, sin), each [..., head_dim / 2] float32."""
+    """Integer position ids [..., 3] -> (cos, sin), each [..., head_dim / 2] float32. Ids past
+    a table are clipped to its end (only masked caption places get there; a NaN fill would
+    reach the attended tokens through their zero weights)."""
     tables = rope_angle_tables(tuple(axes_dims), tuple(axes_lens), float(theta))
-    cos = [jnp.take(jnp.asarray(c), ids[..., a], axis=0) for a, (c, _) in enumerate(tables)]
-    sin = [jnp.take(jnp.asarray(s), ids[..., a], axis=0) for a, (_, s) in enumerate(tables)]
+
+    def read(table, axis):
+        return jnp.take(jnp.asarray(table), ids[..., axis], axis=0, mode="clip")
+
+    cos = [read(c, a) for a, (c, _) in enumerate(tables)]
+    sin = [read(s, a) for a, (_, s) in enumerate(tables)]
     return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
 
 
