@@ -87,13 +87,17 @@ def gated_feed_forward(x, feed_forward: Callable, shift, scale, gate) -> jax.Arr
 
 def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding: each (even, odd) channel pair of x [B, S, heads, head_dim] turned by
-    its angle, given as cos and sin [S, head_dim / 2], in float32 (diffusers' rotary
-    embeddings with interleaved real and imaginary parts)."""
+    its angle, given as cos and sin [S, head_dim / 2] (or [B, S, head_dim / 2] where each
+    row has its own positions), in float32 (diffusers' rotary embeddings with interleaved
+    real and imaginary parts)."""
     chex.assert_rank(x, 4)
-    chex.assert_shape([cos, sin], (x.shape[1], x.shape[-1] // 2))
+    chex.assert_equal_shape([cos, sin])
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    chex.assert_shape([cos, sin], (None, x.shape[1], x.shape[-1] // 2))
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
 
