@@ -39,7 +39,7 @@ from benchmarks.common import _plain, default_out, machine, pyplot, smoke_rng
 from benchmarks.presets import Settings, load_model
 from benchmarks.tree_study import config_of
 from tree_grpo_jax.errors import OneLineErrors
-from tree_grpo_jax.run import compile_cache
+from tree_grpo_jax.run import compile_cache, scoring
 from tree_grpo_jax.run import loop as train
 
 # overrides of tree_study's "dgpo_lr3e-4" (which has the initial model as reference, KL 0.02)
@@ -109,7 +109,7 @@ def train_run(config, model, workdir: str, seed: int, iterations: int, log, ever
     curve = []
 
     def point(params, iteration, metrics):
-        evaluated = trainer.evaluate(params)[0]
+        evaluated = trainer.evaluator.evaluate(params)[0]
         flat = _flat(params)
         entry = {"iteration": iteration, "reward": float(evaluated["reward_mean"])}
         entry["distance"] = float(np.linalg.norm(flat - initial))
@@ -167,7 +167,7 @@ def one_batch(trainer, state, iteration: int):
     images = trainer.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
     leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
     metadata = trainer.prompt_metadata(prompts, sampled.rows, num_leaves)
-    rewards = trainer.score(images, leaf_prompts, "in the batch check", metadata)[0]
+    rewards = scoring.score(trainer.reward, images, leaf_prompts, "in the batch check", metadata)[0]
     rows_key = jax.random.split(shuffle_key)[0]
     rows = trainer.trainable_rows(
         sampled, rewards.reshape(num_prompts, num_leaves), iteration, rows_key

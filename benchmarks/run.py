@@ -197,7 +197,7 @@ def callback_overhead(runs: dict, settings: Settings, reps: int) -> dict:
     pr = runs["grpo"]
     counting = pr.trainer
     plain, _ = train.setup(pr.config, counting.workdir, model=load_model(settings))
-    prompts = counting.eval_prompts[: pr.config.prompts.batch_size]
+    prompts = counting.evaluator.prompts[: pr.config.prompts.batch_size]
 
     def go(trainer):
         return trainer.rollout(pr.initial_params, prompts, jax.random.PRNGKey(0)).tree.leaves

@@ -71,7 +71,7 @@ def measure_counts(pr: PresetRun, counter: RowCounter) -> dict:
     with counter.phase("iteration"):
         pr.state, metrics = trainer.iteration(pr.state, pr.iteration)
     pr.iteration += 1
-    prompts = trainer.eval_prompts[: c.prompts.batch_size]
+    prompts = trainer.evaluator.prompts[: c.prompts.batch_size]
     with counter.phase("rollout"):
         sampled = trainer.rollout(pr.initial_params, prompts, jax.random.PRNGKey(0))
         jax.block_until_ready(sampled.tree.leaves)
@@ -197,7 +197,7 @@ def fresh_run(pr: PresetRun, seed: int) -> tuple[train.Trainer, object]:
 
 
 def _eval_point(trainer, params, clock, images, iteration) -> dict:
-    metrics, _ = trainer.evaluate(params)
+    metrics, _ = trainer.evaluator.evaluate(params)
     return {
         "time": clock,
         "images": images,

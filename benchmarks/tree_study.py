@@ -26,7 +26,7 @@ noises runs off the clock, and every compile happens before the clock starts. Th
 runs give every setting the same number of iterations (so the same images); the screen
 gives each the same training seconds. Runs are interleaved: reward by reward, seed by seed,
 every setting in turn, so a slow spell of a shared machine hits them all alike. Only the
-trainer's seam is used: `train.setup`, `Trainer.iteration`, `Trainer.evaluate`, `reseed`.
+trainer's seam is used: `train.setup`, `Trainer.iteration`, `Evaluator.evaluate`, `reseed`.
 
 Targets per reward: grpo's and mixgrpo's median final eval reward, and 50% / 80% of the way
 from the start to the best setting's median final reward. For each the script reports the
@@ -493,7 +493,7 @@ def setup_runs(names, settings: Settings, model, workdir: str) -> dict:
         pr = training.PresetRun(name, config, trainer, state, training._copy(state.params))
         warm, warm_state = training.fresh_run(pr, 12345)
         warm.iteration(warm_state, 0)
-        warm.evaluate(pr.initial_params)
+        warm.evaluator.evaluate(pr.initial_params)
         runs[name] = pr
         spec = methods.get(config.tree.method).spec_at(config)
         log(f"[setup] {name}: {spec.describe()}, warm in {time.perf_counter() - t0:.1f} s")

@@ -1,5 +1,5 @@
 """The run's evaluation and the evaluate command measure alike: on one trainer (built as the
-command builds it), one set of params and the same prompts and noises, `Trainer.evaluate`'s
+command builds it), one set of params and the same prompts and noises, `Evaluator.evaluate`'s
 figures equal the command's chunked ones; the diversity equals a pair loop written here over
 the returned pictures' embeddings."""
 
@@ -31,19 +31,21 @@ def measured(tmp_path_factory):
     params = jax.tree_util.tree_unflatten(
         tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
     )
-    metrics, images = trainer.evaluate(params)
-    prompts = list(trainer.eval_prompts)
+    metrics, images = trainer.evaluator.evaluate(params)
+    prompts = list(trainer.evaluator.prompts)
     # 3 prompts a chunk: the second chunk is topped up, as the command's last chunks are
     chunks = evaluate._Chunks(str(tmp_path_factory.mktemp("out")), {"test": 1})
-    row, grid = evaluate._evaluate_model(trainer, params, "step 1", prompts, K, 3, chunks, True)
+    row, grid = evaluate._evaluate_model(
+        trainer.evaluator, params, "step 1", prompts, K, 3, chunks, True
+    )
     return trainer, metrics, np.asarray(images), row, grid
 
 
 def test_the_runs_evaluation_and_the_commands_agree(measured):
     trainer, metrics, images, row, grid = measured
-    prompts = list(trainer.eval_prompts)
+    prompts = list(trainer.evaluator.prompts)
     assert len(set(prompts)) == len(prompts) == 4  # a text's samples are one prompt's K noises
-    assert sorted(trainer.eval_rewards) == sorted(METRICS)
+    assert sorted(trainer.evaluator.rewards) == sorted(METRICS)
     for name in METRICS:
         np.testing.assert_allclose(row[name]["mean"], metrics[name], rtol=1e-6)
     # the trained reward, scored by the run as its reward and by the command as a metric
@@ -58,8 +60,8 @@ def test_the_runs_evaluation_and_the_commands_agree(measured):
 
 def test_the_diversity_is_the_mean_pair_distance_of_each_prompts_samples(measured):
     trainer, metrics, images, _, _ = measured
-    p = len(trainer.eval_prompts)
-    embeddings = np.asarray(trainer.embed(images), np.float64)
+    p = len(trainer.evaluator.prompts)
+    embeddings = np.asarray(trainer.evaluator.embed(images), np.float64)
     per_prompt = []
     for prompt in range(p):
         rows = [j * p + prompt for j in range(K)]  # sample-major: row j * P + p

@@ -15,6 +15,7 @@ from small_configs import small_config
 
 from tree_grpo_jax.cli import sample
 from tree_grpo_jax.run import loop as train
+from tree_grpo_jax.run.evaluation import Evaluator
 
 DIGITS = ("zero", "one", "two", "three")  # the run's eval prompts, "a handwritten digit ..."
 
@@ -296,7 +297,7 @@ def test_out_of_memory_names_the_batch_flag(run, tmp_path, monkeypatch, capsys):
     def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.1GiB.")
 
-    monkeypatch.setattr(train.Trainer, "eval_batch", exhausted)
+    monkeypatch.setattr(Evaluator, "batch", exhausted)
     out = tmp_path / "pictures"
     assert sample.main([f"--workdir={run}", f"--out={out}", "--batch_size=3"]) == 1
     err = capsys.readouterr().err

@@ -166,7 +166,7 @@ def test_denoise_rows_change_no_number(tmp_path):
         sampled = trainer.rollout(state.params, ["0", "1"], jax.random.PRNGKey(1))
         before = jax.device_get(state.params)
         state, metrics = trainer.iteration(state, 0)
-        _, images, rewards, _ = trainer.evaluate_samples(state.params)
+        _, images, rewards, _ = trainer.evaluator.evaluate_samples(state.params)
         after = jax.device_get(state.params)
         moved = jax.tree_util.tree_map(lambda a, b: a - b, after, before)
         runs[rows] = (jax.device_get(sampled.tree), moved, np.asarray(images), rewards)

@@ -216,7 +216,7 @@ def test_a_toy_video_family_trains_through_the_loop_and_writes_its_pictures(toy_
     # The eval pictures: a PNG of strips and an animated GIF, read back frame by frame against
     # the eval's own videos, decoded again from the initial weights.
     trainer, state = train.setup(video_config(), str(tmp_path / "again"))
-    _, videos, _, _ = trainer.evaluate_samples(state.params)
+    _, videos, _, _ = trainer.evaluator.evaluate_samples(state.params)
     assert videos.shape == (2, FRAMES, SIDE, SIDE, 1)
     png, gif = workdir / "eval_00000.png", workdir / "eval_00000.gif"
     assert png.is_file() and gif.is_file()

@@ -56,11 +56,11 @@ def run(kind: str, data: int, fsdp: int, arrays: dict) -> dict:
         state.params, trainer.host_state.prompts.prompts[:8], jax.random.key(0)
     )
     leaves = sampled.tree.leaves
-    before, _ = trainer.evaluate(state.params)
+    before, _ = trainer.evaluator.evaluate(state.params)
     arrays.update({f"{name}/before/{k}": v for k, v in flat(state.params).items()})
     for iteration in range(2):
         state, _ = trainer.iteration(state, iteration)
-    after, _ = trainer.evaluate(state.params)
+    after, _ = trainer.evaluator.evaluate(state.params)
     arrays.update({f"{name}/after/{k}": v for k, v in flat(state.params).items()})
     weights = state.params if trainer.adapter is None else trainer.adapter.base
     specs = [str(x.sharding.spec) for x in jax.tree_util.tree_leaves(weights)]

@@ -31,12 +31,12 @@ def _named(sentence: str) -> set:
 
 
 def test_the_evaluation_after_an_iteration_names_the_eval_settings():
-    trainer = _in(
-        "tree_grpo_jax.run.trainer",
-        "def _eval_program():\n    raise jax.errors.JaxRuntimeError(ERROR)\n",
+    evaluation = _in(
+        "tree_grpo_jax.run.evaluation",
+        "def sampler_program():\n    raise jax.errors.JaxRuntimeError(ERROR)\n",
     )
     loop = _in("tree_grpo_jax.run.loop", "def save_eval(iteration, run):\n    run()\n")
-    text = _raised(lambda: loop["save_eval"](4, trainer["_eval_program"]))
+    text = _raised(lambda: loop["save_eval"](4, evaluation["sampler_program"]))
     assert text.startswith(
         "the device ran out of memory (1.50GiB) in the evaluation after iteration 4; "
     ), text

@@ -115,7 +115,7 @@ def test_a_toy_family_and_reward_from_outside_train_the_loop(toys, tmp_path):
     trainer, state = train.setup(c, str(tmp_path / "again"))
     model = load_toy(model_registry.LoadRequest("toy_digits", "", jnp.float32, 0, c.model.toy))
     jax.tree.map(np.testing.assert_array_equal, state.params, model.params)
-    first, _ = trainer.evaluate(state.params)
+    first, _ = trainer.evaluator.evaluate(state.params)
     assert summary["first_eval_reward"] == pytest.approx(first["reward_mean"], abs=1e-6)
 
 

@@ -95,7 +95,7 @@ def _one_iteration(tmp_path, chunks: int, name: str):
     c.reward_options.decode_chunks = chunks
     trainer, state = train.setup(c, str(tmp_path / name))
     assert isinstance(trainer, Trainer)
-    parts = trainer.decode_parts(trainer.reward.on_host)
+    parts = scoring.decode_parts(c.reward_options, trainer.reward.on_host)
     state, metrics = trainer.iteration(state, 0)
     return parts, metrics, jax.device_get(state.params)
 

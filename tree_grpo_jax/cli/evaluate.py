@@ -165,7 +165,7 @@ class _Chunks:
         return sum(n.endswith(".npz") and ".tmp." not in n for n in os.listdir(self.folder))
 
 
-def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata=None) -> dict:
+def _chunk(evaluator, params, prompts, ids, size, k, noise, with_kl, metadata=None) -> dict:
     """The results of prompts `ids` (one chunk): metric values (sample-major), each
     prompt's diversity, the KL of each sample, a video's temporal distance, and the grid's
     images among them. `metadata` (one per prompt, or None) reaches the rewards taking it."""
@@ -182,7 +182,7 @@ def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata=None
     groups = [p + len(padded) * np.arange(k) for p in range(len(ids))] if k > 1 else []
     chosen = rows % n
     measured = eval_metrics.measure(
-        trainer,
+        evaluator,
         params,
         [prompts[i] for i in chosen],
         noise[rows],
@@ -212,7 +212,7 @@ def _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata=None
 
 
 def _evaluate_model(
-    trainer, params, label, prompts, k, size, chunks, with_kl, categories=(), metadata=None
+    evaluator, params, label, prompts, k, size, chunks, with_kl, categories=(), metadata=None
 ):
     """Every chunk of `size` prompts for one model (chunks already saved are read back);
     the model's row and its grid images (None on the processes that do not write). With
@@ -224,7 +224,7 @@ def _evaluate_model(
     from tree_grpo_jax.run import eval_metrics
 
     n = len(prompts)
-    noise = eval_metrics.eval_noise(trainer.config.eval.seed, n * k, trainer.model.sample_shape)
+    noise = eval_metrics.eval_noise(evaluator.config.eval.seed, n * k, evaluator.model.sample_shape)
     count = -(-n // size)
     parts, order = [], []  # order: the prompt of each value, as the chunks list them
     for index in range(count):
@@ -234,7 +234,7 @@ def _evaluate_model(
         # the primary process's folder decides; every process samples the chunk together
         if sharding.agree(float(chunks is not None and done is None)) > 0:
             t0 = time.time()
-            done = _chunk(trainer, params, prompts, ids, size, k, noise, with_kl, metadata)
+            done = _chunk(evaluator, params, prompts, ids, size, k, noise, with_kl, metadata)
             if chunks is not None:
                 chunks.save(label, index, done)
                 print(
@@ -246,14 +246,14 @@ def _evaluate_model(
     if chunks is None:
         return None, None
     row = {"label": label}
-    video = trainer.frame_embed is not None
+    video = evaluator.frame_embed is not None
     figures = [*(["diversity"] if k > 1 else []), *([TEMPORAL] if video else [])]
-    for name in [*trainer.eval_rewards, *figures, *(["kl"] if with_kl else [])]:
+    for name in [*evaluator.rewards, *figures, *(["kl"] if with_kl else [])]:
         values = np.concatenate([p[name] for p in parts])
         row[name] = {"mean": float(values.mean()), "std": float(values.std())}
     if any(c is not None for c in categories):
         row["by_category"] = _by_category(
-            parts, np.concatenate(order), categories, list(trainer.eval_rewards)
+            parts, np.concatenate(order), categories, list(evaluator.rewards)
         )
     grid = np.concatenate([p["grid"] for p in parts if "grid" in p], axis=1)
     return row, grid
@@ -506,7 +506,16 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
             )
         ):
             row, grid = _evaluate_model(
-                trainer, params, label, prompts, k, size, chunks, with_kl, categories, metadata
+                trainer.evaluator,
+                params,
+                label,
+                prompts,
+                k,
+                size,
+                chunks,
+                with_kl,
+                categories,
+                metadata,
             )
         rows.append(row)
         if primary:

@@ -197,7 +197,7 @@ def _file_name(index: int, prompt: str, width: int) -> str:
     return f"{index:0{width}d}_{words or 'prompt'}.png"
 
 
-def _draw(trainer, params, prompts: list[str], batch: int):
+def _draw(evaluator, params, prompts: list[str], batch: int):
     """uint8 pictures [N, H, W, C] (videos [N, T, H, W, C]) of `prompts`, `batch` at a time
     (the last batch topped up with repeats, so one compiled sampler serves all), each from its
     row of the noise."""
@@ -205,16 +205,16 @@ def _draw(trainer, params, prompts: list[str], batch: int):
 
     from tree_grpo_jax.run import eval_metrics
 
-    c = trainer.config
+    c = evaluator.config
     n = len(prompts)
-    noise = eval_metrics.eval_noise(c.eval.seed, n, trainer.model.sample_shape)
+    noise = eval_metrics.eval_noise(c.eval.seed, n, evaluator.model.sample_shape)
     size = min(batch, n)
     parts = []
     for start in range(0, n, size):
         t0 = time.time()
         ids = np.arange(start, min(n, start + size))
         rows = np.resize(ids, size)
-        drawn = trainer.eval_batch(params, [prompts[i] for i in rows], noise[rows]).all_images()
+        drawn = evaluator.batch(params, [prompts[i] for i in rows], noise[rows]).all_images()
         pixels = (np.clip(np.asarray(drawn[: len(ids)], np.float32), 0, 1) * 255).round()
         parts.append(pixels.astype(np.uint8))
         print(f"prompts {ids[0] + 1}-{ids[-1] + 1} of {n} in {time.time() - t0:.1f}s", flush=True)
@@ -297,7 +297,7 @@ def sample(args) -> Drawn:
 
     config = _sampling_config(config, args)
     trainer, state = setup(config, workdir, model=_model(config, prompts))
-    trainer.schedule(config.eval.num_steps or None)  # steps the model cannot take: refused now
+    trainer.evaluator.schedule()  # steps the model cannot take: refused now
     restored, meta, step, skipped = common.restore_run_state(directory, args.step, target=state)
     train.check_base_weights(trainer, meta, directory)
     steps_used = config.eval.num_steps or config.sampling.num_steps
@@ -315,7 +315,7 @@ def sample(args) -> Drawn:
             f"{out_of_memory.lower_flags({'--batch_size': size})}."
         )
     ):
-        pictures = _draw(trainer, restored.params, prompts, batch)
+        pictures = _draw(trainer.evaluator, restored.params, prompts, batch)
     out = args.out or os.path.join(workdir, "samples", f"step_{step}")
     if not sharding.is_primary():
         return Drawn(step, out, [], "")

@@ -177,7 +177,7 @@ def _shaped(shape, mesh, split: bool = True) -> jax.ShapeDtypeStruct:
 
 
 def eval_arguments(trainer):
-    """The evaluation's arguments after the weights, as `Trainer._eval_args` makes them, as
+    """The evaluation's arguments after the weights, as `Evaluator.sampler_args` makes them, as
     shapes: every eval sample (`eval.samples_per_prompt` rounds of the prompts) topped up to
     a multiple of the devices."""
     c, model, mesh = trainer.config, trainer.model, trainer.mesh
@@ -185,7 +185,7 @@ def eval_arguments(trainer):
     return (
         _shaped((count, *model.cond_shape), mesh),
         _shaped((count, *model.sample_shape), mesh),
-        trainer.schedule(c.eval.num_steps or None),
+        trainer.evaluator.schedule(),
         trainer.uncond,
         c.sampling.guidance_scale,
     )
@@ -197,7 +197,7 @@ def _descriptions(trainer, eval_args) -> dict[str, str]:
     rows = c.sampling.get("denoise_rows", 0)
     chunks = f", {rows} denoiser rows at a time" if rows else ""
     steps = c.eval.num_steps or c.sampling.num_steps
-    kl = ", with the eval KL" if trainer.kl_reference is not None else ""
+    kl = ", with the eval KL" if trainer.evaluator.kl_reference is not None else ""
     remat = "no remat" if remat_mode(c.model.remat) == "none" else "remat"
     step = f"{c.train.rows_per_minibatch} rows{guidance}, {remat}{_layout(mesh)}"
     return {
@@ -270,10 +270,11 @@ def resident_bytes(trainer, state, tree, tree_shardings) -> dict[str, int]:
     }
     if old_params(state) is not None:  # DiffusionNFT's sampling policy
         out["old policy"] = _bytes(old_params(state))
+    kl_reference = trainer.evaluator.kl_reference
     if trainer.adapter is not None:
         out["LoRA base"] = _bytes(trainer.adapter.base)
-    elif trainer.ref_params is not None or trainer.kl_reference is not None:
-        copy = trainer.ref_params if trainer.ref_params is not None else trainer.kl_reference
+    elif trainer.ref_params is not None or kl_reference is not None:
+        copy = trainer.ref_params if trainer.ref_params is not None else kl_reference
         out["KL reference"] = _bytes(copy)
     if trainer.model.decode is not None:
         out["decoder weights"] = device_bytes(trainer.model.decode_params, rep)
@@ -317,7 +318,7 @@ def _lora_beside(trainer, state) -> dict[str, int]:
     if trainer.adapter is None:
         return {}
     base, factors = trainer.adapter.merged_up_front(state.params)
-    with_kl = trainer.kl_reference is not None  # then the evaluation takes the whole base
+    with_kl = trainer.evaluator.kl_reference is not None  # then it takes the whole base
     return {
         "rollout": _bytes(base) + _bytes(factors),
         "evaluate": (not with_kl) * _bytes(base) + _bytes(factors),

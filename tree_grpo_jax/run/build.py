@@ -25,7 +25,8 @@ from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.rewards.base import RewardShapeError, RewardUnavailable
-from tree_grpo_jax.run import denoiser, precompile, reuse
+from tree_grpo_jax.run import denoiser, precompile, reuse, scoring
+from tree_grpo_jax.run.evaluation import Evaluator
 from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
 from tree_grpo_jax.run.tracking import make_tracker
@@ -340,26 +341,47 @@ def abstract_trainer(config, model, mesh) -> tuple[Trainer, TrainState]:
         uncond = embedding
     elif method.objective.loss_reads_empty_prompt(config):
         loss_uncond = embedding
-    trainer = Trainer(
+    trainer = _trainer(
+        {"rewards": {}, "prompts": [], "kl_reference": kl_reference},
         config=config,
         workdir="",
         model=model,
         mesh=mesh,
         method=method,
         reward=None,
-        eval_rewards={},
         # no prompts drawn; the replay buffer sizes the step's conditioning
         host_state=HostState(None, None, replay.buffer(config.train.get("replay", 0))),
-        eval_prompts=[],
         uncond=uncond,
         loss_uncond=loss_uncond,
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
-        kl_reference=kl_reference,
         **programs(config, model, mesh, method.objective, state_shardings, base_shardings),
     )
     return trainer, state
+
+
+def _trainer(evaluation: dict, **fields) -> Trainer:
+    """The Trainer of `fields` holding its Evaluator (`evaluation`: the evaluator's own
+    fields); the two share the model, the sampling denoiser, the decoder and the stored
+    programs."""
+    model, mesh, sampling = fields["model"], fields["mesh"], fields.get("sampling_denoise")
+    decode = scoring.shared_decode(model.decode, sharding.local_mesh(mesh))
+    stored = {}  # filled by `precompile` for both
+    evaluator = Evaluator(
+        config=fields["config"],
+        workdir=fields["workdir"],
+        model=model,
+        mesh=mesh,
+        reward=fields["reward"],
+        uncond=fields["uncond"],
+        denoise=model.denoise if sampling is None else sampling,
+        decode=decode,
+        adapter=fields.get("adapter"),
+        programs=stored,
+        **evaluation,
+    )
+    return Trainer(**fields, evaluator=evaluator, device_decode=decode, programs=stored)
 
 
 def _placed(tree, shardings):
@@ -488,33 +510,36 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     state, built, (ref_params, kl_reference) = _initial_state(
         config, model, mesh, objective, adapter
     )
-    trainer = Trainer(
+    evaluation = {
+        "rewards": eval_rewards,
+        "prompts": eval_prompts,
+        "metadata": eval_set.cycled(config.prompts.eval_count).metadata,
+        **eval_embeddings(config, eval_prompts, reward_mesh, model.media),
+        "kl_reference": kl_reference,
+    }
+    trainer = _trainer(
+        evaluation,
         config=config,
         workdir=workdir,
         model=model,
         mesh=mesh,
         method=method,
         reward=reward,
-        eval_rewards=eval_rewards,
         host_state=HostState(
             prompts, make_tracker(config, method), replay.buffer(config.train.get("replay", 0))
         ),
-        eval_prompts=eval_prompts,
         uncond=uncond,
         loss_uncond=loss_uncond,
         ref_params=ref_params,
         key=jax.random.PRNGKey(config.seed),
         adapter=adapter,
-        **eval_embeddings(config, eval_prompts, reward_mesh, model.media),
-        kl_reference=kl_reference,
-        eval_metadata=eval_set.cycled(config.prompts.eval_count).metadata,
         **built,
     )
     return trainer, state
 
 
 def eval_embeddings(config, eval_prompts, mesh, media: str) -> dict:
-    """The trainer's `embed` (`diversity_embed`) and, for videos, its `frame_embed`: the same
+    """The evaluator's `embed` (`diversity_embed`) and, for videos, its `frame_embed`: the same
     image embedding, built once, applied to each frame (the temporal distance)."""
     if media != media_kinds.VIDEO:
         return {"embed": diversity_embed(config, eval_prompts, mesh, media)}

@@ -1,7 +1,7 @@
 """The evaluation's measures of one batch of fixed prompts and noises, for both of its
-callers: the run's evaluation (`Trainer.evaluate_samples`, every `eval.every` iterations)
+callers: the run's evaluation (`Evaluator.evaluate_samples`, every `eval.every` iterations)
 and `python -m tree_grpo_jax.evaluate` (chunk by chunk). Both sample with the deterministic
-sampler (`Trainer.eval_batch`) and measure with the same helpers, one a figure: each eval
+sampler (`Evaluator.batch`) and measure with the same helpers, one a figure: each eval
 reward's value per sample, a video's temporal distance (`evaluation.temporal`), the
 diversity of each group of samples that share a prompt (`evaluation.diversity`) and the
 exact KL of each trajectory to the reference. The callers reduce them as they report: the
@@ -70,7 +70,7 @@ class Measures:
 
 
 def measure(
-    trainer,
+    evaluator,
     params,
     prompts: Sequence[str],
     noise,
@@ -80,18 +80,18 @@ def measure(
 ) -> Measures:
     """Samples `prompts` from `noise` [N, *S] with `params` and measures them. `groups`: the
     row indices of each prompt's samples (two or more each) whose diversity is measured;
-    empty, or a trainer without a diversity embedding, for none. `with_kl`: also the KL to
-    the trainer's `kl_reference`. `metadata`: each prompt's, for the rewards that take it."""
-    batch = trainer.eval_batch(params, prompts, noise, with_kl, metadata)
-    metrics = {name: batch.values(reward) for name, reward in trainer.eval_rewards.items()}
+    empty, or an evaluator without a diversity embedding, for none. `with_kl`: also the KL
+    to the evaluator's `kl_reference`. `metadata`: each prompt's, for the rewards that take it."""
+    batch = evaluator.batch(params, prompts, noise, with_kl, metadata)
+    metrics = {name: batch.values(reward) for name, reward in evaluator.rewards.items()}
     distances = embeddings = spread = None
-    if trainer.frame_embed is not None:  # videos: each frame embedded once, for both figures
-        frames = batch.values(lambda videos, _: trainer.frame_embed(videos))
+    if evaluator.frame_embed is not None:  # videos: each frame embedded once, for both figures
+        frames = batch.values(lambda videos, _: evaluator.frame_embed(videos))
         distances = temporal.distances(frames)
-        embeddings = diversity.flat_frames(frames)  # what `trainer.embed` gives a video
-    if len(groups) and trainer.embed is not None:
+        embeddings = diversity.flat_frames(frames)  # what `evaluator.embed` gives a video
+    if len(groups) and evaluator.embed is not None:
         if embeddings is None:
-            embeddings = batch.values(lambda images, _: trainer.embed(images))
+            embeddings = batch.values(lambda images, _: evaluator.embed(images))
         spread = diversity.per_group(embeddings, groups)
     else:
         embeddings = None

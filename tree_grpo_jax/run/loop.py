@@ -41,8 +41,9 @@ from tree_grpo_jax.run.checkpoint import (
     missing_folders,
 )
 from tree_grpo_jax.run.out_of_memory import OutOfMemory, out_of_memory
+from tree_grpo_jax.run.scoring import DivergenceError, RewardError
 from tree_grpo_jax.run.train_step import TrainState
-from tree_grpo_jax.run.trainer import DivergenceError, RewardError, Trainer
+from tree_grpo_jax.run.trainer import Trainer
 from tree_grpo_jax.run.workdir import WorkdirBusy, WorkdirLock
 
 __all__ = [
@@ -222,7 +223,7 @@ def resume(trainer: Trainer, state: TrainState, ckpt: Checkpointer):
 
 def save_eval(trainer: Trainer, iteration: int, params, history: dict, writer) -> dict:
     """Evaluates (every process takes part); the primary process writes the grid."""
-    metrics, images, rewards, prompts = trainer.evaluate_samples(params)
+    metrics, images, rewards, prompts = trainer.evaluator.evaluate_samples(params)
     path = os.path.join(trainer.workdir, f"eval_{iteration:05d}.png")
     columns = min(10, len(images))
     captions = [f"{p}\n{r:.4g}" for p, r in zip(prompts, rewards)]

@@ -56,7 +56,7 @@ def with_node_values(trainer, sampled, batch, iteration: int):
     """`sampled` (a `trainer.Rollout`) with the rewards of its kept x0 estimates, per
     segment [T, P, n] for the global batch, and node pruning's survival of its rows (once
     per iteration; `node_credit.NodeScores`); unchanged when node rewards are off (nothing
-    kept). Decoded in parts and scored as the leaves are (`Trainer.score`)."""
+    kept). Decoded in parts and scored as the leaves are (`scoring.score`)."""
     x0, shapes = estimates(sampled.tree)
     if x0 is None:
         return sampled
@@ -65,12 +65,12 @@ def with_node_values(trainer, sampled, batch, iteration: int):
         trainer.device_decode,
         x0.reshape(num_prompts * per_prompt, *x0.shape[2:]),
         groups=num_prompts,
-        parts=trainer.decode_parts(trainer.reward.on_host),
+        parts=scoring.decode_parts(trainer.config.reward_options, trainer.reward.on_host),
     )
     prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(per_prompt)]
     metadata = trainer.prompt_metadata(batch, sampled.rows, per_prompt)
     where = f"on the node estimates of iteration {iteration}"
-    values, _, _ = trainer.score(decoded, prompts, where, metadata)
+    values, _, _ = scoring.score(trainer.reward, decoded, prompts, where, metadata)
     values = per_segment(values.reshape(len(sampled.prompts), per_prompt), shapes)
     scores = node_credit.NodeScores(values)
     survival = node_credit.survival(trainer.config, sampled.tree, scores.local(sampled.rows))

@@ -26,8 +26,8 @@ _RUN = "tree_grpo_jax.run."
 _PROGRAMS = {
     (_RUN + "trainer", "_rollout_program"): "rollout",
     (_RUN + "trainer", "update"): "train step",
-    (_RUN + "trainer", "_eval_program"): "evaluation",
-    (_RUN + "trainer", "score"): "reward model",
+    (_RUN + "evaluation", "sampler_program"): "evaluation",
+    (_RUN + "scoring", "score"): "reward model",
     (_RUN + "scoring", "decode"): "decode",
 }
 

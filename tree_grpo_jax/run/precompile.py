@@ -183,14 +183,15 @@ def _held(trainer, state) -> dict[str, int]:
         # (outside scanned runs) whose merged copies they take instead
         base, factors = trainer.adapter.merged_up_front(state.params)
         kept = optimizer + device_bytes(factors)
-        with_kl = trainer.kl_reference is not None  # then the eval takes the whole base
+        with_kl = trainer.evaluator.kl_reference is not None  # then the eval takes the whole base
         return {
             "rollout": kept + device_bytes(base),
             "evaluation": kept + (not with_kl) * device_bytes(base),
             "train step": 0,  # it takes them all; the rollout's tree is small beside it
         }
     # full fine-tuning keeps a copy of the initial weights for the KL (taken by the eval)
-    copy = trainer.kl_reference if trainer.kl_reference is not None else trainer.ref_params
+    kl_reference = trainer.evaluator.kl_reference
+    copy = kl_reference if kl_reference is not None else trainer.ref_params
     return {"rollout": optimizer + device_bytes(copy), "evaluation": optimizer, "train step": 0}
 
 
@@ -213,7 +214,7 @@ def precompile(trainer, state, progress: Callable[[str], None] = lambda s: None)
     directory = program_store.folder() if stores_programs(trainer) else None
     stored = False
     if directory is not None:
-        arguments = (state, cond, eval_args, trainer.ref_params, trainer.kl_reference)
+        arguments = (state, cond, eval_args, trainer.ref_params, trainer.evaluator.kl_reference)
         run_key = program_store.key(trainer.config, (arguments, trainer.train_uncond))
         name = program_store.file_key(trainer.config)
         early = program_store.early_programs(name)

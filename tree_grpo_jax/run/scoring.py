@@ -16,10 +16,15 @@ more.
 Every device decodes its own rows (`on_each_device`): a decoder that runs its rows in a loop
 (`lax.map` over `decode_batch_size` at a time) cannot have the loop's axis split by the
 compiler, which would gather every row to every device and decode all of them on each.
+
+The run stops with one sentence on numbers it cannot go on with: `RewardError` (rewards that
+are not finite, or a reward that could not score) and `DivergenceError` (samples, losses or
+gradients that are not finite), raised by the trainer and the evaluator alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -32,6 +37,35 @@ from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models.base import Decoder
+from tree_grpo_jax.rewards.base import RewardUnavailable
+
+
+class RewardError(RuntimeError):
+    """Rewards that cannot be trained on (NaN or infinite, or a reward that could not
+    score); one sentence for the user."""
+
+
+@contextlib.contextmanager
+def reward_failures():
+    """A reward that could not score (its server down after the retries) stops the run as
+    non-finite rewards do: a RewardError, one sentence."""
+    try:
+        yield
+    except RewardUnavailable as e:
+        raise RewardError(str(e)) from None
+
+
+class DivergenceError(RuntimeError):
+    """Training produced non-finite numbers; the last checkpoint is kept as it was."""
+
+    @classmethod
+    def in_run(cls, what: str, workdir: str) -> DivergenceError:
+        """`what` (plural) not finite, in the run writing its checkpoints under `workdir`."""
+        return cls(
+            f"{what} are not finite: training diverged (a lower train.learning_rate or "
+            f"train.max_grad_norm may help); the checkpoints in {workdir}/checkpoints "
+            "are kept as they were."
+        )
 
 
 def chunk_count(per_group: int, asked: int) -> int:
@@ -66,6 +100,20 @@ def on_each_device(decode: Callable, mesh) -> Callable:
         return program(params, jax.device_put(latents, split))
 
     return run
+
+
+def shared_decode(decode: Callable, mesh) -> Callable:
+    """`on_each_device(decode, mesh)`, built at its first call (that places the decoder's
+    weights on every device): one decoder for the rollout's leaves and the evaluation's
+    samples, nothing placed by a run that never decodes."""
+    built = functools.cache(lambda: on_each_device(decode, mesh))
+    return lambda latents: built()(latents)
+
+
+def decode_parts(reward_options, on_host: bool) -> int:
+    """Parts to decode in: `reward_options.decode_chunks` when a reward scores on the host
+    (it scores each part while the next decode), else 1."""
+    return reward_options.decode_chunks if on_host else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,4 +194,29 @@ def scored(
     frames = None
     if answers[0][2] is not None:
         frames = decoded.restore([np.asarray(a[2]) for a in answers])
+    return total, parts, frames
+
+
+def score(
+    reward, decoded: Decoded, prompts: list[str], where: str, metadata=None
+) -> tuple[np.ndarray, dict, Any]:
+    """`reward`'s scores of this process's images (a host-side reward scores each part as it
+    is decoded), then every process's, in process order: all processes check, log and
+    normalise the same values. Also each reward's scores and, for videos scored frame by
+    frame, the total frame by frame [N, T] (else None). `metadata`: each image's prompt
+    metadata, for the rewards that take it. Non-finite scores raise RewardError."""
+    with reward_failures():
+        total, parts, frames = scored(
+            reward.with_frames, decoded, prompts, metadata, reward.on_host
+        )
+    total = sharding.gather(np.asarray(total, np.float64))
+    parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
+    if frames is not None:
+        frames = sharding.gather(np.asarray(frames, np.float64))
+    bad = ~np.isfinite(total)
+    if bad.any():
+        raise RewardError(
+            f"reward {reward.name} returned {int(bad.sum())} non-finite value(s) out "
+            f"of {total.size} {where}; fix the reward (or its weights) before training on it."
+        )
     return total, parts, frames

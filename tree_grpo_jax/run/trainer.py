@@ -7,24 +7,24 @@ prompts -> tree rollout -> rewards -> advantages -> PPO updates, in order:
   4. turn leaf rewards into per-edge advantages, and the method's edge masks (pruning);
   5. gather the trainable edges into rows and run `inner_epochs` of shuffled minibatches
      through one jitted, sharded train step.
-Evaluation uses fixed prompts, fixed noise and the deterministic sampler. Every random draw
-comes from `fold_in(seed key, iteration)`, so a resumed run draws exactly what an
-uninterrupted one would.
+Every random draw comes from `fold_in(seed key, iteration)`, so a resumed run draws exactly
+what an uninterrupted one would. The evaluation (fixed prompts, fixed noise, the deterministic
+sampler) is the trainer's `evaluator` (`run.evaluation`).
 
 `build.setup` makes a `Trainer` from a config; `train` runs the loop (signals, resume,
 checkpoints, summary) around `Trainer.iteration`. The trainer's methods (`rollout`,
-`update`, `iteration`, `evaluate`, `reseed`) are also the seam the benchmarks use.
+`update`, `iteration`, `reseed`) and its `evaluator.evaluate` are also the seam the
+benchmarks use.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -33,33 +33,16 @@ import numpy as np
 
 from tree_grpo_jax import lora, methods, sharding
 from tree_grpo_jax.core import rollout, transitions
-from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
-from tree_grpo_jax.rewards.base import RewardUnavailable
-from tree_grpo_jax.run import eval_metrics, node_scoring, reporting, scoring, tracking
+from tree_grpo_jax.run import node_scoring, reporting, scoring, tracking
 from tree_grpo_jax.run.host_state import HostState
 from tree_grpo_jax.run.program_store import exported_program
 from tree_grpo_jax.run.prompts import leaf_metadata
+from tree_grpo_jax.run.scoring import DivergenceError
 from tree_grpo_jax.run.train_step import TrainState, learning_rate, old_params
 
-
-class RewardError(RuntimeError):
-    """Rewards that cannot be trained on (NaN or infinite, or a reward that could not
-    score); one sentence for the user."""
-
-
-@contextlib.contextmanager
-def _reward_failures():
-    """A reward that could not score (its server down after the retries) stops the run as
-    non-finite rewards do: a RewardError, one sentence."""
-    try:
-        yield
-    except RewardUnavailable as e:
-        raise RewardError(str(e)) from None
-
-
-class DivergenceError(RuntimeError):
-    """Training produced non-finite numbers; the last checkpoint is kept as it was."""
+if TYPE_CHECKING:
+    from tree_grpo_jax.run.evaluation import Evaluator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +87,8 @@ class Trainer:
     mesh: Any
     method: methods.Method
     reward: Any
-    eval_rewards: dict
+    evaluator: Evaluator  # the run's evaluation (`run.evaluation`), sharing the model
     host_state: HostState  # changed in place by every iteration
-    eval_prompts: list[str]
     uncond: jax.Array | None
     train_step: Any
     accumulating: Any  # train_step.AccumulatingStep: updates that span several minibatches
@@ -114,22 +96,16 @@ class Trainer:
     ref_params: Any
     key: jax.Array
     adapter: lora.Adapter | None = None  # LoRA: the frozen base the trained factors adapt
-    embed: Any = None  # images -> [B, D]: the diversity measure's embedding (diversity.py)
-    # videos [B, T, ...] -> [B, T, D]: the same embedding, frame by frame (the temporal
-    # distance, evaluation/temporal.py); None for images
-    frame_embed: Any = None
-    # the denoiser's weights the eval KL compares with (the base for LoRA); None: no eval KL
-    kl_reference: Any = None
     # the rollout's and the evaluation's denoiser (`run.denoiser.sampling_denoise`; built once:
     # the programs take it as a static argument); None: the model's own
     sampling_denoise: Any = None
-    # each of `eval_prompts`' metadata, in their order (the fields its prompt file gives
-    # beside the prompt; {} each for a text file or a built-in set)
-    eval_metadata: tuple = ()
     # the empty prompt's embedding for the loss alone, in a run that samples without guidance
     # (`Objective.loss_reads_empty_prompt`); None: the loss gets `uncond`
     loss_uncond: jax.Array | None = None
-    # programs made ahead, run in place of tracing them (`run.program_store`, by `precompile`)
+    # latents -> images, each device its own rows (`scoring.shared_decode`; the evaluator's)
+    device_decode: Any = None
+    # programs made ahead, run in place of tracing them (`run.program_store`, by `precompile`;
+    # the evaluator's dict)
     programs: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -144,12 +120,6 @@ class Trainer:
     @property
     def guidance(self) -> bool:
         return self.uncond is not None
-
-    @functools.cached_property
-    def device_decode(self):
-        """The model's `decode` with every device decoding its own rows (scoring.py says
-        why): the run's mesh, or this process's devices of it."""
-        return scoring.on_each_device(self.model.decode, sharding.local_mesh(self.mesh))
 
     def model_params(self, params):
         """The denoiser's weights for the trained `params` (LoRA: the base with the factors,
@@ -173,10 +143,9 @@ class Trainer:
     def window_start(self, iteration: int) -> int:
         return self.method.window_start_at(self.config, iteration)
 
-    def schedule(self, num_steps: int | None = None):
+    def schedule(self):
         s = self.config.sampling
-        field = "eval.num_steps" if num_steps else "sampling.num_steps"
-        return schedule_for(self.model, num_steps or s.num_steps, s, field)
+        return schedule_for(self.model, s.num_steps, s, "sampling.num_steps")
 
     def rollout(
         self, params, prompts: Sequence[str], key: jax.Array, iteration: int = 0
@@ -216,30 +185,6 @@ class Trainer:
             program=None if export else self.programs.get("rollout"),
             **self.method.objective.rollout_options(c),
         )
-
-    def score(
-        self, decoded: scoring.Decoded, prompts: list[str], where: str, metadata=None
-    ) -> tuple[np.ndarray, dict, Any]:
-        """Rewards of this process's images (decoded in parts: a host-side reward scores
-        each part as it comes), then every process's, in process order: all processes
-        check, log and normalise the same values. Also each reward's scores and, for videos
-        scored frame by frame, the total frame by frame [N, T] (else None). `metadata`: each
-        image's prompt metadata, for the rewards that take it."""
-        with _reward_failures():
-            total, parts, frames = scoring.scored(
-                self.reward.with_frames, decoded, prompts, metadata, self.reward.on_host
-            )
-        total = sharding.gather(np.asarray(total, np.float64))
-        parts = {n: sharding.gather(np.asarray(v, np.float64)) for n, v in parts.items()}
-        if frames is not None:
-            frames = sharding.gather(np.asarray(frames, np.float64))
-        bad = ~np.isfinite(total)
-        if bad.any():
-            raise RewardError(
-                f"reward {self.reward.name} returned {int(bad.sum())} non-finite value(s) out "
-                f"of {total.size} {where}; fix the reward (or its weights) before training on it."
-            )
-        return total, parts, frames
 
     def trainable_rows(
         self, sampled: Rollout, rewards, iteration: int = 0, key: jax.Array | None = None
@@ -324,7 +269,8 @@ class Trainer:
                 acc = None
         step_metrics, update_metrics = jax.device_get((step_metrics, update_metrics))
         if not all(m["finite"] for m in (*step_metrics, *update_metrics)):
-            raise DivergenceError(self._diverged(f"the loss or gradient of iteration {iteration}"))
+            what = f"the loss or gradient of iteration {iteration}"
+            raise DivergenceError.in_run(what, self.workdir)
         if update_metrics:  # the norm of each update's gradient, not of its minibatches'
             grad_norm = float(np.mean([m["grad_norm"] for m in update_metrics]))
             step_metrics = [{**m, "grad_norm": grad_norm} for m in step_metrics]
@@ -376,7 +322,7 @@ class Trainer:
         )
         finite = bool(jnp.all(jnp.isfinite(sampled.tree.leaves)))
         if not sharding.agree(finite, "min"):
-            raise DivergenceError(self._diverged(f"the samples of iteration {iteration}"))
+            raise DivergenceError.in_run(f"the samples of iteration {iteration}", self.workdir)
         timings["time_rollout"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -386,12 +332,12 @@ class Trainer:
             self.device_decode,
             leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]),
             groups=num_prompts,  # parts cut along the leaves keep the prompts' devices
-            parts=self.decode_parts(self.reward.on_host),
+            parts=scoring.decode_parts(self.config.reward_options, self.reward.on_host),
         )
         leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
         metadata = self.prompt_metadata(prompts, sampled.rows, num_leaves)
-        rewards, parts, frames = self.score(
-            images, leaf_prompts, f"at iteration {iteration}", metadata
+        rewards, parts, frames = scoring.score(
+            self.reward, images, leaf_prompts, f"at iteration {iteration}", metadata
         )
         rewards = rewards.reshape(len(sampled.prompts), num_leaves)
         sampled = node_scoring.with_node_values(self, sampled, prompts, iteration)
@@ -413,114 +359,27 @@ class Trainer:
         }
         return state, metrics
 
-    def decode_parts(self, on_host: bool) -> int:
-        """Parts to decode in: `reward_options.decode_chunks` when a reward scores on the
-        host (it scores each part while the next decode), else 1."""
-        return self.config.reward_options.decode_chunks if on_host else 1
-
-    def eval_batch(
-        self, params, prompts: Sequence[str], noise, with_kl: bool = False, metadata=None
-    ):
-        """The deterministic sampler's images of `prompts` from `noise` [N, *S], decoded.
-
-        The batch is topped up with repeats to a multiple of the devices it splits over;
-        every device samples its share and every process decodes its own rows. `with_kl`
-        also measures the exact KL of every sample's trajectory to `kl_reference`.
-        `metadata` (one per prompt) travels with the rows to the rewards that take it."""
-        count = len(prompts)
-        if with_kl and self.kl_reference is None:
-            raise ValueError("the eval KL needs a reference; this trainer keeps none.")
-        rows, mine, args = self._eval_args(prompts, noise)
-        outputs = self._eval_program(self.model_params(params), args, with_kl)
-        kl = None
-        if with_kl:
-            samples, kl = outputs
-            if sharding.multi_process():
-                kl = sharding.local_rows(kl, rows)
-            kl = sharding.gather(np.asarray(kl, np.float64))[:count]
-        else:
-            samples = outputs
-        if sharding.multi_process():
-            samples = sharding.local_rows(samples, rows)
-        if not sharding.agree(bool(jnp.all(jnp.isfinite(samples))), "min"):
-            raise DivergenceError(self._diverged("the evaluation samples"))
-        mine_metadata = None if metadata is None else [metadata[i] for i in mine]
-        on_host = self.reward.on_host or any(r.on_host for r in self.eval_rewards.values())
-        groups = sharding.num_batch_shards(self.mesh) // jax.process_count()  # local devices
-        images = scoring.decode(self.device_decode, samples, groups, self.decode_parts(on_host))
-        return eval_metrics.EvalSamples(
-            images, [prompts[i] for i in mine], count, kl, mine_metadata
-        )
-
-    def _eval_args(self, prompts: Sequence[str], noise) -> tuple[slice, np.ndarray, tuple]:
-        """This process's rows of the eval batch padded to a multiple of the devices, the
-        index of each of them in `prompts`, and the sampler's arguments after the weights."""
-        count = len(prompts)
-        shards = sharding.num_batch_shards(self.mesh)
-        padded = np.arange(-(-count // shards) * shards) % count
-        rows = sharding.process_rows(len(padded))
-        mine = padded[rows]
-        mine_prompts = [prompts[i] for i in mine]
-        args = (
-            sharding.global_batch(self.mesh, self.model.encode_prompts(mine_prompts)),
-            sharding.global_batch(self.mesh, np.asarray(noise)[mine]),
-            self.schedule(self.config.eval.num_steps or None),
-            self.uncond,
-            self.config.sampling.guidance_scale,
-        )
-        return rows, mine, args
-
-    def _eval_program(
-        self, weights, args: tuple, with_kl: bool, lower: bool = False, export: bool = False
-    ):
-        program = None if export else self.programs.get("evaluate")
-        if with_kl:
-            if program is not None:
-                return (program.lower if lower else program)(weights, self.kl_reference, *args)
-            fn = rollout.staged(rollout.sample_with_kl, lower, export)
-            return fn(self.denoise, weights, self.kl_reference, *args)
-        cond, noise, schedule, uncond, scale = args
-        return rollout.sample_deterministic(
-            self.denoise,
-            weights,
-            cond,
-            noise,
-            schedule,
-            uncond=uncond,
-            guidance_scale=scale,
-            lower=lower,
-            export=export,
-            program=program,
-        )
-
-    def eval_inputs(self) -> tuple[list[str], np.ndarray]:
-        """The fixed eval prompts (`eval.samples_per_prompt` rounds of them) and noise."""
-        k = self.config.eval.samples_per_prompt
-        prompts = list(self.eval_prompts) * k
-        return prompts, eval_metrics.eval_noise(
-            self.config.eval.seed, len(prompts), self.model.sample_shape
-        )
-
     def program_inputs(self) -> tuple[jax.Array, tuple]:
         """What the run passes its programs besides the state: a prompt batch's conditioning
-        (split over the mesh) and the evaluation's arguments after the weights (`_eval_args`)."""
+        (split over the mesh) and the evaluation's arguments after the weights
+        (`Evaluator.sampler_args`)."""
         c = self.config
         texts = self.host_state.prompts.prompts
         batch = [texts[i % len(texts)] for i in range(c.prompts.batch_size * jax.process_count())]
         rows = sharding.process_rows(len(batch))
         cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
-        prompts, noise = self.eval_inputs()
-        _, _, eval_args = self._eval_args(prompts, noise)
+        _, _, eval_args = self.evaluator.sampler_args(*self.evaluator.inputs())
         return cond, eval_args
 
     def lower_programs(self, state, cond, eval_args, accumulating=False, export=False):
         """The programs the run calls, lowered for `state`, the prompt batch's conditioning
         `cond` (split over the mesh) and the evaluation's arguments after the weights (see
-        `_eval_args`): arrays, or shapes that carry their shardings (the memory plan). Yields
-        (name, lowered) as each is ready: "rollout", "evaluate" and either "train_step" or, for
-        a run with `train.updates_per_iteration` and when `accumulating`, "accumulate" and
-        "apply". `export=True` first exports each of the three (`jax.export`), keeps it in
-        `programs` and lowers that: the program store's programs (`run.program_store`)."""
+        `Evaluator.sampler_args`): arrays, or shapes that carry their shardings (the memory
+        plan). Yields (name, lowered) as each is ready: "rollout", "evaluate" and either
+        "train_step" or, for a run with `train.updates_per_iteration` and when `accumulating`,
+        "accumulate" and "apply". `export=True` first exports each of the three
+        (`jax.export`), keeps it in `programs` and lowers that: the program store's programs
+        (`run.program_store`)."""
         c = self.config
         weights = state.params
         if self.adapter is not None:  # the base with the factors, laid out as the params are
@@ -544,11 +403,8 @@ class Trainer:
 
         first = staged("rollout", lambda **s: self._rollout_program(weights, cond, key, 0, **s))
         yield "rollout", first
-        kl = self.kl_reference is not None
-        yield (
-            "evaluate",
-            staged("evaluate", lambda **s: self._eval_program(weights, eval_args, kl, **s)),
-        )
+        sample, kl = self.evaluator.sampler_program, self.evaluator.kl_reference is not None
+        yield "evaluate", staged("evaluate", lambda **s: sample(weights, eval_args, kl, **s))
         rest = (self._zero_minibatch(first.out_info), self._train_cond_like(cond), self.schedule())
         lr = jnp.float32(learning_rate(c.train, 0))
         if not c.train.updates_per_iteration:
@@ -588,50 +444,6 @@ class Trainer:
         split = sharding.batch_sharding(self.mesh)
         return jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), batch
-        )
-
-    def evaluate(self, params) -> tuple[dict, np.ndarray]:
-        """Rewards, held-out metrics, diversity and (when kept) the KL to the reference of
-        fixed prompts, `eval.samples_per_prompt` fixed noises each, with the deterministic
-        sampler; for videos also the reward frame by frame and the temporal distance. Rows
-        are sample-major (row k * P + p: prompt p's k-th noise)."""
-        metrics, images, _, _ = self.evaluate_samples(params)
-        return metrics, images
-
-    def evaluate_samples(self, params) -> tuple[dict, np.ndarray, np.ndarray, list[str]]:
-        """`evaluate`, with each image's reward and prompt. A prompt's samples, for the
-        diversity, are all the rows with its text (`eval_metrics.measure` measures them as
-        the evaluate command does)."""
-        prompts, noise = self.eval_inputs()
-        with_kl = self.kl_reference is not None
-        groups = diversity.groups_by_text(prompts)
-        k = self.config.eval.samples_per_prompt
-        metadata = list(self.eval_metadata) * k if self.eval_metadata else None
-        with _reward_failures():  # a held-out reward served over HTTP
-            measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl, metadata)
-        batch = measured.samples
-        total, parts, frames = self.score(
-            batch.decoded, batch.prompts, "in evaluation", batch.metadata
-        )
-        total, parts = total[: batch.count], {n: v[: batch.count] for n, v in parts.items()}
-        metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std())}
-        if len(parts) > 1:
-            metrics.update({f"reward_{n}": float(v.mean()) for n, v in parts.items()})
-        metrics.update(reporting.frame_rewards(None if frames is None else frames[: batch.count]))
-        metrics.update({name: float(np.mean(v)) for name, v in measured.metrics.items()})
-        if measured.temporal_distance is not None:
-            metrics["temporal_distance"] = float(measured.temporal_distance.mean())
-        if measured.diversity is not None:
-            metrics["diversity"] = float(np.mean(measured.diversity))
-        if with_kl:
-            metrics["kl"] = float(measured.kl.mean())
-        return metrics, batch.all_images(), total, prompts
-
-    def _diverged(self, what: str) -> str:
-        return (
-            f"{what} are not finite: training diverged (a lower train.learning_rate or "
-            f"train.max_grad_norm may help); the checkpoints in {self.workdir}/checkpoints "
-            "are kept as they were."
         )
 
     def reseed(self, seed: int) -> Trainer:
