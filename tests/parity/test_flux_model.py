@@ -21,6 +21,7 @@ from tree_grpo_jax.models.base import ModelLoadError, Sampling
 torch = pytest.importorskip("torch")
 from flux_fixtures import RESOLUTION, SCHEDULER_CONFIG  # noqa: E402
 
+from tree_grpo_jax.models import patches  # noqa: E402
 from tree_grpo_jax.models.flux import transformer  # noqa: E402
 from tree_grpo_jax.models.flux.load import FluxScheduleConfig, load_flux  # noqa: E402
 
@@ -113,7 +114,7 @@ def test_static_shift_equals_the_scheduler_without_dynamic_shifting(shift, dynam
 def test_deterministic_sampler_equals_the_pipeline(model, pipe):
     noise = np.random.default_rng(0).standard_normal((3, *model.sample_shape)).astype("f4")
     assert model.sample_shape == (16, LATENT, LATENT)
-    packed = transformer.pack_latents(jnp.asarray(noise))
+    packed = patches.pack_latents(jnp.asarray(noise))
     with torch.no_grad():
         expected = pipe(
             PROMPTS,
@@ -125,7 +126,7 @@ def test_deterministic_sampler_equals_the_pipeline(model, pipe):
             output_type="latent",
             max_sequence_length=T5_TOKENS,
         ).images.numpy()
-    expected = np.asarray(transformer.unpack_latents(jnp.asarray(expected), LATENT, LATENT))
+    expected = np.asarray(patches.unpack_latents(jnp.asarray(expected), LATENT, LATENT))
     schedule = model.make_schedule(4, Sampling())
     got = rollout.sample_deterministic(
         model.denoise, model.params, model.encode_prompts(PROMPTS), jnp.asarray(noise), schedule
@@ -149,7 +150,7 @@ def test_decode_equals_the_vae(model, pipe):
 def _pytorch_velocity(pt_transformer, x, context, pooled, sigma, guidance):
     with torch.no_grad():
         return pt_transformer(
-            hidden_states=torch.from_numpy(np.array(transformer.pack_latents(jnp.asarray(x)))),
+            hidden_states=torch.from_numpy(np.array(patches.pack_latents(jnp.asarray(x)))),
             encoder_hidden_states=torch.from_numpy(context),
             pooled_projections=torch.from_numpy(pooled),
             timestep=torch.from_numpy(sigma),
@@ -180,7 +181,7 @@ def _our_velocity(model, params, x, context, pooled, sigma):
 
     cond = pack_conditioning(jnp.asarray(context), jnp.asarray(pooled))
     out = _jitted_denoise(model)(params, jnp.asarray(x), jnp.asarray(sigma) * 1000.0, cond)
-    return np.asarray(transformer.pack_latents(out))
+    return np.asarray(patches.pack_latents(out))
 
 
 def test_a_training_iteration_and_the_export_pytorch_loads(folder, model, tmp_path):

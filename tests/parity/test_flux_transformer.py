@@ -15,6 +15,7 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import FluxPipeline  # noqa: E402
 from residuals import residual_bytes  # noqa: E402
 
+from tree_grpo_jax.models import patches  # noqa: E402
 from tree_grpo_jax.models.flux import transformer  # noqa: E402
 from tree_grpo_jax.weights import convert  # noqa: E402
 
@@ -100,7 +101,7 @@ def flax_forward(apply, params, inputs) -> jax.Array:
     _, _, height, width = latents.shape
     return apply(
         {"params": params},
-        hidden_states=transformer.pack_latents(latents),
+        hidden_states=patches.pack_latents(latents),
         img_ids=jnp.asarray(transformer.image_ids(height, width)),
         **arrays,
     )
@@ -159,10 +160,10 @@ def test_init_gives_float32_params_named_as_the_state_dict(schnell):
 
 def test_packing_matches_the_pipeline_and_round_trips():
     latents = np.random.default_rng(0).standard_normal((2, LATENT_CHANNELS, 6, 10), np.float32)
-    packed = np.asarray(transformer.pack_latents(jnp.asarray(latents)))
+    packed = np.asarray(patches.pack_latents(jnp.asarray(latents)))
     theirs = FluxPipeline._pack_latents(torch.from_numpy(latents), 2, LATENT_CHANNELS, 6, 10)
     np.testing.assert_array_equal(packed, theirs.numpy())
-    np.testing.assert_array_equal(np.asarray(transformer.unpack_latents(packed, 6, 10)), latents)
+    np.testing.assert_array_equal(np.asarray(patches.unpack_latents(packed, 6, 10)), latents)
     # The pipeline unpacks from the image size: 8 pixels per latent.
     unpacked = FluxPipeline._unpack_latents(torch.from_numpy(packed.copy()), 48, 80, 8)
     np.testing.assert_array_equal(unpacked.numpy(), latents)
@@ -191,7 +192,7 @@ def test_rope_tables_match_flux_pos_embed_at_full_size():
 
 def test_odd_latents_are_refused():
     with pytest.raises(ValueError, match="7x8"):
-        transformer.pack_latents(jnp.zeros((1, LATENT_CHANNELS, 7, 8)))
+        patches.pack_latents(jnp.zeros((1, LATENT_CHANNELS, 7, 8)))
     with pytest.raises(ValueError, match="7x8"):
         transformer.image_ids(7, 8)
 

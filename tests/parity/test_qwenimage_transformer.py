@@ -15,6 +15,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from diffusers import QwenImagePipeline  # noqa: E402
 
+from tree_grpo_jax.models import patches  # noqa: E402
 from tree_grpo_jax.models.qwenimage import transformer  # noqa: E402
 from tree_grpo_jax.weights import convert, stacking  # noqa: E402
 
@@ -123,7 +124,7 @@ def flax_output(apply, params, inputs) -> np.ndarray:
     _, _, height, width = latents.shape
     out = apply(
         {"params": params},
-        hidden_states=transformer.pack_latents(latents),
+        hidden_states=patches.pack_latents(latents),
         img_ids=jnp.asarray(transformer.image_ids(height, width)),
         **arrays,
     )
@@ -224,7 +225,7 @@ def test_scanned_block_remat_gives_pytorchs_gradient(reference):
     def loss(params):
         out = module.apply(
             {"params": params},
-            hidden_states=transformer.pack_latents(latents),
+            hidden_states=patches.pack_latents(latents),
             img_ids=img_ids,
             **arrays,
         )
@@ -242,10 +243,10 @@ def test_scanned_block_remat_gives_pytorchs_gradient(reference):
 
 def test_packing_matches_the_pipeline_and_round_trips():
     latents = np.random.default_rng(0).standard_normal((2, LATENT_CHANNELS, 6, 10), np.float32)
-    packed = np.asarray(transformer.pack_latents(jnp.asarray(latents)))
+    packed = np.asarray(patches.pack_latents(jnp.asarray(latents)))
     theirs = QwenImagePipeline._pack_latents(torch.from_numpy(latents), 2, LATENT_CHANNELS, 6, 10)
     np.testing.assert_array_equal(packed, theirs.numpy())
-    np.testing.assert_array_equal(np.asarray(transformer.unpack_latents(packed, 6, 10)), latents)
+    np.testing.assert_array_equal(np.asarray(patches.unpack_latents(packed, 6, 10)), latents)
     # The pipeline unpacks from the image size (8 pixels per latent), adding a frame axis.
     unpacked = QwenImagePipeline._unpack_latents(torch.from_numpy(packed.copy()), 48, 80, 8)
     np.testing.assert_array_equal(unpacked.numpy()[:, :, 0], latents)
@@ -273,7 +274,7 @@ def test_rope_tables_match_qwen_embed_rope_at_full_size(height, width):
 
 def test_odd_latents_are_refused():
     with pytest.raises(ValueError, match="7x8"):
-        transformer.pack_latents(jnp.zeros((1, LATENT_CHANNELS, 7, 8)))
+        patches.pack_latents(jnp.zeros((1, LATENT_CHANNELS, 7, 8)))
     with pytest.raises(ValueError, match="7x8"):
         transformer.image_ids(7, 8)
 

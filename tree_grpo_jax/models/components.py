@@ -172,11 +172,12 @@ class Component:
         module = self.from_config(config, folder / "config.json", dtype, **options)
         state = files.read_weights(folder, "diffusion_pytorch_model", self.point)
         state = {k: v for k, v in state.items() if k not in self.buffers}
-        blockwise = module.clone(scan_layers=False) if options.get("scan_layers") else module
-        shapes = convert.shapes_of(abstract_params(blockwise))
-        params = convert.folder_to_flax(folder, state, shapes, self.point)
-        if blockwise is not module:
-            params = stacking.stack(params, abstract_params(module))
+        params = stacking.module_params(
+            module,
+            lambda shapes: convert.folder_to_flax(
+                folder, state, convert.shapes_of(shapes), self.point
+            ),
+        )
         return module, cast_floats(params, dtype), config
 
     def resolve(self, model_path: str) -> Path:

@@ -99,3 +99,14 @@ def unstack(tree: Mapping) -> dict:
         for position, block in enumerate(block_names(name)):
             out[block] = jax.tree_util.tree_map(lambda x, p=position: _unstack_leaf(x, p), value)
     return out
+
+
+def module_params(module, to_flax) -> dict:
+    """The params of a Flax `module` (one with `scan_layers` and `init_weights(rng)`) from
+    `to_flax(shapes)`, which maps a checkpoint holding the blocks one by one onto `shapes`
+    (the unscanned module's params as shape structs); stacked where the module scans them."""
+    blockwise = module.clone(scan_layers=False) if module.scan_layers else module
+    params = to_flax(jax.eval_shape(blockwise.init_weights, jax.random.key(0)))
+    if blockwise is not module:
+        params = stack(params, jax.eval_shape(module.init_weights, jax.random.key(0)))
+    return params

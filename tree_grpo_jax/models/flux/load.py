@@ -30,7 +30,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import autoencoder, components, text_encoders
+from tree_grpo_jax.models import autoencoder, components, patches, text_encoders
 from tree_grpo_jax.models.base import (
     FlowSigmasScheduleConfig,
     ModelLoadError,
@@ -132,7 +132,7 @@ def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0)
         sequence, pooled = text_encoders.unpack_conditioning(cond, context_dim, pooled_dim)
         out = module.apply(
             {"params": params},
-            transformer.pack_latents(x.astype(module.dtype)),
+            patches.pack_latents(x.astype(module.dtype)),
             sequence.astype(module.dtype),
             pooled.astype(module.dtype),
             sigma,
@@ -140,7 +140,7 @@ def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0)
             jnp.asarray(transformer.text_ids(sequence.shape[1])),
             None if guidance is None else jnp.full((batch,), guidance, jnp.float32),
         )
-        return transformer.unpack_latents(out, height, width).astype(x.dtype)
+        return patches.unpack_latents(out, height, width).astype(x.dtype)
 
     return denoise
 
@@ -161,18 +161,18 @@ def sample_shape(transformer_config: dict, vae_config: dict, resolution: int | N
         raise ModelLoadError(
             f"model.flux.resolution {pixels} is below the {2 * scale} pixels of one latent token."
         )
-    channels = transformer_config.get("in_channels", 64) // transformer.LATENT_PATCH**2
+    channels = transformer_config.get("in_channels", 64) // patches.LATENT_PATCH**2
     return (channels, side, side)
 
 
 def image_tokens(shape: tuple[int, ...]) -> int:
-    return (shape[1] // transformer.LATENT_PATCH) * (shape[2] // transformer.LATENT_PATCH)
+    return (shape[1] // patches.LATENT_PATCH) * (shape[2] // patches.LATENT_PATCH)
 
 
 def check_latent_channels(transformer_config: dict, vae_config: dict, where: Path) -> None:
     packed = transformer_config.get("in_channels", 64)
     latent = vae_config.get("latent_channels", 16)
-    if packed != latent * transformer.LATENT_PATCH**2:
+    if packed != latent * patches.LATENT_PATCH**2:
         raise ModelLoadError(
             f"{where}'s transformer takes {packed} channels, not its VAE's {latent} latent "
             f"channels packed in 2x2 patches ({latent * 4}); {POINT}."

@@ -2,14 +2,15 @@
 computes.
 
 FLUX works on 16-channel latents packed into 2x2 patches outside the network
-(`pack_latents`: [B, 16, H, W] -> [B, H/2 * W/2, 64] tokens). The text tokens (T5) come first,
-then the image tokens. `num_layers` double-stream blocks keep separate weights per stream
-(AdaLN-zero, projections, feed-forwards) around one joint attention; `num_single_layers`
-single-stream blocks then run both streams as one sequence, attention and MLP in parallel.
-Every query and key is RMS-normalised per head and rotated by a 3-axis RoPE of the token's
-position ids (`image_ids`: (0, row, column); text ids are zeros). The conditioning vector is
-the embedded timestep (sigma * 1000), the embedded guidance scale for FLUX.1-dev
-(`guidance_embeds`; FLUX.1-schnell has none) and the projected pooled CLIP embedding.
+(`patches.pack_latents`: [B, 16, H, W] -> [B, H/2 * W/2, 64] tokens). The text tokens (T5)
+come first, then the image tokens. `num_layers` double-stream blocks keep separate weights
+per stream (AdaLN-zero, projections, feed-forwards) around one joint attention;
+`num_single_layers` single-stream blocks then run both streams as one sequence, attention
+and MLP in parallel. Every query and key is RMS-normalised per head and rotated by a 3-axis
+RoPE of the token's position ids (`image_ids`: (0, row, column); text ids are zeros). The
+conditioning vector is the embedded timestep (sigma * 1000), the embedded guidance scale
+for FLUX.1-dev (`guidance_embeds`; FLUX.1-schnell has none) and the projected pooled CLIP
+embedding.
 
 Module and attribute names are diffusers' PyTorch names with list indices merged
 (`single_transformer_blocks_3/attn/norm_q`, `transformer_blocks_0/ff/net_0/proj`), so
@@ -50,51 +51,21 @@ from tree_grpo_jax.models.dit_layers import (
     rotate_pairs,
     run_stack,
 )
+from tree_grpo_jax.models.patches import LATENT_PATCH, check_even
 
 ROPE_THETA = 10000.0
 MLP_RATIO = 4
 ID_AXES = 3  # (offset, row, column): FLUX.1's position ids
-LATENT_PATCH = 2  # the pipeline's 2x2 packing of latents into tokens
 TIMESTEP_SCALE = 1000.0  # diffusers' forward multiplies sigma (and guidance) by this
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
 MODULE_LISTS = frozenset({"transformer_blocks", "single_transformer_blocks", "to_out", "net"})
-
-
-def pack_latents(latents: jax.Array) -> jax.Array:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: each 2x2 patch as one token, channels ordered
-    (channel, patch row, patch column), tokens row-major (diffusers' `_pack_latents`)."""
-    chex.assert_rank(latents, 4)
-    batch, channels, height, width = latents.shape
-    _check_even(height, width)
-    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
-    patches = latents.reshape(batch, channels, rows, LATENT_PATCH, columns, LATENT_PATCH)
-    patches = jnp.transpose(patches, (0, 2, 4, 1, 3, 5))
-    return patches.reshape(batch, rows * columns, channels * LATENT_PATCH**2)
-
-
-def unpack_latents(tokens: jax.Array, height: int, width: int) -> jax.Array:
-    """[B, (H/2)(W/2), 4C] -> [B, C, H, W], the inverse of `pack_latents` (diffusers'
-    `_unpack_latents`, which takes the image size; here H, W are the latent size)."""
-    chex.assert_rank(tokens, 3)
-    _check_even(height, width)
-    batch, count, features = tokens.shape
-    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
-    if count != rows * columns or features % LATENT_PATCH**2:
-        raise ValueError(
-            f"{count} tokens of {features} features are not the packing of {height}x{width} "
-            "latents."
-        )
-    channels = features // LATENT_PATCH**2
-    patches = tokens.reshape(batch, rows, columns, channels, LATENT_PATCH, LATENT_PATCH)
-    patches = jnp.transpose(patches, (0, 3, 1, 4, 2, 5))
-    return patches.reshape(batch, channels, height, width)
 
 
 def image_ids(height: int, width: int) -> np.ndarray:
     """[(H/2)(W/2), 3] float32 position ids of the packed tokens of H x W latents, in
     `pack_latents`' order: (0, patch row, patch column), as diffusers' FluxPipeline builds
     them (`_prepare_latent_image_ids(batch, H // 2, W // 2, ...)`)."""
-    _check_even(height, width)
+    check_even(height, width)
     rows, columns = np.meshgrid(
         np.arange(height // LATENT_PATCH), np.arange(width // LATENT_PATCH), indexing="ij"
     )
@@ -105,13 +76,6 @@ def image_ids(height: int, width: int) -> np.ndarray:
 def text_ids(num_tokens: int) -> np.ndarray:
     """[T, 3] float32 zeros: FLUX.1's text tokens all sit at position 0."""
     return np.zeros((num_tokens, ID_AXES), np.float32)
-
-
-def _check_even(height: int, width: int) -> None:
-    if height % LATENT_PATCH or width % LATENT_PATCH:
-        raise ValueError(
-            f"Latents {height}x{width} do not pack into {LATENT_PATCH}x{LATENT_PATCH} patches."
-        )
 
 
 def rope_frequencies(axes_dims: tuple[int, ...], theta: float = ROPE_THETA) -> list[np.ndarray]:

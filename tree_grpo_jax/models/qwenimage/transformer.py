@@ -2,8 +2,8 @@
 `QwenImageTransformer2DModel` computes.
 
 Qwen-Image works on 16-channel latents packed into 2x2 patches outside the network
-(`pack_latents`: [B, 16, H, W] -> [B, H/2 * W/2, 64] tokens; the VAE's single frame axis is
-left to the caller). The text tokens are Qwen2.5-VL hidden states, RMS-normalised
+(`patches.pack_latents`: [B, 16, H, W] -> [B, H/2 * W/2, 64] tokens; the VAE's single
+frame axis is left to the caller). The text tokens are Qwen2.5-VL hidden states, RMS-normalised
 (`txt_norm`) then projected (`txt_in`); padding tokens are masked out of every attention
 (`encoder_hidden_states_mask`). `num_layers` dual-stream blocks keep separate weights per
 stream (modulation, projections, feed-forwards) around one joint attention over [text, image];
@@ -58,51 +58,14 @@ from tree_grpo_jax.models.dit_layers import (
     run_stack,
     timestep_features,
 )
+from tree_grpo_jax.models.patches import LATENT_PATCH, check_even
 
 ROPE_THETA = 10000
 ID_AXES = 3  # (frame, row, column)
-LATENT_PATCH = 2  # the pipeline's 2x2 packing of latents into tokens
 TIMESTEP_SCALE = 1000.0  # the timestep features' `scale`: sigma in [0, 1] -> [0, 1000]
 MODULATION_CHUNKS = 6  # shift, scale, gate of the attention, then of the feed-forward
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
 MODULE_LISTS = frozenset({"transformer_blocks", "img_mod", "txt_mod", "to_out", "net"})
-
-
-def pack_latents(latents: jax.Array) -> jax.Array:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: each 2x2 patch as one token, channels ordered
-    (channel, patch row, patch column), tokens row-major (the pipeline's `_pack_latents`)."""
-    chex.assert_rank(latents, 4)
-    batch, channels, height, width = latents.shape
-    _check_even(height, width)
-    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
-    patches = latents.reshape(batch, channels, rows, LATENT_PATCH, columns, LATENT_PATCH)
-    patches = jnp.transpose(patches, (0, 2, 4, 1, 3, 5))
-    return patches.reshape(batch, rows * columns, channels * LATENT_PATCH**2)
-
-
-def unpack_latents(tokens: jax.Array, height: int, width: int) -> jax.Array:
-    """[B, (H/2)(W/2), 4C] -> [B, C, H, W], the inverse of `pack_latents` (H, W: the latent
-    size; the pipeline's `_unpack_latents` also adds the VAE's frame axis)."""
-    chex.assert_rank(tokens, 3)
-    _check_even(height, width)
-    batch, count, features = tokens.shape
-    rows, columns = height // LATENT_PATCH, width // LATENT_PATCH
-    if count != rows * columns or features % LATENT_PATCH**2:
-        raise ValueError(
-            f"{count} tokens of {features} features are not the packing of {height}x{width} "
-            "latents."
-        )
-    channels = features // LATENT_PATCH**2
-    patches = tokens.reshape(batch, rows, columns, channels, LATENT_PATCH, LATENT_PATCH)
-    patches = jnp.transpose(patches, (0, 3, 1, 4, 2, 5))
-    return patches.reshape(batch, channels, height, width)
-
-
-def _check_even(height: int, width: int) -> None:
-    if height % LATENT_PATCH or width % LATENT_PATCH:
-        raise ValueError(
-            f"Latents {height}x{width} do not pack into {LATENT_PATCH}x{LATENT_PATCH} patches."
-        )
 
 
 def _centred(count: int) -> np.ndarray:
@@ -115,7 +78,7 @@ def image_ids(height: int, width: int) -> np.ndarray:
     """[(H/2)(W/2), 3] float32 position ids of the packed tokens of H x W latents, in
     `pack_latents`' order: (0, centred patch row, centred patch column), as the pipeline's
     `img_shapes` entry (1, H/2, W/2) makes `QwenEmbedRope` place them."""
-    _check_even(height, width)
+    check_even(height, width)
     rows, columns = np.meshgrid(
         _centred(height // LATENT_PATCH), _centred(width // LATENT_PATCH), indexing="ij"
     )

@@ -24,13 +24,12 @@ def abstract_params(module: WanTransformer) -> dict:
 def params_from_state_dict(module: WanTransformer, state: Mapping[str, np.ndarray]) -> dict:
     """The params of `module` from a diffusers state dict of numpy arrays; ParamTreeMismatch
     (one sentence naming the keys) when the dict does not fit the module's config."""
-    blockwise = module.clone(scan_layers=False) if module.scan_layers else module
-    params = convert.pytorch_to_flax(
-        state, convert.shapes_of(abstract_params(blockwise)), merge_indices=True
+    return stacking.module_params(
+        module,
+        lambda shapes: convert.pytorch_to_flax(
+            state, convert.shapes_of(shapes), merge_indices=True
+        ),
     )
-    if blockwise is not module:
-        params = stacking.stack(params, abstract_params(module))
-    return params
 
 
 def state_dict_from_params(params: Mapping) -> dict[str, np.ndarray]:

@@ -459,22 +459,16 @@ def transformer_module(config: dict, dtype=jnp.float32, **options) -> ZImageTran
     return module_from_config(ZImageTransformer, config, dtype, options, lists)
 
 
-def abstract_params(module: ZImageTransformer) -> dict:
-    """The module's params as shape structs (nothing is computed)."""
-    return jax.eval_shape(module.init_weights, jax.random.key(0))
-
-
 def params_from_state_dict(module: ZImageTransformer, state: Mapping[str, np.ndarray]) -> dict:
     """The params of `module` from a diffusers state dict of numpy arrays, blocks stacked
     where the module scans them; ParamTreeMismatch (one sentence naming the keys) when the
     dict does not fit the module's config."""
-    blockwise = module.clone(scan_layers=False) if module.scan_layers else module
-    params = convert.pytorch_to_flax(
-        state, convert.shapes_of(abstract_params(blockwise)), merge_indices=True
+    return stacking.module_params(
+        module,
+        lambda shapes: convert.pytorch_to_flax(
+            state, convert.shapes_of(shapes), merge_indices=True
+        ),
     )
-    if blockwise is not module:
-        params = stacking.stack(params, abstract_params(module))
-    return params
 
 
 def state_dict_from_params(params: Mapping) -> dict[str, np.ndarray]:
