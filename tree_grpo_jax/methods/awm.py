@@ -274,9 +274,7 @@ class AWMObjective(forward.ForwardObjective):
         )
         adv = np.asarray(leaf_advantages, np.float64)[source.rows]
         adv = adv / c.advantage.clip * a.advantage_max
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         sigmas = np.asarray(source.schedule.sigmas)  # the sampler's own
         times = forward.sample_times(
             a.time_sampling,

@@ -290,9 +290,7 @@ class CRDObjective(forward.ForwardObjective):
         c, d = config, config.crd
         adv = forward.advantages(np.asarray(source.rewards))[source.rows]
         optimality = forward.optimality(adv, c.advantage.clip)
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         times = forward.sample_times(
             d.time_sampling,
             rng,

@@ -193,9 +193,7 @@ class DPOObjective(forward.ForwardObjective):
         """Every prompt's (best, worst) pair at `train_timesteps` times."""
         d = config.dpo
         rewards = np.asarray(source.rewards)[source.rows]
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         times = sample_times(
             rng,
             rewards.shape[0] * d.train_timesteps,
