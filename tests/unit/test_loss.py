@@ -160,7 +160,9 @@ def rescored(rows, schedule):
         PARAMS,
         rows,
         PPOSettings(denoiser, guidance_scale=GUIDANCE),
-        LossInputs(schedule, COND, uncond=UNCOND),
+        schedule=schedule,
+        cond=COND,
+        uncond=UNCOND,
     )
 
 
@@ -325,7 +327,9 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
             p,
             batch,
             PPOSettings(denoiser, guidance_scale=GUIDANCE),
-            LossInputs(schedule, COND, uncond=UNCOND),
+            schedule=schedule,
+            cond=COND,
+            uncond=UNCOND,
         )
     )(params)
     # Equal up to float32 rounding, which 1 / std amplifies at the low-noise steps.
