@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks.common import _plain, default_out, machine, pyplot, smoke_rng
 from benchmarks.presets import Settings, load_model
 from benchmarks.tree_study import config_of
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.errors import OneLineErrors
 from tree_grpo_jax.run import compile_cache, scoring
 from tree_grpo_jax.run import loop as train
@@ -232,10 +233,10 @@ def batch_check(config, model, workdir: str, seed: int, warm: int, log) -> dict:
         config, denoiser.training_denoise(model, config, trainer.mesh)
     )
     schedule = trainer.schedule()
-    kwargs = dict(schedule=schedule, cond=cond, old_params=state.old_params)
+    inputs = LossInputs(schedule, cond, ref_params=initial, old_params=state.old_params)
 
     def loss_of(params, s):
-        return loss_fn(params, rows, s, ref_params=initial, **kwargs)
+        return loss_fn(params, rows, s, inputs)
 
     no_kl = dataclasses.replace(settings, kl_beta=0.0)
     (loss, metrics), g_total = jax.value_and_grad(loss_of, has_aux=True)(state.params, settings)
@@ -259,10 +260,10 @@ def batch_check(config, model, workdir: str, seed: int, warm: int, log) -> dict:
             with_offset(state.params, offset),
             rows,
             aug,
-            schedule=schedule,
-            cond=cond,
-            old_params=with_offset(state.old_params, offset0),
-            ref_params=with_offset(initial, offset0),
+            inputs.replace(
+                old_params=with_offset(state.old_params, offset0),
+                ref_params=with_offset(initial, offset0),
+            ),
         )[0]
 
     dl_dv = np.asarray(jax.grad(loss_in_v)(offset0), np.float64).reshape(rows_n, group, -1)

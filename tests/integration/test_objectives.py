@@ -17,10 +17,11 @@ from tree_grpo_jax.run.train_step import OldPolicyState
 CALLS = []
 
 
-def _frozen_loss(params, batch, settings, *, old_params, **kwargs):
+def _frozen_loss(params, batch, settings, inputs):
     """PPO's loss times zero: no gradient, so weights without weight decay cannot move. The
-    old policy reaches it (a required argument) because the objective keeps one."""
-    loss, metrics = ppo_loss(params, batch, settings, **kwargs)
+    old policy reaches it because the objective keeps one."""
+    assert inputs.old_params is not None
+    loss, metrics = ppo_loss(params, batch, settings, inputs)
     return 0.0 * loss, metrics
 
 

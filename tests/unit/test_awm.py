@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.core.sampling import make_flow_schedule
 from tree_grpo_jax.methods import awm, forward
 
@@ -100,10 +101,12 @@ def _run(params, rows, cond, old, ref, s):
             off_policy=s["off_policy"],
             ema_beta=s["ema_beta"],
         ),
-        schedule=make_flow_schedule(NUM_STEPS),
-        cond=cond,
-        old_params=old,
-        ref_params=ref if s["kl_beta"] else None,
+        LossInputs(
+            make_flow_schedule(NUM_STEPS),
+            cond,
+            ref_params=ref if s["kl_beta"] else None,
+            old_params=old,
+        ),
     )
 
 
@@ -177,9 +180,7 @@ def test_a_winner_is_pulled_to_the_data_s_velocity_a_loser_pushed_and_zero_is_st
             p,
             rows,
             awm.AWMSettings(_free_velocity, weighting=weighting),
-            schedule=make_flow_schedule(NUM_STEPS),
-            cond=jnp.zeros((1, 1, 1)),
-            old_params={"v": v0},
+            LossInputs(make_flow_schedule(NUM_STEPS), jnp.zeros((1, 1, 1)), old_params={"v": v0}),
         )[0]
         g = np.asarray(jax.grad(loss)({"v": jnp.asarray(v0)})["v"])
         return g, rows.noise - rows.x0

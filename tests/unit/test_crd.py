@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.core.sampling import make_flow_schedule
 from tree_grpo_jax.methods import crd, forward
 
@@ -177,11 +178,7 @@ def test_the_loss_matches_a_per_group_reference(name):
         params,
         rows,
         _settings(s),
-        schedule=schedule,
-        cond=cond,
-        old_params=old,
-        ref_params=init,
-        uncond=uncond,
+        LossInputs(schedule, cond, uncond=uncond, ref_params=init, old_params=old),
     )
     expected, policy = reference(
         params, old, init, rows, cond, s, float(schedule.timestep_scale), uncond
@@ -221,9 +218,9 @@ def test_where_the_trained_weights_are_the_old_copy_rewards_above_the_mean_pull(
             q,
             rows,
             _settings(s, _free_velocity),
-            schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
-            cond=jnp.zeros((1, 1, 1)),
-            old_params=p,
+            LossInputs(
+                make_flow_schedule(NUM_STEPS, shift=3.0), jnp.zeros((1, 1, 1)), old_params=p
+            ),
         )
 
     (_, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)

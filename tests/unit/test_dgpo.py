@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.core.sampling import make_flow_schedule
 from tree_grpo_jax.methods import dgpo
 
@@ -96,10 +97,12 @@ def _loss(params, rows, cond, old, init, s, clip_range=1e-2):
             clip_dsm=s["clip"],
             clip_range=clip_range,
         ),
-        schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
-        cond=cond,
-        old_params=old,
-        ref_params=init if (s["reference"] == "initial" or s["kl_beta"]) else None,
+        LossInputs(
+            make_flow_schedule(NUM_STEPS, shift=3.0),
+            cond,
+            ref_params=init if (s["reference"] == "initial" or s["kl_beta"]) else None,
+            old_params=old,
+        ),
     )
 
 
@@ -160,9 +163,7 @@ def test_winners_are_pulled_losers_pushed_and_the_reference_weighs_one_half():
             reference="ema",
             clip_dsm=True,
         ),
-        schedule=schedule,
-        cond=jnp.zeros((1, 1, 1)),
-        old_params=p,
+        LossInputs(schedule, jnp.zeros((1, 1, 1)), old_params=p),
     )
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
     assert float(metrics["group_weight"]) == pytest.approx(0.5)
@@ -195,9 +196,7 @@ def test_the_clip_holds_a_sample_that_has_moved_too_far_its_way():
         dgpo.DGPOSettings(
             _free_velocity, group_size=GROUP, reference="ema", clip_dsm=True, clip_range=0.1
         ),
-        schedule=schedule,
-        cond=jnp.zeros((1, 1, 1)),
-        old_params={"v": jnp.asarray(old)},
+        LossInputs(schedule, jnp.zeros((1, 1, 1)), old_params={"v": jnp.asarray(old)}),
     )
     (_, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)
     g = np.asarray(grad["v"])
@@ -269,10 +268,12 @@ def test_the_kl_pulls_towards_the_initial_model_with_the_ema_copy_as_reference()
                 clip_dsm=True,
                 clip_range=1e-2,
             ),
-            schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
-            cond=jnp.zeros((1, 1, 1)),
-            old_params={"v": jnp.asarray(v_ema)},
-            ref_params={"v": jnp.asarray(v_init)},
+            LossInputs(
+                make_flow_schedule(NUM_STEPS, shift=3.0),
+                jnp.zeros((1, 1, 1)),
+                ref_params={"v": jnp.asarray(v_init)},
+                old_params={"v": jnp.asarray(v_ema)},
+            ),
         )
 
     p = {"v": jnp.asarray(v)}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.core.sampling import make_flow_schedule
 from tree_grpo_jax.methods import dpo
 
@@ -75,7 +76,7 @@ def test_the_loss_matches_a_per_pair_reference(beta, kl_beta):
     schedule = make_flow_schedule(NUM_STEPS, shift=3.0)
     settings = dpo.DPOSettings(linear_denoiser, kl_beta=kl_beta, beta=beta)
     loss, metrics = dpo.dpo_loss(
-        params, rows, settings, schedule=schedule, cond=cond, ref_params=init
+        params, rows, settings, LossInputs(schedule, cond, ref_params=init)
     )
     expected, per_pair = reference(
         params, init, rows, cond, beta, kl_beta, float(schedule.timestep_scale)
@@ -110,9 +111,9 @@ def test_at_the_reference_the_winner_is_pulled_and_the_loser_pushed():
             q,
             rows,
             dpo.DPOSettings(_free_velocity, beta=beta),
-            schedule=make_flow_schedule(NUM_STEPS, shift=3.0),
-            cond=jnp.zeros((1, 1, 1)),
-            ref_params=p,
+            LossInputs(
+                make_flow_schedule(NUM_STEPS, shift=3.0), jnp.zeros((1, 1, 1)), ref_params=p
+            ),
         )
 
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(p)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax.core import transitions
-from tree_grpo_jax.core.loss import PPOSettings, ppo_loss
+from tree_grpo_jax.core.loss import LossInputs, PPOSettings, ppo_loss
 from tree_grpo_jax.core.sampling import make_flow_schedule
 
 SHAPE = (3, 2)
@@ -112,18 +112,16 @@ def test_the_guarded_loss_matches_the_released_formula(clip_range, reweight):
     schedule = make_flow_schedule(NUM_STEPS, shift=3.0, noise_level=0.7)
     rollout_params, params = _params(0), _params(1)
     batch, cond = _batch(schedule, rollout_params, seed=2)
-    kwargs = dict(schedule=schedule, cond=jnp.asarray(cond))
+    inputs = LossInputs(schedule, jnp.asarray(cond))
     guarded = PPOSettings(
         linear_denoiser, clip_range=clip_range, guard=True, guard_reweight=reweight
     )
-    loss, metrics = ppo_loss(params, batch, guarded, **kwargs)
+    loss, metrics = ppo_loss(params, batch, guarded, inputs)
     expected = reference_loss(params, batch, schedule, cond, clip_range, reweight)
     np.testing.assert_allclose(float(loss), expected, rtol=2e-4)
     assert int(metrics["trained_edges"]) == 2 * 5 - 1
     # the guard changes the loss: the plain ratio gives another number
-    plain, _ = ppo_loss(
-        params, batch, PPOSettings(linear_denoiser, clip_range=clip_range), **kwargs
-    )
+    plain, _ = ppo_loss(params, batch, PPOSettings(linear_denoiser, clip_range=clip_range), inputs)
     assert abs(float(plain) - expected) > 1e-3 * abs(expected)
 
 
@@ -134,7 +132,7 @@ def test_the_guarded_ratio_is_one_under_the_rollout_s_own_weights():
     params = _params(3)
     batch, cond = _batch(schedule, params, seed=4)
     settings = PPOSettings(linear_denoiser, clip_range=0.2, guard=True)
-    _, metrics = ppo_loss(params, batch, settings, schedule=schedule, cond=jnp.asarray(cond))
+    _, metrics = ppo_loss(params, batch, settings, LossInputs(schedule, jnp.asarray(cond)))
     assert float(metrics["ratio_min"]) == pytest.approx(1.0, abs=2e-5)
     assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=2e-5)
 
@@ -143,8 +141,8 @@ def test_the_loss_without_the_guard_ignores_the_recorded_means():
     schedule = make_flow_schedule(NUM_STEPS, noise_level=0.7)
     batch, cond = _batch(schedule, _params(5), seed=6)
     settings = PPOSettings(linear_denoiser, clip_range=0.2)
-    kwargs = dict(schedule=schedule, cond=jnp.asarray(cond))
-    grad = jax.grad(lambda p, b: ppo_loss(p, b, settings, **kwargs)[0])
+    inputs = LossInputs(schedule, jnp.asarray(cond))
+    grad = jax.grad(lambda p, b: ppo_loss(p, b, settings, inputs)[0])
     with_means = grad(_params(7), batch)
     without = grad(_params(7), batch.replace(old_means=None))
     jax.tree_util.tree_map(np.testing.assert_array_equal, with_means, without)

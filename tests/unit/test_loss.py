@@ -14,7 +14,7 @@ import pytest
 
 from tree_grpo_jax.core import pruning, sampling
 from tree_grpo_jax.core import tree_spec as ts
-from tree_grpo_jax.core.loss import PPOSettings, ppo_loss, score_actions
+from tree_grpo_jax.core.loss import LossInputs, PPOSettings, ppo_loss, score_actions
 from tree_grpo_jax.core.rollout import rollout
 from tree_grpo_jax.core.transitions import Transitions, gather_transitions, minibatches
 
@@ -66,10 +66,7 @@ def loss_and_grad(params, batch, schedule, clip_range, ref_params=None, kl=False
             p,
             batch,
             settings,
-            schedule=schedule,
-            cond=COND,
-            uncond=UNCOND,
-            ref_params=ref_params if kl else None,
+            LossInputs(schedule, COND, uncond=UNCOND, ref_params=ref_params if kl else None),
         )
 
     return jax.value_and_grad(loss, has_aux=True)(params)
@@ -310,9 +307,7 @@ def test_amortized_scoring_equals_edge_by_edge(only_branch_2):
             p,
             batch,
             PPOSettings(fresh_denoiser, guidance_scale=GUIDANCE, clip_range=CLIP),
-            schedule=schedule,
-            cond=COND,
-            uncond=UNCOND,
+            LossInputs(schedule, COND, uncond=UNCOND),
         )
 
     ROWS_SEEN.clear()
@@ -404,7 +399,7 @@ def test_kl_to_the_reference_model():
     np.testing.assert_allclose(metrics["kl"], np.mean(kls), rtol=1e-4)
     np.testing.assert_allclose(loss, metrics["policy_loss"] + 0.1 * metrics["kl"], rtol=1e-6)
     with pytest.raises(ValueError, match="ref_params"):
-        ppo_loss(PARAMS, batch, PPOSettings(denoiser, kl_beta=0.1), schedule=schedule, cond=COND)
+        ppo_loss(PARAMS, batch, PPOSettings(denoiser, kl_beta=0.1), LossInputs(schedule, COND))
 
 
 def test_one_step_on_a_toy_gaussian_policy_follows_the_advantages():
@@ -440,7 +435,7 @@ def test_one_step_on_a_toy_gaussian_policy_follows_the_advantages():
     batch = batch.replace(old_log_probs=np.asarray(log_probs(table)))
 
     def loss(params):
-        return ppo_loss(params, batch, PPOSettings(policy), schedule=schedule, cond=cond)[0]
+        return ppo_loss(params, batch, PPOSettings(policy), LossInputs(schedule, cond))[0]
 
     updated = table - 0.05 * jax.jit(jax.grad(loss))(table)
     log_probs = jax.jit(log_probs)

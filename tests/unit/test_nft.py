@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core.loss import LossInputs
 from tree_grpo_jax.core.sampling import make_flow_schedule
 from tree_grpo_jax.methods import forward, nft
 
@@ -81,10 +82,7 @@ def test_the_loss_matches_a_per_sample_reference(beta, kl_beta):
         params,
         rows,
         nft.NFTSettings(linear_denoiser, kl_beta=kl_beta, beta=beta, clip=5.0),
-        schedule=schedule,
-        cond=cond,
-        old_params=old,
-        ref_params=ref if kl_beta else None,
+        LossInputs(schedule, cond, ref_params=ref if kl_beta else None, old_params=old),
     )
     expected = reference_loss(params, old, ref, rows, schedule, cond, beta, 5.0, kl_beta)
     np.testing.assert_allclose(float(loss), expected, rtol=2e-5)
@@ -116,8 +114,8 @@ def test_a_sure_winner_is_learned_at_the_known_optimum(beta):
     v_old = np.random.default_rng(8).normal(size=(1, *SHAPE)).astype(np.float32)
     v_data = rows.noise - rows.x0
     settings = nft.NFTSettings(_free_velocity, beta=beta)
-    kwargs = dict(schedule=schedule, cond=jnp.zeros((1, 1, 1)), old_params={"v": v_old})
-    loss = jax.jit(lambda p: nft.nft_loss(p, rows, settings, **kwargs)[0])
+    inputs = LossInputs(schedule, jnp.zeros((1, 1, 1)), old_params={"v": v_old})
+    loss = jax.jit(lambda p: nft.nft_loss(p, rows, settings, inputs)[0])
     grad = jax.jit(jax.grad(loss))
     optimum = v_old + (v_data - v_old) / beta
     assert float(loss({"v": jnp.asarray(optimum)})) == pytest.approx(0.0, abs=1e-6)
@@ -135,11 +133,11 @@ def test_a_sure_loser_pushes_away_and_the_mean_sample_does_not_move():
     schedule = make_flow_schedule(NUM_STEPS)
     v_old = np.random.default_rng(9).normal(size=(1, *SHAPE)).astype(np.float32)
     settings = nft.NFTSettings(_free_velocity, beta=1.0)
-    kwargs = dict(schedule=schedule, cond=jnp.zeros((1, 1, 1)), old_params={"v": v_old})
+    inputs = LossInputs(schedule, jnp.zeros((1, 1, 1)), old_params={"v": v_old})
 
     def gradient(r):
         rows = _one_row(r)
-        loss = lambda p: nft.nft_loss(p, rows, settings, **kwargs)[0]  # noqa: E731
+        loss = lambda p: nft.nft_loss(p, rows, settings, inputs)[0]  # noqa: E731
         return np.asarray(jax.grad(loss)({"v": jnp.asarray(v_old)})["v"]), rows
 
     loser, rows = gradient(0.0)

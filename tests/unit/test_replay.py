@@ -18,7 +18,7 @@ from tree_grpo_jax import methods
 from tree_grpo_jax.config import base_config
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core import tree_spec as ts
-from tree_grpo_jax.core.loss import PPOSettings, ppo_loss, score_actions
+from tree_grpo_jax.core.loss import LossInputs, PPOSettings, ppo_loss, score_actions
 from tree_grpo_jax.core.replay import ReplayBuffer
 from tree_grpo_jax.core.rollout import rollout
 from tree_grpo_jax.core.transitions import Transitions, gather_transitions
@@ -191,7 +191,7 @@ def test_replayed_rows_ratios_match_a_scipy_recomputation_and_clip_as_ppo():
     # PPO's clip over the mixed rows: the share of edges outside [1 - eps, 1 + eps]
     eps = float(np.median(off))
     settings = PPOSettings(denoise_fn=denoiser, clip_range=eps)
-    _, metrics = ppo_loss(now, rows, settings, schedule=schedule, cond=jnp.asarray(cond))
+    _, metrics = ppo_loss(now, rows, settings, LossInputs(schedule, jnp.asarray(cond)))
     clipped = np.mean(np.abs(expected_ratio[mask] - 1.0) > eps)
     assert 0.0 < clipped < 1.0
     np.testing.assert_allclose(float(metrics["clip_fraction"]), clipped, atol=1e-6)
@@ -253,7 +253,7 @@ def test_the_truncated_correction_weights_each_replayed_edge_by_its_capped_ratio
     )
 
     def loss(params):
-        return ppo_loss(params, rows, settings, schedule=schedule, cond=jnp.asarray(cond))
+        return ppo_loss(params, rows, settings, LossInputs(schedule, jnp.asarray(cond)))
 
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(now)
     np.testing.assert_allclose(float(metrics["policy_loss"]), np.mean(-adv * weight), rtol=1e-4)
@@ -264,7 +264,7 @@ def test_the_truncated_correction_weights_each_replayed_edge_by_its_capped_ratio
     # side give nothing, so its gradient differs
     clipped = PPOSettings(denoise_fn=denoiser, clip_range=1e-4)
     grad_clip = jax.grad(
-        lambda p: ppo_loss(p, rows, clipped, schedule=schedule, cond=jnp.asarray(cond))[0]
+        lambda p: ppo_loss(p, rows, clipped, LossInputs(schedule, jnp.asarray(cond)))[0]
     )(now)
     assert abs(float(grad_clip["a"]) - float(grad["a"])) > 1e-3
 

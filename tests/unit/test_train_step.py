@@ -32,9 +32,9 @@ class _Settings:
     poison: float = 0.0  # added to the loss
 
 
-def _loss(params, batch, settings=_Settings(), *, schedule, cond, uncond, ref_params):
+def _loss(params, batch, settings=_Settings(), inputs=None):
     """A loss whose gradient differs across the arrays (and across the batches fed)."""
-    del schedule, cond, uncond, ref_params
+    del inputs
     x = batch @ params["dense"]["kernel"] + params["dense"]["bias"]
     x = x * params["norm"]["scale"]
     loss = jnp.mean(jnp.sin(x) ** 2) + jnp.sum(params["embedding"] ** 3) * 0.1
@@ -42,7 +42,7 @@ def _loss(params, batch, settings=_Settings(), *, schedule, cond, uncond, ref_pa
 
 
 def _reference_grads(params, batch):
-    loss_of = lambda p: _loss(p, batch, schedule=None, cond=None, uncond=None, ref_params=None)
+    loss_of = lambda p: _loss(p, batch)
     return jax.grad(lambda p: loss_of(p)[0])(params)
 
 

@@ -18,9 +18,12 @@ one scale at every step, where the plain log-ratio is biased below 0 and grows a
 `guard_reweight="dt"` then divides each edge's term by its step's |dt| (the released
 trainers' `policy_loss / sqrt_dt**2`), which evens the steps' gradients.
 
-Every loss takes its settings as one record (`PPOSettings` here, each method's own beside
-its loss), built once from the config by the method's objective. The train step closes over
-it, so its fields are constants of the compiled program: jit a loss with the record static.
+Every loss is called as `loss(params, batch, settings, inputs)`. `settings` is one record
+(`PPOSettings` here, each method's own beside its loss), built once from the config by the
+method's objective; the train step closes over it, so its fields are constants of the
+compiled program: jit a loss with the record static. `inputs` (`LossInputs`) holds the
+arrays the train step hands every loss besides the trained weights and the minibatch: the
+schedule, the prompt embeddings and the frozen weights a loss compares with.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import DenoiseFn, PyTree, guided_prediction, traced_once
@@ -53,6 +57,20 @@ class LossSettings:
 
     denoise_fn: DenoiseFn
     kl_beta: float = 0.0  # weight of the KL term to the reference (`ref_params`)
+
+
+@struct.dataclass
+class LossInputs:
+    """What the train step hands every loss besides the trained weights, the minibatch and
+    the settings; a loss reads the fields it needs. The frozen weights are None where the
+    run keeps none: `ref_params` without a KL term or an initial-model reference, and
+    `old_params` for a state without an old copy of the policy."""
+
+    schedule: sampling.Schedule  # the sampler's (a flow's `FlowSchedule` for its methods)
+    cond: jax.Array  # [B, T, D] the prompt batch's embeddings; a row's `prompt` indexes it
+    uncond: jax.Array | None = None  # the empty prompt's embedding, for a guided forward
+    ref_params: PyTree | None = None  # the initial model (KL or preference reference)
+    old_params: PyTree | None = None  # the old copy of the policy (`keeps_old_policy`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +201,7 @@ def ppo_loss(
     params: PyTree,
     batch: Transitions,
     settings: PPOSettings,
-    *,
-    schedule: sampling.Schedule,
-    cond: jax.Array,
-    uncond: jax.Array | None = None,
-    ref_params: PyTree | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss averaged over the trained edges, plus kl_beta * KL to a reference.
 
@@ -197,8 +211,11 @@ def ppo_loss(
     is the KL between the step Gaussians of the policy and the frozen reference, which
     share the policy's std (noise_scale included): mean((mu - mu_ref)^2) / (2 std^2),
     Flow-GRPO's form; it is averaged over the rows that have a trained edge and costs one
-    more forward per row.
+    more forward per row. `inputs.old_params` is not read: the rollout's log-probs are the
+    old policy's.
     """
+    schedule, cond, uncond = inputs.schedule, inputs.cond, inputs.uncond
+    ref_params = inputs.ref_params
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape_prefix([batch.x, batch.actions, batch.mask], 1)
     chex.assert_equal_shape([batch.old_log_probs, batch.advantages, batch.mask])

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
 from tree_grpo_jax.core.loss import (
+    LossInputs,
     LossSettings,
     check_kl_reference,
     clipped_surrogate,
@@ -132,20 +132,15 @@ def awm_loss(
     params: PyTree,
     batch: AWMRows,
     settings: AWMSettings,
-    *,
-    schedule: sampling.FlowSchedule,
-    cond: jax.Array,
-    old_params: PyTree,
-    ref_params: PyTree | None = None,
-    uncond: jax.Array | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """AWM's loss over the batch's real rows (module docstring); the gradient flows through
     `params` alone. One forward per row, one more for the KL reference and one for the EMA
     copy (its KL, or the off-policy ratio's denominator). `uncond` is not read: the
     conditional velocity is sampled and trained (the config refuses guidance)."""
-    chex.assert_rank(cond, 3)
+    chex.assert_rank(inputs.cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
-    check_kl_reference(settings.kl_beta, ref_params)
+    check_kl_reference(settings.kl_beta, inputs.ref_params)
     weighting, power = settings.weighting, settings.power
     mask = batch.mask.astype(bool)
     x0 = batch.x0.astype(jnp.float32)
@@ -154,15 +149,16 @@ def awm_loss(
     t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
     xt = (1.0 - t_b) * x0 + t_b * noise
     target = noise - x0
-    row_cond = cond[batch.prompt]
+    row_cond = inputs.cond[batch.prompt]
+    timestep_scale = inputs.schedule.timestep_scale
 
     def velocity(p):
-        return settings.denoise_fn(p, xt, t * schedule.timestep_scale, row_cond).astype(jnp.float32)
+        return settings.denoise_fn(p, xt, t * timestep_scale, row_cond).astype(jnp.float32)
 
     v = velocity(params)
     log_prob = weighted_log_prob(forward.row_mean((v - target) ** 2), t, weighting, power)
     use_ema = settings.off_policy or settings.ema_beta != 0
-    v_ema = jax.lax.stop_gradient(velocity(old_params)) if use_ema else None
+    v_ema = jax.lax.stop_gradient(velocity(inputs.old_params)) if use_ema else None
     if settings.off_policy:
         old = weighted_log_prob(forward.row_mean((v_ema - target) ** 2), t, weighting, power)
     else:
@@ -174,8 +170,8 @@ def awm_loss(
     policy_loss = masked_mean(per_row, mask)
     zero = jnp.zeros((), jnp.float32)
     kl = zero
-    if ref_params is not None:
-        v_ref = jax.lax.stop_gradient(velocity(ref_params))
+    if inputs.ref_params is not None:
+        v_ref = jax.lax.stop_gradient(velocity(inputs.ref_params))
         kl = masked_mean(forward.row_mean((v - v_ref) ** 2), mask)
     ema_kl = zero if v_ema is None else masked_mean(forward.row_mean((v - v_ema) ** 2), mask)
     metrics = {
@@ -278,9 +274,7 @@ class AWMObjective(forward.ForwardObjective):
         )
         adv = np.asarray(leaf_advantages, np.float64)[source.rows]
         adv = adv / c.advantage.clip * a.advantage_max
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         sigmas = np.asarray(source.schedule.sigmas)  # the sampler's own
         times = forward.sample_times(
             a.time_sampling,

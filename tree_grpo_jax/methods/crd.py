@@ -40,9 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree, guided_prediction
-from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.loss import LossInputs, LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import forward
@@ -131,22 +130,17 @@ def crd_loss(
     params: PyTree,
     batch: CRDRows,
     settings: CRDSettings,
-    *,
-    schedule: sampling.FlowSchedule,
-    cond: jax.Array,
-    old_params: PyTree,
-    ref_params: PyTree | None = None,
-    uncond: jax.Array | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """CRD's loss over the batch's real samples (module docstring); the gradient flows
     through `params` alone. The trained and old velocities are conditional; `uncond` only
     guides the KL's reference (scale kl_cfg) when given."""
-    chex.assert_rank(cond, 3)
+    chex.assert_rank(inputs.cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.optimality, batch.mask])
     if settings.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {settings.loss_type!r}.")
-    if ref_params is None and (not settings.use_old_for_loss or settings.kl_beta != 0):
+    if inputs.ref_params is None and (not settings.use_old_for_loss or settings.kl_beta != 0):
         raise ValueError("CRD's initial-model reward reference or KL term needs ref_params.")
     mask = batch.mask.astype(bool)
     rows, group = batch.x0.shape[:2]
@@ -157,8 +151,8 @@ def crd_loss(
     s = sigma.reshape(-1, *([1] * len(sample_shape)))
     xt = (1.0 - s) * x0 + s * noise
     target = (noise - x0).reshape(rows, group, *sample_shape)
-    t = sigma * schedule.timestep_scale
-    row_cond = jnp.repeat(cond[batch.prompt], group, axis=0)
+    t = sigma * inputs.schedule.timestep_scale
+    row_cond = jnp.repeat(inputs.cond[batch.prompt], group, axis=0)
     axes = tuple(range(2, 2 + len(sample_shape)))
 
     def velocity(p, guide=None):
@@ -172,7 +166,8 @@ def crd_loss(
         return jnp.mean(values, axis=axes)
 
     v = velocity(params)
-    v_old = jax.lax.stop_gradient(velocity(old_params if settings.use_old_for_loss else ref_params))
+    reward_reference = inputs.old_params if settings.use_old_for_loss else inputs.ref_params
+    v_old = jax.lax.stop_gradient(velocity(reward_reference))
     err, err_old = (target - v) ** 2, (target - v_old) ** 2
     if settings.adaptive_logp:
         w = jax.lax.stop_gradient(sample_mean(jnp.abs(target - v)))
@@ -199,8 +194,9 @@ def crd_loss(
     policy_loss = unscaled * settings.advantage_clip / max(settings.beta, 1e-8)
     kl = jnp.zeros((), jnp.float32)
     if settings.kl_beta != 0:
+        uncond = inputs.uncond
         guide = None if uncond is None or settings.kl_cfg <= 1.0 else (uncond, settings.kl_cfg)
-        v_ref = jax.lax.stop_gradient(velocity(ref_params, guide))
+        v_ref = jax.lax.stop_gradient(velocity(inputs.ref_params, guide))
         kl_i = sample_mean((v - v_ref) ** 2)
         weight = 1.0
         if settings.reward_adaptive_kl:
@@ -294,9 +290,7 @@ class CRDObjective(forward.ForwardObjective):
         c, d = config, config.crd
         adv = forward.advantages(np.asarray(source.rewards))[source.rows]
         optimality = forward.optimality(adv, c.advantage.clip)
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         times = forward.sample_times(
             d.time_sampling,
             rng,

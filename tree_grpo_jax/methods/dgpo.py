@@ -34,9 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
-from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.loss import LossInputs, LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import forward
@@ -116,20 +115,16 @@ def dgpo_loss(
     params: PyTree,
     batch: DGPORows,
     settings: DGPOSettings,
-    *,
-    schedule: sampling.FlowSchedule,
-    cond: jax.Array,
-    old_params: PyTree,
-    ref_params: PyTree | None = None,
-    uncond: jax.Array | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DGPO's loss over the batch's real samples (module docstring); the gradient flows
     through `params` alone. `reference`: "initial" (`ref_params`) or "ema" (`old_params`).
     `uncond` is not read: the conditional velocity is trained, as the release does."""
-    chex.assert_rank(cond, 3)
+    chex.assert_rank(inputs.cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.advantage, batch.mask])
     reference, clip_range = settings.reference, settings.clip_range
+    ref_params = inputs.ref_params  # the initial model
     if reference not in REFERENCES:
         raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}.")
     if ref_params is None and (reference == "initial" or settings.kl_beta != 0):
@@ -139,12 +134,12 @@ def dgpo_loss(
     sample_shape = batch.x0.shape[2:]
     x0 = batch.x0.astype(jnp.float32).reshape(rows * group, *sample_shape)
     noise = batch.noise.astype(jnp.float32).reshape(rows * group, *sample_shape)
-    sigma = jnp.repeat(schedule.sigmas[batch.step], group)
+    sigma = jnp.repeat(inputs.schedule.sigmas[batch.step], group)
     s = sigma.reshape(-1, *([1] * len(sample_shape)))
     xt = (1.0 - s) * x0 + s * noise
     target = noise - x0
-    t = sigma * schedule.timestep_scale
-    row_cond = jnp.repeat(cond[batch.prompt], group, axis=0)
+    t = sigma * inputs.schedule.timestep_scale
+    row_cond = jnp.repeat(inputs.cond[batch.prompt], group, axis=0)
 
     def velocity(p):
         v = settings.denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
@@ -158,7 +153,7 @@ def dgpo_loss(
     v_init = None if ref_params is None else jax.lax.stop_gradient(velocity(ref_params))
     v_ema = None
     if settings.clip_dsm or reference == "ema":
-        v_ema = jax.lax.stop_gradient(velocity(old_params))
+        v_ema = jax.lax.stop_gradient(velocity(inputs.old_params))
     ref_dsm = dsm_of(v_ema if reference == "ema" else v_init)
     a = batch.advantage.astype(jnp.float32)
     clipped = jnp.zeros(dsm.shape, bool)

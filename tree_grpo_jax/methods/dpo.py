@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
-from tree_grpo_jax.core.loss import LossSettings, masked_mean
+from tree_grpo_jax.core.loss import LossInputs, LossSettings, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import forward
@@ -106,18 +105,14 @@ def dpo_loss(
     params: PyTree,
     batch: DPORows,
     settings: DPOSettings,
-    *,
-    schedule: sampling.FlowSchedule,
-    cond: jax.Array,
-    ref_params: PyTree | None = None,
-    uncond: jax.Array | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Diffusion-DPO's loss over the batch's real pairs (module docstring); the gradient
     flows through `params` alone. `uncond` is not read: the conditional velocity is
     trained, as the release does."""
-    chex.assert_rank(cond, 3)
+    chex.assert_rank(inputs.cond, 3)
     chex.assert_equal_shape([batch.x0[:, 0], batch.noise])
-    if ref_params is None:
+    if inputs.ref_params is None:
         raise ValueError("Diffusion-DPO compares with the initial model: it needs ref_params.")
     mask = batch.mask.astype(bool)
     rows = batch.x0.shape[0]
@@ -128,8 +123,8 @@ def dpo_loss(
     s = sigma.reshape(-1, *([1] * len(sample_shape)))
     xt = (1.0 - s) * x0 + s * noise
     target = (noise - x0).reshape(rows, 2, *sample_shape)
-    t = sigma * schedule.timestep_scale
-    pair_cond = jnp.repeat(cond[batch.prompt], 2, axis=0)
+    t = sigma * inputs.schedule.timestep_scale
+    pair_cond = jnp.repeat(inputs.cond[batch.prompt], 2, axis=0)
     axes = tuple(range(2, 2 + len(sample_shape)))
 
     def velocity(p):
@@ -137,7 +132,7 @@ def dpo_loss(
         return v.reshape(rows, 2, *sample_shape)
 
     v = velocity(params)
-    v_ref = jax.lax.stop_gradient(velocity(ref_params))
+    v_ref = jax.lax.stop_gradient(velocity(inputs.ref_params))
     err = jnp.mean((target - v) ** 2, axis=axes)  # [R, 2]: winner, loser
     ref_err = jnp.mean((target - v_ref) ** 2, axis=axes)
     gap = err - ref_err  # how much worse than the initial model on each arm
@@ -198,9 +193,7 @@ class DPOObjective(forward.ForwardObjective):
         """Every prompt's (best, worst) pair at `train_timesteps` times."""
         d = config.dpo
         rewards = np.asarray(source.rewards)[source.rows]
-        key = jax.random.fold_in(key, jax.process_index())  # each process its own draws
-        time_key, noise_key = jax.random.split(key)
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist())
+        rng, noise_key = forward.time_and_noise_draws(key)
         times = sample_times(
             rng,
             rewards.shape[0] * d.train_timesteps,

@@ -109,6 +109,14 @@ def sample_times(
     return np.maximum(t, MIN_TIME)
 
 
+def time_and_noise_draws(key: jax.Array) -> tuple[np.random.Generator, jax.Array]:
+    """This process's draws from an iteration's rows key: a host generator for the times and
+    a key for the noises (each process its own, from `jax.process_index`)."""
+    key = jax.random.fold_in(key, jax.process_index())
+    time_key, noise_key = jax.random.split(key)
+    return np.random.default_rng(np.asarray(jax.random.key_data(time_key)).tolist()), noise_key
+
+
 # ---------------------------------------------------------------------------------------------
 # The old copy of the policy.
 

@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tree_grpo_jax.core import sampling
 from tree_grpo_jax.core.guidance import PyTree
-from tree_grpo_jax.core.loss import LossSettings, check_kl_reference, masked_mean
+from tree_grpo_jax.core.loss import LossInputs, LossSettings, check_kl_reference, masked_mean
 from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.core.transitions import MaskedRows
 from tree_grpo_jax.methods import forward
@@ -114,41 +113,36 @@ def nft_loss(
     params: PyTree,
     batch: NFTRows,
     settings: NFTSettings,
-    *,
-    schedule: sampling.FlowSchedule,
-    cond: jax.Array,
-    old_params: PyTree,
-    ref_params: PyTree | None = None,
-    uncond: jax.Array | None = None,
+    inputs: LossInputs,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The DiffusionNFT loss averaged over the batch's real rows, plus kl_beta times the
     mean squared velocity gap to `ref_params` when given. Two forwards per row (three with
     the KL); the gradient flows through `params` alone. `uncond` is not read: the method
     samples and trains the conditional velocity (the config refuses guidance with it)."""
-    chex.assert_rank(cond, 3)
+    chex.assert_rank(inputs.cond, 3)
     chex.assert_equal_shape([batch.x0, batch.noise])
     chex.assert_equal_shape([batch.step, batch.prompt, batch.optimality, batch.mask])
-    check_kl_reference(settings.kl_beta, ref_params)
+    check_kl_reference(settings.kl_beta, inputs.ref_params)
     beta, clip = settings.beta, settings.clip
     mask = batch.mask.astype(bool)
     x0 = batch.x0.astype(jnp.float32)
-    sigma = schedule.sigmas[batch.step].reshape(-1, *([1] * (x0.ndim - 1)))
+    sigma = inputs.schedule.sigmas[batch.step].reshape(-1, *([1] * (x0.ndim - 1)))
     xt = (1.0 - sigma) * x0 + sigma * batch.noise.astype(jnp.float32)
-    t = schedule.timesteps[batch.step]
-    row_cond = cond[batch.prompt]
+    t = inputs.schedule.timesteps[batch.step]
+    row_cond = inputs.cond[batch.prompt]
 
     def velocity(p):
         return settings.denoise_fn(p, xt, t, row_cond).astype(jnp.float32)
 
     v = velocity(params)
-    v_old = jax.lax.stop_gradient(velocity(old_params))
+    v_old = jax.lax.stop_gradient(velocity(inputs.old_params))
     positive = xt - sigma * (beta * v + (1.0 - beta) * v_old)
     negative = xt - sigma * ((1.0 + beta) * v_old - beta * v)
     r = batch.optimality.astype(jnp.float32)
     per_row = r * _weighted_error(positive, x0) + (1.0 - r) * _weighted_error(negative, x0)
     policy_loss = masked_mean(per_row * (clip / beta), mask)
-    if ref_params is not None:
-        v_ref = jax.lax.stop_gradient(velocity(ref_params))
+    if inputs.ref_params is not None:
+        v_ref = jax.lax.stop_gradient(velocity(inputs.ref_params))
         kl = masked_mean(forward.row_mean((v - v_ref) ** 2), mask)
     else:
         kl = jnp.zeros((), jnp.float32)

@@ -129,9 +129,10 @@ class Objective(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, config: ml_collections.ConfigDict, denoise_fn) -> tuple[Callable, LossSettings]:
-        """The loss function `(params, batch, settings, *, schedule, cond, uncond, ref_params,
-        [old_params])` and its settings record, built from `config` here alone: the train
-        step closes over it, so its fields are constants of the compiled step."""
+        """The loss function `(params, batch, settings, inputs)` and its settings record,
+        built from `config` here alone: the train step closes over it, so its fields are
+        constants of the compiled step. `inputs` is the `core.loss.LossInputs` the train step
+        builds for every loss (schedule, cond, uncond, ref_params, old_params)."""
 
     @abc.abstractmethod
     def zero_rows(

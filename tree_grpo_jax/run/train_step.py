@@ -16,7 +16,7 @@ from flax import struct
 from jax.flatten_util import ravel_pytree
 
 from tree_grpo_jax import sharding
-from tree_grpo_jax.core.loss import LossSettings, ppo_loss
+from tree_grpo_jax.core.loss import LossInputs, LossSettings, ppo_loss
 
 # The steps donate their state; on CPU, or where an output cannot take a donated buffer's
 # place, XLA keeps the copy and JAX warns at every compile (harmless, thousands of characters).
@@ -132,7 +132,8 @@ class StepLayout:
 
 def _loss_and_grads(settings: LossSettings, layout: StepLayout):
     """(params, batch, cond, schedule, uncond, ref_params, frozen, old) -> ((loss, metrics),
-    grads); with `merge` (LoRA) the loss sees `merge(frozen, params)` (and the old policy
+    grads): the loss called as `loss_fn(weights, batch, settings, LossInputs(...))`; with
+    `merge` (LoRA) the loss sees `merge(frozen, params)` (and the old policy
     `merge(frozen, old)`). `old` (None: none kept) reaches the loss as `old_params`."""
     loss_fn, merge = layout.loss_fn, layout.merge
 
@@ -140,19 +141,16 @@ def _loss_and_grads(settings: LossSettings, layout: StepLayout):
         return p if merge is None else merge(frozen, p)
 
     def loss_and_grads(params, batch, cond, schedule, uncond, ref_params, frozen, old):
-        extra = {} if old is None else {"old_params": weights_of(old, frozen)}
+        inputs = LossInputs(
+            schedule=schedule,
+            cond=cond,
+            uncond=uncond,
+            ref_params=ref_params,
+            old_params=None if old is None else weights_of(old, frozen),
+        )
 
         def loss_of(p):
-            return loss_fn(
-                weights_of(p, frozen),
-                batch,
-                settings,
-                schedule=schedule,
-                cond=cond,
-                uncond=uncond,
-                ref_params=ref_params,
-                **extra,
-            )
+            return loss_fn(weights_of(p, frozen), batch, settings, inputs)
 
         return jax.value_and_grad(loss_of, has_aux=True)(params)
 
