@@ -28,7 +28,7 @@ from tree_grpo_jax.models.base import (  # noqa: F401 (REMAT_MODES re-exported)
     constrain_rows,
     remat_mode,
 )
-from tree_grpo_jax.weights import low_rank, stacking
+from tree_grpo_jax.weights import convert, low_rank, stacking
 
 NORM_EPS = 1e-6
 TIMESTEP_CHANNELS = 256
@@ -422,9 +422,27 @@ def module_from_config(
     unknown = sorted(set(fields) - config_fields(module_class))
     if unknown:
         raise ValueError(f"Transformer config keys {unknown} are not supported.")
-    for key, convert in (converters or {}).items():
+    for key, to_field in (converters or {}).items():
         if key in fields:
-            fields[key] = convert(fields[key])
+            fields[key] = to_field(fields[key])
     module = module_class(**fields, dtype=dtype, **options)
     module.check()
     return module
+
+
+def params_from_state_dict(module: DiT, state: Mapping[str, np.ndarray]) -> dict:
+    """The params of `module` from a diffusers state dict of numpy arrays (names mapped
+    without a table, `weights.convert`), blocks stacked where the module scans them;
+    ParamTreeMismatch (one sentence naming the keys) when the dict does not fit its config."""
+    return stacking.module_params(
+        module,
+        lambda shapes: convert.pytorch_to_flax(
+            state, convert.shapes_of(shapes), merge_indices=True
+        ),
+    )
+
+
+def state_dict_from_params(params: Mapping, module_lists: frozenset) -> dict[str, np.ndarray]:
+    """The diffusers state dict (PyTorch names and layouts, numpy) of a DiT's params, scanned
+    or not; `module_lists`: the model's module lists (whose names take an index)."""
+    return convert.flax_to_pytorch(stacking.unstack(dict(params)), list_names=module_lists)

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from tree_grpo_jax.models import dit_layers
 from tree_grpo_jax.models.wan.transformer import MODULE_LISTS, WanTransformer
-from tree_grpo_jax.weights import convert, stacking
 
 
 def abstract_params(module: WanTransformer) -> dict:
@@ -22,17 +22,12 @@ def abstract_params(module: WanTransformer) -> dict:
 
 
 def params_from_state_dict(module: WanTransformer, state: Mapping[str, np.ndarray]) -> dict:
-    """The params of `module` from a diffusers state dict of numpy arrays; ParamTreeMismatch
-    (one sentence naming the keys) when the dict does not fit the module's config."""
-    return stacking.module_params(
-        module,
-        lambda shapes: convert.pytorch_to_flax(
-            state, convert.shapes_of(shapes), merge_indices=True
-        ),
-    )
+    """The params of `module` from a diffusers state dict of numpy arrays, blocks stacked
+    where the module scans them (`dit_layers.params_from_state_dict`)."""
+    return dit_layers.params_from_state_dict(module, state)
 
 
 def state_dict_from_params(params: Mapping) -> dict[str, np.ndarray]:
     """The diffusers state dict (PyTorch names and layouts, numpy) of params, scanned or
     not."""
-    return convert.flax_to_pytorch(stacking.unstack(dict(params)), list_names=MODULE_LISTS)
+    return dit_layers.state_dict_from_params(params, MODULE_LISTS)

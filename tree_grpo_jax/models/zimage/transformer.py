@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import dit_layers
 from tree_grpo_jax.models.dit_layers import (
     Attention,
     DiT,
@@ -58,7 +59,6 @@ from tree_grpo_jax.models.dit_layers import (
     run_stack,
     timestep_features,
 )
-from tree_grpo_jax.weights import convert, stacking
 
 ADALN_WIDTH = 256  # the timestep embedding's width is min(dim, 256)
 TIMESTEP_HIDDEN = 1024  # `t_embedder`'s hidden width
@@ -461,17 +461,11 @@ def transformer_module(config: dict, dtype=jnp.float32, **options) -> ZImageTran
 
 def params_from_state_dict(module: ZImageTransformer, state: Mapping[str, np.ndarray]) -> dict:
     """The params of `module` from a diffusers state dict of numpy arrays, blocks stacked
-    where the module scans them; ParamTreeMismatch (one sentence naming the keys) when the
-    dict does not fit the module's config."""
-    return stacking.module_params(
-        module,
-        lambda shapes: convert.pytorch_to_flax(
-            state, convert.shapes_of(shapes), merge_indices=True
-        ),
-    )
+    where the module scans them (`dit_layers.params_from_state_dict`)."""
+    return dit_layers.params_from_state_dict(module, state)
 
 
 def state_dict_from_params(params: Mapping) -> dict[str, np.ndarray]:
     """The diffusers state dict (PyTorch names and layouts, numpy) of params, scanned or
     not."""
-    return convert.flax_to_pytorch(stacking.unstack(dict(params)), list_names=MODULE_LISTS)
+    return dit_layers.state_dict_from_params(params, MODULE_LISTS)
