@@ -168,7 +168,9 @@ def one_batch(trainer, state, iteration: int):
     images = trainer.model.decode(leaves.reshape(num_prompts * num_leaves, *leaves.shape[2:]))
     leaf_prompts = [p for p in sampled.prompts[sampled.rows] for _ in range(num_leaves)]
     metadata = trainer.prompt_metadata(prompts, sampled.rows, num_leaves)
-    rewards = scoring.score(trainer.reward, images, leaf_prompts, "in the batch check", metadata)[0]
+    decoded = scoring.Decoded((images,), groups=1)  # one part: scored whole
+    where = "in the batch check"
+    rewards = scoring.score(trainer.reward, decoded, leaf_prompts, where, metadata)[0]
     rows_key = jax.random.split(shuffle_key)[0]
     rows = trainer.trainable_rows(
         sampled, rewards.reshape(num_prompts, num_leaves), iteration, rows_key
@@ -225,7 +227,10 @@ def batch_check(config, model, workdir: str, seed: int, warm: int, log) -> dict:
 
     trainer, state = train.setup(config, workdir, model=model)
     trainer = trainer.reseed(seed)
+    # a run without the KL or the initial reference keeps no copy: take one before training
     initial = trainer.ref_params
+    if initial is None:
+        initial = jax.tree.map(jnp.copy, state.params)
     for iteration in range(warm):
         state, _ = trainer.iteration(state, iteration)
     rows, cond = one_batch(trainer, state, warm)
