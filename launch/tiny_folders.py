@@ -351,11 +351,11 @@ def write_umt5(root, rng, **config) -> None:
 
 def write_wan_vae(root: pathlib.Path, config: dict, rng) -> None:
     """`AutoencoderKLWan`'s decoder and post-quant conv, under its PyTorch names."""
-    from tree_grpo_jax.models.wan import vae
+    from tree_grpo_jax.models import causal_vae
     from tree_grpo_jax.weights import convert
 
     full = diffusers_config("AutoencoderKLWan", config)
-    shapes = convert.shapes_of(vae.decoder_shapes(vae.decoder_module(full)))
+    shapes = convert.shapes_of(causal_vae.decoder_shapes(causal_vae.decoder_module(full)))
     flat = random_params(shapes, rng)
     state = pytorch_state({k: v for k, v in flat.items() if k[-1] != "scale"}, _WAN_VAE_LISTS)
     for path, value in flat.items():

@@ -1,4 +1,4 @@
-"""The Wan2.1 VAE decoder (models/wan/vae.py) against diffusers' `AutoencoderKLWan` built tiny
+"""The Wan2.1 VAE decoder (models/causal_vae.py) against diffusers' `AutoencoderKLWan` built tiny
 and random in PyTorch and saved as a `vae/` folder: the same videos from the same latents
 (de-normalised as WanPipeline does, decoded frame by frame with diffusers' causal cache), the
 frame count rule, and bad folders in one sentence."""
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.models import causal_vae
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.models.wan import vae
 
 torch = pytest.importorskip("torch")
 from sd_fixtures import perturb  # noqa: E402
@@ -52,7 +52,7 @@ def folder(torch_vae, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(folder):
-    return vae.load_decoder(folder, jnp.float32, HINT)
+    return causal_vae.load_decoder(folder, jnp.float32, HINT)
 
 
 def _reference(torch_vae, latents):
@@ -72,7 +72,7 @@ def test_decode_equals_diffusers(torch_vae, loaded, frames, chunked):
     module, params, config = loaded
     latents = np.random.default_rng(frames).standard_normal((2, frames, 4, 4, Z_DIM)).astype("f4")
     expected = _reference(torch_vae, latents)
-    decode = vae.decode_fn(module, config, jnp.float32, chunked=chunked)
+    decode = causal_vae.decode_fn(module, config, jnp.float32, chunked=chunked)
     got = np.asarray(decode(params, jnp.asarray(latents)))
     video_frames = 1 + 4 * (frames - 1)
     assert got.shape == expected.shape == (2, video_frames, 32, 32, 3)
@@ -90,31 +90,36 @@ def test_decode_equals_diffusers(torch_vae, loaded, frames, chunked):
 def test_frame_count_rule(loaded):
     _, _, config = loaded
     assert (config.temporal_factor, config.spatial_factor) == (4, 8)
-    assert [vae.num_frames(f, config) for f in (1, 2, 3, 21)] == [1, 5, 9, 81]
-    assert vae.latent_frames(81, config) == 21 and vae.latent_frames(1, config) == 1
-    with pytest.raises(ValueError, match=r"^a Wan video has 1 \+ 4k frames .* use 77 or 81\.$"):
-        vae.latent_frames(80, config)
+    assert [causal_vae.num_frames(f, config) for f in (1, 2, 3, 21)] == [1, 5, 9, 81]
+    assert causal_vae.latent_frames(81, config) == 21 and causal_vae.latent_frames(1, config) == 1
+    with pytest.raises(
+        ValueError, match=r"^this VAE's videos have 1 \+ 4k frames .* use 77 or 81\.$"
+    ):
+        causal_vae.latent_frames(80, config)
     # Wan2.1's own config (the class's defaults): 4x in time, 8x in space.
-    wan21 = vae.vae_config({"base_dim": 96, "z_dim": 16})
+    wan21 = causal_vae.vae_config({"base_dim": 96, "z_dim": 16})
     assert (wan21.temporal_factor, wan21.spatial_factor, wan21.dim) == (4, 8, 96)
-    assert vae.num_frames(21, {}) == 81
+    assert causal_vae.num_frames(21, {}) == 81
     # One temporal level fewer: 2x.
     stats = {"latents_mean": [0.0] * Z_DIM, "latents_std": [1.0] * Z_DIM}
-    assert vae.num_frames(3, {**TINY, **stats, "temperal_downsample": [False, False, True]}) == 5
+    assert (
+        causal_vae.num_frames(3, {**TINY, **stats, "temperal_downsample": [False, False, True]})
+        == 5
+    )
 
 
 def test_convert_ignores_the_encoder_and_names_what_is_missing(torch_vae, loaded):
     _, params, config = loaded
     state = {k: v.numpy() for k, v in torch_vae.state_dict().items()}
     assert any(k.startswith("encoder.") for k in state)
-    converted = vae.convert_decoder(state, config)
+    converted = causal_vae.convert_decoder(state, config)
     np.testing.assert_array_equal(
         converted["decoder"]["conv_in"]["kernel"],
         state["decoder.conv_in.weight"].transpose(2, 3, 4, 1, 0),
     )
     del state["decoder.up_blocks.1.upsamplers.0.time_conv.weight"]
     with pytest.raises(Exception, match="missing decoder/up_blocks_1/upsamplers_0/time_conv"):
-        vae.convert_decoder(state, config)
+        causal_vae.convert_decoder(state, config)
 
 
 def _broken(folder, tmp_path, **changes):
@@ -137,11 +142,12 @@ def _broken(folder, tmp_path, **changes):
         ({"dim_mult": "two"}, r"sets dim_mult='two', but it must be a list of whole numbers"),
         (
             {"_class_name": "AutoencoderKL"},
-            r"describes AutoencoderKL, not the AutoencoderKLWan of a Wan VAE; point",
+            r"describes AutoencoderKL, not a causal video VAE \(AutoencoderKLWan or "
+            r"AutoencoderKLQwenImage\); point",
         ),
     ],
 )
 def test_bad_folders_are_one_sentence(folder, tmp_path, changes, message):
     with pytest.raises(ModelLoadError, match=message) as error:
-        vae.load_decoder(_broken(folder, tmp_path, **changes), jnp.float32, HINT)
+        causal_vae.load_decoder(_broken(folder, tmp_path, **changes), jnp.float32, HINT)
     assert "\n" not in str(error.value) and str(error.value).endswith(".")

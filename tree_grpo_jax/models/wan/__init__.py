@@ -4,11 +4,12 @@ and -14B-Diffusers) in Flax.
 transformer   `WanTransformer3DModel` in Flax with diffusers' parameter names: 3D patches,
               rotary embeddings over frames, rows and columns, blocks scanned
 transformer_weights  its weights at the diffusers boundary, both ways
-vae           `AutoencoderKLWan`'s decoder: latents [B, F, h, w, 16] -> videos
-              [B, 1 + 4 (F - 1), 8h, 8w, 3] in [0, 1]
 text          umT5-XXL's encoder (`UMT5EncoderModel`), as WanPipeline encodes prompts
 load          the folder, the schedule (the scheduler's flow_shift, or a static one), the
-              denoiser and `load_wan` -> `WanModel` (media "video")
+              denoiser and `load_wan` -> `WanModel` (media "video"); the VAE decoder
+              (`AutoencoderKLWan`: latents [B, F, h, w, 16] -> videos
+              [B, 1 + 4 (F - 1), 8h, 8w, 3] in [0, 1]) is `models.causal_vae`, shared with
+              Qwen-Image
 export        what Wan's denoiser is, for `models.export` (full folders and PEFT LoRAs)
 builtin       Wan2.1-T2V-1.3B's and -14B's JSON configs, for planning without their files
 abstract      the model as shapes, for `python -m tree_grpo_jax.plan`

@@ -46,14 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import components, media, text_encoders
+from tree_grpo_jax.models import causal_vae, components, media, text_encoders
 from tree_grpo_jax.models.base import (
     Decoder,
     FlowSigmasScheduleConfig,
     ModelLoadError,
     cast_floats,
 )
-from tree_grpo_jax.models.wan import family, transformer, vae
+from tree_grpo_jax.models.wan import family, transformer
 from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Wan2.1 text-to-video folder"
@@ -244,11 +244,11 @@ def abstract_decoder(vae_config: dict, where: Path, dtype, batch_size: int):
     the plan; nothing is computed. `decode` is the VAE's `decode_fn`: latents [B, F, h, w, C]
     (the samples' own layout) -> videos [B, T, H, W, 3]."""
     try:
-        module = vae.decoder_module(vae_config, dtype)
+        module = causal_vae.decoder_module(vae_config, dtype)
     except ValueError as e:
         raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
-    shapes = jax.eval_shape(lambda p: cast_floats(p, dtype), vae.decoder_shapes(module))
-    return vae.decode_fn(module, vae_config, dtype, batch_size), shapes
+    shapes = jax.eval_shape(lambda p: cast_floats(p, dtype), causal_vae.decoder_shapes(module))
+    return causal_vae.decode_fn(module, vae_config, dtype, batch_size), shapes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +311,8 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     schedule = schedule_config(*TRANSFORMER.scheduler(folders), options.shift)
     loaded = TRANSFORMER.load_from(folders, dtype, options)
     module = loaded[0]
-    decoder, decoder_params, _ = vae.load_decoder(folders["vae"], dtype, POINT)
-    decode_latents = vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
+    decoder, decoder_params, _ = causal_vae.load_decoder(folders["vae"], dtype, POINT)
+    decode_latents = causal_vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
     encoder = load_text_encoder(
         root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
     )

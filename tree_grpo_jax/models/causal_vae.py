@@ -1,5 +1,8 @@
-"""The Wan2.1 video VAE's decoder (diffusers' `AutoencoderKLWan`, decode path only) in Flax,
-channels-last, from a diffusers `vae/` folder; the encoder is never read.
+"""The causal 3D convolutional VAE's decoder in Flax, channels-last, from a diffusers `vae/`
+folder (decode path only; the encoder is never read). Wan2.1 (diffusers' `AutoencoderKLWan`)
+and Qwen-Image (`AutoencoderKLQwenImage`) share this network: the same modules, weight names
+and shapes, and the same latent statistics in their configs. Qwen-Image decodes one latent
+frame, a video of one frame.
 
 diffusers decodes one latent frame at a time and carries each causal convolution's last two
 input frames over to the next frame. That cache is exact: a convolution over the whole
@@ -13,7 +16,7 @@ sequence started at the second one (zeros before it). So F latent frames become
 `1 + 2**u * (F - 1)` video frames for u temporal upsamplers (Wan2.1: u = 2,
 `1 + 4 (F - 1)`), and `2**(levels - 1)` pixels per latent side (Wan2.1: 8).
 
-Latents are de-normalised as WanPipeline does before `vae.decode`,
+Latents are de-normalised as WanPipeline and QwenImagePipeline do before `vae.decode`,
 `latents / (1 / latents_std) + latents_mean` with the folder's per-channel statistics, and
 the videos come back clamped and in [0, 1], `[B, T, H, W, 3]` (`models.media`).
 """
@@ -34,13 +37,16 @@ from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
 # Config fields the decoder does not read, with the one value it implements (the Wan2.2
-# VAE's residual up blocks and patching are other architectures).
-FIXED = {"is_residual": False, "patch_size": None, "out_channels": 3}
+# VAE's residual up blocks and patching are other architectures; Qwen-Image's
+# `input_channels` is the pixels' channels, which its decoder gives back).
+FIXED = {"is_residual": False, "patch_size": None, "out_channels": 3, "input_channels": 3}
+# The diffusers classes of this network; a config without `_class_name` is taken as Wan's.
+CLASS_NAMES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 _PREFIXES = ("decoder.", "post_quant_conv.")
 _NORM_EPS = 1e-12  # torch.nn.functional.normalize's floor on the norm
 
 
-# AutoencoderKLWan's own defaults (Wan2.1's statistics), for a config that leaves them out.
+# Both classes' own defaults (Wan2.1's statistics), for a config that leaves them out.
 _DEFAULT_MEAN = [
     -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
     0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
@@ -52,9 +58,10 @@ _DEFAULT_STD = [
 
 
 @dataclasses.dataclass(frozen=True)
-class WanVAEConfig:
-    """The fields of an `AutoencoderKLWan` config that the decoder reads, with Wan2.1's
-    values as defaults (a folder's config.json may leave them out)."""
+class CausalVAEConfig:
+    """The fields of an `AutoencoderKLWan` or `AutoencoderKLQwenImage` config that the
+    decoder reads, with Wan2.1's values as defaults (a folder's config.json may leave them
+    out; Qwen-Image's has no `decoder_base_dim`, so its decoder is `base_dim` wide)."""
 
     base_dim: int = 96
     decoder_base_dim: int | None = None
@@ -85,16 +92,16 @@ class WanVAEConfig:
         return 2 ** sum(self.temporal_upsample)
 
 
-def vae_config(config: dict, where: Path | str = "the VAE config") -> WanVAEConfig:
+def vae_config(config: dict, where: Path | str = "the VAE config") -> CausalVAEConfig:
     """The decoder's settings from a `vae/config.json` dict; one sentence (ModelLoadError)
     for a field the decoder does not implement or that does not fit the others."""
     files.check_fixed(config, FIXED, where)
-    files.check_field_types(config, WanVAEConfig, where)
-    fields = {f.name for f in dataclasses.fields(WanVAEConfig)}
+    files.check_field_types(config, CausalVAEConfig, where)
+    fields = {f.name for f in dataclasses.fields(CausalVAEConfig)}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
     kwargs.setdefault("latents_mean", tuple(_DEFAULT_MEAN))
     kwargs.setdefault("latents_std", tuple(_DEFAULT_STD))
-    c = WanVAEConfig(**kwargs)
+    c = CausalVAEConfig(**kwargs)
     if len(c.dim_mult) < 1 or len(c.temperal_downsample) < len(c.dim_mult) - 1:
         raise ModelLoadError(
             f"{where} has {len(c.temperal_downsample)} temperal_downsample flags for "
@@ -111,20 +118,20 @@ def vae_config(config: dict, where: Path | str = "the VAE config") -> WanVAEConf
     return c
 
 
-def num_frames(latent_frames: int, config: dict | WanVAEConfig) -> int:
+def num_frames(latent_frames: int, config: dict | CausalVAEConfig) -> int:
     """Video frames decoded from `latent_frames` latent frames (Wan2.1: 1 + 4 (F - 1))."""
-    c = config if isinstance(config, WanVAEConfig) else vae_config(config)
+    c = config if isinstance(config, CausalVAEConfig) else vae_config(config)
     return 1 + c.temporal_factor * (latent_frames - 1)
 
 
-def latent_frames(video_frames: int, config: dict | WanVAEConfig) -> int:
+def latent_frames(video_frames: int, config: dict | CausalVAEConfig) -> int:
     """The latent frames that decode to `video_frames` frames; ValueError with one sentence
     when no whole number does (Wan2.1: frames must be 4k + 1)."""
-    c = config if isinstance(config, WanVAEConfig) else vae_config(config)
+    c = config if isinstance(config, CausalVAEConfig) else vae_config(config)
     k = c.temporal_factor
     if video_frames < 1 or (video_frames - 1) % k:
         raise ValueError(
-            f"a Wan video has 1 + {k}k frames (k >= 0), so {video_frames} frames cannot be "
+            f"this VAE's videos have 1 + {k}k frames (k >= 0), so {video_frames} frames cannot be "
             f"decoded; use {1 + k * max(0, (video_frames - 1) // k)} or "
             f"{1 + k * (max(0, (video_frames - 1) // k) + 1)}."
         )
@@ -287,7 +294,7 @@ class MidBlock(nn.Module):
 class Decoder3d(nn.Module):
     """`WanDecoder3d`: latents [B, F, h, w, z] -> video [B, T, H, W, 3] in about [-1, 1]."""
 
-    config: WanVAEConfig
+    config: CausalVAEConfig
     dtype: Any = jnp.float32
 
     @nn.compact
@@ -308,13 +315,13 @@ class Decoder3d(nn.Module):
         return CausalConv3d(3, (3, 3, 3), self.dtype, name="conv_out")(x)
 
 
-class WanVAEDecoder(nn.Module):
+class CausalVAEDecoder(nn.Module):
     """`post_quant_conv` then the decoder, on de-normalised latents [B, F, h, w, z_dim]; the
     params are {"post_quant_conv", "decoder"}, as the folder's keys are prefixed. `first`:
     whether z starts the video (False for a later chunk, decoded with the `cache` collection
     its predecessors left)."""
 
-    config: WanVAEConfig
+    config: CausalVAEConfig
     dtype: Any = jnp.float32
 
     @nn.compact
@@ -327,23 +334,23 @@ class WanVAEDecoder(nn.Module):
 # Building, converting, loading and decoding.
 
 
-def decoder_module(config: dict | WanVAEConfig, dtype=jnp.float32) -> WanVAEDecoder:
-    """The decoder a `vae/config.json` dict (or a parsed WanVAEConfig) describes."""
-    c = config if isinstance(config, WanVAEConfig) else vae_config(config)
-    return WanVAEDecoder(c, dtype)
+def decoder_module(config: dict | CausalVAEConfig, dtype=jnp.float32) -> CausalVAEDecoder:
+    """The decoder a `vae/config.json` dict (or a parsed CausalVAEConfig) describes."""
+    c = config if isinstance(config, CausalVAEConfig) else vae_config(config)
+    return CausalVAEDecoder(c, dtype)
 
 
-def decoder_shapes(module: WanVAEDecoder) -> dict:
+def decoder_shapes(module: CausalVAEDecoder) -> dict:
     """The decoder's params as ShapeDtypeStructs (nothing is computed)."""
     c = module.config
     z = jnp.zeros((1, 2, 1, 1, c.z_dim), module.dtype)  # two frames: upsample3d's time conv
     return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), z)["params"])
 
 
-def convert_decoder(state: dict[str, np.ndarray], config: dict | WanVAEConfig) -> dict:
-    """diffusers `AutoencoderKLWan` weights -> the decoder's Flax params (numpy, their
-    dtype). Encoder and `quant_conv` keys are ignored; a missing, extra or mis-shaped decoder
-    weight is a ParamTreeMismatch naming it."""
+def convert_decoder(state: dict[str, np.ndarray], config: dict | CausalVAEConfig) -> dict:
+    """diffusers `AutoencoderKLWan` or `AutoencoderKLQwenImage` weights -> the decoder's Flax
+    params (numpy, their dtype). Encoder and `quant_conv` keys are ignored; a missing, extra
+    or mis-shaped decoder weight is a ParamTreeMismatch naming it."""
     module = decoder_module(config)
     decoder_state = {}
     for key, value in state.items():
@@ -357,15 +364,15 @@ def convert_decoder(state: dict[str, np.ndarray], config: dict | WanVAEConfig) -
 
 
 def load_decoder(folder: Path, dtype, hint: str):
-    """`(module, params, WanVAEConfig)` of a diffusers `vae/` folder, without torch; one
+    """`(module, params, CausalVAEConfig)` of a diffusers `vae/` folder, without torch; one
     sentence (ModelLoadError ending in `hint`) for a folder that does not fit."""
     folder = Path(folder)
     where = folder / "config.json"
     raw = files.read_json(where, hint)
-    if raw.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
+    if raw.get("_class_name", CLASS_NAMES[0]) not in CLASS_NAMES:
         raise ModelLoadError(
-            f"{where} describes {raw['_class_name']}, not the AutoencoderKLWan of a Wan VAE; "
-            f"{hint}."
+            f"{where} describes {raw['_class_name']}, not a causal video VAE "
+            f"({' or '.join(CLASS_NAMES)}); {hint}."
         )
     config = vae_config(raw, where)
     state = files.read_weights(folder, "diffusion_pytorch_model", hint)
@@ -375,7 +382,7 @@ def load_decoder(folder: Path, dtype, hint: str):
     return module, cast_floats(params, dtype), config
 
 
-def decode_chunks(module: WanVAEDecoder, params, z):
+def decode_chunks(module: CausalVAEDecoder, params, z):
     """The decoder on z [B, F, h, w, z_dim] one latent frame at a time, as diffusers decodes:
     the first frame alone, then a scan over the others carrying every causal conv's last
     frames (the `cache` collection). The same numbers as one call on all F frames, with the
@@ -396,8 +403,8 @@ def decode_chunks(module: WanVAEDecoder, params, z):
 
 
 def decode_fn(
-    module: WanVAEDecoder,
-    config: dict | WanVAEConfig,
+    module: CausalVAEDecoder,
+    config: dict | CausalVAEConfig,
     dtype,
     batch_size: int = 1,
     chunked: bool = True,
@@ -407,7 +414,7 @@ def decode_fn(
     one latent frame at a time (`decode_chunks`) or, without `chunked`, all frames at once
     (fewer, larger programs; activation memory grows with the frames: for Wan2.1's 81 frames
     at 480x832 in bfloat16, XLA's CPU plan holds 5 GiB of temporaries chunked, 64 GiB not)."""
-    c = config if isinstance(config, WanVAEConfig) else vae_config(config)
+    c = config if isinstance(config, CausalVAEConfig) else vae_config(config)
     mean = jnp.asarray(c.latents_mean, jnp.float32)
     inv_std = 1.0 / jnp.asarray(c.latents_std, jnp.float32)  # as the pipeline writes it
 
@@ -421,7 +428,8 @@ def decode_fn(
     def decode(params, latents):
         if latents.ndim != 5 or latents.shape[-1] != c.z_dim:
             raise ValueError(
-                f"Wan latents are [B, F, h, w, {c.z_dim}], channels last; got {latents.shape}."
+                f"the VAE's latents are [B, F, h, w, {c.z_dim}], channels last; got "
+                f"{latents.shape}."
             )
         z = latents.astype(jnp.float32) / inv_std + mean
         videos = jax.lax.map(lambda zi: decode_one(params, zi), z, batch_size=batch_size)
