@@ -32,7 +32,7 @@ def maybe_initialize_distributed() -> None:
     GPU hosts: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see
     launch/multihost_gpu.sh). TPU VM pods describe themselves.
     """
-    if jax.distributed.is_initialized():
+    if jax.distributed.is_initialized() or not describes_a_job():
         return
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize(
@@ -40,8 +40,15 @@ def maybe_initialize_distributed() -> None:
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") not in ("", "localhost"):
+    else:  # a TPU pod describes itself
         jax.distributed.initialize()
+
+
+def describes_a_job() -> bool:
+    """Whether the environment describes a multi-host job for `maybe_initialize_distributed`
+    to join: then nothing may start JAX's backend (`jax.devices()`) before it does."""
+    tpu_hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "localhost")
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or tpu_hosts not in ("", "localhost")
 
 
 def mesh_shape(data: int, fsdp: int, num_devices: int | None = None) -> tuple[int, int]:

@@ -232,3 +232,20 @@ def test_the_store_lives_beside_the_compilation_cache(tmp_path):
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def test_a_process_of_a_multi_host_job_loads_nothing_before_it_joins(tmp_path, monkeypatch):
+    """Reading the store's key starts JAX's backend (`jax.devices()`), which a process of a
+    job must not do before `jax.distributed.initialize`: it waits for the run's build."""
+    (tmp_path / program_store.FOLDER).mkdir()
+    monkeypatch.setattr(program_store, "folder", lambda: tmp_path / program_store.FOLDER)
+    touched = []
+    monkeypatch.setattr(program_store, "file_key", lambda config: touched.append(config))
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    program_store.start_early("a config")
+    assert touched == []
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")  # one host: not a job
+    with pytest.raises(AttributeError):  # got past the guard, to the config's mesh
+        program_store.start_early("a config")
+    assert touched == ["a config"]

@@ -402,6 +402,8 @@ def start_early(config) -> None:
     `precompile` takes them (`early_programs`) if they turn out to be its own."""
     from tree_grpo_jax import sharding
 
+    if sharding.describes_a_job():  # several processes store nothing; and it would start
+        return  # JAX's backend before the run joins its job
     directory = folder()
     if directory is None or not directory.is_dir():
         return
