@@ -1,15 +1,25 @@
 """Z-Image end to end on a tiny random folder built with PyTorch (tests/zimage_fixtures.py):
-the folder is a ZImagePipeline diffusers loads and samples from."""
+the folder is a ZImagePipeline diffusers loads and samples from; the prompt encoding against
+ZImagePipeline.encode_prompt, the schedule against its scheduler, the deterministic sampler
+against ZImagePipeline from the same noise (guidance_scale 0: no classifier-free guidance, as
+the distilled Z-Image-Turbo samples and as our denoiser predicts), the VAE decode."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tree_grpo_jax.core import rollout
+from tree_grpo_jax.models.base import Sampling
+
 torch = pytest.importorskip("torch")
-from zimage_fixtures import RESOLUTION  # noqa: E402
+from zimage_fixtures import RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
+
+from tree_grpo_jax.models.zimage.load import ZImageScheduleConfig, load_zimage  # noqa: E402
 
 LONG = " ".join(["a photo of a cat"] * 4)  # past the tests' 40 text tokens
 PROMPTS = ["a photo of a cat", "two dogs", LONG]
 TEXT_TOKENS = 40
+LATENT = RESOLUTION // 2  # the tiny VAE's two levels: 2 pixels per latent
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +29,18 @@ def pipe(zimage_folder):
     return ZImagePipeline.from_pretrained(str(zimage_folder), torch_dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def model(zimage_folder):
+    return load_zimage(str(zimage_folder), text_max_length=TEXT_TOKENS, resolution=RESOLUTION)
+
+
 def test_the_tiny_folder_is_a_pipeline_diffusers_samples(pipe):
     import transformers
 
     assert isinstance(pipe.text_encoder, transformers.Qwen3Model)
     with torch.no_grad():
         images = pipe(
-            PROMPTS[:2],
+            list(PROMPTS[:2]),
             height=RESOLUTION,
             width=RESOLUTION,
             num_inference_steps=2,
@@ -36,3 +51,79 @@ def test_the_tiny_folder_is_a_pipeline_diffusers_samples(pipe):
         ).images
     assert images.shape == (2, RESOLUTION, RESOLUTION, 3) and np.isfinite(images).all()
     assert np.abs(images[0] - images[1]).max() > 1e-3  # the prompts condition the image
+
+
+def test_text_equals_encode_prompt(model, pipe):
+    with torch.no_grad():
+        # (a copy: the pipeline writes the templated prompts into the list it is given)
+        theirs, negative = pipe.encode_prompt(
+            list(PROMPTS), do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS
+        )
+    assert negative == []
+    ours = model.text_encoders.encode(PROMPTS)
+    assert [o.shape for o in ours] == [tuple(t.shape) for t in theirs]
+    assert ours[2].shape == (TEXT_TOKENS, TEXT_WIDTH) and ours[0].shape[0] < TEXT_TOKENS
+    for ours_i, theirs_i in zip(ours, theirs):
+        np.testing.assert_allclose(ours_i, theirs_i.numpy(), rtol=1e-5, atol=1e-5)
+    diff = max(np.abs(o - t.numpy()).max() for o, t in zip(ours, theirs))
+    print(f"prompt embeddings max abs difference {diff:.2e}")
+    # The conditioning: the states at the front, zeros after, the mask as one last feature.
+    cond = np.asarray(model.encode_prompts(PROMPTS))
+    assert cond.shape == (3, TEXT_TOKENS, TEXT_WIDTH + 1)
+    tokens = len(ours[0])
+    np.testing.assert_array_equal(cond[0, :tokens, :-1], ours[0])
+    assert (cond[0, :tokens, -1] == 1).all() and not cond[0, tokens:].any()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_schedule_equals_the_pipeline_scheduler(dynamic):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.z_image.pipeline_z_image import (
+        calculate_shift,
+        get_default_z_image_sigmas,
+    )
+
+    config = {**SCHEDULER, "use_dynamic_shifting": dynamic}
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    tokens, steps = 2025, 8
+    mu = calculate_shift(tokens)  # the pipeline's default shift range, as the folder's
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(steps), mu=mu)
+    ours = ZImageScheduleConfig(image_seq_len=tokens, **config).make_schedule(steps, Sampling())
+    np.testing.assert_allclose(np.asarray(ours.sigmas), scheduler.sigmas.numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ours.timesteps), scheduler.timesteps.numpy(), atol=1e-3)
+
+
+def test_deterministic_sampler_equals_the_pipeline(model, pipe):
+    noise = np.random.default_rng(0).standard_normal((3, *model.sample_shape)).astype("f4")
+    assert model.sample_shape == (16, LATENT, LATENT)
+    with torch.no_grad():
+        expected = pipe(
+            list(PROMPTS),
+            height=RESOLUTION,
+            width=RESOLUTION,
+            num_inference_steps=4,
+            guidance_scale=0.0,
+            latents=torch.from_numpy(noise),
+            output_type="latent",
+            max_sequence_length=TEXT_TOKENS,
+        ).images.numpy()
+    schedule = model.make_schedule(4, Sampling())
+    got = rollout.sample_deterministic(
+        model.denoise, model.params, model.encode_prompts(PROMPTS), jnp.asarray(noise), schedule
+    )
+    diff = np.abs(np.asarray(got) - expected).max()
+    print(f"sampler max abs difference {diff:.2e}, latents up to {np.abs(expected).max():.2f}")
+    assert diff <= 1e-5 * max(1.0, np.abs(expected).max()), diff
+    assert np.abs(expected - noise).max() > 0.1  # the steps moved the latents
+
+
+def test_decode_equals_the_vae(model, pipe):
+    latents = np.random.default_rng(1).standard_normal((2, *model.sample_shape)).astype("f4")
+    vae = pipe.vae
+    assert (vae.config.scaling_factor, vae.config.shift_factor) == (0.3611, 0.1159)
+    with torch.no_grad():
+        z = torch.from_numpy(latents) / vae.config.scaling_factor + vae.config.shift_factor
+        expected = (vae.decode(z).sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    got = np.asarray(model.decode(jnp.asarray(latents)))
+    assert got.shape == expected.shape == (2, RESOLUTION, RESOLUTION, 3)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
