@@ -2,8 +2,15 @@
 the folder is a ZImagePipeline diffusers loads and samples from; the prompt encoding against
 ZImagePipeline.encode_prompt, the schedule against its scheduler, the deterministic sampler
 against ZImagePipeline from the same noise (guidance_scale 0: no classifier-free guidance, as
-the distilled Z-Image-Turbo samples and as our denoiser predicts), the VAE decode."""
+the distilled Z-Image-Turbo samples and as our denoiser predicts), the VAE decode, a TreeGRPO
+training iteration (configs/zimage_treegrpo.py) and its export loaded back by PyTorch."""
 
+import json
+import os
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +23,7 @@ from zimage_fixtures import RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
 from tree_grpo_jax.models.zimage.load import ZImageScheduleConfig, load_zimage  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = " ".join(["a photo of a cat"] * 4)  # past the tests' 40 text tokens
 PROMPTS = ["a photo of a cat", "two dogs", LONG]
 TEXT_TOKENS = 40
@@ -127,3 +135,95 @@ def test_decode_equals_the_vae(model, pipe):
     got = np.asarray(model.decode(jnp.asarray(latents)))
     assert got.shape == expected.shape == (2, RESOLUTION, RESOLUTION, 3)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def _pytorch_velocity(pt_transformer, x, embeds, sigma):
+    """The flow velocity of diffusers' transformer as ZImagePipeline calls it."""
+    latents = torch.from_numpy(x).unsqueeze(2)
+    captions = [torch.from_numpy(e) for e in embeds]
+    timestep = torch.from_numpy(1.0 - sigma)
+    with torch.no_grad():
+        out = pt_transformer(list(latents.unbind(0)), timestep, captions, return_dict=False)[0]
+    return -torch.stack(out).squeeze(2).numpy()
+
+
+def _our_velocity(model, params, x, embeds, sigma):
+    from tree_grpo_jax.models.zimage import text
+
+    cond = text.pack_embeddings(embeds, TEXT_TOKENS)
+    out = jax.jit(model.denoise)(
+        params, jnp.asarray(x), jnp.asarray(sigma) * 1000.0, jnp.asarray(cond)
+    )
+    return np.asarray(out)
+
+
+def test_a_treegrpo_iteration_and_the_export_pytorch_loads(zimage_folder, model, tmp_path):
+    """The family's one fast end-to-end run: TreeGRPO trains one iteration on the tiny
+    folder without torch, the export loads in PyTorch and computes what the trained params
+    compute."""
+    from diffusers import ZImageTransformer2DModel
+
+    from tree_grpo_jax.cli import export
+    from tree_grpo_jax.models import registry
+    from tree_grpo_jax.run.checkpoint import Checkpointer
+
+    assert registry.family_of_folder(str(zimage_folder)).name == "zimage"
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    overrides = [
+        "--config.model.name=zimage",
+        f"--config.model.path={zimage_folder}",
+        f"--workdir={workdir}",
+        "--config.model.compute_dtype=float32",
+        "--config.model.remat=False",
+        f"--config.model.zimage.resolution={RESOLUTION}",
+        "--config.model.zimage.text_max_length=40",
+        "--config.rewards=jpeg_compressibility",
+        "--config.prompts.batch_size=1",
+        "--config.prompts.eval_count=1",
+        "--config.sampling.num_steps=3",
+        "--config.tree.window=1",
+        "--config.train.iterations=1",
+        "--config.train.rows_per_minibatch=2",
+        "--config.train.grad_accumulation=1",
+        "--config.train.learning_rate=1e-3",
+        "--config.eval.every=0",
+        "--config.checkpoint.every=1",
+        "--config.log.tensorboard=False",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # torch is a test-only dependency: loading, training and evaluating never import it.
+    no_torch = (
+        "import runpy, sys; sys.modules['torch'] = None; "
+        "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", no_torch, "--config=configs/zimage_treegrpo.py", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prompts encoded ahead; text encoder released" in run.stdout + run.stderr
+    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/loss" in m and np.isfinite(m["train/loss"]) for m in metrics)
+
+    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 0
+    trained = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
+    changed = jax.tree_util.tree_map(
+        lambda a, b: float(jnp.abs(a - b).max()), trained, model.params
+    )
+    assert max(jax.tree_util.tree_leaves(changed)) > 0  # the iteration moved the weights
+
+    pt = ZImageTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
+    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (5, 37)]
+    sigma = np.array([0.9, 0.25], "f4")
+    expected = _pytorch_velocity(pt, x, embeds, sigma)
+    got = _our_velocity(model, trained, x, embeds, sigma)
+    diff = np.abs(got - expected).max()
+    moved = np.abs(got - _our_velocity(model, model.params, x, embeds, sigma)).max()
+    print(f"exported velocity max abs difference {diff:.2e} (up to {np.abs(expected).max():.2f}; "
+          f"the iteration moved it by {moved:.2e})")  # fmt: skip
+    # 1e-5 of the scale, as test_zimage_transformer.py measures the float32 model (its
+    # timestep sinusoid one ulp off PyTorch's), with room for the trained weights.
+    assert diff <= 3e-5 * max(1.0, np.abs(expected).max()) and moved > 100 * diff
+    assert (out / "text_encoder").is_dir() and (out / "model_index.json").is_file()

@@ -33,15 +33,13 @@ import jax.numpy as jnp
 
 from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.models.zimage import text, transformer
+from tree_grpo_jax.models.zimage import family, text, transformer
 from tree_grpo_jax.weights import files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so the text encoder can be released
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_RESOLUTION = 1024  # the pipeline's default height and width
-# `model.zimage`'s settings and their defaults.
-OPTIONS = {"text_max_length": 512, "resolution": 0, "shift": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +49,7 @@ class ZImageScheduleConfig(components.ShiftedFlowScheduleConfig):
 
 
 # What `load_zimage` takes as keywords: `model.zimage`'s fields and the shared run-time ones.
-load_options = functools.partial(components.LoadOptions.of, OPTIONS)
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
