@@ -21,6 +21,7 @@ from tree_grpo_jax.models.base import Sampling
 torch = pytest.importorskip("torch")
 from zimage_fixtures import RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
+from tree_grpo_jax.models.zimage import transformer  # noqa: E402
 from tree_grpo_jax.models.zimage.load import ZImageScheduleConfig, load_zimage  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -227,3 +228,60 @@ def test_a_treegrpo_iteration_and_the_export_pytorch_loads(zimage_folder, model,
     # timestep sinusoid one ulp off PyTorch's), with room for the trained weights.
     assert diff <= 3e-5 * max(1.0, np.abs(expected).max()) and moved > 100 * diff
     assert (out / "text_encoder").is_dir() and (out / "model_index.json").is_file()
+
+
+def test_lora_export_loads_into_the_pipeline(model, pipe, tmp_path):
+    from tree_grpo_jax import lora
+    from tree_grpo_jax.models import registry
+
+    family = registry.family_of("zimage")
+    paths = lora.target_paths(model.params, family.lora_targets)
+    modules = {"/".join(str(k) for k in p[:-1]) for p in paths}
+    assert any("noise_refiner" in m for m in modules) and any(
+        "context_refiner" in m for m in modules
+    )
+    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
+    # B starts at zero (PEFT's init); give it values so the adapter changes the output.
+    factors = jax.tree_util.tree_map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
+    )
+    assert family.export.list_names == transformer.MODULE_LISTS
+    out = lora.export_lora(
+        factors,
+        family.export.component,
+        2,
+        4.0,
+        tmp_path / "lora",
+        list_names=transformer.MODULE_LISTS,
+    )
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
+    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (9, 21)]
+    sigma = np.array([0.7, 0.4], "f4")
+    pipe.load_lora_weights(str(out))
+    try:
+        expected = _pytorch_velocity(pipe.transformer, x, embeds, sigma)
+    finally:
+        pipe.unload_lora_weights()
+    got = _our_velocity(model, lora.merge(model.params, factors, 4.0, 2), x, embeds, sigma)
+    base = _our_velocity(model, model.params, x, embeds, sigma)
+    diff = np.abs(got - expected).max()
+    print(f"LoRA velocity max abs difference {diff:.2e}, moved {np.abs(expected - base).max():.2e}")
+    assert np.abs(expected - base).max() > 1e-2  # the adapter is not a no-op
+    assert diff <= 3e-5 * max(1.0, np.abs(expected).max())
+
+
+def test_the_plan_shapes_are_the_loaded_models(zimage_folder, model):
+    from tree_grpo_jax.models import registry
+    from tree_grpo_jax.models.zimage.abstract import abstract_zimage
+
+    assert registry.family_of_folder(str(zimage_folder)).name == "zimage"
+    assert not registry.family_of("flux").recognizes(zimage_folder)
+    planned = abstract_zimage(
+        str(zimage_folder), text_max_length=TEXT_TOKENS, resolution=RESOLUTION
+    )
+    assert planned.sample_shape == model.sample_shape
+    assert planned.cond_shape == model.encode_prompts(["a cat"]).shape[1:]
+    shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), planned.params)
+    assert shapes == jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), model.params)
+    assert planned.schedule_config == model.schedule_config

@@ -7,6 +7,19 @@ from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 TRANSFORMER_CLASS = "ZImageTransformer2DModel"
+# The transformer's module lists (`transformer.MODULE_LISTS`), named here so that finding
+# the family imports no model code: a LoRA's keys spell `layers_3` as `layers.3`.
+MODULE_LISTS = frozenset(
+    {
+        "noise_refiner",
+        "context_refiner",
+        "layers",
+        "to_out",
+        "adaLN_modulation",
+        "mlp",
+        "cap_embedder",
+    }
+)
 TEXT_MAX_LENGTH = 512  # ZImagePipeline's max_sequence_length
 
 
@@ -46,6 +59,7 @@ FAMILY = registry.register(
         # (`attention.to_q`, `to_k`, `to_v`, `to_out.0`), matched as path endings.
         lora_targets=("to_q", "to_k", "to_v", "to_out_0"),
         recognizes=recognizes,
+        list_names=MODULE_LISTS,
         sample_settings=("resolution",),  # what a "does not fit" sentence names beside the tree
     )
 )
