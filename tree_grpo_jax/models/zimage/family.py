@@ -7,8 +7,8 @@ from tree_grpo_jax.core.settings import Setting, defaults_of
 from tree_grpo_jax.models import registry
 
 TRANSFORMER_CLASS = "ZImageTransformer2DModel"
-# The transformer's module lists (`transformer.MODULE_LISTS`), named here so that finding
-# the family imports no model code: a LoRA's keys spell `layers_3` as `layers.3`.
+# The transformer's module lists (Flax `layers_3` is PyTorch `layers.3`), here so that
+# finding the family imports no model code; `transformer.MODULE_LISTS` is this set.
 MODULE_LISTS = frozenset(
     {
         "noise_refiner",
