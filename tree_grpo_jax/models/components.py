@@ -2,7 +2,8 @@
 (SD3's or FLUX's `transformer/`) read from and exported to a pipeline folder (the class-name
 check, the module built from its `config.json`, its PyTorch safetensors converted to Flax
 params in numpy, the `models.export.Denoiser` that writes it back), the loaded model's
-record and the flow-matching scheduler's check.
+record, the flow-matching scheduler's check and the shifted schedule FLUX.1 and Z-Image
+set it up with (`ShiftedFlowScheduleConfig`).
 
 A family declares one `Component` with its own names; the reading, checking and writing is
 here once.
