@@ -89,6 +89,14 @@ def flux_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zimage_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from zimage_fixtures import make_tiny_zimage_folder
+
+    return _written_once(tmp_path_factory, "tiny_zimage", make_tiny_zimage_folder)
+
+
+@pytest.fixture(scope="session")
 def sd_model(sd_folder):
     from tree_grpo_jax.models.sd15.load import load_sd
 

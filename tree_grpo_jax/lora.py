@@ -365,14 +365,17 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
-def to_peft_state_dict(lora, alpha: float, rank: int, prefix: str) -> dict[str, np.ndarray]:
+def to_peft_state_dict(
+    lora, alpha: float, rank: int, prefix: str, list_names: frozenset | None = None
+) -> dict[str, np.ndarray]:
     """The factors as PEFT names them in diffusers' LoRA files, float32, PyTorch layout.
 
     Keys are `<prefix>.<module>.lora_A.weight` [rank, in] and `.lora_B.weight` [out, rank],
     the module in diffusers' PyTorch spelling (`down_blocks.0....to_out.0`); `prefix` is
     "unet" for SD1.5 and "transformer" for SD3. The tensors are the factors unscaled:
     alpha is not in them but in the metadata `save_peft` writes (diffusers reads it there),
-    so `alpha` and `rank` are only checked here.
+    so `alpha` and `rank` are only checked here. `list_names`: the model's module lists
+    (Flax `name_N` is PyTorch `name.N`), the family export's (None: diffusers' usual ones).
     """
     _check_alpha(alpha)
     rank = _check_rank(rank)
@@ -385,7 +388,8 @@ def to_peft_state_dict(lora, alpha: float, rank: int, prefix: str) -> dict[str, 
         flat[module + ("lora_A", "kernel")] = np.asarray(a, np.float32)
         flat[module + ("lora_B", "kernel")] = np.asarray(b, np.float32)
     # A kernel [in, out] becomes weight [out, in]: a -> lora_A [rank, in], b -> lora_B [out, rank].
-    state = convert.flax_to_pytorch(unflatten_dict(flat))
+    names = convert.DIFFUSERS_LIST_NAMES if list_names is None else list_names
+    state = convert.flax_to_pytorch(unflatten_dict(flat), list_names=names)
     return {f"{prefix}.{key}": value for key, value in state.items()}
 
 
@@ -545,13 +549,17 @@ def export_lora(
     overwrite=False,
     sources=(),
     card: str | None = None,
+    list_names: frozenset | None = None,
 ) -> Path:
     """`<out>/pytorch_lora_weights.safetensors` from LoRA factors, in the key format
     diffusers' `load_lora_weights` reads (`prefix`: the family's, e.g. "unet"), with `card`
-    (a model card) as `<out>/README.md`; written to a staging folder and moved into place."""
+    (a model card) as `<out>/README.md`; written to a staging folder and moved into place.
+    `list_names`: the model's module lists (the family export's)."""
     out = Path(out_dir).expanduser()
     check_out_dir(None, out, overwrite, sources)
-    state = to_peft_state_dict(jax.device_get(unwrap_params(factors)), alpha, rank, prefix)
+    state = to_peft_state_dict(
+        jax.device_get(unwrap_params(factors)), alpha, rank, prefix, list_names
+    )
 
     def fill(staging: Path) -> None:
         weights = save_peft(staging / LORA_FILE, state, alpha, rank)

@@ -26,6 +26,7 @@ from tree_grpo_jax.weights.convert import ParamTreeMismatch
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from sd_fixtures import perturb  # noqa: E402
+from zimage_fixtures import byte_tokenizer  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 VOCAB = 260  # room for the prompt tests' 256 byte tokens, <|endoftext|> and the chat markers
@@ -37,15 +38,6 @@ SHARED = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
-)
-# Chat markers, and a chat template in the shape of Qwen3's (one turn per message, then the
-# assistant header; empty thinking only when thinking is disabled).
-SPECIAL = ("<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    r"{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-    r"'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    r"{% if enable_thinking is defined and enable_thinking is false %}"
-    r"{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
 )
 PROMPTS = ["a red cat", "two dogs on a beach at sunset, film grain"]
 
@@ -258,23 +250,9 @@ def test_unsupported_configs_are_one_sentence():
 # The pipelines' prompts.
 
 
-def _byte_characters() -> list[str]:
-    """The 256 characters byte-level BPE writes the bytes as (printable bytes as themselves,
-    the others shifted past 255)."""
-    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    shifted = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
-
-
 @functools.cache
 def tokenizer(padding_side: str = "right"):
-    from tokenizers import AddedToken
-
-    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(_byte_characters())}}
-    tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=[])
-    tok.add_tokens([AddedToken(t, special=True) for t in SPECIAL])
-    tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = padding_side
+    tok = byte_tokenizer(padding_side)
     assert len(tok) == 259 <= VOCAB
     return tok
 

@@ -484,6 +484,7 @@ def main(argv=None) -> int:
                 args.overwrite,
                 sources=[source.path],
                 card=card,
+                list_names=family.export.list_names,
             )
             _done(out)
             print(f"{_said(source, out)} (load it with pipe.load_lora_weights)")

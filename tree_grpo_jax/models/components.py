@@ -2,7 +2,8 @@
 (SD3's or FLUX's `transformer/`) read from and exported to a pipeline folder (the class-name
 check, the module built from its `config.json`, its PyTorch safetensors converted to Flax
 params in numpy, the `models.export.Denoiser` that writes it back), the loaded model's
-record and the flow-matching scheduler's check.
+record, the flow-matching scheduler's check and the shifted schedule FLUX.1 and Z-Image
+set it up with (`ShiftedFlowScheduleConfig`).
 
 A family declares one `Component` with its own names; the reading, checking and writing is
 here once.
@@ -11,16 +12,23 @@ here once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models import export
-from tree_grpo_jax.models.base import ModelLoadError, TextToImageModel, cast_floats
+from tree_grpo_jax.models.base import (
+    FlowSigmasScheduleConfig,
+    ModelLoadError,
+    TextToImageModel,
+    cast_floats,
+)
 from tree_grpo_jax.weights import convert, files, stacking
 
 # What a hub download of a diffusers pipeline needs: configs, tokenizers, safetensors.
@@ -113,6 +121,60 @@ def abstract_model(configs, transformer, dtype, options: LoadOptions, **fields):
         remat=options.remat,
         **fields,
     )
+
+
+# The shifted schedule's scheduler options, with the one value its sigmas assume.
+SHIFTED_SCHEDULER_FIXED = {**FLOW_SCHEDULER_FIXED, "time_shift_type": "exponential"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShiftedFlowScheduleConfig(FlowSigmasScheduleConfig):
+    """diffusers' FlowMatchEulerDiscreteScheduler as FluxPipeline and ZImagePipeline set it
+    up: N sigmas `linspace(1, 1/N, N)`, then 0. With `use_dynamic_shifting` they are shifted
+    by `exp(mu) / (exp(mu) + 1/sigma - 1)`, mu growing linearly with the image's token count
+    from `base_shift` at `base_image_seq_len` to `max_shift` at `max_image_seq_len`; without
+    it by the folder's static `shift`. `static_shift > 0` replaces both with
+    `s * sigma / (1 + (s - 1) * sigma)` (the released GRPO codes' shift 3). The SDE comes from
+    the sampling options."""
+
+    image_seq_len: int  # the image's 2x2-patch tokens: (h / 2) * (w / 2)
+    use_dynamic_shifting: bool = True
+    shift: float = 3.0
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    num_train_timesteps: int = 1000
+    static_shift: float = 0.0  # > 0: this shift, whatever the folder says
+
+    @property
+    def mu(self) -> float:
+        slope = (self.max_shift - self.base_shift) / (
+            self.max_image_seq_len - self.base_image_seq_len
+        )
+        return self.image_seq_len * slope + self.base_shift - slope * self.base_image_seq_len
+
+    def sigmas(self, num_steps: int) -> np.ndarray:
+        # The scheduler takes the pipeline's linspace as float32, then shifts it.
+        base = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32).astype(np.float64)
+        if self.static_shift > 0 or not self.use_dynamic_shifting:
+            s = self.static_shift if self.static_shift > 0 else self.shift
+            shifted = s * base / (1.0 + (s - 1.0) * base)
+        else:
+            shifted = math.exp(self.mu) / (math.exp(self.mu) + (1.0 / base - 1.0))
+        return np.append(shifted, 0.0)
+
+
+def shifted_flow_schedule(
+    cls, config: dict, where: Path, family: str, image_seq_len: int, static_shift: float = 0.0
+):
+    """The `cls` (a `ShiftedFlowScheduleConfig`) of a `scheduler_config.json`, checked."""
+    check_flow_scheduler(config, where, family, SHIFTED_SCHEDULER_FIXED)
+    fields = {f.name for f in dataclasses.fields(cls)} - {"image_seq_len", "static_shift"}
+    values = {k: config[k] for k in fields if config.get(k) is not None}
+    if values.get("max_image_seq_len", 4096) == values.get("base_image_seq_len", 256):
+        raise ModelLoadError(f"{where} has max_image_seq_len equal to base_image_seq_len.")
+    return cls(image_seq_len=image_seq_len, static_shift=static_shift, **values)
 
 
 def check_flow_scheduler(config: dict, where: Path, family: str, fixed: Mapping) -> None:

@@ -59,6 +59,9 @@ class FamilyExport:
     base_denoiser: Callable[[str], tuple[Path, Any]]
     # base folder -> its denoiser's weights in float32 (a LoRA export with --merge adds to them)
     base_params: Callable[[str], dict]
+    # the denoiser's module lists (Flax `name_N` is PyTorch `name.N`) for its LoRA keys;
+    # None: diffusers' usual ones (`weights.convert.DIFFUSERS_LIST_NAMES`)
+    list_names: frozenset | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +142,18 @@ def path_loader(
     return load
 
 
-def pipeline_family(name: str, options: Callable[[], Any], **fields) -> ModelFamily:
+def pipeline_family(
+    name: str,
+    options: Callable[[], Any],
+    list_names: frozenset | None = None,
+    **fields,
+) -> ModelFamily:
     """The record of a family whose sub-package `models/<name>/` loads one diffusers pipeline
     folder (`model.path`) around a transformer: `load.load_<name>` and
     `abstract.abstract_<name>` take every field of `model.<name>` (`options()`) and the
     run-time ones, `export` exports into its `transformer/`; `fields` are the rest of the
-    record (`path_hint`, `check_options`, `lora_targets`, ...)."""
+    record (`path_hint`, `check_options`, `lora_targets`, ...); `list_names` are the
+    transformer's module lists, for its LoRA keys."""
     package = f"tree_grpo_jax.models.{name}"
     taken = tuple(options())
     return ModelFamily(
@@ -153,15 +162,19 @@ def pipeline_family(name: str, options: Callable[[], Any], **fields) -> ModelFam
         load=path_loader(f"{package}.load:load_{name}", taken, remat=True),
         needs_path=True,
         options=options,
-        export=deferred_export("transformer", f"{package}.export"),
+        export=deferred_export("transformer", f"{package}.export", list_names),
         abstract=path_loader(f"{package}.abstract:abstract_{name}", taken, remat=True),
         **fields,
     )
 
 
-def deferred_export(component: str, module: str) -> FamilyExport:
+def deferred_export(
+    component: str, module: str, list_names: frozenset | None = None
+) -> FamilyExport:
     """The `FamilyExport` of a module with `base_denoiser` and `base_params` functions."""
-    return FamilyExport(component, lazy(f"{module}:base_denoiser"), lazy(f"{module}:base_params"))
+    return FamilyExport(
+        component, lazy(f"{module}:base_denoiser"), lazy(f"{module}:base_params"), list_names
+    )
 
 
 def component_class_is(

@@ -24,17 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
 from tree_grpo_jax.models import autoencoder, components, patches, text_encoders
-from tree_grpo_jax.models.base import (
-    FlowSigmasScheduleConfig,
-    ModelLoadError,
-)
+from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.flux import family, text, transformer
 from tree_grpo_jax.weights import files
 
@@ -42,45 +37,12 @@ MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
-_SCHEDULER_FIXED = {**components.FLOW_SCHEDULER_FIXED, "time_shift_type": "exponential"}
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxScheduleConfig(FlowSigmasScheduleConfig):
-    """diffusers' FlowMatchEulerDiscreteScheduler as FluxPipeline sets it up: N sigmas
-    `linspace(1, 1/N, N)`, then 0. With `use_dynamic_shifting` (FLUX.1-dev) they are shifted
-    by `exp(mu) / (exp(mu) + 1/sigma - 1)`, mu growing linearly with the image's token count
-    from `base_shift` at `base_image_seq_len` to `max_shift` at `max_image_seq_len`; without
-    it (schnell) by the folder's static `shift`. `static_shift > 0` replaces both with
-    `s * sigma / (1 + (s - 1) * sigma)` (the released GRPO codes' shift 3). The SDE comes from
-    the sampling options."""
-
-    image_seq_len: int  # the packed latent's tokens: (h / 2) * (w / 2)
-    use_dynamic_shifting: bool = True
-    shift: float = 3.0
-    base_image_seq_len: int = 256
-    max_image_seq_len: int = 4096
-    base_shift: float = 0.5
-    max_shift: float = 1.15
-    num_train_timesteps: int = 1000
-    static_shift: float = 0.0  # > 0: this shift, whatever the folder says
-
-    @property
-    def mu(self) -> float:
-        slope = (self.max_shift - self.base_shift) / (
-            self.max_image_seq_len - self.base_image_seq_len
-        )
-        return self.image_seq_len * slope + self.base_shift - slope * self.base_image_seq_len
-
-    def sigmas(self, num_steps: int) -> np.ndarray:
-        # The scheduler takes the pipeline's float64 linspace as float32, then shifts it.
-        base = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32).astype(np.float64)
-        if self.static_shift > 0 or not self.use_dynamic_shifting:
-            s = self.static_shift if self.static_shift > 0 else self.shift
-            shifted = s * base / (1.0 + (s - 1.0) * base)
-        else:
-            shifted = math.exp(self.mu) / (math.exp(self.mu) + (1.0 / base - 1.0))
-        return np.append(shifted, 0.0)
+class FluxScheduleConfig(components.ShiftedFlowScheduleConfig):
+    """FlowMatchEulerDiscreteScheduler as FluxPipeline sets it up (`components`'s shifted
+    flow schedule, FLUX.1-dev's dynamic shifting by default)."""
 
 
 # What `load_flux` and `abstract.abstract_flux` take as keywords: `model.flux`'s fields
@@ -99,15 +61,9 @@ def schedule_config(
     config: dict, where: Path, image_seq_len: int, static_shift: float = 0.0
 ) -> FluxScheduleConfig:
     """The schedule of a `scheduler/scheduler_config.json`, checked."""
-    components.check_flow_scheduler(config, where, "FLUX.1", _SCHEDULER_FIXED)
-    fields = {f.name for f in dataclasses.fields(FluxScheduleConfig)} - {
-        "image_seq_len",
-        "static_shift",
-    }
-    values = {k: config[k] for k in fields if config.get(k) is not None}
-    if values.get("max_image_seq_len", 4096) == values.get("base_image_seq_len", 256):
-        raise ModelLoadError(f"{where} has max_image_seq_len equal to base_image_seq_len.")
-    return FluxScheduleConfig(image_seq_len=image_seq_len, static_shift=static_shift, **values)
+    return components.shifted_flow_schedule(
+        FluxScheduleConfig, config, where, "FLUX.1", image_seq_len, static_shift
+    )
 
 
 TRANSFORMER = components.Component(

@@ -59,6 +59,7 @@ from tree_grpo_jax.models.dit_layers import (
     run_stack,
     timestep_features,
 )
+from tree_grpo_jax.models.zimage import family
 
 ADALN_WIDTH = 256  # the timestep embedding's width is min(dim, 256)
 TIMESTEP_HIDDEN = 1024  # `t_embedder`'s hidden width
@@ -68,17 +69,7 @@ FINAL_NORM_EPS = 1e-6
 ID_AXES = 3  # (sequence, row, column)
 TRAIN_TIMESTEPS = 1000.0  # the scheduler's timesteps are sigma * 1000
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
-MODULE_LISTS = frozenset(
-    {
-        "noise_refiner",
-        "context_refiner",
-        "layers",
-        "to_out",
-        "adaLN_modulation",
-        "mlp",
-        "cap_embedder",
-    }
-)
+MODULE_LISTS = family.MODULE_LISTS
 
 
 def timestep_from_sigma(sigma) -> jax.Array:

@@ -1,0 +1,54 @@
+"""Z-Image as shapes, for planning: from a folder's JSON configs alone, through the loader's
+config checks and module builders (no built-in release configs yet).
+
+The conditioning is what `text.pack_embeddings` makes of the text encoder's states:
+`text_max_length` tokens as wide as the transformer's `cap_feat_dim`, plus the mask feature.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models.abstract import AbstractModel, read_configs
+from tree_grpo_jax.models.zimage import load
+
+TRANSFORMER, VAE, SCHEDULER = (
+    "transformer/config.json",
+    "vae/config.json",
+    "scheduler/scheduler_config.json",
+)
+TEXT = "text_encoder/config.json"
+HINT = "point --config.model.path at a diffusers-layout Z-Image folder (its JSON files are enough)"
+
+
+def abstract_zimage(path: str, dtype=jnp.float32, **options) -> AbstractModel:
+    """What `load.load_zimage(path, dtype, **options)` would load, as shapes; reads JSON
+    files only."""
+    options = load.load_options(**options)
+    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), {}, HINT)
+    found = configs.files
+    config, vae_config = found[TRANSFORMER], found[VAE]
+    load.check_latent_channels(config, vae_config, Path(configs.where))
+    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
+    width = transformer.cap_feat_dim
+    configs.check_width(TEXT, "hidden_size", width, "cap_feat_dim", HINT)
+    shape = load.sample_shape(config, vae_config, options.resolution)
+    schedule = load.schedule_config(
+        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), options.shift
+    )
+    vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
+    return components.abstract_model(
+        configs,
+        transformer,
+        dtype,
+        options,
+        sample_shape=shape,
+        denoise=load.make_denoise(transformer, float(schedule.num_train_timesteps)),
+        cond_shape=(options.text_max_length, width + 1),
+        schedule_config=schedule,
+        decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
+        decode_params=autoencoder.decoder_shapes(vae, dtype),
+    )
