@@ -36,14 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.errors import flat
-from tree_grpo_jax.models import attention as attention_backends
-from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.models.dit_layers import (
-    ATTENTION_SAVED,
     COMPUTE_DTYPES,
     Attention,
     Layer,
     RMSNorm,
+    check_runtime,
+    rematerialized,
 )
 from tree_grpo_jax.weights import convert, stacking
 
@@ -352,21 +351,10 @@ class DecoderTextModel(nn.Module):
         """The run-time fields' values (one-sentence ValueError)."""
         if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
             raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")
-        remat_mode(self.remat)
-        if self.attention not in attention_backends.BACKENDS:
-            raise ValueError(
-                f"attention backend {self.attention!r} is unknown; choose one of "
-                f"{', '.join(attention_backends.BACKENDS)}."
-            )
+        check_runtime(self.remat, self.attention)
 
     def _remat(self, block, scanned: bool):
-        mode = remat_mode(self.remat)
-        if mode == "none":
-            return block
-        policy = None
-        if mode == "block_save_attention":
-            policy = jax.checkpoint_policies.save_only_these_names(*ATTENTION_SAVED)
-        return nn.remat(block, policy=policy, prevent_cse=not scanned)
+        return rematerialized(block, self.remat, scanned)
 
     def __call__(self, input_ids, attention_mask=None, *, layer: int | None = None):
         c = self.config

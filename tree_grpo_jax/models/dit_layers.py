@@ -307,22 +307,10 @@ class DiT(nn.Module):
 
     def check_runtime(self) -> None:
         """The run-time fields' values (one-sentence ValueError)."""
-        remat_mode(self.remat)
-        if self.attention not in attention_backends.BACKENDS:
-            raise ValueError(
-                f"attention backend {self.attention!r} is unknown; choose one of "
-                f"{', '.join(attention_backends.BACKENDS)}."
-            )
+        check_runtime(self.remat, self.attention)
 
     def _remat(self, block, scanned: bool):
-        mode = remat_mode(self.remat)
-        if mode == "none":
-            return block
-        policy = None
-        if mode == "block_save_attention":
-            policy = jax.checkpoint_policies.save_only_these_names(*ATTENTION_SAVED)
-        # Inside a scan the loop already keeps XLA from merging the recomputation away.
-        return nn.remat(block, policy=policy, prevent_cse=not scanned)
+        return rematerialized(block, self.remat, scanned)
 
     def block_class(self, block):
         """`block`, recomputed in the backward pass as `remat` says."""
@@ -356,6 +344,45 @@ class DiT(nn.Module):
             name = stacking.stacked_name("", first, last)[1:]
             blocks[name] = scanned(**shared, **layers[first])
         return blocks
+
+
+def check_runtime(remat, attention: str) -> None:
+    """A model's run-time choices: its `remat` mode and attention backend (one-sentence
+    ValueError)."""
+    remat_mode(remat)
+    if attention not in attention_backends.BACKENDS:
+        raise ValueError(
+            f"attention backend {attention!r} is unknown; choose one of "
+            f"{', '.join(attention_backends.BACKENDS)}."
+        )
+
+
+def rematerialized(block, remat, scanned: bool):
+    """A block class recomputed in the backward pass as the `remat` mode says (itself for
+    "none"); `scanned`: the block runs inside a scan."""
+    mode = remat_mode(remat)
+    if mode == "none":
+        return block
+    policy = None
+    if mode == "block_save_attention":
+        policy = jax.checkpoint_policies.save_only_these_names(*ATTENTION_SAVED)
+    # Inside a scan the loop already keeps XLA from merging the recomputation away.
+    return nn.remat(block, policy=policy, prevent_cse=not scanned)
+
+
+def check_rope_axes(axes_dims_rope, head_dim: int, id_axes: int) -> None:
+    """A rotary embedding's split of the head over the position-id axes: `id_axes` positive
+    even sizes adding up to the head's (one-sentence ValueError)."""
+    axes = tuple(axes_dims_rope)
+    if len(axes) != id_axes or any(d <= 0 or d % 2 for d in axes):
+        raise ValueError(
+            f"axes_dims_rope {list(axes)} must be {id_axes} positive even sizes, one per "
+            "position-id axis."
+        )
+    if sum(axes) != head_dim:
+        raise ValueError(
+            f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim {head_dim}."
+        )
 
 
 def run_stack(blocks: Mapping, carry: tuple, *inputs) -> tuple:

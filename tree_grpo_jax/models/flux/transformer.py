@@ -46,6 +46,7 @@ from tree_grpo_jax.models.dit_layers import (
     DiT,
     FeedForward,
     RMSNorm,
+    check_rope_axes,
     gated_feed_forward,
     module_from_config,
     rotate_pairs,
@@ -220,17 +221,7 @@ class FluxTransformer(DiT):
                 f"patch_size {self.patch_size} is not supported (FLUX.1 packs 2x2 latent "
                 "patches before the transformer and has patch_size 1)."
             )
-        axes = tuple(self.axes_dims_rope)
-        if len(axes) != ID_AXES or any(d <= 0 or d % 2 for d in axes):
-            raise ValueError(
-                f"axes_dims_rope {list(axes)} must be {ID_AXES} positive even sizes, one per "
-                "position-id axis."
-            )
-        if sum(axes) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim "
-                f"{self.attention_head_dim}."
-            )
+        check_rope_axes(self.axes_dims_rope, self.attention_head_dim, ID_AXES)
         self.check_dtype()
         self.check_runtime()
 

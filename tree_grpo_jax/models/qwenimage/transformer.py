@@ -50,6 +50,7 @@ from tree_grpo_jax.models.dit_layers import (
     Layer,
     RMSNorm,
     TimestepEmbedding,
+    check_rope_axes,
     gated_feed_forward,
     layer_norm,
     modulate,
@@ -258,17 +259,7 @@ class QwenImageTransformer(DiT):
                 raise ValueError(
                     f"{field} is not supported (Qwen-Image's text-to-image transformer has it off)."
                 )
-        axes = tuple(self.axes_dims_rope)
-        if len(axes) != ID_AXES or any(d <= 0 or d % 2 for d in axes):
-            raise ValueError(
-                f"axes_dims_rope {list(axes)} must be {ID_AXES} positive even sizes, one per "
-                "position-id axis."
-            )
-        if sum(axes) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {list(axes)} add up to {sum(axes)}, not attention_head_dim "
-                f"{self.attention_head_dim}."
-            )
+        check_rope_axes(self.axes_dims_rope, self.attention_head_dim, ID_AXES)
         self.check_dtype()
         self.check_runtime()
 
