@@ -97,6 +97,14 @@ def zimage_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwenimage_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from qwenimage_fixtures import make_tiny_qwenimage_folder
+
+    return _written_once(tmp_path_factory, "tiny_qwenimage", make_tiny_qwenimage_folder)
+
+
+@pytest.fixture(scope="session")
 def sd_model(sd_folder):
     from tree_grpo_jax.models.sd15.load import load_sd
 
