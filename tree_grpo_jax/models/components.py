@@ -166,10 +166,17 @@ class ShiftedFlowScheduleConfig(FlowSigmasScheduleConfig):
 
 
 def shifted_flow_schedule(
-    cls, config: dict, where: Path, family: str, image_seq_len: int, static_shift: float = 0.0
+    cls,
+    config: dict,
+    where: Path,
+    family: str,
+    image_seq_len: int,
+    static_shift: float = 0.0,
+    fixed: Mapping = SHIFTED_SCHEDULER_FIXED,
 ):
-    """The `cls` (a `ShiftedFlowScheduleConfig`) of a `scheduler_config.json`, checked."""
-    check_flow_scheduler(config, where, family, SHIFTED_SCHEDULER_FIXED)
+    """The `cls` (a `ShiftedFlowScheduleConfig`) of a `scheduler_config.json`, checked to
+    hold the values `fixed` (a subclass that implements one of them leaves it out)."""
+    check_flow_scheduler(config, where, family, fixed)
     fields = {f.name for f in dataclasses.fields(cls)} - {"image_seq_len", "static_shift"}
     values = {k: config[k] for k in fields if config.get(k) is not None}
     if values.get("max_image_seq_len", 4096) == values.get("base_image_seq_len", 256):

@@ -1,0 +1,188 @@
+"""Qwen-Image's text side: the last hidden states (through the final norm) of its Qwen2.5-VL
+text model over the prompt in the pipeline's system template, the template's first 34 tokens
+dropped, as QwenImagePipeline gives them.
+
+A diffusers-layout Qwen-Image folder holds `text_encoder/` (a transformers
+`Qwen2_5_VLForConditionalGeneration`, Qwen2.5-VL-7B in the release; only its language model
+is read, the vision tower and the LM head are skipped) and `tokenizer/` (a Qwen2 byte-level
+BPE). The encoder runs in Flax (`models.decoder_text`); torch is never imported.
+
+`QwenImageTextEncoder.encode` returns what `QwenImagePipeline.encode_prompt` returns for its
+prompts with `max_sequence_length = max_length`, each row cut at its mask: one array per
+prompt, [tokens_i, hidden]. The pipeline truncates the states after the encoder ran; the
+encoder is causal, so tokenizing only the first `max_length + 34` tokens gives the same
+states. The trainer needs one array per batch, so `conditioning` pads them to `max_length`
+tokens and appends the mask as one last feature: [P, max_length, hidden + 1];
+`split_conditioning` takes it apart for the denoiser, whose transformer masks the padding out
+of attention.
+
+Embeddings are computed once per distinct prompt and kept on the host, so a run can encode
+its prompts ahead (`encode_ahead`) and release the encoder's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.models import decoder_text
+from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.text_encoders import read_config
+from tree_grpo_jax.weights import convert, files
+
+POINT = "point --config.model.path at a local diffusers-layout Qwen-Image folder"
+ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
+DROP = decoder_text.QWEN_IMAGE_DROP
+
+
+def split_conditioning(cond: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[P, L, hidden + 1] -> (prompt states [P, L, hidden], prompt mask [P, L] bool)."""
+    return cond[..., :-1], cond[..., -1] > 0.5
+
+
+def pack_embeddings(embeds: Sequence[np.ndarray], length: int) -> np.ndarray:
+    """Per-prompt states [tokens_i, hidden] -> [P, length, hidden + 1] float32: the states
+    at the front, zeros after, the last feature 1 at the tokens and 0 at the padding."""
+    width = embeds[0].shape[-1]
+    packed = np.zeros((len(embeds), length, width + 1), np.float32)
+    for row, states in zip(packed, embeds):
+        row[: len(states), :width] = states
+        row[: len(states), width] = 1.0
+    return packed
+
+
+def padded_inputs(tokenizer, prompts: Sequence[str], max_length: int):
+    """(ids, mask) [B, max_length + DROP] int32: the pipeline's tokens of each templated
+    prompt, cut at `max_length` kept tokens, right-padded to that length so that every batch
+    has one shape (the encoder is causal: padding behind changes no state in front)."""
+    ids, mask = decoder_text.qwen_image_prompt_inputs(tokenizer, prompts, max_length, DROP)
+    width = max_length + DROP
+    pad = ((0, 0), (0, width - ids.shape[1]))
+    return np.pad(ids, pad), np.pad(mask, pad)
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class QwenImageTextEncoder:
+    """The tokenizer and the jitted Flax encoder, with a host cache of every prompt encoded
+    so far. New prompts are encoded `batch_size` at a time (the last batch padded with empty
+    prompts, so the encoder compiles once). `release` drops the encoder's parameters; from
+    then on only cached prompts can be encoded."""
+
+    tokenizer: Any
+    run: Callable  # (params, ids [B, L], mask [B, L]) -> normed last states [B, L, D]
+    params: Any  # None once released
+    max_length: int  # the pipeline's max_sequence_length: states per prompt at most
+    width: int  # the encoder's hidden size, the transformer's joint_attention_dim
+    batch_size: int = 8
+    cache: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def precompute(self, prompts: Sequence[str]) -> None:
+        """Encodes and caches every prompt not cached yet."""
+        if isinstance(prompts, str):
+            raise TypeError("precompute takes a list of prompts, not one string.")
+        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
+        if new and self.params is None:
+            raise ValueError(
+                f"the prompt {new[0]!r} is not cached and the text encoder was released, so "
+                "it cannot be encoded; precompute every prompt before releasing it."
+            )
+        for start in range(0, len(new), self.batch_size):
+            chunk = new[start : start + self.batch_size]
+            padded = chunk + [""] * (self.batch_size - len(chunk))
+            ids, mask = padded_inputs(self.tokenizer, padded, self.max_length)
+            hidden = self.run(self.params, jnp.asarray(ids), jnp.asarray(mask))
+            states, kept = decoder_text.qwen_image_prompt_embeds(hidden, jnp.asarray(mask), DROP)
+            states, counts = np.float32(states), np.asarray(kept).sum(axis=1)
+            self.cache.update((p, states[i, : counts[i]]) for i, p in enumerate(chunk))
+
+    def encode(self, prompts: Sequence[str]) -> list[np.ndarray]:
+        """prompts -> [tokens_i, width] float32 each, the rows of
+        `QwenImagePipeline.encode_prompt` at their mask."""
+        if isinstance(prompts, str):
+            raise TypeError("encode takes a list of prompts, not one string.")
+        self.precompute(list(prompts))
+        return [self.cache[p] for p in prompts]
+
+    def conditioning(self, prompts: Sequence[str]) -> jax.Array:
+        """The prompts' `pack_embeddings` (a model's `encode_prompts`)."""
+        return jnp.asarray(pack_embeddings(self.encode(list(prompts)), self.max_length))
+
+    def release(self) -> None:
+        self.params = None
+
+    def encode_ahead(self, prompts: Sequence[str], limit: int) -> str:
+        """Encodes up to `limit` distinct prompts and releases the encoder (a model's
+        `prepare_prompts`); says what it did."""
+        unique = list(dict.fromkeys(prompts))
+        if len(unique) > limit:
+            return (
+                f"{len(unique)} prompts are more than the {limit} encoded ahead, so the text "
+                "encoder stays loaded and encodes prompts as they come"
+            )
+        self.precompute(unique)
+        self.release()
+        return f"{len(unique)} prompts encoded ahead; text encoder released"
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not read the tokenizer in {folder} ({first_line(e)}); {POINT}."
+        ) from None
+
+
+def check_max_length(max_length: int) -> None:
+    if not 1 <= max_length <= decoder_text.QWEN_IMAGE_MAX_LENGTH:
+        raise ModelLoadError(
+            f"the text max_length must be in [1, {decoder_text.QWEN_IMAGE_MAX_LENGTH}] (the "
+            f"tokens QwenImagePipeline's tokenizer keeps), got {max_length}."
+        )
+
+
+def load_text_encoder(
+    root: Path, dtype=jnp.float32, *, max_length: int, width: int, batch_size: int = 8
+) -> QwenImageTextEncoder:
+    """The text side of a diffusers-layout Qwen-Image folder at `root`: `dtype` is the
+    encoder's param and compute dtype (embeddings are cached in float32); its hidden size
+    must be the transformer's `joint_attention_dim` (`width`)."""
+    folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), POINT)
+    tokenizer = load_tokenizer(files.component_dir(root, TOKENIZER_FOLDER, (), POINT))
+    raw = read_config(folder, "qwen2_5_vl", "a Qwen2.5-VL text encoder", POINT)
+    try:
+        config = decoder_text.config_from_transformers(raw)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: {first_line(e)}; {POINT}.") from None
+    if config.hidden_size != width:
+        raise ModelLoadError(
+            f"{folder / 'config.json'} has hidden_size {config.hidden_size}, but the "
+            f"transformer's joint_attention_dim is {width}; {POINT}."
+        )
+    check_max_length(max_length)
+    module = decoder_text.DecoderTextModel(config, dtype=dtype, param_dtype=dtype)
+    state = files.read_weights(folder, "model", POINT)
+    with convert.weights_of(folder, POINT):
+        params = decoder_text.params_from_state_dict(state, module)
+
+    @jax.jit
+    def run(params, ids, mask):
+        return module.apply({"params": params}, ids, mask, layer=decoder_text.QWEN_IMAGE_LAYER)
+
+    return QwenImageTextEncoder(
+        tokenizer=tokenizer,
+        run=run,
+        params=cast_floats(params, dtype),
+        max_length=max_length,
+        width=width,
+        batch_size=batch_size,
+    )
