@@ -4,6 +4,12 @@ from. Classifier-free guidance stays off throughout (`true_cfg_scale=1`, no nega
 the pipeline's true CFG rescales the guided prediction to the conditional one's norm, which
 is not the package's guidance, and the denoiser here is the conditional prediction."""
 
+import json
+import os
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +21,10 @@ from tree_grpo_jax.models.base import Sampling
 torch = pytest.importorskip("torch")
 from qwenimage_fixtures import LATENT_CHANNELS, RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
+from tree_grpo_jax.models.qwenimage import text, transformer  # noqa: E402
 from tree_grpo_jax.models.qwenimage.load import load_qwenimage, schedule_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The byte tokenizer spends a token a byte: the system turn left after the 34 dropped
 # tokens is ~130 states, so a prompt of ~20 characters is ~150 and LONG is past 160.
@@ -137,3 +146,160 @@ def test_decode_equals_the_vae(model, pipe):
     assert got.shape == expected.shape == (2, RESOLUTION, RESOLUTION, 3)
     print(f"decode max abs difference {np.abs(got - expected).max():.2e}")
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def _pytorch_velocity(pt_transformer, pipe, x, embeds, sigma):
+    """The packed output of diffusers' transformer as QwenImagePipeline calls it: the
+    prompt states padded to the longest with their mask, the timestep sigma."""
+    length = max(len(e) for e in embeds)
+    states = np.zeros((len(embeds), length, TEXT_WIDTH), "f4")
+    mask = np.zeros((len(embeds), length), "i8")
+    for i, e in enumerate(embeds):
+        states[i, : len(e)], mask[i, : len(e)] = e, 1
+    _, _, h, w = x.shape
+    with torch.no_grad():
+        out = pt_transformer(
+            hidden_states=_pack(pipe, x),
+            encoder_hidden_states=torch.from_numpy(states),
+            encoder_hidden_states_mask=torch.from_numpy(mask),
+            timestep=torch.from_numpy(sigma),
+            img_shapes=[(1, h // 2, w // 2)] * len(embeds),
+            return_dict=False,
+        )[0]
+    return out.numpy()
+
+
+def _our_velocity(model, params, x, embeds, sigma):
+    cond = text.pack_embeddings(embeds, TEXT_TOKENS)
+    out = jax.jit(model.denoise)(
+        params, jnp.asarray(x), jnp.asarray(sigma) * 1000.0, jnp.asarray(cond)
+    )
+    return np.asarray(patches.pack_latents(out))
+
+
+def test_a_treegrpo_iteration_and_the_export_pytorch_loads(qwenimage_folder, model, pipe, tmp_path):
+    """The family's one fast end-to-end run: TreeGRPO trains one iteration on the tiny
+    folder without torch (with the config's classifier-free guidance against the empty
+    prompt), the export loads in PyTorch and computes what the trained params compute."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tree_grpo_jax.cli import export
+    from tree_grpo_jax.models import registry
+    from tree_grpo_jax.run.checkpoint import Checkpointer
+
+    assert registry.family_of_folder(str(qwenimage_folder)).name == "qwenimage"
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    overrides = [
+        "--config.model.name=qwenimage",
+        f"--config.model.path={qwenimage_folder}",
+        f"--workdir={workdir}",
+        "--config.model.compute_dtype=float32",
+        "--config.model.remat=False",
+        f"--config.model.qwenimage.resolution={RESOLUTION}",
+        f"--config.model.qwenimage.text_max_length={TEXT_TOKENS}",
+        "--config.rewards=jpeg_compressibility",
+        "--config.prompts.batch_size=1",
+        "--config.prompts.eval_count=1",
+        "--config.sampling.num_steps=3",
+        "--config.tree.window=1",
+        "--config.train.iterations=1",
+        "--config.train.rows_per_minibatch=2",
+        "--config.train.grad_accumulation=1",
+        "--config.train.learning_rate=1e-3",
+        "--config.eval.every=0",
+        "--config.checkpoint.every=1",
+        "--config.log.tensorboard=False",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # torch is a test-only dependency: loading, training and evaluating never import it.
+    no_torch = (
+        "import runpy, sys; sys.modules['torch'] = None; "
+        "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", no_torch, "--config=configs/qwenimage_treegrpo.py", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prompts encoded ahead; text encoder released" in run.stdout + run.stderr
+    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/loss" in m and np.isfinite(m["train/loss"]) for m in metrics)
+
+    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 0
+    trained = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
+    changed = jax.tree_util.tree_map(
+        lambda a, b: float(jnp.abs(a - b).max()), trained, model.params
+    )
+    assert max(jax.tree_util.tree_leaves(changed)) > 0  # the iteration moved the weights
+
+    pt = QwenImageTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
+    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (5, 37)]
+    sigma = np.array([0.9, 0.25], "f4")
+    expected = _pytorch_velocity(pt, pipe, x, embeds, sigma)
+    got = _our_velocity(model, trained, x, embeds, sigma)
+    diff = np.abs(got - expected).max()
+    moved = np.abs(got - _our_velocity(model, model.params, x, embeds, sigma)).max()
+    print(f"exported velocity max abs difference {diff:.2e} (up to {np.abs(expected).max():.2f}; "
+          f"the iteration moved it by {moved:.2e})")  # fmt: skip
+    assert diff <= 3e-5 * max(1.0, np.abs(expected).max()) and moved > 100 * diff
+    assert (out / "text_encoder").is_dir() and (out / "model_index.json").is_file()
+
+
+def test_lora_export_loads_into_the_pipeline(model, pipe, tmp_path):
+    from tree_grpo_jax import lora
+    from tree_grpo_jax.models import registry
+
+    family = registry.family_of("qwenimage")
+    paths = lora.target_paths(model.params, family.lora_targets)
+    assert paths and all("transformer_blocks" in "/".join(map(str, p)) for p in paths)
+    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
+    # B starts at zero (PEFT's init); give it values so the adapter changes the output.
+    factors = jax.tree_util.tree_map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
+    )
+    assert family.export.list_names == transformer.MODULE_LISTS
+    out = lora.export_lora(
+        factors,
+        family.export.component,
+        2,
+        4.0,
+        tmp_path / "lora",
+        list_names=transformer.MODULE_LISTS,
+    )
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
+    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (9, 21)]
+    sigma = np.array([0.7, 0.4], "f4")
+    pipe.load_lora_weights(str(out))
+    try:
+        expected = _pytorch_velocity(pipe.transformer, pipe, x, embeds, sigma)
+    finally:
+        pipe.unload_lora_weights()
+    got = _our_velocity(model, lora.merge(model.params, factors, 4.0, 2), x, embeds, sigma)
+    base = _our_velocity(model, model.params, x, embeds, sigma)
+    diff = np.abs(got - expected).max()
+    print(f"LoRA velocity max abs difference {diff:.2e}, moved {np.abs(expected - base).max():.2e}")
+    assert np.abs(expected - base).max() > 1e-2  # the adapter is not a no-op
+    assert diff <= 3e-5 * max(1.0, np.abs(expected).max())
+
+
+def test_the_plan_shapes_are_the_loaded_models(qwenimage_folder, model):
+    from tree_grpo_jax.models import registry
+    from tree_grpo_jax.models.qwenimage.abstract import abstract_qwenimage
+
+    assert registry.family_of_folder(str(qwenimage_folder)).name == "qwenimage"
+    assert not registry.family_of("flux").recognizes(qwenimage_folder)
+    planned = abstract_qwenimage(
+        str(qwenimage_folder), text_max_length=TEXT_TOKENS, resolution=RESOLUTION
+    )
+    assert planned.sample_shape == model.sample_shape
+    assert planned.cond_shape == model.encode_prompts(["a cat"]).shape[1:]
+    shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), planned.params)
+    assert shapes == jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), model.params)
+    assert planned.schedule_config == model.schedule_config
+    latents = jnp.zeros((1, *model.sample_shape))
+    assert jax.eval_shape(planned.decode, planned.decode_params, latents).shape == (
+        1, RESOLUTION, RESOLUTION, 3,
+    )  # fmt: skip

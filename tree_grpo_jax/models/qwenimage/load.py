@@ -39,7 +39,7 @@ import numpy as np
 
 from tree_grpo_jax.models import causal_vae, components, patches
 from tree_grpo_jax.models.base import Decoder, ModelLoadError
-from tree_grpo_jax.models.qwenimage import text, transformer
+from tree_grpo_jax.models.qwenimage import family, text, transformer
 from tree_grpo_jax.weights import files
 
 MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so the text encoder can be released
@@ -66,9 +66,8 @@ class QwenImageScheduleConfig(components.ShiftedFlowScheduleConfig):
         return np.append(shifted, 0.0)
 
 
-# What `load_qwenimage` takes as keywords: the family's own options and the shared ones.
-DEFAULT_OPTIONS = {"text_max_length": 512, "resolution": 0, "shift": 0.0}
-load_options = functools.partial(components.LoadOptions.of, DEFAULT_OPTIONS)
+# What `load_qwenimage` takes as keywords: `model.qwenimage`'s fields and the shared ones.
+load_options = functools.partial(components.LoadOptions.of, dict(family.options().items()))
 SCHEDULER_FIXED = {
     k: v for k, v in components.SHIFTED_SCHEDULER_FIXED.items() if k != "shift_terminal"
 }

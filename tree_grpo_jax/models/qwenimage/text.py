@@ -143,10 +143,11 @@ def load_tokenizer(folder: Path):
 
 
 def check_max_length(max_length: int) -> None:
-    if not 1 <= max_length <= decoder_text.QWEN_IMAGE_MAX_LENGTH:
+    kept = decoder_text.QWEN_IMAGE_MAX_LENGTH
+    if not 1 <= max_length <= kept:
         raise ModelLoadError(
-            f"the text max_length must be in [1, {decoder_text.QWEN_IMAGE_MAX_LENGTH}] (the "
-            f"tokens QwenImagePipeline's tokenizer keeps), got {max_length}."
+            f"the text max_length must be in [1, {kept}] (the tokens QwenImagePipeline's "
+            f"tokenizer keeps), got {max_length}."
         )
 
 

@@ -60,13 +60,14 @@ from tree_grpo_jax.models.dit_layers import (
     timestep_features,
 )
 from tree_grpo_jax.models.patches import LATENT_PATCH, check_even
+from tree_grpo_jax.models.qwenimage import family
 
 ROPE_THETA = 10000
 ID_AXES = 3  # (frame, row, column)
 TIMESTEP_SCALE = 1000.0  # the timestep features' `scale`: sigma in [0, 1] -> [0, 1000]
 MODULATION_CHUNKS = 6  # shift, scale, gate of the attention, then of the feed-forward
 # Module lists of this model, for `convert.flax_to_pytorch(params, list_names=MODULE_LISTS)`.
-MODULE_LISTS = frozenset({"transformer_blocks", "img_mod", "txt_mod", "to_out", "net"})
+MODULE_LISTS = family.MODULE_LISTS
 
 
 def _centred(count: int) -> np.ndarray:
