@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from tree_grpo_jax.core import rollout
-from tree_grpo_jax.models import patches
+from tree_grpo_jax.models import decoder_prompts, patches
 from tree_grpo_jax.models.base import Sampling
 
 torch = pytest.importorskip("torch")
 from qwenimage_fixtures import LATENT_CHANNELS, RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
-from tree_grpo_jax.models.qwenimage import text, transformer  # noqa: E402
+from tree_grpo_jax.models.qwenimage import transformer  # noqa: E402
 from tree_grpo_jax.models.qwenimage.load import load_qwenimage, schedule_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -170,7 +170,7 @@ def _pytorch_velocity(pt_transformer, pipe, x, embeds, sigma):
 
 
 def _our_velocity(model, params, x, embeds, sigma):
-    cond = text.pack_embeddings(embeds, TEXT_TOKENS)
+    cond = decoder_prompts.pack_embeddings(embeds, TEXT_TOKENS)
     out = jax.jit(model.denoise)(
         params, jnp.asarray(x), jnp.asarray(sigma) * 1000.0, jnp.asarray(cond)
     )

@@ -149,9 +149,9 @@ def _pytorch_velocity(pt_transformer, x, embeds, sigma):
 
 
 def _our_velocity(model, params, x, embeds, sigma):
-    from tree_grpo_jax.models.zimage import text
+    from tree_grpo_jax.models import decoder_prompts
 
-    cond = text.pack_embeddings(embeds, TEXT_TOKENS)
+    cond = decoder_prompts.pack_embeddings(embeds, TEXT_TOKENS)
     out = jax.jit(model.denoise)(
         params, jnp.asarray(x), jnp.asarray(sigma) * 1000.0, jnp.asarray(cond)
     )

@@ -1,7 +1,7 @@
 """Qwen-Image as shapes, for planning: from a folder's JSON configs alone, through the
 loader's config checks and module builders (no built-in release configs yet).
 
-The conditioning is what `text.pack_embeddings` makes of the text encoder's states:
+The conditioning is what `decoder_prompts.pack_embeddings` makes of the text encoder's states:
 `text_max_length` tokens as wide as the transformer's `joint_attention_dim`, plus the mask
 feature.
 """

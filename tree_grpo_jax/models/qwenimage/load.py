@@ -37,7 +37,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import causal_vae, components, patches
+from tree_grpo_jax.models import causal_vae, components, decoder_prompts, patches
 from tree_grpo_jax.models.base import Decoder, ModelLoadError
 from tree_grpo_jax.models.qwenimage import family, text, transformer
 from tree_grpo_jax.weights import files
@@ -109,7 +109,7 @@ def make_denoise(module, timestep_scale: float = 1000.0):
     def denoise(params, x, t, cond):
         batch, _, height, width = x.shape
         sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
-        features, mask = text.split_conditioning(cond)
+        features, mask = decoder_prompts.split_conditioning(cond)
         out = module.apply(
             {"params": params},
             patches.pack_latents(x.astype(module.dtype)),

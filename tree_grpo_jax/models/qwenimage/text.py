@@ -12,9 +12,9 @@ prompts with `max_sequence_length = max_length`, each row cut at its mask: one a
 prompt, [tokens_i, hidden]. The pipeline truncates the states after the encoder ran; the
 encoder is causal, so tokenizing only the first `max_length + 34` tokens gives the same
 states. The trainer needs one array per batch, so `conditioning` pads them to `max_length`
-tokens and appends the mask as one last feature: [P, max_length, hidden + 1];
-`split_conditioning` takes it apart for the denoiser, whose transformer masks the padding out
-of attention.
+tokens and appends the mask as one last feature: [P, max_length, hidden + 1]
+(`decoder_prompts.pack_embeddings`; `decoder_prompts.split_conditioning` takes it apart for
+the denoiser, whose transformer masks the padding out of attention).
 
 Embeddings are computed once per distinct prompt and kept on the host, so a run can encode
 its prompts ahead (`encode_ahead`) and release the encoder's parameters.
@@ -23,16 +23,15 @@ its prompts ahead (`encode_ahead`) and release the encoder's parameters.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.errors import first_line
-from tree_grpo_jax.models import decoder_text
+from tree_grpo_jax.models import decoder_prompts, decoder_text
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.text_encoders import read_config
 from tree_grpo_jax.weights import convert, files
@@ -40,22 +39,6 @@ from tree_grpo_jax.weights import convert, files
 POINT = "point --config.model.path at a local diffusers-layout Qwen-Image folder"
 ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
 DROP = decoder_text.QWEN_IMAGE_DROP
-
-
-def split_conditioning(cond: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[P, L, hidden + 1] -> (prompt states [P, L, hidden], prompt mask [P, L] bool)."""
-    return cond[..., :-1], cond[..., -1] > 0.5
-
-
-def pack_embeddings(embeds: Sequence[np.ndarray], length: int) -> np.ndarray:
-    """Per-prompt states [tokens_i, hidden] -> [P, length, hidden + 1] float32: the states
-    at the front, zeros after, the last feature 1 at the tokens and 0 at the padding."""
-    width = embeds[0].shape[-1]
-    packed = np.zeros((len(embeds), length, width + 1), np.float32)
-    for row, states in zip(packed, embeds):
-        row[: len(states), :width] = states
-        row[: len(states), width] = 1.0
-    return packed
 
 
 def padded_inputs(tokenizer, prompts: Sequence[str], max_length: int):
@@ -69,66 +52,17 @@ def padded_inputs(tokenizer, prompts: Sequence[str], max_length: int):
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class QwenImageTextEncoder:
-    """The tokenizer and the jitted Flax encoder, with a host cache of every prompt encoded
-    so far. New prompts are encoded `batch_size` at a time (the last batch padded with empty
-    prompts, so the encoder compiles once). `release` drops the encoder's parameters; from
-    then on only cached prompts can be encoded."""
+class QwenImageTextEncoder(decoder_prompts.CachedPromptStates):
+    """`decoder_prompts.CachedPromptStates` of Qwen-Image's prompts: `run` gives the normed
+    last states [B, L, D]; `encode` returns the rows of `QwenImagePipeline.encode_prompt` at
+    their mask."""
 
-    tokenizer: Any
-    run: Callable  # (params, ids [B, L], mask [B, L]) -> normed last states [B, L, D]
-    params: Any  # None once released
-    max_length: int  # the pipeline's max_sequence_length: states per prompt at most
-    width: int  # the encoder's hidden size, the transformer's joint_attention_dim
-    batch_size: int = 8
-    cache: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-    def precompute(self, prompts: Sequence[str]) -> None:
-        """Encodes and caches every prompt not cached yet."""
-        if isinstance(prompts, str):
-            raise TypeError("precompute takes a list of prompts, not one string.")
-        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
-        if new and self.params is None:
-            raise ValueError(
-                f"the prompt {new[0]!r} is not cached and the text encoder was released, so "
-                "it cannot be encoded; precompute every prompt before releasing it."
-            )
-        for start in range(0, len(new), self.batch_size):
-            chunk = new[start : start + self.batch_size]
-            padded = chunk + [""] * (self.batch_size - len(chunk))
-            ids, mask = padded_inputs(self.tokenizer, padded, self.max_length)
-            hidden = self.run(self.params, jnp.asarray(ids), jnp.asarray(mask))
-            states, kept = decoder_text.qwen_image_prompt_embeds(hidden, jnp.asarray(mask), DROP)
-            states, counts = np.float32(states), np.asarray(kept).sum(axis=1)
-            self.cache.update((p, states[i, : counts[i]]) for i, p in enumerate(chunk))
-
-    def encode(self, prompts: Sequence[str]) -> list[np.ndarray]:
-        """prompts -> [tokens_i, width] float32 each, the rows of
-        `QwenImagePipeline.encode_prompt` at their mask."""
-        if isinstance(prompts, str):
-            raise TypeError("encode takes a list of prompts, not one string.")
-        self.precompute(list(prompts))
-        return [self.cache[p] for p in prompts]
-
-    def conditioning(self, prompts: Sequence[str]) -> jax.Array:
-        """The prompts' `pack_embeddings` (a model's `encode_prompts`)."""
-        return jnp.asarray(pack_embeddings(self.encode(list(prompts)), self.max_length))
-
-    def release(self) -> None:
-        self.params = None
-
-    def encode_ahead(self, prompts: Sequence[str], limit: int) -> str:
-        """Encodes up to `limit` distinct prompts and releases the encoder (a model's
-        `prepare_prompts`); says what it did."""
-        unique = list(dict.fromkeys(prompts))
-        if len(unique) > limit:
-            return (
-                f"{len(unique)} prompts are more than the {limit} encoded ahead, so the text "
-                "encoder stays loaded and encodes prompts as they come"
-            )
-        self.precompute(unique)
-        self.release()
-        return f"{len(unique)} prompts encoded ahead; text encoder released"
+    def batch_states(self, prompts: list[str]) -> list[np.ndarray]:
+        ids, mask = padded_inputs(self.tokenizer, prompts, self.max_length)
+        hidden = self.run(self.params, jnp.asarray(ids), jnp.asarray(mask))
+        states, kept = decoder_text.qwen_image_prompt_embeds(hidden, jnp.asarray(mask), DROP)
+        states, counts = np.float32(states), np.asarray(kept).sum(axis=1)
+        return [row[:n] for row, n in zip(states, counts)]
 
 
 def load_tokenizer(folder: Path):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from tree_grpo_jax.models import autoencoder, components
+from tree_grpo_jax.models import autoencoder, components, decoder_prompts
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.zimage import family, text, transformer
 from tree_grpo_jax.weights import files
@@ -82,7 +82,7 @@ def make_denoise(module, timestep_scale: float = 1000.0):
     def denoise(params, x, t, cond):
         batch = x.shape[0]
         sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
-        features, mask = text.split_conditioning(cond)
+        features, mask = decoder_prompts.split_conditioning(cond)
         out = module.apply(
             {"params": params},
             x.astype(module.dtype),
