@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tree_grpo_jax.errors import first_line
+from tree_grpo_jax.models import decoder_text
+from tree_grpo_jax.models.base import ModelLoadError, cast_floats
+from tree_grpo_jax.models.text_encoders import read_config
+from tree_grpo_jax.weights import convert, files
 
 
 def split_conditioning(cond: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -98,3 +105,49 @@ class CachedPromptStates:
         self.precompute(unique)
         self.release()
         return f"{len(unique)} prompts encoded ahead; text encoder released"
+
+
+def load_tokenizer(folder: Path, point: str, chat_template: bool = False):
+    """The transformers tokenizer in `folder` (one sentence naming it when it cannot be
+    read, or lacks the chat template a family's prompts go through)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not read the tokenizer in {folder} ({first_line(e)}); {point}."
+        ) from None
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"the tokenizer in {folder} has no chat template; {point}.")
+    return tokenizer
+
+
+def load_encoder(
+    folder: Path, dtype, *, model_type: str, what: str, width: tuple, layer: int, point: str
+):
+    """(run, params) of the decoder text model in a transformers folder: `run(params, ids,
+    mask)` gives the hidden states numbered `layer` (`decoder_text.DecoderTextModel`), jitted;
+    params in `dtype`. `width`: (the transformer's field, its value) the hidden size must
+    equal; `model_type` and `what` name the model the folder must hold."""
+    raw = read_config(folder, model_type, what, point)
+    try:
+        config = decoder_text.config_from_transformers(raw)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: {first_line(e)}; {point}.") from None
+    field, size = width
+    if config.hidden_size != size:
+        raise ModelLoadError(
+            f"{folder / 'config.json'} has hidden_size {config.hidden_size}, but the "
+            f"transformer's {field} is {size}; {point}."
+        )
+    module = decoder_text.DecoderTextModel(config, dtype=dtype, param_dtype=dtype)
+    state = files.read_weights(folder, "model", point)
+    with convert.weights_of(folder, point):
+        params = decoder_text.params_from_state_dict(state, module)
+
+    @jax.jit
+    def run(params, ids, mask):
+        return module.apply({"params": params}, ids, mask, layer=layer)
+
+    return run, cast_floats(params, dtype)

@@ -26,15 +26,12 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models import decoder_prompts, decoder_text
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
-from tree_grpo_jax.models.text_encoders import read_config
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.models.base import ModelLoadError
+from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Qwen-Image folder"
 ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
@@ -65,17 +62,6 @@ class QwenImageTextEncoder(decoder_prompts.CachedPromptStates):
         return [row[:n] for row, n in zip(states, counts)]
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:
-        raise ModelLoadError(
-            f"could not read the tokenizer in {folder} ({first_line(e)}); {POINT}."
-        ) from None
-
-
 def check_max_length(max_length: int) -> None:
     kept = decoder_text.QWEN_IMAGE_MAX_LENGTH
     if not 1 <= max_length <= kept:
@@ -92,31 +78,23 @@ def load_text_encoder(
     encoder's param and compute dtype (embeddings are cached in float32); its hidden size
     must be the transformer's `joint_attention_dim` (`width`)."""
     folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), POINT)
-    tokenizer = load_tokenizer(files.component_dir(root, TOKENIZER_FOLDER, (), POINT))
-    raw = read_config(folder, "qwen2_5_vl", "a Qwen2.5-VL text encoder", POINT)
-    try:
-        config = decoder_text.config_from_transformers(raw)
-    except ValueError as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: {first_line(e)}; {POINT}.") from None
-    if config.hidden_size != width:
-        raise ModelLoadError(
-            f"{folder / 'config.json'} has hidden_size {config.hidden_size}, but the "
-            f"transformer's joint_attention_dim is {width}; {POINT}."
-        )
+    tokenizer = decoder_prompts.load_tokenizer(
+        files.component_dir(root, TOKENIZER_FOLDER, (), POINT), POINT
+    )
     check_max_length(max_length)
-    module = decoder_text.DecoderTextModel(config, dtype=dtype, param_dtype=dtype)
-    state = files.read_weights(folder, "model", POINT)
-    with convert.weights_of(folder, POINT):
-        params = decoder_text.params_from_state_dict(state, module)
-
-    @jax.jit
-    def run(params, ids, mask):
-        return module.apply({"params": params}, ids, mask, layer=decoder_text.QWEN_IMAGE_LAYER)
-
+    run, params = decoder_prompts.load_encoder(
+        folder,
+        dtype,
+        model_type="qwen2_5_vl",
+        what="a Qwen2.5-VL text encoder",
+        width=("joint_attention_dim", width),
+        layer=decoder_text.QWEN_IMAGE_LAYER,
+        point=POINT,
+    )
     return QwenImageTextEncoder(
         tokenizer=tokenizer,
         run=run,
-        params=cast_floats(params, dtype),
+        params=params,
         max_length=max_length,
         width=width,
         batch_size=batch_size,

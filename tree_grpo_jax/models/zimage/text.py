@@ -21,15 +21,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.errors import first_line
 from tree_grpo_jax.models import decoder_prompts, decoder_text
-from tree_grpo_jax.models.base import ModelLoadError, cast_floats
-from tree_grpo_jax.models.text_encoders import read_config
-from tree_grpo_jax.weights import convert, files
+from tree_grpo_jax.models.base import ModelLoadError
+from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Z-Image folder"
 ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
@@ -47,20 +44,6 @@ class ZImageTextEncoder(decoder_prompts.CachedPromptStates):
         return decoder_text.z_image_prompt_embeds(np.float32(hidden), mask)
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:
-        raise ModelLoadError(
-            f"could not read the tokenizer in {folder} ({first_line(e)}); {POINT}."
-        ) from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ModelLoadError(f"the tokenizer in {folder} has no chat template; {POINT}.")
-    return tokenizer
-
-
 def load_text_encoder(
     root: Path, dtype=jnp.float32, *, max_length: int, width: int, batch_size: int = 8
 ) -> ZImageTextEncoder:
@@ -68,32 +51,24 @@ def load_text_encoder(
     param and compute dtype (embeddings are cached in float32); its hidden size must be the
     transformer's `cap_feat_dim` (`width`)."""
     folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), POINT)
-    tokenizer = load_tokenizer(files.component_dir(root, TOKENIZER_FOLDER, (), POINT))
-    raw = read_config(folder, "qwen3", "a Qwen3 text encoder", POINT)
-    try:
-        config = decoder_text.config_from_transformers(raw)
-    except ValueError as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: {first_line(e)}; {POINT}.") from None
-    if config.hidden_size != width:
-        raise ModelLoadError(
-            f"{folder / 'config.json'} has hidden_size {config.hidden_size}, but the "
-            f"transformer's cap_feat_dim is {width}; {POINT}."
-        )
+    tokenizer = decoder_prompts.load_tokenizer(
+        files.component_dir(root, TOKENIZER_FOLDER, (), POINT), POINT, chat_template=True
+    )
     if max_length < 1:
         raise ModelLoadError(f"the text max_length must be at least 1, got {max_length}.")
-    module = decoder_text.DecoderTextModel(config, dtype=dtype, param_dtype=dtype)
-    state = files.read_weights(folder, "model", POINT)
-    with convert.weights_of(folder, POINT):
-        params = decoder_text.params_from_state_dict(state, module)
-
-    @jax.jit
-    def run(params, ids, mask):
-        return module.apply({"params": params}, ids, mask, layer=decoder_text.Z_IMAGE_LAYER)
-
+    run, params = decoder_prompts.load_encoder(
+        folder,
+        dtype,
+        model_type="qwen3",
+        what="a Qwen3 text encoder",
+        width=("cap_feat_dim", width),
+        layer=decoder_text.Z_IMAGE_LAYER,
+        point=POINT,
+    )
     return ZImageTextEncoder(
         tokenizer=tokenizer,
         run=run,
-        params=cast_floats(params, dtype),
+        params=params,
         max_length=max_length,
         width=width,
         batch_size=batch_size,
