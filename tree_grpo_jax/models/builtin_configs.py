@@ -1,7 +1,9 @@
 """JSON configs that several built-in releases share, as data, with their architecture
-fields only: OpenAI's CLIP ViT-L/14 text tower (CLIP-L), T5 v1.1 XXL's encoder and the
+fields only: OpenAI's CLIP ViT-L/14 text tower (CLIP-L), T5 v1.1 XXL's encoder, the
 `AutoencoderKL` (SD1.5's with 4 latent channels; the flow-matching releases' with 16, which
-differ in their latent scaling alone)."""
+differ in their latent scaling alone), the causal video VAE of Wan2.1 (which Qwen-Image
+ships under its own class name) and the decoder-only text encoders of the 2026 releases
+(Qwen2.5-VL-7B's language model, Qwen3-4B)."""
 
 from __future__ import annotations
 
@@ -77,3 +79,65 @@ def vae_16_channels(scaling_factor: float, shift_factor: float) -> dict:
         use_post_quant_conv=False,
         use_quant_conv=False,
     )
+
+
+# Wan2.1's `AutoencoderKLWan` (Qwen-Image's `AutoencoderKLQwenImage` has the same fields and
+# values): 16 latent channels, 8x spatial and 4x temporal compression, per-channel latent
+# statistics.
+CAUSAL_VAE = {
+    "attn_scales": [],
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0,
+    "latents_mean": [
+        -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+        0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+    ],
+    "latents_std": [
+        2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916,
+    ],
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+}  # fmt: skip
+
+# Qwen2.5-VL-7B-Instruct's language model, as Qwen-Image's `text_encoder/config.json` gives it
+# (the vision tower's fields left out: prompts are text alone): 28 layers of width 3584, 28
+# query heads over 4 key/value heads of 128, SwiGLU 18944, multimodal rotary sections
+# 16/24/24 (one position per text token, so the plain rotary).
+QWEN25_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 128000,
+    "model_type": "qwen2_5_vl",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+}
+# Qwen3-4B (Z-Image's text encoder): 36 layers of width 2560, 32 query heads over 8 key/value
+# heads of 128, SwiGLU 9728, RMSNorm on queries and keys, tied embeddings.
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}

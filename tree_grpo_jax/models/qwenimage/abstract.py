@@ -1,5 +1,5 @@
 """Qwen-Image as shapes, for planning: from a folder's JSON configs alone, through the
-loader's config checks and module builders (no built-in release configs yet).
+loader's config checks and module builders; or from the release's own (`builtin:qwen-image`).
 
 The conditioning is what `decoder_prompts.pack_embeddings` makes of the text encoder's states:
 `text_max_length` tokens as wide as the transformer's `joint_attention_dim`, plus the mask
@@ -17,6 +17,7 @@ from tree_grpo_jax.models import causal_vae, components
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.qwenimage import load
+from tree_grpo_jax.models.qwenimage.builtin import RELEASES
 
 TRANSFORMER, VAE, SCHEDULER = (
     "transformer/config.json",
@@ -25,7 +26,8 @@ TRANSFORMER, VAE, SCHEDULER = (
 )
 TEXT = "text_encoder/config.json"
 HINT = (
-    "point --config.model.path at a diffusers-layout Qwen-Image folder (its JSON files are enough)"
+    "point --config.model.path at a diffusers-layout Qwen-Image folder (its JSON files are "
+    f"enough), or use {' or '.join('builtin:' + n for n in RELEASES)}"
 )
 
 
@@ -48,7 +50,7 @@ def abstract_qwenimage(path: str, dtype=jnp.float32, **options) -> AbstractModel
     """What `load.load_qwenimage(path, dtype, **options)` would load, as shapes; reads JSON
     files only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), {}, HINT)
+    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))

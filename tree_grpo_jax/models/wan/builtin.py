@@ -33,24 +33,7 @@ _TRANSFORMER = {
     "rope_max_seq_len": 1024,
     "text_dim": 4096,
 }
-_VAE = {
-    "_class_name": "AutoencoderKLWan",
-    "attn_scales": [],
-    "base_dim": 96,
-    "dim_mult": [1, 2, 4, 4],
-    "dropout": 0.0,
-    "latents_mean": [
-        -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-        0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-    ],
-    "latents_std": [
-        2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916,
-    ],
-    "num_res_blocks": 2,
-    "temperal_downsample": [False, True, True],
-    "z_dim": 16,
-}  # fmt: skip
+_VAE = {"_class_name": "AutoencoderKLWan", **builtin_configs.CAUSAL_VAE}
 _SCHEDULER = {
     "_class_name": "UniPCMultistepScheduler",
     "final_sigmas_type": "zero",

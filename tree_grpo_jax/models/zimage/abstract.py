@@ -1,5 +1,5 @@
 """Z-Image as shapes, for planning: from a folder's JSON configs alone, through the loader's
-config checks and module builders (no built-in release configs yet).
+config checks and module builders; or from the release's own (`builtin:z-image-turbo`).
 
 The conditioning is what `decoder_prompts.pack_embeddings` makes of the text encoder's states:
 `text_max_length` tokens as wide as the transformer's `cap_feat_dim`, plus the mask feature.
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.zimage import load
+from tree_grpo_jax.models.zimage.builtin import RELEASES
 
 TRANSFORMER, VAE, SCHEDULER = (
     "transformer/config.json",
@@ -21,14 +22,17 @@ TRANSFORMER, VAE, SCHEDULER = (
     "scheduler/scheduler_config.json",
 )
 TEXT = "text_encoder/config.json"
-HINT = "point --config.model.path at a diffusers-layout Z-Image folder (its JSON files are enough)"
+HINT = (
+    "point --config.model.path at a diffusers-layout Z-Image folder (its JSON files are enough), "
+    f"or use {' or '.join('builtin:' + n for n in RELEASES)}"
+)
 
 
 def abstract_zimage(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_zimage(path, dtype, **options)` would load, as shapes; reads JSON
     files only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), {}, HINT)
+    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_latent_channels(config, vae_config, Path(configs.where))
