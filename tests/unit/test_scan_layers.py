@@ -268,6 +268,36 @@ def test_unet_remat_per_block_changes_no_number():
     _close(remat_grad, grad, tolerance=1e-5, floor=1e-2 * largest)
 
 
+def test_lora_train_step_gradients_merge_block_by_block_as_merged_up_front():
+    """The train step differentiates through the factors attached to the stacked kernels
+    (`lora.attach`, merged inside the scanned and recomputed blocks): the same output and
+    factor gradients as through the whole merged weights (`lora.merge`)."""
+    build, config, inputs = FAMILIES["flux"]
+    module, args = build(config, scan_layers=True, remat=True), inputs()
+    shapes = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    base = stacking.stack(_params("flux"), shapes)
+    paths = lora.target_paths(base, ("to_q", "to_k", "to_v", "to_out_0", "proj_out"))
+    factors = lora.init_lora(jax.random.PRNGKey(5), base, paths, rank=4)
+    factors = jax.tree_util.tree_map(  # b is zero at the start: give it values
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(6), x.shape), factors
+    )
+    weights = jax.random.normal(jax.random.PRNGKey(9), (2, 16, 64))
+
+    def output_and_grad(merge):
+        def loss(f):
+            out = module.apply({"params": merge(base, f, 8.0, 4)}, *args)
+            return jnp.sum(weights * out), out
+
+        (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(factors)
+        return np.asarray(out), grad
+
+    out, grad = output_and_grad(lora.merge)
+    attached_out, attached_grad = output_and_grad(lora.attach)
+    assert float(np.abs(out - output_and_grad(lambda b, *_: b)[0]).max()) > 1e-3
+    np.testing.assert_allclose(attached_out, out, rtol=0, atol=1e-6 * np.abs(out).max())
+    _close(attached_grad, grad)
+
+
 def test_lora_merged_block_by_block_samples_as_the_merged_weights():
     """The rollout and the evaluation sample with LoRA's factors attached to the stacked
     kernels and merged inside the scan (`lora.attach`), one block at a time: the same

@@ -27,6 +27,8 @@ ACCELERATORS = {
         Accelerator("h200", "NVIDIA H200 SXM", 989e12, 4.8e12, 141),
         Accelerator("a100", "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80),
         Accelerator("b200", "NVIDIA B200 (HGX)", 2250e12, 8e12, 180),
+        # A researcher's own card: bf16 with float32 accumulation runs at half its fp16 rate.
+        Accelerator("rtx4090", "NVIDIA GeForce RTX 4090", 165.2e12, 1.008e12, 24),
         Accelerator("tpu-v5e", "Google TPU v5e", 197e12, 0.819e12, 16, gpu=False),
         Accelerator("tpu-v5p", "Google TPU v5p", 459e12, 2.765e12, 95, gpu=False),
         Accelerator("tpu-v6e", "Google TPU v6e (Trillium)", 918e12, 1.64e12, 32, gpu=False),

@@ -255,7 +255,9 @@ def step_layout(
     rank = int(config.lora.rank)
     return loss_settings, StepLayout(
         loss_fn,
-        merge=functools.partial(lora.merge, alpha=float(config.lora.alpha or rank), rank=rank),
+        # Factors merged block by block inside scanned runs, as the rollout samples: merged up
+        # front, the step would hold every adapted kernel twice (the float32 delta and the sum).
+        merge=functools.partial(lora.attach, alpha=float(config.lora.alpha or rank), rank=rank),
         frozen_shardings=base_shardings,
         ref_shardings=base_shardings if keeps_reference(config, objective) else None,
     )
