@@ -1,26 +1,21 @@
-"""Z-Image-Turbo with TreeGRPO: the tree, credit, precision and optimizer settings of
-configs/flux_treegrpo.py (BranchGRPO's released FLUX settings with TreeGRPO's sliding window
-of 4 BRANCH(2) SDE steps, 16 leaves per prompt) on the distilled Z-Image-Turbo at 512 px with
-the release's own sampling: 8 steps, the folder's static shift 3 and no classifier-free
-guidance (ZImagePipeline's guidance_scale 0; here 1.0, the package's "off"). No released
-GRPO code trains Z-Image; these are a starting point, not a paper's recipe.
+"""Z-Image-Turbo with TreeGRPO: configs/zimage_branchgrpo.py (BranchGRPO's released FLUX SDE,
+credit and optimizer settings on Flow-Factory's Z-Image-Turbo model and sampling settings:
+512 px, 6 steps on the folder's static shift 3, 10 evaluation steps, no classifier-free
+guidance) with TreeGRPO's tree: a window of 4 BRANCH(2) SDE steps (16 leaves per prompt)
+sliding one step every iteration, ODE elsewhere, leaf advantages averaged up the tree. No
+released code trains Z-Image with a tree method; these are a starting point, not a paper's
+recipe.
 
 python -m tree_grpo_jax.main --config=configs/zimage_treegrpo.py \
     --config.model.path=/path/to/Z-Image-Turbo --config.reward_models.hpsv2=/path/to/hpsv2.1
 """
 
-from configs import flux_branchgrpo
-from tree_grpo_jax.config import base_config
+from configs import zimage_branchgrpo
 
 
 def get_config():
-    c = flux_branchgrpo.release_settings(base_config())
+    c = zimage_branchgrpo.get_config()
     c.name = "zimage_treegrpo"
-    c.model.name = "zimage"
-    c.model.path = "Tongyi-MAI/Z-Image-Turbo"
-    c.model.zimage.resolution = 512
-    c.sampling.num_steps = 8
-    c.sampling.guidance_scale = 1.0  # distilled: no classifier-free guidance
     c.tree.method = "treegrpo"
     c.tree.window = 4
     c.tree.k = 2

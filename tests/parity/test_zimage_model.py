@@ -182,6 +182,7 @@ def test_a_treegrpo_iteration_and_the_export_pytorch_loads(zimage_folder, model,
         "--config.prompts.batch_size=1",
         "--config.prompts.eval_count=1",
         "--config.sampling.num_steps=3",
+        "--config.eval.num_steps=0",  # the training steps, not the release's evaluation steps
         "--config.tree.window=1",
         "--config.train.iterations=1",
         "--config.train.rows_per_minibatch=2",
