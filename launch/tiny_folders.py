@@ -1,26 +1,29 @@
-"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1 and Wan2.1 folders in the real
-diffusers layout, for a smoke run of those configs without downloading any weights.
+"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1, Wan2.1, Z-Image and Qwen-Image
+folders in the real diffusers layout, for a smoke run of those configs without downloading
+any weights.
 
-    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux,wan}
+    python launch/tiny_folders.py --out=/tmp/tiny_sd   # -> /tmp/tiny_sd/{sd15,sd35,flux,wan,...}
 
 Only the package's own dependencies are needed (`pip install -e .`): no torch. Each weight
-file is the project's Flax module for that component (our UNet, SD3 MMDiT, FLUX
-transformer and VAE; transformers' Flax CLIP towers; our T5 encoder), given
-seeded random values and written under diffusers' and transformers' PyTorch names and
-layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser) in
-safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
+file is the project's Flax module for that component (our UNet, SD3 MMDiT, FLUX, Z-Image and
+Qwen-Image transformers and VAEs; transformers' Flax CLIP towers; our T5 and decoder text
+encoders), given seeded random values and written under diffusers' and transformers' PyTorch
+names and layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser)
+in safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
 architectures are launch/tiny_architectures.py's tables, which the test fixtures build with
 torch too (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`, `tests/flux_fixtures.py`,
-`tests/wan_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
-MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
-scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
-shifted scheduler; Wan2.1's transformer (`WanTransformer3DModel`), video VAE, umT5 and
-UniPC flow scheduler; a few thousand times smaller than the releases. diffusers'
-`DiffusionPipeline.from_pretrained` reads the first three too
-(tests/parity/test_tiny_folders_in_diffusers.py); the Wan folder's VAE holds its decoder
-only (the half the library runs), so it is read by the project's loader, and by diffusers
-only component by component. The samples are noise: the folders check that a config runs,
-not what it learns.
+`tests/wan_fixtures.py`, `tests/zimage_fixtures.py`, `tests/qwenimage_fixtures.py`): SD1.5's
+UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's MMDiT with dual-attention layers,
+16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching scheduler; FLUX.1-dev's transformer with
+guidance embedding, CLIP-L, T5 and the dynamically shifted scheduler; Wan2.1's transformer
+(`WanTransformer3DModel`), video VAE, umT5 and UniPC flow scheduler; Z-Image-Turbo's
+transformer, 16-channel VAE, Qwen3 text model and statically shifted scheduler; Qwen-Image's
+transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma); a few
+thousand times smaller than the releases. diffusers' `DiffusionPipeline.from_pretrained`
+reads the first three too (tests/parity/test_tiny_folders_in_diffusers.py); the Wan and
+Qwen-Image folders' VAEs hold their decoders only and Qwen-Image's text encoder its language
+model only (the halves the library runs), so they are read by the project's loaders. The
+samples are noise: the folders check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
