@@ -1,13 +1,16 @@
-"""The tiny random SD1.5, SD3.5, FLUX.1 and Wan2.1 architectures, one table per family.
+"""The tiny random SD1.5, SD3.5, FLUX.1, Wan2.1, Z-Image and Qwen-Image architectures, one
+table per family.
 
 Each table maps a folder of the pipeline to the keyword arguments of the class it holds
 (diffusers' model or scheduler, transformers' text config), and "model_index" to the
 pipeline's model_index.json. launch/tiny_folders.py writes these models with numpy, no torch;
 the tests' fixtures (tests/sd_fixtures.py, tests/sd3_fixtures.py, tests/flux_fixtures.py,
-tests/wan_fixtures.py) build them with the PyTorch classes; tests/parity/ compares the two
-builds, so the one table keeps them the same architecture. Plain data, nothing imported: both
-the torch-free launcher and the tests read it. Sequences are tuples (a config.json holds them
-as lists); the vocabulary sizes and token ids come from the tokenizers, not from here.
+tests/wan_fixtures.py, tests/zimage_fixtures.py, tests/qwenimage_fixtures.py) build them with
+the PyTorch classes; tests/parity/ compares the two builds, so the one table keeps them the
+same architecture. Plain data, nothing imported: both the torch-free launcher and the tests
+read it. Sequences are tuples (a config.json holds them as lists); the vocabulary sizes and
+token ids come from the tokenizers, not from here (but for the decoder families' byte
+tokenizers, whose size is fixed).
 """
 
 # ---------------------------------------------------------------------------------------------
@@ -272,5 +275,164 @@ WAN = {
         "vae": ["diffusers", "AutoencoderKLWan"],
         "boundary_ratio": None,
         "expand_timesteps": False,
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# The decoder-text families' shared part: Qwen2-style byte-level tokenizers of 259 tokens (the
+# 256 bytes, <|endoftext|> and the two chat markers), so a vocabulary of 260.
+
+DECODER_VOCAB = 260
+
+# ---------------------------------------------------------------------------------------------
+# Z-Image-Turbo: ZImageTransformer2DModel, FLUX's 16-channel VAE, a Qwen3 text model, the
+# flow-matching scheduler at the release's static shift 3.
+
+ZIMAGE_TEXT_WIDTH = 32  # the Qwen3 hidden size, the transformer's cap_feat_dim (2560 released)
+ZIMAGE_RESOLUTION = 32  # pixels: the tiny VAE halves a side, so 16x16 latents, 64 patches
+ZIMAGE = {
+    "text_encoder": dict(  # Qwen3Config
+        vocab_size=DECODER_VOCAB,
+        hidden_size=ZIMAGE_TEXT_WIDTH,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+    ),
+    "transformer": dict(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=48,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        norm_eps=1e-5,
+        qk_norm=True,
+        cap_feat_dim=ZIMAGE_TEXT_WIDTH,
+        rope_theta=256.0,
+        t_scale=1000.0,
+        axes_dims=(8, 8, 8),
+        axes_lens=(128, 16, 16),
+    ),
+    "vae": dict(
+        **FLOW_VAE, sample_size=ZIMAGE_RESOLUTION, scaling_factor=0.3611, shift_factor=0.1159
+    ),
+    "scheduler": dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0),
+    "model_index": {
+        "_class_name": "ZImagePipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3Model"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "ZImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# Qwen-Image: QwenImageTransformer2DModel, the causal VAE (AutoencoderKLQwenImage, 8 pixels a
+# latent as released), Qwen2.5-VL (its language model and a vision tower), the flow-matching
+# scheduler with the release's dynamic shift and terminal sigma.
+
+QWENIMAGE_TEXT_WIDTH = 32  # the Qwen2.5-VL hidden size, joint_attention_dim (3584 released)
+QWENIMAGE_LATENT_CHANNELS = 16
+QWENIMAGE_RESOLUTION = 64  # pixels: 8 a latent, so 8x8 latents, 16 packed tokens
+QWENIMAGE = {
+    "text_encoder": dict(  # Qwen2_5_VLConfig's text_config
+        vocab_size=DECODER_VOCAB,
+        hidden_size=QWENIMAGE_TEXT_WIDTH,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 700.0, "mrope_section": [1, 1, 2]},
+    ),
+    "vision": dict(  # Qwen2_5_VLConfig's vision_config
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=QWENIMAGE_TEXT_WIDTH,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+        window_size=4,
+        fullatt_block_indexes=[0],
+    ),
+    "transformer": dict(
+        patch_size=2,
+        in_channels=4 * QWENIMAGE_LATENT_CHANNELS,
+        out_channels=QWENIMAGE_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=QWENIMAGE_TEXT_WIDTH,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    ),
+    "vae": dict(  # AutoencoderKLQwenImage
+        base_dim=8,
+        z_dim=QWENIMAGE_LATENT_CHANNELS,
+        dim_mult=(1, 2, 2, 2),
+        num_res_blocks=1,
+        temperal_downsample=(False, True, True),
+        latents_mean=(
+            0.0629,
+            -0.0661,
+            0.3202,
+            0.0525,
+            -0.2678,
+            0.1808,
+            0.652,
+            0.4735,
+            -0.3519,
+            -0.6327,
+            -0.3116,
+            0.0207,
+            -1.1625,
+            -0.1094,
+            -0.623,
+            -0.3661,
+        ),  # fmt: skip
+        latents_std=(
+            2.2264,
+            1.5829,
+            1.0994,
+            1.3454,
+            0.5566,
+            0.7486,
+            1.8412,
+            1.7944,
+            1.7308,
+            1.2674,
+            2.4944,
+            2.4617,
+            1.8711,
+            1.8009,
+            1.8769,
+            1.2778,
+        ),  # fmt: skip
+    ),
+    "scheduler": dict(  # Qwen/Qwen-Image's scheduler_config.json
+        num_train_timesteps=1000,
+        use_dynamic_shifting=True,
+        shift=1.0,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        base_shift=0.5,
+        max_shift=0.9,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    ),
+    "model_index": {
+        "_class_name": "QwenImagePipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
     },
 }

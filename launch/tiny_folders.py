@@ -1,26 +1,29 @@
-"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1 and Wan2.1 folders in the real
-diffusers layout, for a smoke run of those configs without downloading any weights.
+"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1, Wan2.1, Z-Image and Qwen-Image
+folders in the real diffusers layout, for a smoke run of those configs without downloading
+any weights.
 
-    python launch/tiny_folders.py --out=/tmp/tiny_sd      # -> /tmp/tiny_sd/{sd15,sd35,flux,wan}
+    python launch/tiny_folders.py --out=/tmp/tiny_sd   # -> /tmp/tiny_sd/{sd15,sd35,flux,wan,...}
 
 Only the package's own dependencies are needed (`pip install -e .`): no torch. Each weight
-file is the project's Flax module for that component (our UNet, SD3 MMDiT, FLUX
-transformer and VAE; transformers' Flax CLIP towers; our T5 encoder), given
-seeded random values and written under diffusers' and transformers' PyTorch names and
-layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser) in
-safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
+file is the project's Flax module for that component (our UNet, SD3 MMDiT, FLUX, Z-Image and
+Qwen-Image transformers and VAEs; transformers' Flax CLIP towers; our T5 and decoder text
+encoders), given seeded random values and written under diffusers' and transformers' PyTorch
+names and layouts (`weights.convert.flax_to_pytorch`, as `export` writes a trained denoiser)
+in safetensors, beside the config.json files and tokenizers those PyTorch classes read. The
 architectures are launch/tiny_architectures.py's tables, which the test fixtures build with
 torch too (`tests/sd_fixtures.py`, `tests/sd3_fixtures.py`, `tests/flux_fixtures.py`,
-`tests/wan_fixtures.py`): SD1.5's UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's
-MMDiT with dual-attention layers, 16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching
-scheduler; FLUX.1-dev's transformer with guidance embedding, CLIP-L, T5 and the dynamically
-shifted scheduler; Wan2.1's transformer (`WanTransformer3DModel`), video VAE, umT5 and
-UniPC flow scheduler; a few thousand times smaller than the releases. diffusers'
-`DiffusionPipeline.from_pretrained` reads the first three too
-(tests/parity/test_tiny_folders_in_diffusers.py); the Wan folder's VAE holds its decoder
-only (the half the library runs), so it is read by the project's loader, and by diffusers
-only component by component. The samples are noise: the folders check that a config runs,
-not what it learns.
+`tests/wan_fixtures.py`, `tests/zimage_fixtures.py`, `tests/qwenimage_fixtures.py`): SD1.5's
+UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's MMDiT with dual-attention layers,
+16-channel VAE, CLIP-L, CLIP-G, T5 and flow-matching scheduler; FLUX.1-dev's transformer with
+guidance embedding, CLIP-L, T5 and the dynamically shifted scheduler; Wan2.1's transformer
+(`WanTransformer3DModel`), video VAE, umT5 and UniPC flow scheduler; Z-Image-Turbo's
+transformer, 16-channel VAE, Qwen3 text model and statically shifted scheduler; Qwen-Image's
+transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma); a few
+thousand times smaller than the releases. diffusers' `DiffusionPipeline.from_pretrained`
+reads the first three too (tests/parity/test_tiny_folders_in_diffusers.py); the Wan and
+Qwen-Image folders' VAEs hold their decoders only and Qwen-Image's text encoder its language
+model only (the halves the library runs), so they are read by the project's loaders. The
+samples are noise: the folders check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
@@ -37,12 +40,19 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the package (when it is not installed) and the tables
-from launch.tiny_architectures import FLUX, SD15, SD35, WAN  # noqa: E402
+from launch.tiny_architectures import (  # noqa: E402
+    FLUX,
+    QWENIMAGE,
+    SD15,
+    SD35,
+    WAN,
+    ZIMAGE,
+)
 from tree_grpo_jax import interrupts  # noqa: E402
 from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
 from tree_grpo_jax.weights.staging import write_staged  # noqa: E402
 
-KINDS = ("sd15", "sd35", "flux", "wan")
+KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage")
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
@@ -109,6 +119,39 @@ def write_t5_tokenizer(folder: pathlib.Path) -> None:
         extra_ids=0,
         model_max_length=512,
     ).save_pretrained(folder)
+
+
+# Z-Image's and Qwen-Image's Qwen2 tokenizer: one token a byte (no merges), the chat markers
+# as special tokens, and a chat template in the shape of Qwen3's.
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+# One turn per message, then the assistant header; empty thinking only when it is disabled.
+CHAT_TEMPLATE = (
+    r"{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    r"'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    r"{% if enable_thinking is defined and enable_thinking is false %}"
+    r"{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
+
+
+def byte_characters() -> list[str]:
+    """The 256 characters byte-level BPE writes the bytes as (printable bytes as themselves,
+    the others shifted past 255)."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def byte_tokenizer(padding_side: str = "right"):
+    """A byte-level `Qwen2Tokenizer` of 259 tokens with a Qwen3-shaped chat template."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(byte_characters())}}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in CHAT_MARKERS])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = padding_side
+    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,12 +392,13 @@ def write_umt5(root, rng, **config) -> None:
     save_weights(root / "text_encoder", "model", pytorch_state(flat, ()))
 
 
-def write_wan_vae(root: pathlib.Path, config: dict, rng) -> None:
-    """`AutoencoderKLWan`'s decoder and post-quant conv, under its PyTorch names."""
+def write_causal_vae(root: pathlib.Path, pt_class: str, config: dict, rng) -> None:
+    """The causal VAE's decoder and post-quant conv (`AutoencoderKLWan`, or Qwen-Image's
+    `AutoencoderKLQwenImage`, the same decoder), under its PyTorch names."""
     from tree_grpo_jax.models import causal_vae
     from tree_grpo_jax.weights import convert
 
-    full = diffusers_config("AutoencoderKLWan", config)
+    full = diffusers_config(pt_class, config)
     shapes = convert.shapes_of(causal_vae.decoder_shapes(causal_vae.decoder_module(full)))
     flat = random_params(shapes, rng)
     state = pytorch_state({k: v for k, v in flat.items() if k[-1] != "scale"}, _WAN_VAE_LISTS)
@@ -372,12 +416,68 @@ def write_wan(root: pathlib.Path, rng) -> None:
 
     write_umt5(root, rng, **WAN["text_encoder"])
     write_denoiser(root, TRANSFORMER, WAN["transformer"], rng)
-    write_wan_vae(root, WAN["vae"], rng)
+    write_causal_vae(root, "AutoencoderKLWan", WAN["vae"], rng)
     write_scheduler(root, "UniPCMultistepScheduler", WAN["scheduler"])
     write_model_index(root, WAN["model_index"])
 
 
-WRITERS = {"sd15": write_sd15, "sd35": write_sd35, "flux": write_flux, "wan": write_wan}
+def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng) -> None:
+    """A transformers decoder text model folder (`text_config` saved as it is) with our
+    `DecoderTextModel`'s random weights under `prefix` + transformers' names, and the byte
+    tokenizer. Only the language model is written: the project's encoder reads no more."""
+    from flax.traverse_util import unflatten_dict
+
+    from tree_grpo_jax.models import decoder_text
+    from tree_grpo_jax.weights import convert, stacking
+
+    byte_tokenizer().save_pretrained(root / "tokenizer")
+    text_config.save_pretrained(root / "text_encoder")
+    raw = json.loads((root / "text_encoder" / "config.json").read_text())
+    module = decoder_text.DecoderTextModel(decoder_text.config_from_transformers(raw))
+    per_layer = stacking.unstack(dict(decoder_text.param_shapes(module)))
+    flat = random_params(convert.shapes_of(per_layer), rng)
+    state = convert.flax_to_pytorch(unflatten_dict(flat), list_names=("layers",))
+    save_weights(root / "text_encoder", "model", {prefix + k: v for k, v in state.items()})
+
+
+def write_zimage(root: pathlib.Path, rng) -> None:
+    from transformers import Qwen3Config
+
+    from tree_grpo_jax.models.zimage.load import TRANSFORMER
+
+    text_config = Qwen3Config(**ZIMAGE["text_encoder"])
+    text_config.architectures = ["Qwen3Model"]
+    write_decoder_text(root, text_config, "", rng)  # Qwen3Model's keys have no prefix
+    write_denoiser(root, TRANSFORMER, ZIMAGE["transformer"], rng)
+    write_vae(root, ZIMAGE["vae"], rng)
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", ZIMAGE["scheduler"])
+    write_model_index(root, ZIMAGE["model_index"])
+
+
+def write_qwenimage(root: pathlib.Path, rng) -> None:
+    from transformers import Qwen2_5_VLConfig
+
+    from tree_grpo_jax.models.qwenimage.load import TRANSFORMER
+
+    text_config = Qwen2_5_VLConfig(
+        text_config=QWENIMAGE["text_encoder"], vision_config=QWENIMAGE["vision"]
+    )
+    text_config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    write_decoder_text(root, text_config, "model.", rng)  # the keys save_pretrained writes
+    write_denoiser(root, TRANSFORMER, QWENIMAGE["transformer"], rng)
+    write_causal_vae(root, "AutoencoderKLQwenImage", QWENIMAGE["vae"], rng)
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", QWENIMAGE["scheduler"])
+    write_model_index(root, QWENIMAGE["model_index"])
+
+
+WRITERS = {
+    "sd15": write_sd15,
+    "sd35": write_sd35,
+    "flux": write_flux,
+    "wan": write_wan,
+    "zimage": write_zimage,
+    "qwenimage": write_qwenimage,
+}
 
 
 def write_folder(kind: str, folder, seed: int = 0) -> pathlib.Path:

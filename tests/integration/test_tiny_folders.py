@@ -61,7 +61,10 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kinds="], "error: --kinds names no kind; choose from sd15, sd35, flux, wan."),
+        (
+            ["--kinds="],
+            "error: --kinds names no kind; choose from sd15, sd35, flux, wan, zimage, qwenimage.",
+        ),
         (["--kinds=sd15,sdxl"], "error: unknown kind(s) ['sdxl']; choose from sd15, sd35,"),
         (["--out={file}"], "error: --out {file} is a file, not a folder; pass a folder."),
         (["--out={tmp}", "--kinds=sd15"], "error: {tmp}/sd15 exists and is not empty; --force"),
