@@ -3,15 +3,18 @@
 check, the module built from its `config.json`, its PyTorch safetensors converted to Flax
 params in numpy, the `models.export.Denoiser` that writes it back), the loaded model's
 record, the flow-matching scheduler's check and the shifted schedule FLUX.1 and Z-Image
-set it up with (`ShiftedFlowScheduleConfig`).
+set it up with (`ShiftedFlowScheduleConfig`), and the first steps a text-to-image family's
+loader and planner take on its folder (`ImageFolder`: configs read and checked, the sample
+shape and schedule, the transformer loaded or built).
 
-A family declares one `Component` with its own names; the reading, checking and writing is
-here once.
+A family declares one `Component` with its own names (and an `ImageFolder` with its own
+rules); the reading, checking and writing is here once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +46,12 @@ FLOW_SCHEDULER_FIXED = {
     "shift_terminal": None,
     "stochastic_sampling": False,
 }
+# The configs a transformer family's planner reads first (`abstract.read_configs`).
+TRANSFORMER_CONFIG = "transformer/config.json"
+VAE_CONFIG = "vae/config.json"
+SCHEDULER_CONFIG = "scheduler/scheduler_config.json"
+PIPELINE_CONFIGS = (TRANSFORMER_CONFIG, VAE_CONFIG, SCHEDULER_CONFIG)
+MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so the text encoders can be released
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -306,3 +315,85 @@ class Component:
         to them)."""
         folder = self.resolve(base_model_path) / self.folder
         return self.load(folder, jnp.float32)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedFolder:
+    """What `ImageFolder.open` read of a pipeline folder before the family's own parts."""
+
+    root: Path  # the local folder (a hub id resolved to its snapshot)
+    folders: dict[str, Path]  # `Component.pipeline`'s: the component's, `vae`, `scheduler`
+    vae_config: dict
+    sample_shape: tuple[int, ...]
+    schedule: Any  # the family's `ShiftedFlowScheduleConfig`
+    loaded: tuple  # `Component.load`'s (module, params, config)
+
+    @property
+    def module(self):
+        return self.loaded[0]
+
+    def model_fields(self, encoders, options: LoadOptions) -> dict:
+        """`model_fields` with the sample shape, the schedule and `prepare_prompts` (up to
+        `MAX_PREPARED_PROMPTS` prompts encoded ahead, then the text encoders released)."""
+        return dict(
+            **model_fields(self.root, self.loaded, self.vae_config, encoders, options),
+            sample_shape=self.sample_shape,
+            schedule_config=self.schedule,
+            prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFolder:
+    """A text-to-image family's pipeline folder as its loader and planner open it: the
+    trainable `component`, and the family's rules for its latents and their shifted schedule
+    from the transformer's, the VAE's and the scheduler's configs. The steps are the same for
+    every such family; the rules are its own."""
+
+    component: Component
+    check_channels: Callable  # (transformer config, vae config, where) -> None
+    sample_shape: Callable  # (transformer config, vae config, resolution) -> one latent's shape
+    image_tokens: Callable  # one latent's shape -> the schedule's image_seq_len
+    schedule_config: Callable  # (scheduler config, where, image_seq_len, static_shift)
+
+    def sampling(self, transformer_config, vae_config, scheduler_config, where, options):
+        """`(sample_shape, schedule)`: one latent for `options.resolution`, and the schedule
+        of the scheduler's config for its tokens, `options.shift` in place of the folder's."""
+        shape = self.sample_shape(transformer_config, vae_config, options.resolution)
+        tokens = self.image_tokens(shape)
+        return shape, self.schedule_config(scheduler_config, where, tokens, options.shift)
+
+    def open(self, path: str, dtype, options: LoadOptions) -> OpenedFolder:
+        """A loader's first steps on a pipeline folder (or hub id): its configs read and
+        checked, the sample shape and schedule, the trainable component loaded (last, as
+        the costly step)."""
+        component = self.component
+        root, folders = component.pipeline(path)
+        where = folders[component.folder] / "config.json"
+        transformer_config = files.read_json(where, component.point)
+        vae_config = files.read_json(folders["vae"] / "config.json", component.point)
+        self.check_channels(transformer_config, vae_config, root)
+        shape, schedule = self.sampling(
+            transformer_config, vae_config, *component.scheduler(folders), options
+        )
+        loaded = component.load_from(folders, dtype, options)
+        return OpenedFolder(root, folders, vae_config, shape, schedule, loaded)
+
+    def plan_transformer(self, configs, dtype, options: LoadOptions):
+        """A planner's first steps on a folder's `abstract.ModelConfigs` (`PIPELINE_CONFIGS`
+        among them): the channels checked, the component's module built."""
+        found = configs.files
+        transformer_config = found[f"{self.component.folder}/config.json"]
+        self.check_channels(transformer_config, found[VAE_CONFIG], Path(configs.where))
+        return self.component.from_configs(configs, dtype, options)
+
+    def plan_sampling(self, configs, options: LoadOptions):
+        """`sampling` on a folder's `abstract.ModelConfigs`."""
+        found = configs.files
+        return self.sampling(
+            found[f"{self.component.folder}/config.json"],
+            found[VAE_CONFIG],
+            found[SCHEDULER_CONFIG],
+            configs.path(SCHEDULER_CONFIG),
+            options,
+        )

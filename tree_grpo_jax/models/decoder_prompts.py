@@ -27,6 +27,8 @@ from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.text_encoders import read_config
 from tree_grpo_jax.weights import convert, files
 
+ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
+
 
 def split_conditioning(cond: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[P, L, hidden + 1] -> (prompt states [P, L, hidden], prompt mask [P, L] bool)."""
@@ -151,3 +153,40 @@ def load_encoder(
         return module.apply({"params": params}, ids, mask, layer=layer)
 
     return run, cast_floats(params, dtype)
+
+
+def load_cached_states(
+    cls: type[CachedPromptStates],
+    root: Path,
+    dtype,
+    *,
+    max_length: int,
+    width: tuple[str, int],
+    batch_size: int,
+    check_max_length: Callable[[int], None],
+    model_type: str,
+    what: str,
+    layer: int,
+    point: str,
+    chat_template: bool = False,
+):
+    """`cls`, a family's `CachedPromptStates`, of the `text_encoder/` and `tokenizer/` of a
+    pipeline folder `root`: `check_max_length` refuses a `max_length` the family cannot
+    give; `model_type`, `what`, `width`, `layer` are `load_encoder`'s, `chat_template`
+    `load_tokenizer`'s."""
+    folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), point)
+    tokenizer = load_tokenizer(
+        files.component_dir(root, TOKENIZER_FOLDER, (), point), point, chat_template
+    )
+    check_max_length(max_length)
+    run, params = load_encoder(
+        folder, dtype, model_type=model_type, what=what, width=width, layer=layer, point=point
+    )
+    return cls(
+        tokenizer=tokenizer,
+        run=run,
+        params=params,
+        max_length=max_length,
+        width=width[1],
+        batch_size=batch_size,
+    )

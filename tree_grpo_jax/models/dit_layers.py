@@ -293,6 +293,15 @@ class DiT(nn.Module):
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    def example_inputs(self) -> tuple:
+        """The smallest input the transformer takes (batch 1, one patch, one text token),
+        as `__call__`'s positional arguments: enough to trace the params' shapes."""
+        raise NotImplementedError
+
+    def init_weights(self, rng: jax.Array):
+        """Random params, traced from `example_inputs()`."""
+        return self.init(rng, *self.example_inputs())["params"]
+
     def check_dtype(self) -> None:
         if jnp.dtype(self.dtype) not in COMPUTE_DTYPES:
             raise ValueError(f"Compute dtype {self.dtype} is not float32 or bfloat16.")

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tree_grpo_jax.core.settings import Setting
 from tree_grpo_jax.errors import reason
 from tree_grpo_jax.weights.files import ModelLoadError
 
@@ -166,6 +167,25 @@ def pipeline_family(
         abstract=path_loader(f"{package}.abstract:abstract_{name}", taken, remat=True),
         **fields,
     )
+
+
+def square_resolution_setting(multiple: int | None = None) -> Setting:
+    """`resolution` of a text-to-image family whose pipeline draws 1024-pixel squares by
+    default through an 8x VAE: 0 keeps that default; `multiple` is the side's rule where the
+    family refuses other sides (one that rounds them names none)."""
+    rule = f", a multiple of {multiple}" if multiple else ""
+    return Setting(
+        0,
+        f"square image side in pixels{rule} (0: 1024); latents are 1/8 of it",
+        low=0,
+        note="0: 1024 px",
+    )
+
+
+def static_shift_setting(meaning: str, note: str = "0: the folder's schedule") -> Setting:
+    """`shift` of a flow-matching family: > 0 is a static sigma shift in place of the
+    folder's schedule, 0 keeps the folder's; `meaning` says so in the family's words."""
+    return Setting(0.0, meaning, low=0, note=note)
 
 
 def deferred_export(

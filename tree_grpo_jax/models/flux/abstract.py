@@ -9,8 +9,6 @@ wide as the transformer's `joint_attention_dim`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import autoencoder, components
@@ -19,11 +17,7 @@ from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.flux import load
 from tree_grpo_jax.models.flux.builtin import RELEASES
 
-TRANSFORMER, VAE, SCHEDULER = (
-    "transformer/config.json",
-    "vae/config.json",
-    "scheduler/scheduler_config.json",
-)
+TRANSFORMER, VAE, SCHEDULER = components.PIPELINE_CONFIGS
 CLIP, T5 = "text_encoder/config.json", "text_encoder_2/config.json"
 HINT = (
     "point --config.model.path at a diffusers-layout FLUX.1 folder (its JSON files are "
@@ -42,19 +36,14 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_flux(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (CLIP, T5), RELEASES, HINT)
-    found = configs.files
-    config, vae_config = found[TRANSFORMER], found[VAE]
-    load.check_latent_channels(config, vae_config, Path(configs.where))
-    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
+    configs = read_configs(path, components.PIPELINE_CONFIGS, (CLIP, T5), RELEASES, HINT)
+    transformer = load.FOLDER.plan_transformer(configs, dtype, options)
     check_text_widths(configs, transformer)
-    length = options.t5_max_length or load.default_t5_max_length(config)
+    length = options.t5_max_length or load.default_t5_max_length(configs.files[TRANSFORMER])
     if not 1 <= length <= 512:
         raise ModelLoadError(f"t5_max_length must be in [1, 512], got {length}.")
-    shape = load.sample_shape(config, vae_config, options.resolution)
-    schedule = load.schedule_config(
-        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), options.shift
-    )
+    shape, schedule = load.FOLDER.plan_sampling(configs, options)
+    vae_config = configs.files[VAE]
     vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
     width = max(transformer.joint_attention_dim, transformer.pooled_projection_dim)
     return components.abstract_model(

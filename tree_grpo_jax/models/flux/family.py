@@ -21,17 +21,9 @@ SETTINGS = {
         high=512,
         note="0: the release's",
     ),
-    "resolution": Setting(
-        0,
-        "square image side in pixels (0: 1024); latents are 1/8 of it",
-        low=0,
-        note="0: 1024 px",
-    ),
-    "shift": Setting(
-        0.0,
-        "> 0: a static sigma shift (the GRPO codes' 3) instead of the folder's",
-        low=0,
-        note="0: the folder's schedule",
+    "resolution": registry.square_resolution_setting(),  # rounded down as FluxPipeline does
+    "shift": registry.static_shift_setting(
+        "> 0: a static sigma shift (the GRPO codes' 3) instead of the folder's"
     ),
 }
 options = defaults_of(SETTINGS)

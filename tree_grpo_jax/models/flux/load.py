@@ -31,9 +31,7 @@ import jax.numpy as jnp
 from tree_grpo_jax.models import autoencoder, components, patches, text_encoders
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.flux import family, text, transformer
-from tree_grpo_jax.weights import files
 
-MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so T5 can be released (4.2 MB each)
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_LATENT_SIZE = 128  # the pipeline's default_sample_size: 1024 px with an 8x VAE
@@ -140,6 +138,11 @@ def default_t5_max_length(transformer_config: dict) -> int:
     return 512 if transformer_config.get("guidance_embeds", False) else 256
 
 
+FOLDER = components.ImageFolder(
+    TRANSFORMER, check_latent_channels, sample_shape, image_tokens, schedule_config
+)
+
+
 def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     """Loads a FLUX.1 pipeline folder (or hub id) as a TextToImageModel.
 
@@ -148,19 +151,13 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     what `model.remat` asks for).
     """
     options = load_options(**options)
-    root, folders = TRANSFORMER.pipeline(path)
-    transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
-    vae_config = files.read_json(folders["vae"] / "config.json", POINT)
-    check_latent_channels(transformer_config, vae_config, root)
-    shape = sample_shape(transformer_config, vae_config, options.resolution)
-    schedule = schedule_config(*TRANSFORMER.scheduler(folders), image_tokens(shape), options.shift)
-    loaded = TRANSFORMER.load_from(folders, dtype, options)
-    module, _, transformer_config = loaded
-    decode, vae_config = autoencoder.load_decode(
-        folders["vae"], dtype, POINT, options.decode_batch_size
+    opened = FOLDER.open(path, dtype, options)
+    module, _, transformer_config = opened.loaded
+    decode, _ = autoencoder.load_decode(
+        opened.folders["vae"], dtype, POINT, options.decode_batch_size
     )
     encoders = text.load_text_encoders(
-        root,
+        opened.root,
         dtype,
         t5_max_length=options.t5_max_length or default_t5_max_length(transformer_config),
         joint_attention_dim=module.joint_attention_dim,
@@ -169,11 +166,8 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
     guidance = float(options.guidance) if module.guidance_embeds else None
 
     return FluxModel(
-        **components.model_fields(root, loaded, vae_config, encoders, options),
-        sample_shape=shape,
-        denoise=make_denoise(module, guidance, float(schedule.num_train_timesteps)),
+        **opened.model_fields(encoders, options),
+        denoise=make_denoise(module, guidance, float(opened.schedule.num_train_timesteps)),
         decode=decode,
-        schedule_config=schedule,
-        prepare_prompts=functools.partial(encoders.encode_ahead, limit=MAX_PREPARED_PROMPTS),
         guidance=guidance,
     )

@@ -225,10 +225,6 @@ class FluxTransformer(DiT):
         self.check_dtype()
         self.check_runtime()
 
-    def init_weights(self, rng: jax.Array):
-        """Random params, from the smallest input (one image token, one text token)."""
-        return self.init(rng, *self.example_inputs())["params"]
-
     def example_inputs(self) -> tuple:
         """One image token, one text token, batch 1: enough to trace the params' shapes."""
         return (

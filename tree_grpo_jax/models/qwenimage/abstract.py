@@ -19,11 +19,6 @@ from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.models.qwenimage import load
 from tree_grpo_jax.models.qwenimage.builtin import RELEASES
 
-TRANSFORMER, VAE, SCHEDULER = (
-    "transformer/config.json",
-    "vae/config.json",
-    "scheduler/scheduler_config.json",
-)
 TEXT = "text_encoder/config.json"
 HINT = (
     "point --config.model.path at a diffusers-layout Qwen-Image folder (its JSON files are "
@@ -50,21 +45,18 @@ def abstract_qwenimage(path: str, dtype=jnp.float32, **options) -> AbstractModel
     """What `load.load_qwenimage(path, dtype, **options)` would load, as shapes; reads JSON
     files only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
-    found = configs.files
-    config, vae_config = found[TRANSFORMER], found[VAE]
-    load.check_latent_channels(config, vae_config, Path(configs.where))
-    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
+    configs = read_configs(path, components.PIPELINE_CONFIGS, (TEXT,), RELEASES, HINT)
+    transformer = load.FOLDER.plan_transformer(configs, dtype, options)
     width = transformer.joint_attention_dim
-    check_text_width(found.get(TEXT), configs.path(TEXT), width)
-    shape = load.sample_shape(config, vae_config, options.resolution)
-    schedule = load.schedule_config(
-        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), options.shift
-    )
+    check_text_width(configs.files.get(TEXT), configs.path(TEXT), width)
+    shape, schedule = load.FOLDER.plan_sampling(configs, options)
+    vae_config = configs.files[components.VAE_CONFIG]
     try:
         vae = causal_vae.decoder_module(vae_config, dtype)
     except ValueError as e:
-        raise ModelLoadError(f"{configs.path(VAE)}: {str(e).rstrip('.')}; {HINT}.") from None
+        raise ModelLoadError(
+            f"{configs.path(components.VAE_CONFIG)}: {str(e).rstrip('.')}; {HINT}."
+        ) from None
     decode_params = jax.eval_shape(lambda p: cast_floats(p, dtype), causal_vae.decoder_shapes(vae))
     return components.abstract_model(
         configs,

@@ -26,18 +26,10 @@ SETTINGS = {
         high=TEXT_MAX_KEPT,
         note="QwenImagePipeline's max_sequence_length 512",
     ),
-    "resolution": Setting(
-        0,
-        "square image side in pixels, a multiple of 16 (0: 1024); latents are 1/8 of it",
-        low=0,
-        note="0: 1024 px",
-    ),
-    "shift": Setting(
-        0.0,
+    "resolution": registry.square_resolution_setting(multiple=16),
+    "shift": registry.static_shift_setting(
         "> 0: a static sigma shift instead of the folder's (the release's dynamic shift with "
-        "its terminal sigma 0.02)",
-        low=0,
-        note="0: the folder's schedule",
+        "its terminal sigma 0.02)"
     ),
 }
 options = defaults_of(SETTINGS)

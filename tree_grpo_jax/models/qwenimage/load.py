@@ -40,9 +40,7 @@ import numpy as np
 from tree_grpo_jax.models import causal_vae, components, decoder_prompts, patches
 from tree_grpo_jax.models.base import Decoder, ModelLoadError
 from tree_grpo_jax.models.qwenimage import family, text, transformer
-from tree_grpo_jax.weights import files
 
-MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so the text encoder can be released
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_RESOLUTION = 1024  # the pipeline's default height and width
@@ -171,6 +169,11 @@ def image_decoder(module, vae_config: dict, dtype, batch_size: int):
     return decode
 
 
+FOLDER = components.ImageFolder(
+    TRANSFORMER, check_latent_channels, sample_shape, image_tokens, schedule_config
+)
+
+
 def load_qwenimage(path: str, dtype=jnp.float32, **options) -> QwenImageModel:
     """Loads a Qwen-Image pipeline folder (or hub id) as a TextToImageModel.
 
@@ -179,24 +182,15 @@ def load_qwenimage(path: str, dtype=jnp.float32, **options) -> QwenImageModel:
     is what `model.remat` asks for).
     """
     options = load_options(**options)
-    root, folders = TRANSFORMER.pipeline(path)
-    transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
-    vae_config = files.read_json(folders["vae"] / "config.json", POINT)
-    check_latent_channels(transformer_config, vae_config, root)
-    shape = sample_shape(transformer_config, vae_config, options.resolution)
-    schedule = schedule_config(*TRANSFORMER.scheduler(folders), image_tokens(shape), options.shift)
-    loaded = TRANSFORMER.load_from(folders, dtype, options)
-    module = loaded[0]
-    decoder, decoder_params, _ = causal_vae.load_decoder(folders["vae"], dtype, POINT)
-    decode = image_decoder(decoder, vae_config, dtype, options.decode_batch_size)
+    opened = FOLDER.open(path, dtype, options)
+    module = opened.module
+    decoder, decoder_params, _ = causal_vae.load_decoder(opened.folders["vae"], dtype, POINT)
+    decode = image_decoder(decoder, opened.vae_config, dtype, options.decode_batch_size)
     encoder = text.load_text_encoder(
-        root, dtype, max_length=options.text_max_length, width=module.joint_attention_dim
+        opened.root, dtype, max_length=options.text_max_length, width=module.joint_attention_dim
     )
     return QwenImageModel(
-        **components.model_fields(root, loaded, vae_config, encoder, options),
-        sample_shape=shape,
-        denoise=make_denoise(module, float(schedule.num_train_timesteps)),
+        **opened.model_fields(encoder, options),
+        denoise=make_denoise(module, float(opened.schedule.num_train_timesteps)),
         decode=Decoder(decode, decoder_params),
-        schedule_config=schedule,
-        prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
     )

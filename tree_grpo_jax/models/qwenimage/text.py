@@ -31,10 +31,8 @@ import numpy as np
 
 from tree_grpo_jax.models import decoder_prompts, decoder_text
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Qwen-Image folder"
-ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
 DROP = decoder_text.QWEN_IMAGE_DROP
 
 
@@ -77,25 +75,16 @@ def load_text_encoder(
     """The text side of a diffusers-layout Qwen-Image folder at `root`: `dtype` is the
     encoder's param and compute dtype (embeddings are cached in float32); its hidden size
     must be the transformer's `joint_attention_dim` (`width`)."""
-    folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), POINT)
-    tokenizer = decoder_prompts.load_tokenizer(
-        files.component_dir(root, TOKENIZER_FOLDER, (), POINT), POINT
-    )
-    check_max_length(max_length)
-    run, params = decoder_prompts.load_encoder(
-        folder,
+    return decoder_prompts.load_cached_states(
+        QwenImageTextEncoder,
+        root,
         dtype,
+        max_length=max_length,
+        width=("joint_attention_dim", width),
+        batch_size=batch_size,
+        check_max_length=check_max_length,
         model_type="qwen2_5_vl",
         what="a Qwen2.5-VL text encoder",
-        width=("joint_attention_dim", width),
         layer=decoder_text.QWEN_IMAGE_LAYER,
         point=POINT,
-    )
-    return QwenImageTextEncoder(
-        tokenizer=tokenizer,
-        run=run,
-        params=params,
-        max_length=max_length,
-        width=width,
-        batch_size=batch_size,
     )

@@ -264,10 +264,6 @@ class QwenImageTransformer(DiT):
         self.check_dtype()
         self.check_runtime()
 
-    def init_weights(self, rng: jax.Array):
-        """Random params, from the smallest input (one image token, one text token)."""
-        return self.init(rng, *self.example_inputs())["params"]
-
     def example_inputs(self) -> tuple:
         """One image token, one text token, batch 1, no mask: enough to trace the params'
         shapes."""

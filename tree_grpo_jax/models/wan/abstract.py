@@ -19,11 +19,7 @@ from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.wan import load
 from tree_grpo_jax.models.wan.builtin import RELEASES
 
-TRANSFORMER, VAE, SCHEDULER = (
-    "transformer/config.json",
-    "vae/config.json",
-    "scheduler/scheduler_config.json",
-)
+TRANSFORMER, VAE, SCHEDULER = components.PIPELINE_CONFIGS
 TEXT = "text_encoder/config.json"
 HINT = (
     "point --config.model.path at a diffusers-layout Wan2.1 text-to-video folder (its JSON "
@@ -40,7 +36,7 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_wan(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
+    configs = read_configs(path, components.PIPELINE_CONFIGS, (TEXT,), RELEASES, HINT)
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_channels(config, vae_config, Path(configs.where))

@@ -60,11 +60,9 @@ SETTINGS = {
         "frames per video, 4k + 1 (latent frames: k + 1)",
         check=_frames_sentence,
     ),
-    "shift": Setting(
-        0.0,
+    "shift": registry.static_shift_setting(
         "> 0: the sigma shift (the scheduler's flow_shift; Wan uses 3 at 480p, 5 at 720p) in "
         "place of the folder's; 0: the folder's scheduler config",
-        low=0,
         note="0: the folder's flow_shift",
     ),
     "t5_max_length": Setting(

@@ -306,10 +306,6 @@ class WanTransformer(DiT):
         self.check_dtype()
         self.check_runtime()
 
-    def init_weights(self, rng: jax.Array):
-        """Random params, from the smallest input (one patch, one text token)."""
-        return self.init(rng, *self.example_inputs())["params"]
-
     def example_inputs(self) -> tuple:
         """One patch of latents, one timestep, one text token, batch 1: enough to trace the
         params' shapes."""

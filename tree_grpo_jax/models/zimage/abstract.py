@@ -7,8 +7,6 @@ The conditioning is what `decoder_prompts.pack_embeddings` makes of the text enc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax.numpy as jnp
 
 from tree_grpo_jax.models import autoencoder, components
@@ -16,11 +14,6 @@ from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.zimage import load
 from tree_grpo_jax.models.zimage.builtin import RELEASES
 
-TRANSFORMER, VAE, SCHEDULER = (
-    "transformer/config.json",
-    "vae/config.json",
-    "scheduler/scheduler_config.json",
-)
 TEXT = "text_encoder/config.json"
 HINT = (
     "point --config.model.path at a diffusers-layout Z-Image folder (its JSON files are enough), "
@@ -32,18 +25,13 @@ def abstract_zimage(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_zimage(path, dtype, **options)` would load, as shapes; reads JSON
     files only."""
     options = load.load_options(**options)
-    configs = read_configs(path, (TRANSFORMER, VAE, SCHEDULER), (TEXT,), RELEASES, HINT)
-    found = configs.files
-    config, vae_config = found[TRANSFORMER], found[VAE]
-    load.check_latent_channels(config, vae_config, Path(configs.where))
-    transformer = load.TRANSFORMER.from_configs(configs, dtype, options)
+    configs = read_configs(path, components.PIPELINE_CONFIGS, (TEXT,), RELEASES, HINT)
+    transformer = load.FOLDER.plan_transformer(configs, dtype, options)
     width = transformer.cap_feat_dim
     configs.check_width(TEXT, "hidden_size", width, "cap_feat_dim", HINT)
-    shape = load.sample_shape(config, vae_config, options.resolution)
-    schedule = load.schedule_config(
-        found[SCHEDULER], configs.path(SCHEDULER), load.image_tokens(shape), options.shift
-    )
-    vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
+    shape, schedule = load.FOLDER.plan_sampling(configs, options)
+    vae_config = configs.files[components.VAE_CONFIG]
+    vae = autoencoder.vae_module(vae_config, configs.path(components.VAE_CONFIG), dtype)
     return components.abstract_model(
         configs,
         transformer,

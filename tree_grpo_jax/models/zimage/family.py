@@ -31,17 +31,9 @@ SETTINGS = {
         low=1,
         note="ZImagePipeline's max_sequence_length",
     ),
-    "resolution": Setting(
-        0,
-        "square image side in pixels, a multiple of 16 (0: 1024); latents are 1/8 of it",
-        low=0,
-        note="0: 1024 px",
-    ),
-    "shift": Setting(
-        0.0,
-        "> 0: a static sigma shift instead of the folder's (the release's static 3)",
-        low=0,
-        note="0: the folder's schedule",
+    "resolution": registry.square_resolution_setting(multiple=16),
+    "shift": registry.static_shift_setting(
+        "> 0: a static sigma shift instead of the folder's (the release's static 3)"
     ),
 }
 options = defaults_of(SETTINGS)

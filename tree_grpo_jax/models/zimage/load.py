@@ -34,9 +34,7 @@ import jax.numpy as jnp
 from tree_grpo_jax.models import autoencoder, components, decoder_prompts
 from tree_grpo_jax.models.base import ModelLoadError
 from tree_grpo_jax.models.zimage import family, text, transformer
-from tree_grpo_jax.weights import files
 
-MAX_PREPARED_PROMPTS = 1024  # prompts encoded ahead so the text encoder can be released
 POINT = text.POINT
 HUB_PATTERNS = components.PIPELINE_PATTERNS
 DEFAULT_RESOLUTION = 1024  # the pipeline's default height and width
@@ -134,6 +132,11 @@ def check_latent_channels(transformer_config: dict, vae_config: dict, where: Pat
         )
 
 
+FOLDER = components.ImageFolder(
+    TRANSFORMER, check_latent_channels, sample_shape, image_tokens, schedule_config
+)
+
+
 def load_zimage(path: str, dtype=jnp.float32, **options) -> ZImageModel:
     """Loads a Z-Image pipeline folder (or hub id) as a TextToImageModel.
 
@@ -142,25 +145,16 @@ def load_zimage(path: str, dtype=jnp.float32, **options) -> ZImageModel:
     is what `model.remat` asks for).
     """
     options = load_options(**options)
-    root, folders = TRANSFORMER.pipeline(path)
-    transformer_config = files.read_json(folders["transformer"] / "config.json", POINT)
-    vae_config = files.read_json(folders["vae"] / "config.json", POINT)
-    check_latent_channels(transformer_config, vae_config, root)
-    shape = sample_shape(transformer_config, vae_config, options.resolution)
-    schedule = schedule_config(*TRANSFORMER.scheduler(folders), image_tokens(shape), options.shift)
-    loaded = TRANSFORMER.load_from(folders, dtype, options)
-    module = loaded[0]
-    decode, vae_config = autoencoder.load_decode(
-        folders["vae"], dtype, POINT, options.decode_batch_size
+    opened = FOLDER.open(path, dtype, options)
+    module = opened.module
+    decode, _ = autoencoder.load_decode(
+        opened.folders["vae"], dtype, POINT, options.decode_batch_size
     )
     encoder = text.load_text_encoder(
-        root, dtype, max_length=options.text_max_length, width=module.cap_feat_dim
+        opened.root, dtype, max_length=options.text_max_length, width=module.cap_feat_dim
     )
     return ZImageModel(
-        **components.model_fields(root, loaded, vae_config, encoder, options),
-        sample_shape=shape,
-        denoise=make_denoise(module, float(schedule.num_train_timesteps)),
+        **opened.model_fields(encoder, options),
+        denoise=make_denoise(module, float(opened.schedule.num_train_timesteps)),
         decode=decode,
-        schedule_config=schedule,
-        prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
     )

@@ -26,10 +26,8 @@ import numpy as np
 
 from tree_grpo_jax.models import decoder_prompts, decoder_text
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.weights import files
 
 POINT = "point --config.model.path at a local diffusers-layout Z-Image folder"
-ENCODER_FOLDER, TOKENIZER_FOLDER = "text_encoder", "tokenizer"
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -44,32 +42,28 @@ class ZImageTextEncoder(decoder_prompts.CachedPromptStates):
         return decoder_text.z_image_prompt_embeds(np.float32(hidden), mask)
 
 
+def check_max_length(max_length: int) -> None:
+    if max_length < 1:
+        raise ModelLoadError(f"the text max_length must be at least 1, got {max_length}.")
+
+
 def load_text_encoder(
     root: Path, dtype=jnp.float32, *, max_length: int, width: int, batch_size: int = 8
 ) -> ZImageTextEncoder:
     """The text side of a diffusers-layout Z-Image folder at `root`: `dtype` is the encoder's
     param and compute dtype (embeddings are cached in float32); its hidden size must be the
     transformer's `cap_feat_dim` (`width`)."""
-    folder = files.component_dir(root, ENCODER_FOLDER, ("config.json",), POINT)
-    tokenizer = decoder_prompts.load_tokenizer(
-        files.component_dir(root, TOKENIZER_FOLDER, (), POINT), POINT, chat_template=True
-    )
-    if max_length < 1:
-        raise ModelLoadError(f"the text max_length must be at least 1, got {max_length}.")
-    run, params = decoder_prompts.load_encoder(
-        folder,
+    return decoder_prompts.load_cached_states(
+        ZImageTextEncoder,
+        root,
         dtype,
+        max_length=max_length,
+        width=("cap_feat_dim", width),
+        batch_size=batch_size,
+        check_max_length=check_max_length,
         model_type="qwen3",
         what="a Qwen3 text encoder",
-        width=("cap_feat_dim", width),
         layer=decoder_text.Z_IMAGE_LAYER,
         point=POINT,
-    )
-    return ZImageTextEncoder(
-        tokenizer=tokenizer,
-        run=run,
-        params=params,
-        max_length=max_length,
-        width=width,
-        batch_size=batch_size,
+        chat_template=True,
     )

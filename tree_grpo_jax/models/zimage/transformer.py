@@ -344,10 +344,6 @@ class ZImageTransformer(DiT):
         self.check_dtype()
         self.check_runtime()
 
-    def init_weights(self, rng: jax.Array):
-        """Random params, from the smallest input (one patch, one caption token)."""
-        return self.init(rng, *self.example_inputs())["params"]
-
     def example_inputs(self) -> tuple:
         p = self.patch
         return (
