@@ -158,21 +158,24 @@ def _loss_and_grads(settings: LossSettings, layout: StepLayout):
 
 
 def _apply(tx, state: TrainState, grads, lr, loss=0.0, *, one_vector=False):
-    """The optimizer's update from `grads` at rate `lr`. A non-finite loss, gradient or result
-    leaves the state as it was and is reported: the trainer stops, and nothing non-finite
-    can reach a checkpoint. With `one_vector` (see `_one_vector_fits`) the update runs on the
+    """The optimizer's update from `grads` at rate `lr`. A non-finite loss or gradient leaves
+    the state as it was; either, or a non-finite result, is reported: the trainer stops
+    before its next checkpoint, so nothing non-finite can reach one. With `one_vector` (see `_one_vector_fits`) the update runs on the
     parameters laid end to end: the same arithmetic, a sixth of the program."""
     if one_vector and _one_vector_fits(state.params):
         return _apply_to_one_vector(tx, state, grads, lr, loss)
+    grad_norm = optax.global_norm(grads)
+    # Known before the update, so that each array is updated in place: a condition on the
+    # new parameters would hold all of them and the new moments until it was known.
+    finite_inputs = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    keep = lambda new, old: jnp.where(finite_inputs, new, old)  # noqa: E731
     params = jax.tree_util.tree_map(keep, params, state.params)
     opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
     state = state.replace(params=params, opt_state=opt_state)
+    finite = finite_inputs & _all_finite(params)
     return state, {"grad_norm": grad_norm, "finite": finite}
 
 
