@@ -5,10 +5,7 @@ BranchGRPO training iteration from configs/flux_branchgrpo.py, the export and a 
 loaded back by PyTorch, loading without torch and bad folders."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +16,13 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
+import family_checks  # noqa: E402
 from flux_fixtures import RESOLUTION, SCHEDULER_CONFIG  # noqa: E402
 
 from tree_grpo_jax.models import patches  # noqa: E402
 from tree_grpo_jax.models.flux import transformer  # noqa: E402
 from tree_grpo_jax.models.flux.load import FluxScheduleConfig, load_flux  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = " ".join(["a photo of a cat"] * 40)  # past CLIP's 77 tokens and T5's 64
 PROMPTS = ["a photo of a cat", "", LONG]
 T5_TOKENS = 64
@@ -187,51 +184,21 @@ def _our_velocity(model, params, x, context, pooled, sigma):
 def test_a_training_iteration_and_the_export_pytorch_loads(folder, model, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from tree_grpo_jax.cli import export
-    from tree_grpo_jax.run.checkpoint import Checkpointer
-
     workdir, out = tmp_path / "run", tmp_path / "exported"
     overrides = [
         f"--config.model.path={folder}",
-        f"--workdir={workdir}",
-        "--config.model.compute_dtype=float32",
-        "--config.model.remat=False",
         f"--config.model.flux.resolution={RESOLUTION}",
         "--config.model.flux.t5_max_length=8",
-        "--config.rewards=jpeg_compressibility",
-        "--config.prompts.batch_size=1",
-        "--config.prompts.eval_count=1",
-        "--config.sampling.num_steps=3",
         "--config.tree.split_steps=(0,1)",
-        "--config.train.iterations=1",
         "--config.train.rows_per_minibatch=4",
-        "--config.train.grad_accumulation=1",
-        "--config.train.learning_rate=1e-3",
-        "--config.eval.every=0",
-        "--config.checkpoint.every=1",
-        "--config.log.tensorboard=False",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # torch is a test-only dependency: loading, training and evaluating never import it.
-    no_torch = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
+    family_checks.train_one_iteration_without_torch(
+        "configs/flux_branchgrpo.py",
+        workdir,
+        overrides,
+        released="prompts encoded ahead; T5 released",
     )
-    run = subprocess.run(
-        [sys.executable, "-c", no_torch, "--config=configs/flux_branchgrpo.py", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "prompts encoded ahead; T5 released" in run.stdout + run.stderr
-    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert any("train/loss" in m and np.isfinite(m["train/loss"]) for m in metrics)
-
-    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 0
-    trained = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
-    changed = jax.tree_util.tree_map(
-        lambda a, b: float(jnp.abs(a - b).max()), trained, model.params
-    )
-    assert max(jax.tree_util.tree_leaves(changed)) > 0  # the iteration moved the weights
+    trained = family_checks.export_the_trained_params(workdir, out, model.params)
 
     pt = FluxTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
     inputs = _random_inputs()
@@ -251,20 +218,13 @@ def test_lora_export_loads_into_the_pipeline(model, pipe, tmp_path):
     assert "single_transformer_blocks_0/attn/to_q" in modules
     assert "transformer_blocks_0/attn/to_out_0" in modules
     assert not any("add_" in m or "proj_out" in m for m in modules)
-    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
-    # B starts at zero (PEFT's init); give it values so the adapter changes the output.
-    factors = jax.tree_util.tree_map(
-        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
+    factors = family_checks.random_lora(model.params, paths)
+    out = family_checks.export_lora(factors, family, tmp_path / "lora")
+    inputs = _random_inputs(seed=4)
+    expected = family_checks.with_lora_loaded(
+        pipe, out, lambda pt: _pytorch_velocity(pt, *inputs, guidance=3.5)
     )
-    out = lora.export_lora(factors, family.export.component, 2, 4.0, tmp_path / "lora")
-    pipe.load_lora_weights(str(out))
-    try:
-        inputs = _random_inputs(seed=4)
-        expected = _pytorch_velocity(pipe.transformer, *inputs, guidance=3.5)
-    finally:
-        pipe.unload_lora_weights()
-    merged = lora.merge(model.params, factors, 4.0, 2)
-    got = _our_velocity(model, merged, *inputs)
+    got = _our_velocity(model, family_checks.merged(model.params, factors), *inputs)
     base = _our_velocity(model, model.params, *inputs)
     assert np.abs(expected - base).max() > 1e-3  # the adapter is not a no-op
     np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, np.abs(expected).max()))

@@ -4,11 +4,6 @@ from. Classifier-free guidance stays off throughout (`true_cfg_scale=1`, no nega
 the pipeline's true CFG rescales the guided prediction to the conditional one's norm, which
 is not the package's guidance, and the denoiser here is the conditional prediction."""
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +14,11 @@ from tree_grpo_jax.models import decoder_prompts, patches
 from tree_grpo_jax.models.base import Sampling
 
 torch = pytest.importorskip("torch")
+import family_checks  # noqa: E402
 from qwenimage_fixtures import LATENT_CHANNELS, RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
 from tree_grpo_jax.models.qwenimage import transformer  # noqa: E402
 from tree_grpo_jax.models.qwenimage.load import load_qwenimage, schedule_config  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The byte tokenizer spends a token a byte: the system turn left after the 34 dropped
 # tokens is ~130 states, so a prompt of ~20 characters is ~150 and LONG is past 160.
@@ -183,61 +177,31 @@ def test_a_treegrpo_iteration_and_the_export_pytorch_loads(qwenimage_folder, mod
     prompt), the export loads in PyTorch and computes what the trained params compute."""
     from diffusers import QwenImageTransformer2DModel
 
-    from tree_grpo_jax.cli import export
     from tree_grpo_jax.models import registry
-    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     assert registry.family_of_folder(str(qwenimage_folder)).name == "qwenimage"
     workdir, out = tmp_path / "run", tmp_path / "exported"
     overrides = [
         "--config.model.name=qwenimage",
         f"--config.model.path={qwenimage_folder}",
-        f"--workdir={workdir}",
-        "--config.model.compute_dtype=float32",
-        "--config.model.remat=False",
         f"--config.model.qwenimage.resolution={RESOLUTION}",
         f"--config.model.qwenimage.text_max_length={TEXT_TOKENS}",
-        "--config.rewards=jpeg_compressibility",
-        "--config.prompts.batch_size=1",
-        "--config.prompts.eval_count=1",
-        "--config.sampling.num_steps=3",
         "--config.eval.num_steps=0",  # the training steps, not the release's evaluation steps
         "--config.tree.window=1",
-        "--config.train.iterations=1",
         "--config.train.rows_per_minibatch=2",
-        "--config.train.grad_accumulation=1",
-        "--config.train.learning_rate=1e-3",
-        "--config.eval.every=0",
-        "--config.checkpoint.every=1",
-        "--config.log.tensorboard=False",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # torch is a test-only dependency: loading, training and evaluating never import it.
-    no_torch = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
+    family_checks.train_one_iteration_without_torch(
+        "configs/qwenimage_treegrpo.py",
+        workdir,
+        overrides,
+        released="prompts encoded ahead; text encoder released",
     )
-    run = subprocess.run(
-        [sys.executable, "-c", no_torch, "--config=configs/qwenimage_treegrpo.py", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "prompts encoded ahead; text encoder released" in run.stdout + run.stderr
-    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert any("train/loss" in m and np.isfinite(m["train/loss"]) for m in metrics)
-
-    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 0
-    trained = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
-    changed = jax.tree_util.tree_map(
-        lambda a, b: float(jnp.abs(a - b).max()), trained, model.params
-    )
-    assert max(jax.tree_util.tree_leaves(changed)) > 0  # the iteration moved the weights
+    trained = family_checks.export_the_trained_params(workdir, out, model.params)
 
     pt = QwenImageTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
-    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (5, 37)]
-    sigma = np.array([0.9, 0.25], "f4")
+    x, embeds, sigma = family_checks.random_velocity_inputs(
+        3, model.sample_shape, TEXT_WIDTH, lengths=(5, 37), sigmas=(0.9, 0.25)
+    )
     expected = _pytorch_velocity(pt, pipe, x, embeds, sigma)
     got = _our_velocity(model, trained, x, embeds, sigma)
     diff = np.abs(got - expected).max()
@@ -255,30 +219,18 @@ def test_lora_export_loads_into_the_pipeline(model, pipe, tmp_path):
     family = registry.family_of("qwenimage")
     paths = lora.target_paths(model.params, family.lora_targets)
     assert paths and all("transformer_blocks" in "/".join(map(str, p)) for p in paths)
-    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
-    # B starts at zero (PEFT's init); give it values so the adapter changes the output.
-    factors = jax.tree_util.tree_map(
-        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
-    )
+    factors = family_checks.random_lora(model.params, paths)
     assert family.export.list_names == transformer.MODULE_LISTS
-    out = lora.export_lora(
-        factors,
-        family.export.component,
-        2,
-        4.0,
-        tmp_path / "lora",
-        list_names=transformer.MODULE_LISTS,
+    out = family_checks.export_lora(
+        factors, family, tmp_path / "lora", list_names=transformer.MODULE_LISTS
     )
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
-    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (9, 21)]
-    sigma = np.array([0.7, 0.4], "f4")
-    pipe.load_lora_weights(str(out))
-    try:
-        expected = _pytorch_velocity(pipe.transformer, pipe, x, embeds, sigma)
-    finally:
-        pipe.unload_lora_weights()
-    got = _our_velocity(model, lora.merge(model.params, factors, 4.0, 2), x, embeds, sigma)
+    x, embeds, sigma = family_checks.random_velocity_inputs(
+        4, model.sample_shape, TEXT_WIDTH, lengths=(9, 21), sigmas=(0.7, 0.4)
+    )
+    expected = family_checks.with_lora_loaded(
+        pipe, out, lambda pt: _pytorch_velocity(pt, pipe, x, embeds, sigma)
+    )
+    got = _our_velocity(model, family_checks.merged(model.params, factors), x, embeds, sigma)
     base = _our_velocity(model, model.params, x, embeds, sigma)
     diff = np.abs(got - expected).max()
     print(f"LoRA velocity max abs difference {diff:.2e}, moved {np.abs(expected - base).max():.2e}")

@@ -13,41 +13,27 @@ from tree_grpo_jax.models import causal_vae
 from tree_grpo_jax.models.base import ModelLoadError
 
 torch = pytest.importorskip("torch")
-from sd_fixtures import perturb  # noqa: E402
+from causal_vae_fixtures import (  # noqa: E402
+    TINY,
+    Z_DIM,
+    decode_reference,
+    random_torch_vae,
+    saved_vae_folder,
+)
 
 HINT = "point model.path at a Wan2.1 diffusers folder"
-Z_DIM = 4
-# Four levels as Wan2.1 has (8x in space), two of them doubling the frames (4x in time).
-TINY = dict(
-    base_dim=8,
-    z_dim=Z_DIM,
-    dim_mult=[1, 2, 2, 2],
-    num_res_blocks=1,
-    temperal_downsample=[False, True, True],
-)
 
 
 @pytest.fixture(scope="module")
 def torch_vae():
     from diffusers import AutoencoderKLWan
 
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(0)
-    rng = np.random.default_rng(0)
-    model = AutoencoderKLWan(
-        **TINY,
-        latents_mean=rng.normal(0.0, 0.5, Z_DIM).round(4).tolist(),
-        latents_std=rng.uniform(0.5, 2.5, Z_DIM).round(4).tolist(),
-    )
-    perturb(model, generator)  # RMS scales and biases away from ones and zeros
-    return model.eval()
+    return random_torch_vae(AutoencoderKLWan, seed=0)
 
 
 @pytest.fixture(scope="module")
 def folder(torch_vae, tmp_path_factory):
-    path = tmp_path_factory.mktemp("wan_vae") / "vae"
-    torch_vae.save_pretrained(path, safe_serialization=True)
-    return path
+    return saved_vae_folder(torch_vae, tmp_path_factory, "wan_vae")
 
 
 @pytest.fixture(scope="module")
@@ -55,23 +41,12 @@ def loaded(folder):
     return causal_vae.load_decoder(folder, jnp.float32, HINT)
 
 
-def _reference(torch_vae, latents):
-    """WanPipeline's decode of channels-last latents, as [B, T, H, W, 3] in [0, 1]."""
-    config = torch_vae.config
-    z = torch.from_numpy(latents).permute(0, 4, 1, 2, 3)  # -> [B, z, F, h, w]
-    mean = torch.tensor(config.latents_mean).view(1, Z_DIM, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(config.latents_std).view(1, Z_DIM, 1, 1, 1)
-    with torch.no_grad():
-        video = torch_vae.decode(z / inv_std + mean, return_dict=False)[0]
-    return (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
-
-
 @pytest.mark.parametrize("frames, chunked", [(3, True), (3, False), (1, True)])
 def test_decode_equals_diffusers(torch_vae, loaded, frames, chunked):
     """One latent frame at a time (with the caches) and all at once give diffusers' video."""
     module, params, config = loaded
     latents = np.random.default_rng(frames).standard_normal((2, frames, 4, 4, Z_DIM)).astype("f4")
-    expected = _reference(torch_vae, latents)
+    expected = decode_reference(torch_vae, latents)
     decode = causal_vae.decode_fn(module, config, jnp.float32, chunked=chunked)
     got = np.asarray(decode(params, jnp.asarray(latents)))
     video_frames = 1 + 4 * (frames - 1)

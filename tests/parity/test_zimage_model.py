@@ -5,11 +5,6 @@ against ZImagePipeline from the same noise (guidance_scale 0: no classifier-free
 the distilled Z-Image-Turbo samples and as our denoiser predicts), the VAE decode, a TreeGRPO
 training iteration (configs/zimage_treegrpo.py) and its export loaded back by PyTorch."""
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +14,12 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import Sampling
 
 torch = pytest.importorskip("torch")
+import family_checks  # noqa: E402
 from zimage_fixtures import RESOLUTION, SCHEDULER, TEXT_WIDTH  # noqa: E402
 
 from tree_grpo_jax.models.zimage import transformer  # noqa: E402
 from tree_grpo_jax.models.zimage.load import ZImageScheduleConfig, load_zimage  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = " ".join(["a photo of a cat"] * 4)  # past the tests' 40 text tokens
 PROMPTS = ["a photo of a cat", "two dogs", LONG]
 TEXT_TOKENS = 40
@@ -164,61 +159,31 @@ def test_a_treegrpo_iteration_and_the_export_pytorch_loads(zimage_folder, model,
     compute."""
     from diffusers import ZImageTransformer2DModel
 
-    from tree_grpo_jax.cli import export
     from tree_grpo_jax.models import registry
-    from tree_grpo_jax.run.checkpoint import Checkpointer
 
     assert registry.family_of_folder(str(zimage_folder)).name == "zimage"
     workdir, out = tmp_path / "run", tmp_path / "exported"
     overrides = [
         "--config.model.name=zimage",
         f"--config.model.path={zimage_folder}",
-        f"--workdir={workdir}",
-        "--config.model.compute_dtype=float32",
-        "--config.model.remat=False",
         f"--config.model.zimage.resolution={RESOLUTION}",
         "--config.model.zimage.text_max_length=40",
-        "--config.rewards=jpeg_compressibility",
-        "--config.prompts.batch_size=1",
-        "--config.prompts.eval_count=1",
-        "--config.sampling.num_steps=3",
         "--config.eval.num_steps=0",  # the training steps, not the release's evaluation steps
         "--config.tree.window=1",
-        "--config.train.iterations=1",
         "--config.train.rows_per_minibatch=2",
-        "--config.train.grad_accumulation=1",
-        "--config.train.learning_rate=1e-3",
-        "--config.eval.every=0",
-        "--config.checkpoint.every=1",
-        "--config.log.tensorboard=False",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # torch is a test-only dependency: loading, training and evaluating never import it.
-    no_torch = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
+    family_checks.train_one_iteration_without_torch(
+        "configs/zimage_treegrpo.py",
+        workdir,
+        overrides,
+        released="prompts encoded ahead; text encoder released",
     )
-    run = subprocess.run(
-        [sys.executable, "-c", no_torch, "--config=configs/zimage_treegrpo.py", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "prompts encoded ahead; text encoder released" in run.stdout + run.stderr
-    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert any("train/loss" in m and np.isfinite(m["train/loss"]) for m in metrics)
-
-    assert export.main([f"--workdir={workdir}", f"--out={out}"]) == 0
-    trained = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore_params()
-    changed = jax.tree_util.tree_map(
-        lambda a, b: float(jnp.abs(a - b).max()), trained, model.params
-    )
-    assert max(jax.tree_util.tree_leaves(changed)) > 0  # the iteration moved the weights
+    trained = family_checks.export_the_trained_params(workdir, out, model.params)
 
     pt = ZImageTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
-    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (5, 37)]
-    sigma = np.array([0.9, 0.25], "f4")
+    x, embeds, sigma = family_checks.random_velocity_inputs(
+        3, model.sample_shape, TEXT_WIDTH, lengths=(5, 37), sigmas=(0.9, 0.25)
+    )
     expected = _pytorch_velocity(pt, x, embeds, sigma)
     got = _our_velocity(model, trained, x, embeds, sigma)
     diff = np.abs(got - expected).max()
@@ -241,30 +206,18 @@ def test_lora_export_loads_into_the_pipeline(model, pipe, tmp_path):
     assert any("noise_refiner" in m for m in modules) and any(
         "context_refiner" in m for m in modules
     )
-    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
-    # B starts at zero (PEFT's init); give it values so the adapter changes the output.
-    factors = jax.tree_util.tree_map(
-        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
-    )
+    factors = family_checks.random_lora(model.params, paths)
     assert family.export.list_names == transformer.MODULE_LISTS
-    out = lora.export_lora(
-        factors,
-        family.export.component,
-        2,
-        4.0,
-        tmp_path / "lora",
-        list_names=transformer.MODULE_LISTS,
+    out = family_checks.export_lora(
+        factors, family, tmp_path / "lora", list_names=transformer.MODULE_LISTS
     )
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((2, *model.sample_shape)).astype("f4")
-    embeds = [rng.standard_normal((n, TEXT_WIDTH)).astype("f4") for n in (9, 21)]
-    sigma = np.array([0.7, 0.4], "f4")
-    pipe.load_lora_weights(str(out))
-    try:
-        expected = _pytorch_velocity(pipe.transformer, x, embeds, sigma)
-    finally:
-        pipe.unload_lora_weights()
-    got = _our_velocity(model, lora.merge(model.params, factors, 4.0, 2), x, embeds, sigma)
+    x, embeds, sigma = family_checks.random_velocity_inputs(
+        4, model.sample_shape, TEXT_WIDTH, lengths=(9, 21), sigmas=(0.7, 0.4)
+    )
+    expected = family_checks.with_lora_loaded(
+        pipe, out, lambda pt: _pytorch_velocity(pt, x, embeds, sigma)
+    )
+    got = _our_velocity(model, family_checks.merged(model.params, factors), x, embeds, sigma)
     base = _our_velocity(model, model.params, x, embeds, sigma)
     diff = np.abs(got - expected).max()
     print(f"LoRA velocity max abs difference {diff:.2e}, moved {np.abs(expected - base).max():.2e}")
