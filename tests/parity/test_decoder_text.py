@@ -191,8 +191,17 @@ def test_a_picked_layer_is_that_hidden_state():
     for layer in (-1, -2, 1, 0):
         ours = run(params, jnp.asarray(ids), jnp.asarray(mask), layer=layer)
         _assert_states_match([ours], [theirs[layer]], mask)
+    # several at once, in the order asked for (FLUX.2 concatenates three)
+    picked = (2, 0, -1)
+    ours = run(params, jnp.asarray(ids), jnp.asarray(mask), layer=picked)
+    _assert_states_match(ours, [theirs[i] for i in picked], mask)
+    _, scanned_params, scanned = _flax("qwen2", scan_layers=True)
+    ours = scanned(scanned_params, jnp.asarray(ids), jnp.asarray(mask), layer=picked)
+    _assert_states_match(ours, [theirs[i] for i in picked], mask)
     with pytest.raises(ValueError, match="not one of the 4 hidden states"):
         run(params, jnp.asarray(ids), jnp.asarray(mask), layer=4)
+    with pytest.raises(ValueError, match="layer -5 is not one of the 4 hidden states"):
+        run(params, jnp.asarray(ids), jnp.asarray(mask), layer=(1, -5))
 
 
 def test_bfloat16_stays_near_float32():

@@ -3,7 +3,8 @@ fields only: OpenAI's CLIP ViT-L/14 text tower (CLIP-L), T5 v1.1 XXL's encoder, 
 `AutoencoderKL` (SD1.5's with 4 latent channels; the flow-matching releases' with 16, which
 differ in their latent scaling alone), the causal video VAE of Wan2.1 (which Qwen-Image
 ships under its own class name) and the decoder-only text encoders of the 2026 releases
-(Qwen2.5-VL-7B's language model, Qwen3-4B)."""
+(Qwen2.5-VL-7B's language model, Qwen3-4B and Qwen3-8B, Mistral Small 3.1's language
+model)."""
 
 from __future__ import annotations
 
@@ -140,4 +141,49 @@ QWEN3_4B = {
     "rope_theta": 1000000,
     "tie_word_embeddings": True,
     "vocab_size": 151936,
+}
+# Qwen3-8B (FLUX.2 klein 9B's text encoder; klein 4B's is QWEN3_4B): 36 layers of width 4096,
+# 32 query heads over 8 key/value heads of 128, SwiGLU 12288, untied embeddings. Values of
+# Qwen/Qwen3-8B's config.json as kohya-ss/musubi-tuner's Qwen3 loader writes them out
+# (QWEN3_8B_CONFIG_JSON).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+# Mistral Small 3.1 24B (FLUX.2 dev's `text_encoder/`, a `Mistral3ForConditionalGeneration`),
+# its language model only (the Pixtral vision tower left out: prompts are text alone): 40
+# layers of width 5120, 32 query heads over 8 key/value heads of 128, SwiGLU 32768, rotary
+# theta 1e9, no sliding window. Values of kohya-ss/musubi-tuner
+# src/musubi_tuner/flux_2/flux2_utils.py (M3_CONFIG_JSON, FLUX.2-dev's text encoder config).
+MISTRAL_SMALL_31_24B = {
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "model_type": "mistral3",
+    "text_config": {
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "vocab_size": 131072,
+    },
 }

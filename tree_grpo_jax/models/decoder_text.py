@@ -1,13 +1,13 @@
 """Decoder-only language models run as prompt encoders, in Flax: the text models of Qwen2 and
-Qwen2.5-VL (Qwen-Image's prompt encoder), Qwen3 (Z-Image's) and Mistral, one module told
-apart by its config.
+Qwen2.5-VL (Qwen-Image's prompt encoder), Qwen3 (Z-Image's, FLUX.2 klein's) and Mistral
+(Mistral 3's language model: FLUX.2 dev's), one module told apart by its config.
 
 Every one is a token embedding, blocks of (RMSNorm, grouped-query causal self-attention with
 rotary positions, RMSNorm, SwiGLU MLP) and a final RMSNorm. The families differ in biases on
 the attention projections, RMSNorm on each head's queries and keys (Qwen3) and a sliding
 attention window (Mistral). Run as an encoder, the model takes token ids and a padding mask
 and returns the hidden states transformers reports (`hidden_states`): the embeddings, each
-block's output, the last of them through the final norm.
+block's output, the last of them through the final norm (or the ones a caller picks).
 
 Qwen2.5-VL's rotary positions are multimodal (three position axes, each rotating its own
 sections of the channels); for text alone the three axes hold the same positions, which is
@@ -46,8 +46,11 @@ from tree_grpo_jax.models.dit_layers import (
 )
 from tree_grpo_jax.weights import convert, stacking
 
-# transformers `model_type`s this module runs; a Qwen2.5-VL config is read for its text model.
-MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen3", "mistral")
+# transformers `model_type`s this module runs; a Qwen2.5-VL or Mistral 3 config is read for its
+# text model.
+MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen3", "mistral", "mistral3")
+# Vision-language configs whose `text_config` is the language model (Mistral 3's a Mistral).
+_WRAPPED_TEXT = {"qwen2_5_vl": ("qwen2_5_vl_text",), "mistral3": ("mistral",)}
 _QWEN2_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_5_vl_text")
 # Rotary types that are the plain 1D rotary for text ("mrope": older Qwen2.5-VL configs).
 _ROPE_TYPES = ("default", "mrope")
@@ -55,13 +58,15 @@ _ROPE_TYPES = ("default", "mrope")
 # causal LM, and of Qwen2.5-VL (`model.language_model.*` now, `model.*` in older files).
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _TEXT_MODULES = ("embed_tokens.", "layers.", "norm.")
-# Weights an encoder does not use: the LM head and a vision tower.
+# Weights an encoder does not use: the LM head, a vision tower and its projector.
 IGNORED_PREFIXES = (
     "lm_head.",
     "visual.",
     "model.visual.",
     "vision_tower.",
     "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
 )
 
 # Qwen-Image (`QwenImagePipeline`): a system turn describing images, the prompt as the user
@@ -111,8 +116,8 @@ class DecoderTextConfig:
 
 def config_from_transformers(config) -> DecoderTextConfig:
     """The encoder's config from a transformers config object or its `config.json` dict
-    (model_type one of MODEL_TYPES; Qwen2.5-VL's text part). ValueError (one sentence) for
-    a model or an option the encoder does not implement."""
+    (model_type one of MODEL_TYPES; Qwen2.5-VL's and Mistral 3's text part). ValueError (one
+    sentence) for a model or an option the encoder does not implement."""
     if isinstance(config, Mapping):
         config = _config_object(dict(config))
     model_type = getattr(config, "model_type", None)
@@ -121,8 +126,15 @@ def config_from_transformers(config) -> DecoderTextConfig:
             f"model_type {model_type!r} is not a decoder text model this encoder runs; "
             f"choose one of {', '.join(MODEL_TYPES)}."
         )
-    if model_type == "qwen2_5_vl":
+    if model_type in _WRAPPED_TEXT:
         config = config.text_config
+        text_type = getattr(config, "model_type", None)
+        if text_type not in _WRAPPED_TEXT[model_type]:
+            raise ValueError(
+                f"the {model_type} config's text model is {text_type!r}, not "
+                f"{' or '.join(_WRAPPED_TEXT[model_type])}."
+            )
+        model_type = text_type
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu).")
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -310,8 +322,9 @@ class DecoderTextModel(nn.Module):
     states [B, L, hidden] transformers gives as `hidden_states`: index 0 the embeddings,
     index i the output of block i, the last (index N) through the final norm. `layer` picks
     one of them by that index (negative from the end: -1 the normed last state, -2 the
-    second-to-last block's output); without it, all N + 1 come back as a tuple. Unscanned, a
-    picked layer runs only the blocks it needs."""
+    second-to-last block's output), or a tuple of such indices picks those states, a tuple
+    in that order; without it, all N + 1 come back as a tuple. Unscanned, picked layers run
+    only the blocks they need."""
 
     config: DecoderTextConfig
     dtype: jnp.dtype = jnp.float32
@@ -356,12 +369,14 @@ class DecoderTextModel(nn.Module):
     def _remat(self, block, scanned: bool):
         return rematerialized(block, self.remat, scanned)
 
-    def __call__(self, input_ids, attention_mask=None, *, layer: int | None = None):
+    def __call__(self, input_ids, attention_mask=None, *, layer: int | Sequence[int] | None = None):
         c = self.config
         chex.assert_rank(input_ids, 2)
         count = c.num_layers + 1
-        if layer is not None and not -count <= layer < count:
-            raise ValueError(f"layer {layer} is not one of the {count} hidden states.")
+        picked = None if layer is None else (layer,) if isinstance(layer, int) else tuple(layer)
+        for index in picked or ():
+            if not -count <= index < count:
+                raise ValueError(f"layer {index} is not one of the {count} hidden states.")
         length = input_ids.shape[1]
         mask = causal_mask(attention_mask, length, c.sliding_window)
         cos, sin = (jnp.asarray(t) for t in rotary_tables(length, c.head_dim, c.rope_theta))
@@ -371,8 +386,8 @@ class DecoderTextModel(nn.Module):
             x, outputs = scanned(x, mask, cos, sin)
             states = [outputs[i] for i in range(c.num_layers)]
         else:
-            # Blocks past the one asked for are not run.
-            last = c.num_layers if layer is None else min(layer % count, c.num_layers)
+            # Blocks past the last one asked for are not run.
+            last = c.num_layers if picked is None else max(i % count for i in picked)
             states = []
             for block in self.layers[:last]:
                 x = block(x, mask, cos, sin)
@@ -380,7 +395,10 @@ class DecoderTextModel(nn.Module):
         hidden = [embedded, *states]
         if len(states) == c.num_layers:
             hidden[-1] = self.norm(x)
-        return tuple(hidden) if layer is None else hidden[layer % count]
+        if layer is None:
+            return tuple(hidden)
+        states = tuple(hidden[i % count] for i in picked)
+        return states[0] if isinstance(layer, int) else states
 
 
 def param_shapes(module: DecoderTextModel):
