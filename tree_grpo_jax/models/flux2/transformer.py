@@ -29,8 +29,13 @@ no table (stacked where `scan_layers`), and `state_dict_from_params` gives its k
 Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`; norms, RoPE and
 the timestep features are computed in float32 and rounded to `dtype` (the timestep and
 guidance stay float32 where diffusers rounds them to the compute dtype first). The RoPE angles
-are float32 here where diffusers takes them in float64 (see tests/parity/
-test_flux2_transformer.py for the measured differences).
+are float32 here where diffusers takes them in float64: their cosines and sines differ by at
+most 3.0e-6 over a 1024-pixel image's ids (positions up to 63) and 2.7e-5 over 512 text
+tokens' (the text index reaches 511). Against the PyTorch model in float32 on CPU
+(tests/parity/test_flux2_transformer.py: tiny random dev and klein style models, scanned and
+unrolled, with and without reference-image tokens, outputs of scale ~3) the largest
+difference is 8.3e-7 (2.8e-7 of the scale), at JAX's default matmul precision; bfloat16
+compute is within 0.6% of float32.
 """
 
 from __future__ import annotations
