@@ -160,8 +160,9 @@ def _loss_and_grads(settings: LossSettings, layout: StepLayout):
 def _apply(tx, state: TrainState, grads, lr, loss=0.0, *, one_vector=False):
     """The optimizer's update from `grads` at rate `lr`. A non-finite loss or gradient leaves
     the state as it was; either, or a non-finite result, is reported: the trainer stops
-    before its next checkpoint, so nothing non-finite can reach one. With `one_vector` (see `_one_vector_fits`) the update runs on the
-    parameters laid end to end: the same arithmetic, a sixth of the program."""
+    before its next checkpoint, so nothing non-finite can reach one. With `one_vector` (see
+    `_one_vector_fits`) the update runs on the parameters laid end to end: the same
+    arithmetic, a sixth of the program."""
     if one_vector and _one_vector_fits(state.params):
         return _apply_to_one_vector(tx, state, grads, lr, loss)
     grad_norm = optax.global_norm(grads)
