@@ -435,10 +435,9 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
             print(f"text encoders: {said}", flush=True)
     check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
     # input images: a model or a reward to read them, and every one of them readable
-    trained_by = list(reward.rewards.values())
-    check_prompt_images(model, trained_by, prompts.metadata, "prompts.source")
-    eval_by = [*trained_by, *eval_rewards.values()]
-    check_prompt_images(model, eval_by, eval_metadata, "the eval prompts")
+    trained_by, held_out = list(reward.rewards.values()), list(eval_rewards.values())
+    check_prompt_images(model, trained_by, prompts.metadata, "prompts.source", held_out)
+    check_prompt_images(model, [*trained_by, *held_out], eval_metadata, "the eval prompts")
     trained = prompts.prompts
     chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
     check_prompts(

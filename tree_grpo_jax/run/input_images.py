@@ -325,14 +325,17 @@ def check_input_images(rows: Sequence[Sequence[InputImage]], rule: SizeRule | No
                 raise InputImageError(f"input image {ref.shown} {problem}.")
 
 
-def check_prompt_images(model, rewards, metadata: Sequence, where: str) -> None:
+def check_prompt_images(model, rewards, metadata: Sequence, where: str, others=()) -> None:
     """Before a run writes anything: prompts that name input images go to a model that
-    conditions on them (`takes_input_images`) or to a reward that reads them; a reward that
-    reads them has them for every prompt; and every image opens (at the size the model
-    needs when it takes them: its `input_image_size`). `metadata`: the prompts' (`where`:
-    the setting or flag that gave them). Else one sentence (ConfigError)."""
+    conditions on them (`takes_input_images`) or to a reward that reads them (`rewards`,
+    those scoring these prompts, or `others`, the run's other rewards: a held-out one that
+    reads the same file); a reward of `rewards` that reads them has them for every prompt;
+    and every image opens (at the size the model needs when it takes them: its
+    `input_image_size`). `metadata`: the prompts' (`where`: the setting or flag that gave
+    them). Else one sentence (ConfigError)."""
     rows = [input_images_of(m) for m in metadata]
     readers = [r.name for r in rewards if getattr(r, "takes_input_images", False)]
+    read_elsewhere = any(getattr(r, "takes_input_images", False) for r in others)
     conditioned = takes_input_images(model)
     if not all(rows) and (readers or conditioned):
         who = f"reward {readers[0]!r}" if readers else f"model {model.name!r}"
@@ -343,7 +346,7 @@ def check_prompt_images(model, rewards, metadata: Sequence, where: str) -> None:
         )
     if not any(rows):
         return
-    if not conditioned and not readers:
+    if not conditioned and not readers and not read_elsewhere:
         raise ConfigError(
             f"{where} names input images, but model {model.name!r} takes none (its family "
             "has no image conditioning) and no reward reads them; use a model that edits or "
