@@ -35,7 +35,6 @@ import numpy as np
 from tree_grpo_jax import interrupts
 from tree_grpo_jax.errors import echo, first_line, reason
 from tree_grpo_jax.rewards import remote
-from tree_grpo_jax.run.input_images import RowMetadata
 
 EXIT_BAD_INPUT = 2
 PROG = "python -m tree_grpo_jax.rewards.serve"
@@ -80,6 +79,15 @@ def _serve_flags(sentence: str, name: str) -> str:
     return sentence.replace("takes no path", "takes no --reward_model")
 
 
+class _WithInputImages(dict):
+    """A request's metadata for one image with its input images beside it, as a run's rows
+    carry them (`input_images`) to the rewards that read them."""
+
+    def __init__(self, fields, input_images):
+        super().__init__(fields or {})
+        self.input_images = tuple(input_images)
+
+
 def scorer_of(args):
     """(a description, the function (images, prompts, metadata) -> answer dict)."""
     if bool(args.reward) == bool(args.callable):
@@ -99,7 +107,7 @@ def scorer_of(args):
 
         def score(images, prompts, metadata, input_images=None):
             if input_images is not None:  # they ride on the metadata, as in a run
-                metadata = [RowMetadata(m or {}, i) for m, i in zip(metadata, input_images)]
+                metadata = [_WithInputImages(m, i) for m, i in zip(metadata, input_images)]
             scores, _, parts = reward.scored(images, prompts, metadata)
             return {"scores": scores, "sub_scores": parts}
 
