@@ -438,7 +438,7 @@ def test_something_must_read_the_input_images(folder):
     assert str(e.value) == (
         "prompts.source names input images, but model 'm' takes none (its family has no image "
         "conditioning) and no reward reads them; use a model that edits or animates images, a "
-        "reward that compares with them (input_similarity), or --config.prompts.image_field=none."
+        "reward that compares with them (input_similarity), or prompts.image_field set to none."
     )
     inputs.check_prompt_images(_model(), [jpeg, similarity], s.metadata, "prompts.source")
     inputs.check_prompt_images(_model(takes_input_images=True), [], s.metadata, "x")

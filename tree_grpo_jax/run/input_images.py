@@ -229,7 +229,7 @@ def references(value, folder: Path, where: str, field: str) -> tuple[InputImage,
     if not names or not all(names):
         raise InputImageError(
             f"{where} names no image in its {field!r}; give a path or an http(s) URL to each "
-            "row (or --config.prompts.image_field=none to read no images)."
+            "row (or set prompts.image_field to none to read no images)."
         )
     refs = []
     for name in names:
@@ -351,7 +351,7 @@ def check_prompt_images(model, rewards, metadata: Sequence, where: str, others=(
             f"{where} names input images, but model {model.name!r} takes none (its family "
             "has no image conditioning) and no reward reads them; use a model that edits or "
             "animates images, a reward that compares with them (input_similarity), or "
-            "--config.prompts.image_field=none."
+            "prompts.image_field set to none."
         )
     try:
         check_input_images(rows, size_rule_of(model) if conditioned else None)
