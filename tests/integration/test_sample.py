@@ -125,6 +125,16 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
     assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # read-only: nothing renamed
 
 
+def _image_prompts(folder) -> str:
+    """A prompt file of the tiny model's digits whose row names an image beside it."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 0, 0)).save(folder / "start.png")
+    path = folder / "edits.jsonl"
+    path.write_text(json.dumps({"prompt": "a handwritten digit one", "image": "start.png"}) + "\n")
+    return str(path)
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -145,6 +155,8 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_named(run, tmp_path, cap
             "config.json is not a run's config as training writes it: its 'eval' is",
         ),
         ("field of another type", "config.json is not a run's config as training writes it (Type"),
+        # images that the tiny model cannot condition on, and no reward reads while drawing
+        ("image prompts", "--prompts names input images, but model 'tiny-ddim-random' takes none"),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, case, message):
@@ -177,6 +189,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(run, tmp_path, capsys, c
         "model path of a built-in model": [f"--model_path={tmp_path}"],
         "too many steps": ["--num_steps=1000"],  # the first timestep would be 1000 of 0..999
         "absurd steps": [f"--num_steps={10**9}"],  # any model's, before its schedule is made
+        "image prompts": [f"--prompts={_image_prompts(tmp_path)}"],
     }.get(case, [])
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={workdir}")

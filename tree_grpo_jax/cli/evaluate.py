@@ -463,6 +463,7 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     from tree_grpo_jax import sharding
     from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import check_prompts, setup
+    from tree_grpo_jax.run.input_images import check_prompt_images
 
     k, size, names, prompt_set = _checked_flags(config, workdir)
     ckpt, step = _open_run(config, workdir, given_config)
@@ -473,8 +474,13 @@ def evaluate(config, workdir: str | None, out: str, given_config: bool = False) 
     trainer, state = setup(config, out)
     prompts, categories = list(prompt_set.prompts), prompt_set.categories
     metadata = list(prompt_set.metadata) if any(prompt_set.metadata) else None
-    # Before anything is written in `out`: a prompt the model cannot read is one sentence.
+    # Before anything is written in `out`: a prompt the model cannot read is one sentence,
+    # as are input images that no model or reward reads, or that cannot be read.
     check_prompts(trainer.model, (), prompts, "the model cannot read a prompt")
+    evaluator = trainer.evaluator
+    readers = [*evaluator.reward.rewards.values(), *evaluator.rewards.values()]
+    where = "--prompts" if PROMPTS.value else "the eval prompts"
+    check_prompt_images(trainer.model, readers, prompt_set.metadata, where)
     models, step = _models(trainer, state, ckpt, step)
     arguments = {
         "run": os.path.abspath(workdir) if workdir else None,

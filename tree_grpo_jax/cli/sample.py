@@ -102,10 +102,11 @@ class Drawn:
     animations: list[str] = dataclasses.field(default_factory=list)
 
 
-def _prompts(args, config) -> list[str]:
+def _prompts(args, config) -> tuple[list[str], list]:
+    """The prompts to draw and their metadata (which carries their input images)."""
     from tree_grpo_jax.run.prompts import (
         config_prompt_set,
-        load_prompts,
+        load_prompt_set,
         prompt_sets,
         prompt_settings,
     )
@@ -113,17 +114,18 @@ def _prompts(args, config) -> list[str]:
     if args.prompt is not None:
         if not args.prompt.strip():
             raise BadInput("--prompt is empty; give the words to draw, e.g. --prompt='a cat'.")
-        return [args.prompt.strip()]
+        return [args.prompt.strip()], [{}]
     if args.prompts is None:  # the run's eval prompts, as the run's evaluation lists them
-        eval_set = config_prompt_set(config, eval_set=True)
-        return list(eval_set.cycled(config.prompts.eval_count).prompts)
+        eval_set = config_prompt_set(config, eval_set=True).cycled(config.prompts.eval_count)
+        return list(eval_set.prompts), list(eval_set.metadata)
     if args.prompts not in prompt_sets() and not os.path.isfile(os.path.expanduser(args.prompts)):
         raise BadInput(
             f"--prompts {echo(args.prompts)} is neither a built-in prompt set "
             f"({', '.join(sorted(prompt_sets()))}) nor a prompt file; give one prompt of your "
             'own with --prompt="...".'
         )
-    return load_prompts(args.prompts, *prompt_settings(config))
+    chosen = load_prompt_set(args.prompts, *prompt_settings(config))
+    return list(chosen.prompts), list(chosen.metadata)
 
 
 def _check_numbers(args) -> None:
@@ -197,10 +199,11 @@ def _file_name(index: int, prompt: str, width: int) -> str:
     return f"{index:0{width}d}_{words or 'prompt'}.png"
 
 
-def _draw(evaluator, params, prompts: list[str], batch: int):
+def _draw(evaluator, params, prompts: list[str], batch: int, metadata=None):
     """uint8 pictures [N, H, W, C] (videos [N, T, H, W, C]) of `prompts`, `batch` at a time
     (the last batch topped up with repeats, so one compiled sampler serves all), each from its
-    row of the noise."""
+    row of the noise; `metadata` (one per prompt) carries the input images of a family that
+    conditions on them."""
     import numpy as np
 
     from tree_grpo_jax.run import eval_metrics
@@ -214,7 +217,9 @@ def _draw(evaluator, params, prompts: list[str], batch: int):
         t0 = time.time()
         ids = np.arange(start, min(n, start + size))
         rows = np.resize(ids, size)
-        drawn = evaluator.batch(params, [prompts[i] for i in rows], noise[rows]).all_images()
+        chosen = None if metadata is None else [metadata[i] for i in rows]
+        drawn = evaluator.batch(params, [prompts[i] for i in rows], noise[rows], metadata=chosen)
+        drawn = drawn.all_images()
         pixels = (np.clip(np.asarray(drawn[: len(ids)], np.float32), 0, 1) * 255).round()
         parts.append(pixels.astype(np.uint8))
         print(f"prompts {ids[0] + 1}-{ids[-1] + 1} of {n} in {time.time() - t0:.1f}s", flush=True)
@@ -273,11 +278,12 @@ def sample(args) -> Drawn:
     from tree_grpo_jax.run import out_of_memory
     from tree_grpo_jax.run.build import setup
     from tree_grpo_jax.run.checkpoint import Checkpointer
+    from tree_grpo_jax.run.input_images import NO_IMAGES, takes_input_images
 
     workdir = args.workdir
     config = common.run_config(workdir)
     _check_numbers(args)
-    prompts = _prompts(args, config)
+    prompts, metadata = _prompts(args, config)
     if args.out is not None:
         common.check_out(args.out)
     else:
@@ -296,7 +302,12 @@ def sample(args) -> Drawn:
     batch = args.batch_size or config.prompts.eval_count * config.eval.samples_per_prompt
 
     config = _sampling_config(config, args)
-    trainer, state = setup(config, workdir, model=_model(config, prompts))
+    model = _model(config, prompts)
+    if args.prompts is None and not takes_input_images(model):
+        # the run's input images served its rewards; drawing without them reads none
+        config.prompts.image_field = NO_IMAGES
+        metadata = None
+    trainer, state = setup(config, workdir, model=model)
     trainer.evaluator.schedule()  # steps the model cannot take: refused now
     restored, meta, step, skipped = common.restore_run_state(directory, args.step, target=state)
     train.check_base_weights(trainer, meta, directory)
@@ -315,7 +326,7 @@ def sample(args) -> Drawn:
             f"{out_of_memory.lower_flags({'--batch_size': size})}."
         )
     ):
-        pictures = _draw(trainer.evaluator, restored.params, prompts, batch)
+        pictures = _draw(trainer.evaluator, restored.params, prompts, batch, metadata)
     out = args.out or os.path.join(workdir, "samples", f"step_{step}")
     if not sharding.is_primary():
         return Drawn(step, out, [], "")

@@ -167,6 +167,12 @@ def _check_prompts(p) -> None:
         f"prompts.field and prompts.category_field both name {field!r}; a column is either "
         "the prompt or its category.",
     )
+    images = p.get("image_field", "")
+    require(
+        not images or images not in (field, category),
+        f"prompts.image_field names {images!r} as prompts.field or prompts.category_field "
+        "does; a column is the prompt, its category or its images.",
+    )
 
 
 def _check_advantage(a, num_steps: int) -> None:

@@ -140,6 +140,12 @@ PROMPTS = {
         "the category's field or column (evaluate reports each reward per category); empty: "
         'the one of "category", "Category", "tag" the file has, else none',
     ),
+    "image_field": Setting(
+        "",
+        "the input images' field or column (a path relative to the prompt file, an http(s) URL "
+        'or a list of them, for editing and image-to-video); empty: the one of "image", '
+        '"images", "input_image", "input_images" the file has, else none; "none": read no images',
+    ),
     "eval_count": _at_least(1, 10, "fixed evaluation prompts (the first of the eval set, cycled)"),
 }
 

@@ -76,7 +76,7 @@ if sys.argv[:1] == ["-m"] and CONVERTER in getattr(sys, "orig_argv", ()):
 if sys.argv[:1] == ["-m"] and SERVER in getattr(sys, "orig_argv", ()):
     starting_server()
 
-from tree_grpo_jax.rewards import imagereward, jpeg, preference, remote  # noqa: E402
+from tree_grpo_jax.rewards import imagereward, jpeg, preference, remote, similarity  # noqa: E402
 from tree_grpo_jax.rewards.base import CombinedReward, Reward  # noqa: E402
 from tree_grpo_jax.rewards.registry import (  # noqa: E402
     available_rewards,
@@ -93,6 +93,7 @@ from tree_grpo_jax.rewards.registry import (  # noqa: E402
 
 register("jpeg_compressibility", jpeg.jpeg_compressibility, on_host=True)
 register("jpeg_incompressibility", jpeg.jpeg_incompressibility, on_host=True)
+register("input_similarity", similarity.input_similarity, on_host=True, takes_input_images=True)
 preference.register_all()
 imagereward.register()
 remote.register()

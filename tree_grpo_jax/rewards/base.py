@@ -23,6 +23,16 @@ RewardFn = Callable[[object, Sequence[str]], object]
 Metadata = Sequence[Mapping[str, Any] | None] | None
 
 
+def input_images(metadata: Metadata, count: int) -> list[list[np.ndarray]]:
+    """Each of `count` images' input images, [H, W, 3] uint8 each (an empty list where its
+    prompt names none): what a reward that takes input images receives. They ride on the
+    metadata (a prompt file's row carries them as `input_images`, references whose pixels
+    load here)."""
+    if metadata is None:
+        return [[] for _ in range(count)]
+    return [[np.asarray(ref) for ref in getattr(m, "input_images", ())] for m in metadata]
+
+
 class Scores(np.ndarray):
     """Scores [B] with the reward's named sub-scores `parts` {name: [B]} beside them:
     what a reward that gives sub-scores returns (they are logged as the reward's parts)."""
@@ -69,6 +79,10 @@ class Reward:
     # True: `fn(images, prompts, metadata)` gets each image's prompt metadata (a mapping,
     # or None where none is known); False: `fn(images, prompts)`, as every built-in reward
     takes_metadata: bool = False
+    # True: `fn` also gets `input_images=`, one list per image of its prompt's input images
+    # ([H, W, 3] uint8 each; empty where the prompt names none): a reward comparing the
+    # output with what an editing or image-to-video model started from
+    takes_input_images: bool = False
 
     def __post_init__(self):
         check_media(self.name, self.media)
@@ -140,11 +154,14 @@ class Reward:
         return xp.mean(scores, axis=1), scores, parts
 
     def _call(self, images, prompts, metadata):
-        """(scores, sub-scores): `fn`'s answer, with the metadata when the reward takes it;
-        a reward giving sub-scores returns a `Scores` (an array with `.parts`)."""
-        scores = (
-            self.fn(images, prompts, metadata) if self.takes_metadata else self.fn(images, prompts)
-        )
+        """(scores, sub-scores): `fn`'s answer, with the metadata and the input images when
+        the reward takes them; a reward giving sub-scores returns a `Scores` (an array with
+        `.parts`)."""
+        args = (images, prompts, metadata) if self.takes_metadata else (images, prompts)
+        if self.takes_input_images:
+            scores = self.fn(*args, input_images=input_images(metadata, len(images)))
+        else:
+            scores = self.fn(*args)
         if isinstance(scores, Scores):
             return np.asarray(scores), dict(scores.parts)
         return scores, {}

@@ -25,6 +25,8 @@ class Family:
     takes_metadata: bool
     media_of: Callable[[Any], str]  # an instance's media, from its settings
     describe: str  # the first setting to give, `field=example` (an instance not configured)
+    # whether an instance takes input images, from its settings
+    input_images_of: Callable[[Any], bool] = lambda settings: False
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -117,4 +119,5 @@ def load_instance(name: str, reward_options) -> Reward:
         entry.on_host,
         media,
         takes_metadata=entry.takes_metadata,
+        takes_input_images=bool(entry.input_images_of(settings)),
     )

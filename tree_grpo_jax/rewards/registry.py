@@ -52,9 +52,18 @@ class _Entry:
     media: str = media_kinds.IMAGE  # as `Reward.media`
     per_frame: bool = True  # as `Reward.per_frame`
     takes_metadata: bool = False  # as `Reward.takes_metadata`
+    takes_input_images: bool = False  # as `Reward.takes_input_images`
 
     def reward(self, name: str, fn: RewardFn) -> Reward:
-        return Reward(name, fn, self.on_host, self.media, self.per_frame, self.takes_metadata)
+        return Reward(
+            name,
+            fn,
+            self.on_host,
+            self.media,
+            self.per_frame,
+            self.takes_metadata,
+            self.takes_input_images,
+        )
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -90,13 +99,15 @@ def register(
     media: str = media_kinds.IMAGE,
     per_frame: bool = True,
     takes_metadata: bool = False,
+    takes_input_images: bool = False,
     overwrite: bool = False,
 ) -> Reward:
     """Adds a reward that needs no weights; registering a taken name needs `overwrite=True`.
 
     `media` is what `fn` takes ("image": [B, H, W, C], "video": [B, T, H, W, C]); an image
     reward scores videos frame by frame unless `per_frame=False`; with `takes_metadata`
-    it is called `fn(images, prompts, metadata)` (see `Reward`)."""
+    it is called `fn(images, prompts, metadata)`, and with `takes_input_images` it also
+    gets `input_images=` (see `Reward`)."""
 
     def make(path=None):
         del path  # checked by load_reward
@@ -110,6 +121,7 @@ def register(
         media=media,
         per_frame=bool(per_frame),
         takes_metadata=bool(takes_metadata),
+        takes_input_images=bool(takes_input_images),
     )
     reward = entry.reward(name, fn)  # checks the media before the name is taken
     _add(name, entry, overwrite)
@@ -167,12 +179,13 @@ def register_family(
     takes_metadata: bool = True,
     media_of: Callable[[Any], str] = lambda settings: media_kinds.IMAGE,
     describe: str = "",
+    input_images_of: Callable[[Any], bool] = lambda settings: False,
 ) -> None:
     """Adds a family of rewards named `<family>:<instance>` in a run's `rewards`, each built
     by `make(instance, settings)` from `reward_options.<family>.<instance>` (the defaults
     `options()`, the checks `check_options(instance, settings)`); `probe` says in one
     sentence why an instance cannot score now (its server down), before a run writes
-    anything."""
+    anything; `input_images_of(settings)` says whether an instance takes input images."""
     if ":" in family or family in _REGISTRY:
         raise ValueError(f"reward family {family!r} would shadow a reward name.")
     record = families.Family(
@@ -184,6 +197,7 @@ def register_family(
         bool(takes_metadata),
         media_of,
         describe,
+        input_images_of,
     )
     families.add(family, record)
 

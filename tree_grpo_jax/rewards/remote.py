@@ -11,9 +11,12 @@ JSON to the server:
 
     {"images": [{"format": "png", "data": "<base64 PNG>"}
                 or {"format": "raw", "shape": [H, W, C], "data": "<base64 uint8 bytes>"}, ...],
-     "prompts": ["...", ...], "metadata": [{...} or null, ...]}
+     "prompts": ["...", ...], "metadata": [{...} or null, ...],
+     "input_images": [[image, ...], ...]}
 
-(a video reward gets `{"frames": [image, ...]}` per video) and reads
+(a video reward gets `{"frames": [image, ...]}` per video; `input_images`, each image's
+prompt's input images in the same encoding, only when `input_images` is set: an older
+server never sees the field) and reads
 
     {"scores": [float, ...], "sub_scores": {"name": [float, ...], ...}}
 
@@ -169,13 +172,16 @@ def _jsonable(value):
     raise TypeError(f"metadata holds a {type(value).__name__}, which JSON cannot carry")
 
 
-def request_body(images_u8: np.ndarray, prompts, metadata, fmt: str) -> bytes:
-    """The JSON of one request."""
+def request_body(images_u8: np.ndarray, prompts, metadata, fmt: str, inputs=None) -> bytes:
+    """The JSON of one request; `inputs` (one list of uint8 [H, W, 3] per image, or None)
+    goes as `input_images` only when given."""
     body = {
         "images": [encode_item(item, fmt) for item in images_u8],
         "prompts": list(prompts),
         "metadata": [None if m is None else dict(m) for m in metadata],
     }
+    if inputs is not None:
+        body["input_images"] = [[encode_image(image, fmt) for image in row] for row in inputs]
     return json.dumps(body, default=_jsonable).encode()
 
 
@@ -208,10 +214,11 @@ class RemoteReward:
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def __call__(self, images, prompts: Sequence[str], metadata=None):
+    def __call__(self, images, prompts: Sequence[str], metadata=None, input_images=None):
         images = to_uint8(images)
         count = len(images)
         metadata = [None] * count if metadata is None else list(metadata)
+        inputs = [None] * count if input_images is None else list(input_images)
         size = 1 if self.chat else self.s["batch_size"]  # a chat request asks of one image
         starts = list(range(0, count, size))
         if not starts:
@@ -227,7 +234,14 @@ class RemoteReward:
         workers = min(self.s["in_flight"], len(jobs))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = [
-                pool.submit(self._score, url, images[part], prompts[part], metadata[part])
+                pool.submit(
+                    self._score,
+                    url,
+                    images[part],
+                    prompts[part],
+                    metadata[part],
+                    None if input_images is None else inputs[part],
+                )
                 for url, part in jobs
             ]
             answers = [f.result() for f in futures]  # in the order sent
@@ -245,11 +259,11 @@ class RemoteReward:
             headers[self.s["header"]] = os.environ[self.s["token_env"]]
         return headers
 
-    def _score(self, url: str, images, prompts, metadata):
+    def _score(self, url: str, images, prompts, metadata, inputs=None):
         if self.chat:
             body = chat.request_body(self.s, images[0], self._ask(prompts[0], metadata[0]))
         else:
-            body = request_body(images, prompts, metadata, self.s["format"])
+            body = request_body(images, prompts, metadata, self.s["format"], inputs)
         tries = self.s["retries"] + 1
         for attempt in range(tries):
             try:
@@ -520,5 +534,6 @@ def register() -> None:
         on_host=True,
         takes_metadata=True,
         media_of=lambda s: s.get("media", media_kinds.IMAGE),
+        input_images_of=lambda s: bool(s.get("input_images", False)),
         describe="url=http://host:port/path",
     )

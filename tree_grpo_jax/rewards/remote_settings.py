@@ -62,6 +62,11 @@ SETTINGS = {
         '"image": videos go frame by frame; "video": whole',
         choices=tuple(media_kinds.RANKS),
     ),
+    "input_images": Setting(
+        False,
+        "send each image's prompt's input images too (`input_images` in the request: for "
+        "editing and image-to-video servers)",
+    ),
     "header": Setting("", 'a header carrying the token, e.g. "Authorization" ("" = none)'),
     "token_env": Setting("", "the environment variable holding the header's value"),
     "protocol": Setting(
@@ -129,6 +134,10 @@ def check_settings(instance: str, s) -> str | None:
         default, value = settings()[field], s[field]
         if isinstance(default, str) and not isinstance(value, str):
             return f"{where}.{field} must be a string, got {shown(value)}."
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                return f"{where}.{field} must be True or False, got {shown(value)}."
+            continue
         if isinstance(default, int) and (
             isinstance(value, bool) or not isinstance(value, numbers.Integral)
         ):
@@ -203,4 +212,9 @@ def _check_chat(where: str, s: dict) -> str | None:
         return sentence
     if s["media"] != media_kinds.IMAGE:
         return f"{where}.media must be 'image' with protocol 'chat' (one image per question)."
+    if s["input_images"]:
+        return (
+            f"{where}.input_images is for protocol 'scores' only (a chat question carries one "
+            "image); leave it out or set protocol=scores."
+        )
     return None

@@ -8,7 +8,10 @@ behind the wire format of `remote.py`.
 A callable is called `function(images, prompts, metadata)` with images float32
 [B, H, W, C] in [0, 1] (videos [B, T, H, W, C]), a prompt and a metadata mapping (or None)
 per image, and returns one score per image (a list or array), or a dict holding "scores"
-and, optionally, "sub_scores" {name: [B]}. Batches are scored one at a time, in the order
+and, optionally, "sub_scores" {name: [B]}. A request carrying `input_images` (a client
+with `input_images` set) also passes `input_images=`: one list per image of its prompt's
+input images, uint8 [H, W, 3]; a registered reward that takes input images gets them as it
+would in a run. Batches are scored one at a time, in the order
 they arrive; any path answers POST. The first line on stdout gives the URL to put in a
 run's `url` (with `--port=0`, the port the system chose). Ctrl-C or SIGTERM stops it: it
 takes no more requests, lets those in flight finish (at most `--grace_s` seconds), prints
@@ -76,6 +79,15 @@ def _serve_flags(sentence: str, name: str) -> str:
     return sentence.replace("takes no path", "takes no --reward_model")
 
 
+class _WithInputImages(dict):
+    """A request's metadata for one image with its input images beside it, as a run's rows
+    carry them (`input_images`) to the rewards that read them."""
+
+    def __init__(self, fields, input_images):
+        super().__init__(fields or {})
+        self.input_images = tuple(input_images)
+
+
 def scorer_of(args):
     """(a description, the function (images, prompts, metadata) -> answer dict)."""
     if bool(args.reward) == bool(args.callable):
@@ -93,7 +105,9 @@ def scorer_of(args):
         except ValueError as e:
             raise BadFlags(_serve_flags(first_line(e), args.reward)) from None
 
-        def score(images, prompts, metadata):
+        def score(images, prompts, metadata, input_images=None):
+            if input_images is not None:  # they ride on the metadata, as in a run
+                metadata = [_WithInputImages(m, i) for m, i in zip(metadata, input_images)]
             scores, _, parts = reward.scored(images, prompts, metadata)
             return {"scores": scores, "sub_scores": parts}
 
@@ -108,8 +122,11 @@ def scorer_of(args):
             f"--callable: module {echo(module_name)} has no function {echo(function_name)}."
         )
 
-    def call(images, prompts, metadata):
-        answer = function(images, prompts, metadata)
+    def call(images, prompts, metadata, input_images=None):
+        if input_images is None:  # a callable written before input images keeps working
+            answer = function(images, prompts, metadata)
+        else:
+            answer = function(images, prompts, metadata, input_images=input_images)
         return answer if isinstance(answer, dict) else {"scores": answer}
 
     return f"{args.callable}", call
@@ -170,7 +187,16 @@ def answer_of(score, body) -> dict:
     if len({a.shape for a in arrays}) != 1:
         raise ValueError("the images of a request must all have one shape")
     images = np.stack(arrays).astype(np.float32) / 255.0
-    answer = score(images, prompts, metadata)
+    inputs = body.get("input_images")
+    if inputs is None:
+        answer = score(images, prompts, metadata)
+    else:
+        if not isinstance(inputs, list) or len(inputs) != len(items):
+            raise ValueError("'input_images' must be a list with one list of images per image")
+        if not all(isinstance(row, list) for row in inputs):
+            raise ValueError("each entry of 'input_images' must be a list of images")
+        decoded = [[remote.decode_image(image) for image in row] for row in inputs]
+        answer = score(images, prompts, metadata, input_images=decoded)
     scores = [float(s) for s in np.asarray(answer["scores"], np.float64).reshape(-1)]
     out = {"scores": scores}
     subs = {

@@ -28,6 +28,7 @@ from tree_grpo_jax.rewards.base import RewardShapeError, RewardUnavailable
 from tree_grpo_jax.run import denoiser, precompile, reuse, scoring
 from tree_grpo_jax.run.evaluation import Evaluator
 from tree_grpo_jax.run.host_state import HostState
+from tree_grpo_jax.run.input_images import check_prompt_images
 from tree_grpo_jax.run.prompts import config_prompt_set, prompt_iterator
 from tree_grpo_jax.run.tracking import make_tracker
 from tree_grpo_jax.run.train_step import (
@@ -433,6 +434,10 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
         if jax.process_index() == 0 and config.log.progress:
             print(f"text encoders: {said}", flush=True)
     check_media(model, [*reward.rewards.values(), *eval_rewards.values()])
+    # input images: a model or a reward to read them, and every one of them readable
+    trained_by, held_out = list(reward.rewards.values()), list(eval_rewards.values())
+    check_prompt_images(model, trained_by, prompts.metadata, "prompts.source", held_out)
+    check_prompt_images(model, [*trained_by, *held_out], eval_metadata, "the eval prompts")
     trained = prompts.prompts
     chunk = config.prompts.batch_size * method.run_spec(config).leaves  # a rollout's pictures
     check_prompts(

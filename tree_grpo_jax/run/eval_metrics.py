@@ -43,7 +43,8 @@ class EvalSamples:
         """`fn(images, prompts)` of every process's real rows, in order (`[count, ...]`); a
         reward that takes metadata gets the rows' metadata too, and one that runs on the
         host scores part by part as the parts are decoded."""
-        with_metadata = self.metadata is not None and getattr(fn, "takes_metadata", False)
+        reads = getattr(fn, "takes_metadata", False) or getattr(fn, "takes_input_images", False)
+        with_metadata = self.metadata is not None and reads
 
         def call(images, prompts, metadata):
             out = fn(images, prompts, metadata=metadata) if with_metadata else fn(images, prompts)

@@ -23,7 +23,7 @@ from tree_grpo_jax import lora, sharding
 from tree_grpo_jax.core import rollout
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
-from tree_grpo_jax.run import eval_metrics, reporting, scoring
+from tree_grpo_jax.run import eval_metrics, input_images, reporting, scoring
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,7 +81,7 @@ class Evaluator:
         count = len(prompts)
         if with_kl and self.kl_reference is None:
             raise ValueError("the eval KL needs a reference; this trainer keeps none.")
-        rows, mine, args = self.sampler_args(prompts, noise)
+        rows, mine, args = self.sampler_args(prompts, noise, metadata)
         outputs = self.sampler_program(self.model_params(params), args, with_kl)
         kl = None
         if with_kl:
@@ -104,17 +104,27 @@ class Evaluator:
             images, [prompts[i] for i in mine], count, kl, mine_metadata
         )
 
-    def sampler_args(self, prompts: Sequence[str], noise) -> tuple[slice, np.ndarray, tuple]:
+    def inputs_metadata(self) -> list | None:
+        """The metadata of `inputs()`' prompts, in their order (None: none known)."""
+        return list(self.metadata) * self.config.eval.samples_per_prompt if self.metadata else None
+
+    def sampler_args(
+        self, prompts: Sequence[str], noise, metadata=None
+    ) -> tuple[slice, np.ndarray, tuple]:
         """This process's rows of the eval batch padded to a multiple of the devices, the
-        index of each of them in `prompts`, and the sampler's arguments after the weights."""
+        index of each of them in `prompts`, and the sampler's arguments after the weights.
+        `metadata` (one per prompt) carries the input images of a family conditioning on
+        them."""
         count = len(prompts)
         shards = sharding.num_batch_shards(self.mesh)
         padded = np.arange(-(-count // shards) * shards) % count
         rows = sharding.process_rows(len(padded))
         mine = padded[rows]
         mine_prompts = [prompts[i] for i in mine]
+        mine_metadata = None if metadata is None else [metadata[i] for i in mine]
+        cond = input_images.encode_prompts(self.model, mine_prompts, mine_metadata)
         args = (
-            sharding.global_batch(self.mesh, self.model.encode_prompts(mine_prompts)),
+            sharding.global_batch(self.mesh, cond),
             sharding.global_batch(self.mesh, np.asarray(noise)[mine]),
             self.schedule(),
             self.uncond,
@@ -162,8 +172,7 @@ class Evaluator:
         prompts, noise = self.inputs()
         with_kl = self.kl_reference is not None
         groups = diversity.groups_by_text(prompts)
-        k = self.config.eval.samples_per_prompt
-        metadata = list(self.metadata) * k if self.metadata else None
+        metadata = self.inputs_metadata()
         with scoring.reward_failures():  # a held-out reward served over HTTP
             measured = eval_metrics.measure(self, params, prompts, noise, groups, with_kl, metadata)
         batch = measured.samples

@@ -13,6 +13,12 @@ column name (or an object's key) given twice, whose cells a row would silently l
 carrying its prompts' metadata (`PromptBatch`). Its only state is `position`, the number of
 prompts drawn by all hosts together, so saving `state_dict()` and restoring it continues
 the exact same stream.
+
+A row of a JSON or table prompt file may name input images (`prompts.image_field`; an
+"image" or "images" field unless named): a path, relative to the file's folder, or an
+http(s) URL, or a list of them (`input_images.py`). They travel with the row's metadata
+(`RowMetadata.input_images`, references whose pixels load when asked), so every batch, every
+shard and every resumed stream carries them exactly as it carries the metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import numpy as np
 
 from tree_grpo_jax.errors import echo, reason
 from tree_grpo_jax.models import registry as model_registry
+from tree_grpo_jax.run import input_images as inputs
+from tree_grpo_jax.run.input_images import RowMetadata, input_images_of
 
 # Common animals, as bare names (DDPO's animal prompts are the names alone).
 ANIMALS = (
@@ -86,6 +94,15 @@ class PromptSet:
     def has_categories(self) -> bool:
         return any(c is not None for c in self.categories)
 
+    @property
+    def input_images(self) -> tuple[tuple, ...]:
+        """Each row's input images (references), () for a row without any."""
+        return tuple(input_images_of(m) for m in self.metadata)
+
+    @property
+    def has_input_images(self) -> bool:
+        return any(self.input_images)
+
 
 def prompt_sets() -> dict[str, tuple[str, ...]]:
     """Every built-in set: the ones above and those model families bring (the tiny
@@ -96,14 +113,17 @@ def prompt_sets() -> dict[str, tuple[str, ...]]:
     return sets
 
 
-def load_prompts(source: str, field: str = "", category_field: str = "") -> list[str]:
+def load_prompts(
+    source: str, field: str = "", category_field: str = "", image_field: str = ""
+) -> list[str]:
     """A built-in set by name, or a prompt file (see `load_prompt_set`): its prompts."""
-    return list(load_prompt_set(source, field, category_field).prompts)
+    return list(load_prompt_set(source, field, category_field, image_field).prompts)
 
 
-def prompt_settings(config) -> tuple[str, str]:
-    """(prompts.field, prompts.category_field) of `config` (empty: found by name)."""
-    return config.prompts.field, config.prompts.category_field
+def prompt_settings(config) -> tuple[str, str, str]:
+    """(prompts.field, prompts.category_field, prompts.image_field) of `config` (empty:
+    found by name)."""
+    return config.prompts.field, config.prompts.category_field, config.prompts.image_field
 
 
 def config_prompt_set(config, eval_set: bool = False) -> PromptSet:
@@ -115,19 +135,33 @@ def config_prompt_set(config, eval_set: bool = False) -> PromptSet:
     return load_prompt_set(source, *prompt_settings(config))
 
 
-def load_prompt_set(source: str, field: str = "", category_field: str = "") -> PromptSet:
+def load_prompt_set(
+    source: str, field: str = "", category_field: str = "", image_field: str = ""
+) -> PromptSet:
     """A built-in set by name, or a prompt file: a text file with one prompt per line (blank
     lines skipped), a `.jsonl` / `.json` of objects or a `.csv` / `.tsv` / `.parquet` table.
-    `field` names the prompt field or column and `category_field` the category (empty:
-    found among PROMPT_FIELDS and CATEGORY_FIELDS); both are read only from JSON and tables.
-    Bad input is a ValueError of one sentence."""
+    `field` names the prompt field or column, `category_field` the category and
+    `image_field` the input images (empty: found among PROMPT_FIELDS, CATEGORY_FIELDS and
+    `input_images.IMAGE_FIELDS`; "none" for the images: none read); all are read only from
+    JSON and tables. Bad input is a ValueError of one sentence."""
     if field and field == category_field:
         raise ValueError(
             f"prompts.field and prompts.category_field both name {echo(field)}; a column is "
             "either the prompt or its category."
         )
+    if image_field and image_field in (field, category_field):
+        raise ValueError(
+            f"prompts.image_field names {echo(image_field)} as prompts.field or "
+            "prompts.category_field does; a column is the prompt, its category or its images."
+        )
+    named_images = image_field not in ("", inputs.NO_IMAGES)
     sets = prompt_sets()
     if source in sets:
+        if named_images:
+            raise ValueError(
+                f"prompts.image_field is {echo(image_field)} but the prompt source "
+                f"{echo(source)} is a built-in set, which names no images; give a prompt file."
+            )
         return PromptSet.plain(sets[source])
     path = Path(os.path.expanduser(source))  # `~nosuchuser` stays as written
     try:
@@ -152,9 +186,14 @@ def load_prompt_set(source: str, field: str = "", category_field: str = "") -> P
         )
     if suffix == ".parquet":
         records = _parquet_rows(path)
-        return _from_records(path, records, field, category_field, "row")
+        return _from_records(path, records, field, category_field, "row", image_field)
     text = _read_text(path)
     if suffix in TEXT_SUFFIXES:
+        if named_images:
+            raise ValueError(
+                f"prompts.image_field is {echo(image_field)} but prompt file {path} is a text "
+                "file, which names no images; write a .jsonl or table with an image column."
+            )
         prompts = [p for p in (line.strip() for line in text.splitlines()) if p]
         if not prompts:
             raise ValueError(f"prompt file {path} has no prompts; write one prompt per line.")
@@ -162,10 +201,13 @@ def load_prompt_set(source: str, field: str = "", category_field: str = "") -> P
     if not text.strip():
         raise ValueError(f"prompt file {path} has no prompts; it is empty.")
     if suffix == ".jsonl":
-        return _from_records(path, _jsonl_rows(path, text), field, category_field, "line")
+        rows = _jsonl_rows(path, text)
+        return _from_records(path, rows, field, category_field, "line", image_field)
     if suffix == ".json":
-        return _from_records(path, _json_rows(path, text), field, category_field, "entry")
-    return _from_table(path, text, "\t" if suffix == ".tsv" else ",", field, category_field)
+        rows = _json_rows(path, text)
+        return _from_records(path, rows, field, category_field, "entry", image_field)
+    delimiter = "\t" if suffix == ".tsv" else ","
+    return _from_table(path, text, delimiter, field, category_field, image_field)
 
 
 def _read_text(path: Path) -> str:
@@ -293,9 +335,9 @@ def _prompt_and_category(path, have, named, noun: str, where=("", "")) -> tuple[
     return key, cat
 
 
-def _from_records(path, records, field, category_field, unit) -> PromptSet:
+def _from_records(path, records, field, category_field, unit, image_field="") -> PromptSet:
     """The prompt set of JSON or Parquet rows: (number, object) pairs, `unit` naming a
-    number in a message ("line", "entry", "row")."""
+    number in a message ("line", "entry", "row"); `image_field` as `load_prompt_set`'s."""
     if not records:
         raise ValueError(f"prompt file {path} has no prompts; it holds no {unit} at all.")
     for number, row in records:
@@ -313,6 +355,9 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
         "field",
         (f"{unit} {number} of ", f" in any {unit}"),
     )
+    images = inputs.image_field(path, every, image_field)
+    if images in (key, cat):  # found by name beside a prompt or category of the same name
+        images = None
     prompts, metadata, categories = [], [], []
     for number, row in records:
         if key not in row:
@@ -327,7 +372,12 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
                 f"{json.dumps(prompt, default=str)}, not a non-empty text."
             )
         prompts.append(prompt.strip())
-        metadata.append({k: v for k, v in row.items() if k != key})
+        fields = {k: v for k, v in row.items() if k != key}
+        refs = ()
+        if images:
+            where = f"{unit} {number} of prompt file {path}"
+            refs = inputs.references(row.get(images), path.parent, where, images)
+        metadata.append(RowMetadata(fields, refs) if images else fields)
         value = row.get(cat) if cat else None
         if isinstance(value, (list, tuple, dict)):  # its text would group nothing usefully
             raise ValueError(
@@ -340,7 +390,7 @@ def _from_records(path, records, field, category_field, unit) -> PromptSet:
     return PromptSet(tuple(prompts), tuple(metadata), tuple(categories))
 
 
-def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
+def _from_table(path, text, delimiter, field, category_field, image_field="") -> PromptSet:
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
     try:
         header = next(reader, None)
@@ -364,7 +414,7 @@ def _from_table(path, text, delimiter, field, category_field) -> PromptSet:
         records.append((number, dict(zip(header, cells))))  # short rows: their cells only
     if not records:
         raise ValueError(f"prompt file {path} has no prompts; it has a header and no rows.")
-    return _from_records(path, records, key, cat or "", "row")
+    return _from_records(path, records, key, cat or "", "row", image_field)
 
 
 def _check_unique_columns(path, header: list[str]) -> None:
@@ -382,11 +432,16 @@ def _check_unique_columns(path, header: list[str]) -> None:
 
 
 class PromptBatch(list):
-    """A batch of prompts (a list of str) with `metadata`, each prompt's dict in order."""
+    """A batch of prompts (a list of str) with `metadata`, each prompt's dict in order, and
+    `input_images`, each prompt's input images (references; () for none)."""
 
     def __init__(self, prompts: Sequence[str], metadata: Sequence[dict]):
         super().__init__(prompts)
         self.metadata = list(metadata)
+
+    @property
+    def input_images(self) -> list[tuple]:
+        return [input_images_of(m) for m in self.metadata]
 
 
 def leaf_metadata(batch: Sequence[str], rows: slice = slice(None), repeat: int = 1) -> list:

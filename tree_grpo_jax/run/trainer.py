@@ -36,6 +36,7 @@ from tree_grpo_jax.core import rollout, transitions
 from tree_grpo_jax.models.base import TextToImageModel, schedule_for
 from tree_grpo_jax.run import node_scoring, reporting, scoring, tracking
 from tree_grpo_jax.run.host_state import HostState
+from tree_grpo_jax.run.input_images import encode_prompts
 from tree_grpo_jax.run.program_store import exported_program
 from tree_grpo_jax.run.prompts import leaf_metadata
 from tree_grpo_jax.run.scoring import DivergenceError
@@ -153,9 +154,11 @@ class Trainer:
         """The iteration's trees for the global batch `prompts` from `params` (no gradient,
         no update), its prompts split over the mesh's batch axes: every device rolls out its
         own. With several processes each encodes, and keeps, its own rows."""
+        metadata = leaf_metadata(prompts)  # a family conditioning on input images reads them
         prompts = list(prompts)
         rows = sharding.process_rows(len(prompts))
-        cond = sharding.global_batch(self.mesh, self.model.encode_prompts(prompts[rows]))
+        mine = encode_prompts(self.model, prompts[rows], metadata[rows])
+        cond = sharding.global_batch(self.mesh, mine)
         start = self.window_start(iteration)
         tree = self._rollout_program(self.model_params(params), cond, key, start)
         if sharding.multi_process():
@@ -364,11 +367,14 @@ class Trainer:
         (split over the mesh) and the evaluation's arguments after the weights
         (`Evaluator.sampler_args`)."""
         c = self.config
-        texts = self.host_state.prompts.prompts
-        batch = [texts[i % len(texts)] for i in range(c.prompts.batch_size * jax.process_count())]
-        rows = sharding.process_rows(len(batch))
-        cond = sharding.global_batch(self.mesh, self.model.encode_prompts(batch[rows]))
-        _, _, eval_args = self.evaluator.sampler_args(*self.evaluator.inputs())
+        texts, metadata = self.host_state.prompts.prompts, self.host_state.prompts.metadata
+        picked = [i % len(texts) for i in range(c.prompts.batch_size * jax.process_count())]
+        rows = sharding.process_rows(len(picked))
+        batch, batch_metadata = [texts[i] for i in picked], [metadata[i] for i in picked]
+        mine = encode_prompts(self.model, batch[rows], batch_metadata[rows])
+        cond = sharding.global_batch(self.mesh, mine)
+        eval_rows = (*self.evaluator.inputs(), self.evaluator.inputs_metadata())
+        _, _, eval_args = self.evaluator.sampler_args(*eval_rows)
         return cond, eval_args
 
     def lower_programs(self, state, cond, eval_args, accumulating=False, export=False):
