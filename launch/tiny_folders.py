@@ -154,6 +154,35 @@ def byte_tokenizer(padding_side: str = "right"):
     return tokenizer
 
 
+# FLUX.2-dev's tokenizer stands in for Mistral Small 3.1's: the byte tokenizer with Mistral's
+# special tokens and a chat template in the shape of Mistral Small 3.1's (BOS, the system
+# prompt in its markers, each user turn in the instruction markers, a content a string or a
+# list of typed parts); its template token counts are not the real ones'.
+MISTRAL_MARKERS = ("<s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+MISTRAL_TEMPLATE = (
+    r"{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- else -%}"
+    r"{%- for part in c if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    r"{%- endif -%}{%- endmacro -%}"
+    r"{{ bos_token }}{%- for m in messages -%}"
+    r"{%- if m['role'] == 'system' -%}{{ '[SYSTEM_PROMPT]' + text(m['content']) + "
+    r"'[/SYSTEM_PROMPT]' }}"
+    r"{%- elif m['role'] == 'user' -%}{{ '[INST]' + text(m['content']) + '[/INST]' }}"
+    r"{%- endif -%}{%- endfor -%}"
+)
+
+
+def mistral_byte_tokenizer():
+    """`byte_tokenizer` with Mistral's markers as special tokens and a Mistral-shaped chat
+    template (264 tokens)."""
+    from tokenizers import AddedToken
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in MISTRAL_MARKERS])
+    tokenizer.bos_token = "<s>"
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    return tokenizer
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights: a Flax parameter tree's shapes, random values, PyTorch names, safetensors.
 
