@@ -177,7 +177,7 @@ def _pytorch_velocity(pt_transformer, x, cond, sigma, guidance):
     txt = torch.from_numpy(transformer.text_ids(cond.shape[1]))[None].expand(batch, -1, -1)
     with torch.no_grad():
         out = pt_transformer(
-            hidden_states=torch.from_numpy(np.asarray(latent_tokens(jnp.asarray(x)))),
+            hidden_states=torch.from_numpy(np.array(latent_tokens(jnp.asarray(x)))),
             encoder_hidden_states=torch.from_numpy(cond),
             timestep=torch.from_numpy(sigma),
             img_ids=ids,
