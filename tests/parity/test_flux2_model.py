@@ -297,3 +297,37 @@ def test_the_plan_shapes_are_the_loaded_models(flux2_klein_folder, models):
     assert jax.eval_shape(planned.decode, planned.decode_params, latents).shape == (
         1, RESOLUTION, RESOLUTION, 3,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("variant, kind", [("dev", "flux2"), ("klein", "flux2-klein")])
+def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind, models, tmp_path):
+    """launch/tiny_folders.py's folders (written without torch) hold the fixtures'
+    architecture: the transformer loads in diffusers' class with every key, the text encoder
+    and VAE decoder in our loader with the fixture's shapes, and the text path is the
+    variant's."""
+    import json
+
+    from diffusers import Flux2Transformer2DModel
+
+    from launch import tiny_folders
+
+    folder = tiny_folders.main([f"--out={tmp_path}", f"--kinds={kind}"])[kind]
+    _, info = Flux2Transformer2DModel.from_pretrained(
+        str(folder / "transformer"), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    written = load_flux2(str(folder), text_max_length=TEXT_TOKENS[variant], resolution=RESOLUTION)
+    fixture = models(variant)
+    assert written.variant == variant
+    fields = {k: v for k, v in written.transformer_config.items() if not k.startswith("_")}
+    assert fields == {k: fixture.transformer_config[k] for k in fields}
+
+    def shapes(tree):
+        return jax.tree_util.tree_map(lambda x: x.shape, tree)
+
+    assert shapes(written.params) == shapes(fixture.params)
+    assert shapes(written.decode.params) == shapes(fixture.decode.params)
+    assert shapes(written.text_encoders.params) == shapes(fixture.text_encoders.params)
+    assert written.encode_prompts(["a cat"]).shape == fixture.encode_prompts(["a cat"]).shape
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == PIPELINES[variant]
