@@ -159,7 +159,7 @@ def test_decode_equals_the_pipeline(models, pipes):
     with torch.no_grad():
         tokens = latent_tokens(jnp.asarray(latents))
         ids = torch.from_numpy(transformer.image_ids(SIDE, SIDE)).long()[None].expand(2, -1, -1)
-        z = pipe._unpack_latents_with_ids(torch.from_numpy(np.asarray(tokens)), ids)
+        z = pipe._unpack_latents_with_ids(torch.from_numpy(np.array(tokens)), ids)
         z = torch.from_numpy(_denormalised(pipe, z.numpy()))
         image = pipe.vae.decode(z, return_dict=False)[0]
         expected = pipe.image_processor.postprocess(image, output_type="np")
@@ -299,7 +299,10 @@ def test_the_plan_shapes_are_the_loaded_models(flux2_klein_folder, models):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("variant, kind", [("dev", "flux2"), ("klein", "flux2-klein")])
+@pytest.mark.parametrize(
+    "variant, kind",
+    [pytest.param("dev", "flux2", marks=pytest.mark.slow), ("klein", "flux2-klein")],
+)
 def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind, models, tmp_path):
     """launch/tiny_folders.py's folders (written without torch) hold the fixtures'
     architecture: the transformer loads in diffusers' class with every key, the text encoder

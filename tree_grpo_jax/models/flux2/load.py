@@ -28,7 +28,11 @@ function of the image's token count and of N (`compute_empirical_mu`), then 0; t
 base and max shift are not used (the pipelines pass mu).
 
 Measured against diffusers' PyTorch pipelines on tiny random folders
-(tests/parity/test_flux2_model.py, float32 on CPU): see docs/models/flux2.md for the numbers.
+(tests/parity/test_flux2_model.py, float32 on CPU): the deterministic sampler (4 steps, the
+empirical mu) differs by at most 1.1e-6 (dev, guidance 4) and 9.5e-7 (klein) from the
+pipelines' `output_type="latent"` results on latents up to 4.8 and 6.1; the prompt states by
+4.7e-7 (dev) and 6.7e-7 (klein) of their largest value from `encode_prompt`; the decoded
+images by 1.8e-6; the schedule's sigmas by less than 1e-6.
 """
 
 from __future__ import annotations
