@@ -1,4 +1,4 @@
-"""The tiny random SD1.5, SD3.5, FLUX.1, Wan2.1, Z-Image and Qwen-Image architectures, one
+"""The tiny random SD1.5, SD3.5, FLUX.1, Wan2.1, Z-Image, Qwen-Image and FLUX.2 architectures, one
 table per family.
 
 Each table maps a folder of the pipeline to the keyword arguments of the class it holds
@@ -434,5 +434,111 @@ QWENIMAGE = {
         "tokenizer": ["transformers", "Qwen2Tokenizer"],
         "transformer": ["diffusers", "QwenImageTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    },
+}
+
+# ---------------------------------------------------------------------------------------------
+# FLUX.2: Flux2Transformer2DModel, AutoencoderKLFlux2 (its batch-norm statistics random), the
+# flow-matching scheduler FLUX.2's pipelines ship (FLUX.1-dev's), and the text encoder of each
+# variant: dev's Mistral 3 (a Mistral language model beside a Pixtral vision tower) and
+# klein's Qwen3. Both text models are deep enough for the pipelines' stacked hidden states
+# (dev 10, 20, 30; klein 9, 18, 27), three of them side by side as the transformer's text
+# width.
+
+FLUX2_TEXT_WIDTH = 32  # the text models' hidden size; the transformer takes 3 * 32
+FLUX2_LATENT_CHANNELS = 8  # the VAE's (32 released); the transformer takes 2x2 patches of them
+FLUX2_RESOLUTION = 32  # pixels: the tiny VAE halves a side, so 16x16 latents, 8x8 patches
+FLUX2_VOCAB = 272  # the byte tokenizer's 259 tokens, dev's five Mistral markers, spare room
+_FLUX2_TEXT = dict(
+    vocab_size=FLUX2_VOCAB,
+    hidden_size=FLUX2_TEXT_WIDTH,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+_FLUX2_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=4 * FLUX2_LATENT_CHANNELS,
+    num_layers=1,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=3 * FLUX2_TEXT_WIDTH,
+    timestep_guidance_channels=32,
+    mlp_ratio=3.0,
+    axes_dims_rope=(4, 4, 4, 4),
+    rope_theta=2000,
+    eps=1e-6,
+)
+_FLUX2_VAE = dict(  # AutoencoderKLFlux2
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    block_out_channels=(32, 32),
+    layers_per_block=1,
+    latent_channels=FLUX2_LATENT_CHANNELS,
+    norm_num_groups=32,
+    sample_size=FLUX2_RESOLUTION,
+    patch_size=(2, 2),
+    batch_norm_eps=1e-4,
+)
+_FLUX2_SCHEDULER = dict(  # FLUX.1-dev's scheduler_config.json, which FLUX.2's folders carry
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+    base_shift=0.5,
+    max_shift=1.15,
+)
+FLUX2 = {  # FLUX.2-dev
+    "text_encoder": dict(  # Mistral3Config's text_config
+        **_FLUX2_TEXT,
+        model_type="mistral",
+        num_hidden_layers=31,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 900.0},
+    ),
+    "vision": dict(  # Mistral3Config's vision_config
+        model_type="pixtral",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=16,
+        patch_size=4,
+    ),
+    "transformer": dict(**_FLUX2_TRANSFORMER, guidance_embeds=True),
+    "vae": _FLUX2_VAE,
+    "scheduler": _FLUX2_SCHEDULER,
+    "model_index": {
+        "_class_name": "Flux2Pipeline",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    },
+}
+FLUX2_KLEIN = {  # FLUX.2-klein (the step-distilled release)
+    "text_encoder": dict(  # Qwen3Config
+        **_FLUX2_TEXT,
+        num_hidden_layers=28,
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+    ),
+    "transformer": dict(**_FLUX2_TRANSFORMER, guidance_embeds=False),
+    "vae": _FLUX2_VAE,
+    "scheduler": _FLUX2_SCHEDULER,
+    "model_index": {
+        "_class_name": "Flux2KleinPipeline",
+        "is_distilled": True,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
     },
 }

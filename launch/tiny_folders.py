@@ -1,6 +1,6 @@
-"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1, Wan2.1, Z-Image and Qwen-Image
-folders in the real diffusers layout, for a smoke run of those configs without downloading
-any weights.
+"""Writes tiny random Stable Diffusion 1.5, SD3.5, FLUX.1, Wan2.1, Z-Image, Qwen-Image and
+FLUX.2 (dev and klein) folders in the real diffusers layout, for a smoke run of those configs
+without downloading any weights.
 
     python launch/tiny_folders.py --out=/tmp/tiny_sd   # -> /tmp/tiny_sd/{sd15,sd35,flux,wan,...}
 
@@ -18,12 +18,15 @@ UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's MMDiT with dual-attention 
 guidance embedding, CLIP-L, T5 and the dynamically shifted scheduler; Wan2.1's transformer
 (`WanTransformer3DModel`), video VAE, umT5 and UniPC flow scheduler; Z-Image-Turbo's
 transformer, 16-channel VAE, Qwen3 text model and statically shifted scheduler; Qwen-Image's
-transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma); a few
+transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma);
+FLUX.2's transformer, VAE decoder with its batch-norm statistics and flow scheduler, with
+dev's Mistral 3 (`flux2`, a Mistral-shaped byte tokenizer) or klein's Qwen3 (`flux2-klein`)
+text encoder (tests/flux2_fixtures.py); a few
 thousand times smaller than the releases. diffusers' `DiffusionPipeline.from_pretrained`
 reads the first three too (tests/parity/test_tiny_folders_in_diffusers.py); the Wan and
-Qwen-Image folders' VAEs hold their decoders only and Qwen-Image's text encoder its language
-model only (the halves the library runs), so they are read by the project's loaders. The
-samples are noise: the folders check that a config runs, not what it learns.
+Qwen-Image and FLUX.2 folders' VAEs hold their decoders only and their vision-language text
+encoders their language models only (the halves the library runs), so they are read by the
+project's loaders. The samples are noise: the folders check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the package (when it is not installed) and the tables
 from launch.tiny_architectures import (  # noqa: E402
     FLUX,
+    FLUX2,
+    FLUX2_KLEIN,
     QWENIMAGE,
     SD15,
     SD35,
@@ -52,7 +57,7 @@ from tree_grpo_jax import interrupts  # noqa: E402
 from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
 from tree_grpo_jax.weights.staging import write_staged  # noqa: E402
 
-KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage")
+KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage", "flux2", "flux2-klein")
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
@@ -151,6 +156,35 @@ def byte_tokenizer(padding_side: str = "right"):
     tokenizer.add_tokens([AddedToken(t, special=True) for t in CHAT_MARKERS])
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+# FLUX.2-dev's tokenizer stands in for Mistral Small 3.1's: the byte tokenizer with Mistral's
+# special tokens and a chat template in the shape of Mistral Small 3.1's (BOS, the system
+# prompt in its markers, each user turn in the instruction markers, a content a string or a
+# list of typed parts); its template token counts are not the real ones'.
+MISTRAL_MARKERS = ("<s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+MISTRAL_TEMPLATE = (
+    r"{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- else -%}"
+    r"{%- for part in c if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    r"{%- endif -%}{%- endmacro -%}"
+    r"{{ bos_token }}{%- for m in messages -%}"
+    r"{%- if m['role'] == 'system' -%}{{ '[SYSTEM_PROMPT]' + text(m['content']) + "
+    r"'[/SYSTEM_PROMPT]' }}"
+    r"{%- elif m['role'] == 'user' -%}{{ '[INST]' + text(m['content']) + '[/INST]' }}"
+    r"{%- endif -%}{%- endfor -%}"
+)
+
+
+def mistral_byte_tokenizer():
+    """`byte_tokenizer` with Mistral's markers as special tokens and a Mistral-shaped chat
+    template (264 tokens)."""
+    from tokenizers import AddedToken
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in MISTRAL_MARKERS])
+    tokenizer.bos_token = "<s>"
+    tokenizer.chat_template = MISTRAL_TEMPLATE
     return tokenizer
 
 
@@ -421,7 +455,7 @@ def write_wan(root: pathlib.Path, rng) -> None:
     write_model_index(root, WAN["model_index"])
 
 
-def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng) -> None:
+def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng, tokenizer=None) -> None:
     """A transformers decoder text model folder (`text_config` saved as it is) with our
     `DecoderTextModel`'s random weights under `prefix` + transformers' names, and the byte
     tokenizer. Only the language model is written: the project's encoder reads no more."""
@@ -430,7 +464,7 @@ def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng) -> Non
     from tree_grpo_jax.models import decoder_text
     from tree_grpo_jax.weights import convert, stacking
 
-    byte_tokenizer().save_pretrained(root / "tokenizer")
+    (tokenizer or byte_tokenizer()).save_pretrained(root / "tokenizer")
     text_config.save_pretrained(root / "text_encoder")
     raw = json.loads((root / "text_encoder" / "config.json").read_text())
     module = decoder_text.DecoderTextModel(decoder_text.config_from_transformers(raw))
@@ -470,6 +504,63 @@ def write_qwenimage(root: pathlib.Path, rng) -> None:
     write_model_index(root, QWENIMAGE["model_index"])
 
 
+def write_flux2_vae(root: pathlib.Path, config: dict, rng) -> None:
+    """AutoencoderKLFlux2's decoder half (the post-quant conv, the decoder, the batch-norm
+    statistics of the patch channels), the part the library runs."""
+    import jax
+    import numpy as np
+
+    from tree_grpo_jax.models.flux2 import vae
+    from tree_grpo_jax.weights import convert
+
+    full = diffusers_config("AutoencoderKLFlux2", config)
+    module = vae.module_from_config(full)
+    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    flat = random_params({k: v for k, v in shapes.items() if len(k) > 1}, rng)
+    state = pytorch_state(flat, convert.DIFFUSERS_LIST_NAMES, renames=_VAE_ATTENTION)
+    (features,) = shapes[("running_mean",)]
+    noise = rng.standard_normal((2, features)).astype(np.float32)
+    state["bn.running_mean"] = 0.5 * noise[0]
+    state["bn.running_var"] = 1.0 + 0.5 * np.abs(noise[1])  # positive, as a variance is
+    write_json(root / "vae" / "config.json", full)
+    save_weights(root / "vae", "diffusion_pytorch_model", state)
+
+
+def write_flux2_parts(root: pathlib.Path, table: dict, rng) -> None:
+    from tree_grpo_jax.models.flux2.load import TRANSFORMER
+
+    write_denoiser(root, TRANSFORMER, table["transformer"], rng)
+    write_flux2_vae(root, table["vae"], rng)
+    write_scheduler(root, "FlowMatchEulerDiscreteScheduler", table["scheduler"])
+    write_model_index(root, table["model_index"])
+
+
+def write_flux2(root: pathlib.Path, rng) -> None:
+    """FLUX.2-dev: a Mistral 3 text encoder (its language model's weights only)."""
+    from transformers import Mistral3Config
+
+    text_config = Mistral3Config(
+        text_config=dict(FLUX2["text_encoder"]),
+        vision_config=dict(FLUX2["vision"]),
+        image_token_index=FLUX2["text_encoder"]["vocab_size"] - 1,
+    )
+    text_config.architectures = ["Mistral3ForConditionalGeneration"]
+    write_decoder_text(
+        root, text_config, "model.language_model.", rng, tokenizer=mistral_byte_tokenizer()
+    )
+    write_flux2_parts(root, FLUX2, rng)
+
+
+def write_flux2_klein(root: pathlib.Path, rng) -> None:
+    """FLUX.2-klein: a Qwen3 text encoder (`Qwen3ForCausalLM`, its LM head left out)."""
+    from transformers import Qwen3Config
+
+    text_config = Qwen3Config(**FLUX2_KLEIN["text_encoder"])
+    text_config.architectures = ["Qwen3ForCausalLM"]
+    write_decoder_text(root, text_config, "model.", rng)  # the keys save_pretrained writes
+    write_flux2_parts(root, FLUX2_KLEIN, rng)
+
+
 WRITERS = {
     "sd15": write_sd15,
     "sd35": write_sd35,
@@ -477,6 +568,8 @@ WRITERS = {
     "wan": write_wan,
     "zimage": write_zimage,
     "qwenimage": write_qwenimage,
+    "flux2": write_flux2,
+    "flux2-klein": write_flux2_klein,
 }
 
 

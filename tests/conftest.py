@@ -105,6 +105,26 @@ def qwenimage_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def flux2_dev_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from flux2_fixtures import make_tiny_flux2_folder
+
+    return _written_once(
+        tmp_path_factory, "tiny_flux2_dev", lambda path: make_tiny_flux2_folder(path, "dev")
+    )
+
+
+@pytest.fixture(scope="session")
+def flux2_klein_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from flux2_fixtures import make_tiny_flux2_folder
+
+    return _written_once(
+        tmp_path_factory, "tiny_flux2_klein", lambda path: make_tiny_flux2_folder(path, "klein")
+    )
+
+
+@pytest.fixture(scope="session")
 def sd_model(sd_folder):
     from tree_grpo_jax.models.sd15.load import load_sd
 

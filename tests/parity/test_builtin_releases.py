@@ -16,10 +16,19 @@ diffusers = pytest.importorskip("diffusers")
 
 from tree_grpo_jax.models import registry  # noqa: E402
 
+# The decoder-text families' conditioning: 512 prompt states and the mask; latents 16 channels
+# at 1/8 of 1024 px. FLUX.2's: 512 tokens of three stacked states; 2x2 patches of 32 channels
+# at 1/16 of 1024 px.
+MASKED, STACKED = (512, 1, 1), (512, 0, 3)  # (tokens, mask features, states per token)
+LATENTS, PATCHES = (16, 128, 128), (128, 64, 64)
 RELEASES = {
-    # family, built-in name, diffusers class, the conditioning width, published size (B)
-    "qwen-image": ("qwenimage", "QwenImageTransformer2DModel", 3584, 20),
-    "z-image-turbo": ("zimage", "ZImageTransformer2DModel", 2560, 6),
+    # family, diffusers class, the text encoder's width, published size (B), conditioning,
+    # one latent's shape
+    "qwen-image": ("qwenimage", "QwenImageTransformer2DModel", 3584, 20, MASKED, LATENTS),
+    "z-image-turbo": ("zimage", "ZImageTransformer2DModel", 2560, 6, MASKED, LATENTS),
+    "flux2-dev": ("flux2", "Flux2Transformer2DModel", 5120, 32, STACKED, PATCHES),
+    "flux2-klein-4b": ("flux2", "Flux2Transformer2DModel", 2560, 4, STACKED, PATCHES),
+    "flux2-klein-9b": ("flux2", "Flux2Transformer2DModel", 4096, 9, STACKED, PATCHES),
 }
 
 
@@ -35,7 +44,7 @@ def _planned(family: str, name: str):
 def test_the_plan_holds_the_released_transformer(name):
     from transformers import AutoConfig
 
-    family, class_name, width, billions = RELEASES[name]
+    family, class_name, width, billions, (tokens, mask, states), latent = RELEASES[name]
     planned = _planned(family, name)
     configs = importlib.import_module(f"tree_grpo_jax.models.{family}.builtin")
     configs = configs.RELEASES[name].configs
@@ -49,6 +58,6 @@ def test_the_plan_holds_the_released_transformer(name):
     text_config = AutoConfig.for_model(text.pop("model_type"), **text)
     text_config = getattr(text_config, "text_config", text_config)
     assert text_config.hidden_size == width
-    # the conditioning: the family's default prompt length, the text states and the mask
-    assert planned.cond_shape == (512, width + 1)
-    assert planned.sample_shape == (16, 128, 128)  # 1024 px, 8x compression, 16 channels
+    # the conditioning: the family's default prompt length, the text states (and the mask)
+    assert planned.cond_shape == (tokens, states * width + mask)
+    assert planned.sample_shape == latent  # at the default 1024 px

@@ -207,7 +207,9 @@ def test_only_a_family_sub_package_names_its_family():
     for module, targets in GRAPH.items():
         own = next((f for f in family_modules if module == f or module.startswith(f + ".")), None)
         for target in targets:
-            other = next((f for f in family_modules if target.startswith(f)), None)
+            other = next(
+                (f for f in family_modules if target == f or target.startswith(f + ".")), None
+            )
             assert other is None or other == own, f"{module} imports {target}"
 
 

@@ -213,7 +213,7 @@ def test_every_family_of_the_package_is_found():
     assert {"tiny", "sd", "sd3"} <= names
     assert model_registry.family_of("random_tiny_flow").name == "tiny"
     exportable = {f.name for f in model_registry.families() if f.export is not None}
-    assert exportable == {"sd", "sd3", "flux", "wan", "zimage", "qwenimage"}
+    assert exportable == {"sd", "sd3", "flux", "wan", "zimage", "qwenimage", "flux2"}
 
 
 def test_a_family_that_fails_to_import_fails_every_lookup_alike(monkeypatch):

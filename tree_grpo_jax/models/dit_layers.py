@@ -85,6 +85,15 @@ def gated_feed_forward(x, feed_forward: Callable, shift, scale, gate) -> jax.Arr
     return x + gate[:, None] * feed_forward(modulate(layer_norm(x), shift, scale))
 
 
+def rope_frequencies(axes_dims, theta: float) -> list[np.ndarray]:
+    """Per position-id axis, the [d / 2] float32 rotation frequencies theta^(-2i / d), taken in
+    float64 as diffusers' FLUX position embeddings take them, then rounded (FLUX.1, FLUX.2)."""
+    return [
+        (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+        for dim in axes_dims
+    ]
+
+
 def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding: each (even, odd) channel pair of x [B, S, heads, head_dim] turned by
     its angle, given as cos and sin [S, head_dim / 2] (or [B, S, head_dim / 2] where each

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tree_grpo_jax.models import dit_layers
 from tree_grpo_jax.models.dit_layers import (
     AdaLayerNormContinuous,
     AdaLayerNormZero,
@@ -82,10 +83,7 @@ def text_ids(num_tokens: int) -> np.ndarray:
 def rope_frequencies(axes_dims: tuple[int, ...], theta: float = ROPE_THETA) -> list[np.ndarray]:
     """Per id axis, the [d / 2] float32 rotation frequencies theta^(-2i / d) (float64, as
     diffusers' `FluxPosEmbed` takes them, then rounded)."""
-    return [
-        (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
-        for dim in axes_dims
-    ]
+    return dit_layers.rope_frequencies(axes_dims, theta)
 
 
 def rope_tables(ids: jax.Array, axes_dims: tuple[int, ...], theta: float = ROPE_THETA):

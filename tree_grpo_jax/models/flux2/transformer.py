@@ -63,7 +63,6 @@ from tree_grpo_jax.models.dit_layers import (
     run_stack,
     timestep_features,
 )
-from tree_grpo_jax.models.flux.transformer import rope_frequencies
 
 ID_AXES = 4  # (time, row, column, text index): FLUX.2's position ids
 TIMESTEP_SCALE = 1000.0  # diffusers' forward multiplies sigma (and guidance) by this
@@ -107,7 +106,7 @@ def rope_tables(ids: jax.Array, axes_dims: tuple[int, ...], theta: float):
     angles = jnp.concatenate(
         [
             positions[..., axis, None] * jnp.asarray(freqs)
-            for axis, freqs in enumerate(rope_frequencies(axes_dims, theta))
+            for axis, freqs in enumerate(dit_layers.rope_frequencies(axes_dims, theta))
         ],
         axis=-1,
     )
