@@ -46,13 +46,15 @@ from launch.tiny_architectures import (  # noqa: E402
     SD15,
     SD35,
     WAN,
+    WAN22,
+    WAN22_MOE,
     ZIMAGE,
 )
 from tree_grpo_jax import interrupts  # noqa: E402
 from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
 from tree_grpo_jax.weights.staging import write_staged  # noqa: E402
 
-KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage")
+KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage", "wan22", "wan22-moe")
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
@@ -411,14 +413,21 @@ def write_causal_vae(root: pathlib.Path, pt_class: str, config: dict, rng) -> No
     save_weights(root / "vae", "diffusion_pytorch_model", state)
 
 
-def write_wan(root: pathlib.Path, rng) -> None:
-    from tree_grpo_jax.models.wan.load import TRANSFORMER
+def write_wan(root: pathlib.Path, rng, table: dict = WAN) -> None:
+    """A Wan folder of `table`'s architecture (Wan2.1's, or a Wan2.2 one): a second,
+    low-noise expert in `transformer_2/` when its model index names one."""
+    import dataclasses
 
-    write_umt5(root, rng, **WAN["text_encoder"])
-    write_denoiser(root, TRANSFORMER, WAN["transformer"], rng)
-    write_causal_vae(root, "AutoencoderKLWan", WAN["vae"], rng)
-    write_scheduler(root, "UniPCMultistepScheduler", WAN["scheduler"])
-    write_model_index(root, WAN["model_index"])
+    from tree_grpo_jax.models.wan.load import EXPERTS, TRANSFORMER
+
+    write_umt5(root, rng, **table["text_encoder"])
+    write_denoiser(root, TRANSFORMER, table["transformer"], rng)
+    if table["model_index"].get(EXPERTS[1], [None])[0] is not None:
+        low = dataclasses.replace(TRANSFORMER, folder=EXPERTS[1])
+        write_denoiser(root, low, table["transformer"], rng)
+    write_causal_vae(root, "AutoencoderKLWan", table["vae"], rng)
+    write_scheduler(root, "UniPCMultistepScheduler", table["scheduler"])
+    write_model_index(root, table["model_index"])
 
 
 def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng) -> None:
@@ -475,6 +484,8 @@ WRITERS = {
     "sd35": write_sd35,
     "flux": write_flux,
     "wan": write_wan,
+    "wan22": functools.partial(write_wan, table=WAN22),
+    "wan22-moe": functools.partial(write_wan, table=WAN22_MOE),
     "zimage": write_zimage,
     "qwenimage": write_qwenimage,
 }
