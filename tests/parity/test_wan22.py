@@ -102,6 +102,7 @@ def _ours(model, noise, schedule, guidance):
     )
 
 
+@pytest.mark.slow
 def test_ti2v_sampler_and_decode_equal_the_pipeline(folder22):
     """Text to video on TI2V-5B's layout: the pipeline's `expand_timesteps` gives every token
     the step's timestep (no first frame to hold clean), which is our one timestep a row."""
@@ -145,6 +146,7 @@ def moe(folder_moe):
     return model, _pipe(folder_moe)
 
 
+@pytest.mark.slow
 def test_two_expert_sampler_equals_the_pipeline(moe):
     """The boundary (875) falls inside the 4 steps (1000, 900 | 750, 500): both experts run,
     and they differ."""
@@ -177,6 +179,7 @@ def test_two_expert_sampler_equals_the_pipeline(moe):
     assert np.abs(alone - expected).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_takes_each_rows_expert(moe):
     """Rows on both sides of the boundary in one call (a train step's minibatch): each row
     gets its own expert's velocity, as the PyTorch expert of its side gives it."""
@@ -213,6 +216,7 @@ def test_a_mixed_batch_takes_each_rows_expert(moe):
     assert norms["transformer"] == 0.0 and norms["transformer_2"] > 0.0
 
 
+@pytest.mark.slow
 def test_the_two_expert_export_loads_in_the_pipeline(folder_moe, moe, tmp_path):
     from diffusers import WanPipeline
 
