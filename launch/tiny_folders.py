@@ -18,12 +18,15 @@ UNet, VAE, CLIP text encoder, DDIM scheduler; SD3.5's MMDiT with dual-attention 
 guidance embedding, CLIP-L, T5 and the dynamically shifted scheduler; Wan2.1's transformer
 (`WanTransformer3DModel`), video VAE, umT5 and UniPC flow scheduler; Z-Image-Turbo's
 transformer, 16-channel VAE, Qwen3 text model and statically shifted scheduler; Qwen-Image's
-transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma); a few
-thousand times smaller than the releases. diffusers' `DiffusionPipeline.from_pretrained`
-reads the first three too (tests/parity/test_tiny_folders_in_diffusers.py); the Wan and
-Qwen-Image folders' VAEs hold their decoders only and Qwen-Image's text encoder its language
-model only (the halves the library runs), so they are read by the project's loaders. The
-samples are noise: the folders check that a config runs, not what it learns.
+transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma);
+Wan2.2-TI2V-5B's layout (`wan22`: Wan2.2's residual, patched VAE and `expand_timesteps`) and
+Wan2.2-T2V-A14B's (`wan22-moe`: `transformer/` and `transformer_2/` switching at
+`boundary_ratio`); a few thousand times smaller than the releases. diffusers'
+`DiffusionPipeline.from_pretrained` reads the first three too
+(tests/parity/test_tiny_folders_in_diffusers.py); the Wan and Qwen-Image folders' VAEs hold
+their decoders only and Qwen-Image's text encoder its language model only (the halves the
+library runs), so they are read by the project's loaders. The samples are noise: the folders
+check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
