@@ -1,6 +1,7 @@
-"""Wan2.1 as shapes, for planning: from a folder's JSON configs alone, or from the releases'
-own (`builtin:wan-1.3b`, `builtin:wan-14b`), through the loader's config checks and module
-builders.
+"""Wan2.1 and Wan2.2 as shapes, for planning: from a folder's JSON configs alone, or from the
+releases' own (`builtin:wan-1.3b`, `builtin:wan-14b`, `builtin:wan2.2-ti2v-5b`,
+`builtin:wan2.2-t2v-a14b`), through the loader's config checks and module builders. A
+two-expert folder's params are both experts', as the loader's.
 
 The conditioning is umT5's states: `t5_max_length` tokens as wide as the transformer's
 `text_dim`. A sample is one video's latents [F, h, w, 16], channels last; the decoder

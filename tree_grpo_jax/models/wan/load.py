@@ -25,6 +25,16 @@ folder's shift (Wan's own guidance: 3.0 at 480p, 5.0 at 720p). The pipeline hand
 transformer UniPC's timesteps rounded down to integers; here they are `1000 * sigma` unrounded,
 as the GRPO codes' Euler schedulers give them.
 
+Wan2.2 folders load the same way. Wan2.2-TI2V-5B's VAE is Wan2.2's (48 latent channels, 16
+pixels per latent: `causal_vae`), and its pipeline's `expand_timesteps` gives every token the
+step's timestep in text-to-video, which is the one timestep a row here. Wan2.2-T2V-A14B's
+`model_index.json` sets `boundary_ratio` and the folder holds a second transformer,
+`transformer_2/`: the params are then `{"transformer": high-noise expert, "transformer_2":
+low-noise expert}` and the denoiser picks each row's expert by its timestep
+(`make_expert_denoise`). UniPC hands the pipeline's experts integer timesteps; a `1000 * sigma`
+within one of the boundary may fall on the other side here (not at the releases' settings).
+tests/parity/test_wan22.py measures both layouts against WanPipeline.
+
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
 sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
