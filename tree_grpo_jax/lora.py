@@ -557,9 +557,14 @@ def export_lora(
     `list_names`: the model's module lists (the family export's)."""
     out = Path(out_dir).expanduser()
     check_out_dir(None, out, overwrite, sources)
-    state = to_peft_state_dict(
-        jax.device_get(unwrap_params(factors)), alpha, rank, prefix, list_names
-    )
+    factors = unwrap_params(factors)
+    if isinstance(factors, dict) and prefix in factors:
+        # One tree per component (a pipeline's two experts): one PEFT file holds one.
+        raise ValueError(
+            f"the LoRA factors hold {', '.join(sorted(factors))}, one adapter per component; "
+            "one PEFT file holds one component's, so export them merged (--merge)."
+        )
+    state = to_peft_state_dict(jax.device_get(factors), alpha, rank, prefix, list_names)
 
     def fill(staging: Path) -> None:
         weights = save_peft(staging / LORA_FILE, state, alpha, rank)

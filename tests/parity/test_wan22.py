@@ -288,3 +288,14 @@ def test_the_builtin_releases_hold_diffusers_parameters(name, billions):
         assert planned.sample_shape == (21, 30, 52, 48)  # 81 frames at 480 x 832, 16x
     else:
         assert set(planned.params) == set(EXPERTS) and planned.sample_shape == (21, 60, 104, 16)
+
+
+def test_a_lora_of_two_experts_is_refused_as_one_peft_file(tmp_path):
+    from tree_grpo_jax import lora
+
+    factor = {
+        "blocks_0": {"attn1": {"to_q": {"lora_a": np.zeros((4, 2)), "lora_b": np.zeros((2, 4))}}}
+    }
+    with pytest.raises(ValueError, match=r"transformer, transformer_2, one adapter per component"):
+        lora.export_lora({name: factor for name in EXPERTS}, "transformer", 2, 2.0, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
