@@ -299,3 +299,48 @@ def test_a_lora_of_two_experts_is_refused_as_one_peft_file(tmp_path):
     with pytest.raises(ValueError, match=r"transformer, transformer_2, one adapter per component"):
         lora.export_lora({name: factor for name in EXPERTS}, "transformer", 2, 2.0, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_a_lora_on_both_experts_merges_and_exports(folder_moe, moe, tmp_path):
+    """LoRA's default targets choose both experts' attention; merged up front, attached
+    block by block, and merged onto the base read from the folder (export --merge) they give
+    one model, which WanPipeline loads with both experts."""
+    from diffusers import WanPipeline
+
+    from tree_grpo_jax import lora
+    from tree_grpo_jax.models import export, registry
+
+    model, _ = moe
+    family = registry.family_of("wan")
+    paths = lora.target_paths(model.params, family.lora_targets)
+    assert {p[0] for p in paths} == set(EXPERTS)
+    factors = lora.init_lora(jax.random.PRNGKey(0), model.params, paths, rank=2)
+    factors = jax.tree_util.tree_map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), factors
+    )
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, *LATENTS_MOE)).astype("f4")
+    t = np.array([930.0, 210.0], "f4")
+    context = rng.standard_normal((2, 5, TEXT_WIDTH)).astype("f4")
+    denoise = jax.jit(model.denoise)
+    merged = np.asarray(denoise(lora.merge(model.params, factors, 4.0, 2), x, t, context))
+    attached = np.asarray(denoise(lora.attach(model.params, factors, 4.0, 2), x, t, context))
+    base = np.asarray(denoise(model.params, x, t, context))
+    np.testing.assert_allclose(attached, merged, atol=1e-5 * max(1.0, np.abs(merged).max()))
+    assert np.abs(merged[0] - base[0]).max() > 1e-3 and np.abs(merged[1] - base[1]).max() > 1e-3
+    base_folder, denoiser = family.export.base_denoiser(str(folder_moe))
+    on_folder = lora.merge(family.export.base_params(str(folder_moe)), factors, 4.0, 2)
+    out = export.export_pipeline(on_folder, base_folder, denoiser, tmp_path / "merged")
+    loaded = WanPipeline.from_pretrained(str(out), torch_dtype=torch.float32)
+    with torch.no_grad():
+        for row, name in enumerate(EXPERTS):
+            expected = _channels_last(
+                getattr(loaded, name)(
+                    hidden_states=_channels_first(x[row : row + 1]),
+                    timestep=torch.from_numpy(t[row : row + 1]),
+                    encoder_hidden_states=torch.from_numpy(context[row : row + 1]),
+                ).sample
+            )[0]
+            scale = max(1.0, np.abs(expected).max())
+            np.testing.assert_allclose(merged[row], expected, atol=1e-5 * scale)
