@@ -344,3 +344,45 @@ def test_a_lora_on_both_experts_merges_and_exports(folder_moe, moe, tmp_path):
             )[0]
             scale = max(1.0, np.abs(expected).max())
             np.testing.assert_allclose(merged[row], expected, atol=1e-5 * scale)
+
+
+@pytest.fixture(scope="module")
+def written_moe(tmp_path_factory):
+    """launch/tiny_folders.py's two-expert folder (written without torch)."""
+    from launch import tiny_folders
+
+    out = tmp_path_factory.mktemp("written")
+    return tiny_folders.main([f"--out={out}", "--kinds=wan22-moe"])["wan22-moe"]
+
+
+def _rewrite(path, **changes):
+    import json
+
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda r: __import__("shutil").rmtree(r / "transformer_2"), "has no transformer_2/"),
+        (
+            lambda r: _rewrite(r / "transformer_2" / "config.json", num_layers=3),
+            "transformer/ and transformer_2/ configs differ in num_layers",
+        ),
+        (lambda r: _rewrite(r / "model_index.json", boundary_ratio=1.5), "must be a number in"),
+    ],
+)
+def test_bad_two_expert_folders_are_one_sentence(written_moe, tmp_path, change, words):
+    import shutil
+
+    from tree_grpo_jax.models.base import ModelLoadError
+    from tree_grpo_jax.models.wan.abstract import abstract_wan
+
+    broken = tmp_path / "broken"
+    shutil.copytree(written_moe, broken)
+    change(broken)
+    options = dict(resolution=RESOLUTION_MOE, num_frames=NUM_FRAMES, t5_max_length=T5_TOKENS)
+    for loader in (load_wan, abstract_wan):
+        with pytest.raises(ModelLoadError, match=words) as info:
+            loader(str(broken), **options)
+        assert "\n" not in str(info.value) and str(info.value).endswith(".")

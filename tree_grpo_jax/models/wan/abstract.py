@@ -26,7 +26,7 @@ TEXT = "text_encoder/config.json"
 INDEX = "model_index.json"
 LOW_NOISE = "transformer_2/config.json"
 HINT = (
-    "point --config.model.path at a diffusers-layout Wan2.1 text-to-video folder (its JSON "
+    "point --config.model.path at a diffusers-layout Wan text-to-video folder (its JSON "
     f"files are enough), or use {' or '.join('builtin:' + n for n in RELEASES)}"
 )
 

@@ -66,7 +66,7 @@ from tree_grpo_jax.models.base import (
 from tree_grpo_jax.models.wan import family, transformer
 from tree_grpo_jax.weights import files
 
-POINT = "point --config.model.path at a local diffusers-layout Wan2.1 text-to-video folder"
+POINT = "point --config.model.path at a local diffusers-layout Wan text-to-video folder"
 # Prompts encoded ahead so that umT5 can be released (4 MB each at 512 tokens in bfloat16).
 MAX_PREPARED_PROMPTS = 1024
 UNIPC = "UniPCMultistepScheduler"
@@ -388,8 +388,8 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     denoise = make_denoise(module)
     if boundary is not None:  # Wan2.2-T2V-A14B: the low-noise expert beside the high-noise one
         low = files.component_dir(root, EXPERTS[1], ("config.json",), POINT)
-        _, low_params, low_config = TRANSFORMER.load(low, dtype, **options.module_options())
-        check_experts(transformer_config, low_config, root)
+        check_experts(transformer_config, files.read_json(low / "config.json", POINT), root)
+        _, low_params, _ = TRANSFORMER.load(low, dtype, **options.module_options())
         params = {EXPERTS[0]: loaded[1], EXPERTS[1]: low_params}
         loaded = (module, params, transformer_config)
         denoise = make_expert_denoise(module, boundary * schedule.num_train_timesteps)
