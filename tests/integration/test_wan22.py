@@ -2,7 +2,7 @@
 writes (`wan22`: TI2V-5B's layout; `wan22-moe`: T2V-A14B's two experts), torch blocked: one
 BranchGRPO iteration of configs/wan_branchgrpo.py each (shrunk by overrides) and the export,
 which diffusers' WanPipeline loads (with `transformer_2` for the experts) holding the trained
-weights. (tests/parity/test_wan22.py checks the numbers against diffusers.)"""
+weights. (tests/parity/test_wan22_pipeline.py checks the numbers against diffusers.)"""
 
 import json
 import os

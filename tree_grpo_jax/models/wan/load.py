@@ -33,7 +33,7 @@ step's timestep in text-to-video, which is the one timestep a row here. Wan2.2-T
 low-noise expert}` and the denoiser picks each row's expert by its timestep
 (`make_expert_denoise`). UniPC hands the pipeline's experts integer timesteps; a `1000 * sigma`
 within one of the boundary may fall on the other side here (not at the releases' settings).
-tests/parity/test_wan22.py measures both layouts against WanPipeline.
+tests/parity/test_wan22_pipeline.py measures both layouts against WanPipeline.
 
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
