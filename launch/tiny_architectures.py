@@ -278,6 +278,48 @@ WAN = {
     },
 }
 
+# Wan2.2-TI2V-5B's layout: Wan2.2's VAE (residual up blocks, 2x2 pixel patches: 4 x 2 = 8
+# pixels per latent here, 4 frames per latent frame) and WanPipeline's `expand_timesteps`.
+WAN22_LATENT_CHANNELS = 6  # standing in for its 48
+WAN22 = {
+    **WAN,
+    "transformer": dict(
+        WAN["transformer"], in_channels=WAN22_LATENT_CHANNELS, out_channels=WAN22_LATENT_CHANNELS
+    ),
+    "vae": dict(
+        base_dim=8,
+        decoder_base_dim=12,
+        z_dim=WAN22_LATENT_CHANNELS,
+        dim_mult=(1, 2, 2),
+        num_res_blocks=1,
+        attn_scales=(),
+        temperal_downsample=(True, True),
+        dropout=0.0,
+        is_residual=True,
+        patch_size=2,
+        in_channels=12,
+        out_channels=12,
+        scale_factor_spatial=8,
+        scale_factor_temporal=4,
+        latents_mean=(0.3, -0.2, 0.1, 0.5, 0.0, -0.4),
+        latents_std=(1.5, 0.8, 2.0, 1.2, 0.6, 1.0),
+    ),
+    "scheduler": dict(WAN["scheduler"], flow_shift=5.0),  # the release's
+    "model_index": {**WAN["model_index"], "expand_timesteps": True},
+}
+
+# Wan2.2-T2V-A14B's layout: two experts of one shape (`transformer/` for the high-noise steps,
+# `transformer_2/` for the low-noise ones) switching at `boundary_ratio`, Wan2.1's VAE. At
+# flow_shift 3 and 4 steps the timesteps are 1000, 900, 750, 500: two steps each side of 875.
+WAN22_MOE = {
+    **WAN,
+    "model_index": {
+        **WAN["model_index"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"],
+        "boundary_ratio": 0.875,
+    },
+}
+
 # ---------------------------------------------------------------------------------------------
 # The decoder-text families' shared part: Qwen2-style byte-level tokenizers of 259 tokens (the
 # 256 bytes, <|endoftext|> and the two chat markers), so a vocabulary of 260.

@@ -19,14 +19,16 @@ guidance embedding, CLIP-L, T5 and the dynamically shifted scheduler; Wan2.1's t
 (`WanTransformer3DModel`), video VAE, umT5 and UniPC flow scheduler; Z-Image-Turbo's
 transformer, 16-channel VAE, Qwen3 text model and statically shifted scheduler; Qwen-Image's
 transformer, causal VAE, Qwen2.5-VL and its scheduler (dynamic shift, terminal sigma);
-FLUX.2's transformer, VAE decoder with its batch-norm statistics and flow scheduler, with
-dev's Mistral 3 (`flux2`, a Mistral-shaped byte tokenizer) or klein's Qwen3 (`flux2-klein`)
-text encoder (tests/flux2_fixtures.py); a few
-thousand times smaller than the releases. diffusers' `DiffusionPipeline.from_pretrained`
-reads the first three too (tests/parity/test_tiny_folders_in_diffusers.py); the Wan and
-Qwen-Image and FLUX.2 folders' VAEs hold their decoders only and their vision-language text
-encoders their language models only (the halves the library runs), so they are read by the
-project's loaders. The samples are noise: the folders check that a config runs, not what it learns.
+Wan2.2-TI2V-5B's layout (`wan22`: Wan2.2's residual, patched VAE and `expand_timesteps`) and
+Wan2.2-T2V-A14B's (`wan22-moe`: `transformer/` and `transformer_2/` switching at
+`boundary_ratio`); FLUX.2's transformer, VAE decoder with its batch-norm statistics and flow
+scheduler, with dev's Mistral 3 (`flux2`, a Mistral-shaped byte tokenizer) or klein's Qwen3
+(`flux2-klein`) text encoder (tests/flux2_fixtures.py); a few thousand times smaller than
+the releases. diffusers' `DiffusionPipeline.from_pretrained` reads the first three too
+(tests/parity/test_tiny_folders_in_diffusers.py); the Wan, Qwen-Image and FLUX.2 folders'
+VAEs hold their decoders only and their vision-language text encoders their language models
+only (the halves the library runs), so they are read by the project's loaders. The samples
+are noise: the folders check that a config runs, not what it learns.
 """
 
 from __future__ import annotations
@@ -51,13 +53,26 @@ from launch.tiny_architectures import (  # noqa: E402
     SD15,
     SD35,
     WAN,
+    WAN22,
+    WAN22_MOE,
     ZIMAGE,
 )
 from tree_grpo_jax import interrupts  # noqa: E402
 from tree_grpo_jax.cli.common import OneLineErrors, fail  # noqa: E402
 from tree_grpo_jax.weights.staging import write_staged  # noqa: E402
 
-KINDS = ("sd15", "sd35", "flux", "wan", "zimage", "qwenimage", "flux2", "flux2-klein")
+KINDS = (
+    "sd15",
+    "sd35",
+    "flux",
+    "wan",
+    "zimage",
+    "qwenimage",
+    "flux2",
+    "flux2-klein",
+    "wan22",
+    "wan22-moe",
+)
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers: a few letters and whole words, enough for prompts like "a photo of a cat".
@@ -445,14 +460,21 @@ def write_causal_vae(root: pathlib.Path, pt_class: str, config: dict, rng) -> No
     save_weights(root / "vae", "diffusion_pytorch_model", state)
 
 
-def write_wan(root: pathlib.Path, rng) -> None:
-    from tree_grpo_jax.models.wan.load import TRANSFORMER
+def write_wan(root: pathlib.Path, rng, table: dict = WAN) -> None:
+    """A Wan folder of `table`'s architecture (Wan2.1's, or a Wan2.2 one): a second,
+    low-noise expert in `transformer_2/` when its model index names one."""
+    import dataclasses
 
-    write_umt5(root, rng, **WAN["text_encoder"])
-    write_denoiser(root, TRANSFORMER, WAN["transformer"], rng)
-    write_causal_vae(root, "AutoencoderKLWan", WAN["vae"], rng)
-    write_scheduler(root, "UniPCMultistepScheduler", WAN["scheduler"])
-    write_model_index(root, WAN["model_index"])
+    from tree_grpo_jax.models.wan.load import EXPERTS, TRANSFORMER
+
+    write_umt5(root, rng, **table["text_encoder"])
+    write_denoiser(root, TRANSFORMER, table["transformer"], rng)
+    if table["model_index"].get(EXPERTS[1], [None])[0] is not None:
+        low = dataclasses.replace(TRANSFORMER, folder=EXPERTS[1])
+        write_denoiser(root, low, table["transformer"], rng)
+    write_causal_vae(root, "AutoencoderKLWan", table["vae"], rng)
+    write_scheduler(root, "UniPCMultistepScheduler", table["scheduler"])
+    write_model_index(root, table["model_index"])
 
 
 def write_decoder_text(root: pathlib.Path, text_config, prefix: str, rng, tokenizer=None) -> None:
@@ -566,6 +588,8 @@ WRITERS = {
     "sd35": write_sd35,
     "flux": write_flux,
     "wan": write_wan,
+    "wan22": functools.partial(write_wan, table=WAN22),
+    "wan22-moe": functools.partial(write_wan, table=WAN22_MOE),
     "zimage": write_zimage,
     "qwenimage": write_qwenimage,
     "flux2": write_flux2,

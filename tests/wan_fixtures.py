@@ -67,8 +67,9 @@ def _save_umt5(root: Path, generator) -> None:
     )
 
 
-def make_tiny_wan_folder(path, seed: int = 0) -> Path:
-    """Writes a tiny random Wan2.1 text-to-video pipeline folder at `path`; returns it."""
+def make_tiny_wan_folder(path, seed: int = 0, table: dict = WAN) -> Path:
+    """Writes a tiny random Wan text-to-video pipeline folder of `table`'s architecture
+    (Wan2.1's; WAN22: Wan2.2's VAE; WAN22_MOE: two experts) at `path`; returns it."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     path = Path(path)
@@ -76,18 +77,22 @@ def make_tiny_wan_folder(path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     _save_umt5(path, generator)
-    model = WanTransformer3DModel(**WAN["transformer"])
-    perturb(model, generator)  # the zero-initialised tables and norms matter too
-    # bfloat16 and sharded, as the releases: the index and its shards.
-    model.to(torch.bfloat16).eval().save_pretrained(
-        path / "transformer", safe_serialization=True, max_shard_size="20KB"
-    )
+    experts = ["transformer"]
+    if table["model_index"].get("transformer_2", [None])[0] is not None:
+        experts.append("transformer_2")
+    for expert in experts:
+        model = WanTransformer3DModel(**table["transformer"])
+        perturb(model, generator)  # the zero-initialised tables and norms matter too
+        # bfloat16 and sharded, as the releases: the index and its shards.
+        model.to(torch.bfloat16).eval().save_pretrained(
+            path / expert, safe_serialization=True, max_shard_size="20KB"
+        )
     # The table's tuples as lists: AutoencoderKLWan concatenates `dim_mult` with a list.
     vae = AutoencoderKLWan(
-        **{k: list(v) if isinstance(v, tuple) else v for k, v in WAN["vae"].items()}
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in table["vae"].items()}
     )
     perturb(vae, generator)
     vae.eval().save_pretrained(path / "vae", safe_serialization=True)
-    UniPCMultistepScheduler(**WAN["scheduler"]).save_pretrained(path / "scheduler")
-    (path / "model_index.json").write_text(json.dumps(WAN["model_index"], indent=2))
+    UniPCMultistepScheduler(**table["scheduler"]).save_pretrained(path / "scheduler")
+    (path / "model_index.json").write_text(json.dumps(table["model_index"], indent=2))
     return path

@@ -77,6 +77,38 @@ def _matches(module: KeyPath, pattern: KeyPath) -> bool:
     return all(fnmatch.fnmatchcase(name, pat) for name, pat in zip(tail, pattern))
 
 
+def _run(path: KeyPath) -> tuple[int, list[str]]:
+    """(where, blocks): the segment of a leaf's module path that names a scanned run and the
+    per-block names it stands for; (0, [path[0]]) when none does. The run is the top level's
+    in a denoiser's params, or one level down where the params hold several denoisers (a
+    pipeline's two experts, `{"transformer": ..., "transformer_2": ...}`)."""
+    for where, name in enumerate(path[:-1]):
+        blocks = stacking.block_names(name)
+        if len(blocks) > 1:
+            return where, blocks
+    return 0, [path[0]]
+
+
+def _in_block(path: KeyPath, where: int, block: str) -> KeyPath:
+    return (*path[:where], block, *path[where + 1 :])
+
+
+def _unstacked_like(lora, base_params):
+    """`lora` with each scanned run unstacked where `base_params` holds that run block by
+    block (a base read from a folder), at the top level or one level down."""
+    if stacking.is_stacked(lora) and not stacking.is_stacked(base_params):
+        return stacking.unstack(lora)
+    parts = {
+        name: stacking.unstack(part)
+        for name, part in lora.items()
+        if isinstance(part, Mapping)
+        and stacking.is_stacked(part)
+        and isinstance(base_params.get(name), Mapping)
+        and not stacking.is_stacked(base_params[name])
+    }
+    return {**lora, **parts} if parts else lora
+
+
 def _shape(leaf) -> tuple[int, ...]:
     return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
 
@@ -99,17 +131,19 @@ def target_paths(params, targets: str | Sequence[str]) -> tuple[KeyPath, ...]:
         raise ValueError("LoRA needs at least one target module name.")
     selected = []
     for path, leaf in flatten_dict(dict(params)).items():
-        blocks = stacking.block_names(path[0])
+        where, blocks = _run(path)
         if path[-1] != "kernel" or len(_shape(leaf)) != (3 if len(blocks) > 1 else 2):
             continue
         # A stacked kernel is chosen when the targets choose it in every block of its run.
-        chosen = [any(_matches((b, *path[1:-1]), p) for p in patterns) for b in blocks]
+        chosen = [
+            any(_matches(_in_block(path, where, b)[:-1], p) for p in patterns) for b in blocks
+        ]
         if all(chosen):
             selected.append(path)
         elif any(chosen):
             raise ValueError(
-                f"the LoRA targets {', '.join(targets)} choose {'/'.join(path[1:-1])} in some "
-                f"of the scanned blocks {path[0]} but not all; set "
+                f"the LoRA targets {', '.join(targets)} choose {'/'.join(path[where + 1 : -1])} "
+                f"in some of the scanned blocks {path[where]} but not all; set "
                 "--config.model.scan_layers=False to adapt single blocks."
             )
     if not selected:
@@ -189,15 +223,16 @@ def init_lora(key: jax.Array, params, paths: Sequence[KeyPath], rank: int) -> di
     for path in paths:
         path = tuple(path)
         kernel = _leaf(params, path)
-        stacked = len(stacking.block_names(path[0])) > 1
+        where, blocks = _run(path)
+        stacked = len(blocks) > 1
         if len(_shape(kernel)) != 2 + stacked:
             raise ValueError(
                 f"LoRA goes on 2-D Dense kernels, but {'/'.join(path)} has shape "
                 f"{tuple(kernel.shape)}."
             )
         # A stacked kernel's blocks, one by one, as an unscanned model names them.
-        for position, block in enumerate(stacking.block_names(path[0])):
-            kernels[(block, *path[1:])] = (path, position if stacked else None)
+        for position, block in enumerate(blocks):
+            kernels[_in_block(path, where, block)] = (path, position if stacked else None)
     flat, drawn = {}, {}
     order = sorted(kernels) if any(p is not None for _, p in kernels.values()) else kernels
     for subkey, block_path in zip(jax.random.split(key, len(kernels)), order):
@@ -206,7 +241,7 @@ def init_lora(key: jax.Array, params, paths: Sequence[KeyPath], rank: int) -> di
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(subkey, (fan_in, rank), jnp.float32, -bound, bound)
         drawn.setdefault(path, {})[position] = a
-        if len(drawn[path]) == len(stacking.block_names(path[0])):
+        if len(drawn[path]) == len(_run(path)[1]):
             module, factors = path[:-1], drawn.pop(path)
             if position is None:  # a kernel of one block
                 flat[module + ("a",)] = a
@@ -227,8 +262,7 @@ def merge(base_params, lora, alpha: float, rank: int):
     """
     rank = _check_rank(rank)
     scale = alpha / rank
-    if stacking.is_stacked(lora) and not stacking.is_stacked(base_params):
-        lora = stacking.unstack(lora)  # a scanned run's factors on a base read block by block
+    lora = _unstacked_like(lora, base_params)  # a scanned run's factors on a base read by block
     merged = base_params
     for module, (a, b) in _factor_pairs(lora).items():
         path = module + ("kernel",)
@@ -260,8 +294,7 @@ def attach(base_params, lora, alpha: float, rank: int):
     (jitted, as `Adapter.merged` merges). Every other leaf is the base's own. `alpha` and
     `rank` are static."""
     rank = _check_rank(rank)
-    if stacking.is_stacked(lora) and not stacking.is_stacked(base_params):
-        lora = stacking.unstack(lora)  # a scanned run's factors on a base read block by block
+    lora = _unstacked_like(lora, base_params)  # a scanned run's factors on a base read by block
     pairs = _factor_pairs(lora)
     scanned = {m: f for m, f in pairs.items() if _in_scanned_run(m)}
     now = {m + (n,): x for m, f in pairs.items() if m not in scanned for n, x in zip(_FACTORS, f)}
@@ -280,7 +313,7 @@ def attach(base_params, lora, alpha: float, rank: int):
 
 
 def _in_scanned_run(path: KeyPath) -> bool:
-    return len(stacking.block_names(path[0])) > 1
+    return len(_run((*path, "kernel"))[1]) > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,9 +590,14 @@ def export_lora(
     `list_names`: the model's module lists (the family export's)."""
     out = Path(out_dir).expanduser()
     check_out_dir(None, out, overwrite, sources)
-    state = to_peft_state_dict(
-        jax.device_get(unwrap_params(factors)), alpha, rank, prefix, list_names
-    )
+    factors = unwrap_params(factors)
+    if isinstance(factors, dict) and prefix in factors:
+        # One tree per component (a pipeline's two experts): one PEFT file holds one.
+        raise ValueError(
+            f"the LoRA factors hold {', '.join(sorted(factors))}, one adapter per component; "
+            "one PEFT file holds one component's, so export them merged (--merge)."
+        )
+    state = to_peft_state_dict(jax.device_get(factors), alpha, rank, prefix, list_names)
 
     def fill(staging: Path) -> None:
         weights = save_peft(staging / LORA_FILE, state, alpha, rank)

@@ -64,7 +64,7 @@ def test_folders_are_written_and_loaded_without_torch(tmp_path):
         (
             ["--kinds="],
             "error: --kinds names no kind; choose from sd15, sd35, flux, wan, zimage, qwenimage, "
-            "flux2, flux2-klein.",
+            "flux2, flux2-klein, wan22, wan22-moe.",
         ),
         (["--kinds=sd15,sdxl"], "error: unknown kind(s) ['sdxl']; choose from sd15, sd35,"),
         (["--out={file}"], "error: --out {file} is a file, not a folder; pass a folder."),

@@ -265,7 +265,7 @@ def test_the_family_plans_the_folder_and_the_releases(folder, model):
         config = RELEASES[name].configs["transformer/config.json"]
         assert config == transformer.builtin_config(size)  # the same release, twice
     counts = {}
-    for name in RELEASES:
+    for name in ("wan-1.3b", "wan-14b"):  # Wan2.2's: tests/parity/test_wan22_pipeline.py
         section = ml_collections.ConfigDict(
             {"name": "wan", "path": f"builtin:{name}", "compute_dtype": "bfloat16"}
         )

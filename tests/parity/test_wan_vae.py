@@ -20,6 +20,7 @@ from causal_vae_fixtures import (  # noqa: E402
     random_torch_vae,
     saved_vae_folder,
 )
+from sd_fixtures import perturb  # noqa: E402
 
 HINT = "point model.path at a Wan2.1 diffusers folder"
 
@@ -111,7 +112,7 @@ def _broken(folder, tmp_path, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"is_residual": True}, r"sets is_residual=True, but only is_residual=False"),
+        ({"input_channels": 4}, r"sets input_channels=4, but only input_channels=3"),
         ({"latents_std": [1.0, 2.0]}, r"has 2 latents_std values for z_dim 4"),
         ({"base_dim": 16}, r"^the weights in .* do not match its config \(.*\); point model"),
         ({"dim_mult": "two"}, r"sets dim_mult='two', but it must be a list of whole numbers"),
@@ -126,3 +127,63 @@ def test_bad_folders_are_one_sentence(folder, tmp_path, changes, message):
     with pytest.raises(ModelLoadError, match=message) as error:
         causal_vae.load_decoder(_broken(folder, tmp_path, **changes), jnp.float32, HINT)
     assert "\n" not in str(error.value) and str(error.value).endswith(".")
+
+
+# Wan2.2's VAE (Wan2.2-TI2V-5B's layout, tiny): residual up blocks with the parameter-free
+# shortcut, a decoder wider than the encoder, and 2x2 pixel patches (12 output channels).
+TINY_22 = dict(
+    TINY,
+    decoder_base_dim=12,
+    is_residual=True,
+    patch_size=2,
+    in_channels=12,
+    out_channels=12,
+    scale_factor_spatial=16,
+)
+
+
+@pytest.fixture(scope="module")
+def wan22_vae(tmp_path_factory):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    model = AutoencoderKLWan(
+        **TINY_22,
+        latents_mean=rng.normal(0.0, 0.5, Z_DIM).round(4).tolist(),
+        latents_std=rng.uniform(0.5, 2.5, Z_DIM).round(4).tolist(),
+    )
+    perturb(model, torch.Generator().manual_seed(1))
+    path = tmp_path_factory.mktemp("wan22_vae") / "vae"
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return model, causal_vae.load_decoder(path, jnp.float32, HINT)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_wan22_decode_equals_diffusers(wan22_vae, chunked):
+    """The residual, patched decoder: 3 latent frames of 3 x 2 latents -> 9 frames of
+    48 x 32 pixels (16 per latent), frame by frame and all at once."""
+    torch_vae, (module, params, config) = wan22_vae
+    assert (config.spatial_factor, config.temporal_factor) == (16, 4)
+    latents = np.random.default_rng(7).standard_normal((2, 3, 3, 2, Z_DIM)).astype("f4")
+    expected = decode_reference(torch_vae, latents)
+    got = np.asarray(
+        causal_vae.decode_fn(module, config, jnp.float32, chunked=chunked)(
+            params, jnp.asarray(latents)
+        )
+    )
+    assert got.shape == expected.shape == (2, 9, 48, 32, 3)
+    assert np.mean((expected > 0) & (expected < 1)) > 0.5
+    diff = np.abs(got - expected).max()
+    print(f"Wan2.2 VAE, chunked {chunked}: max abs difference {diff:.2e}")
+    assert diff <= 1e-5 * np.abs(expected).max(), diff
+    assert np.abs(expected[0] - expected[1]).mean() > 1e-2
+    # Neighbouring pixels of one patch differ: the patch order is checked, not a constant.
+    assert np.abs(expected[0, :, 0::2] - expected[0, :, 1::2]).mean() > 1e-3
+    assert np.abs(expected[0, :, :, 0::2] - expected[0, :, :, 1::2]).mean() > 1e-3
+
+
+def test_wan22_out_channels_must_fit_the_patch(tmp_path):
+    stats = {"latents_mean": [0.0] * Z_DIM, "latents_std": [1.0] * Z_DIM}
+    with pytest.raises(ModelLoadError, match=r"out_channels 3 for patch_size 2; .* 12\.$"):
+        causal_vae.vae_config({**TINY_22, **stats, "out_channels": 3}, tmp_path / "config.json")

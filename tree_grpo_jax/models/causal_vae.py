@@ -4,6 +4,13 @@ and Qwen-Image (`AutoencoderKLQwenImage`) share this network: the same modules, 
 and shapes, and the same latent statistics in their configs. Qwen-Image decodes one latent
 frame, a video of one frame.
 
+Wan2.2's VAE (`AutoencoderKLWan` with `is_residual` and `patch_size`, Wan2.2-TI2V-5B's: 48
+latent channels) is the same network with two changes. Its up blocks are residual: their
+upsampler keeps the block's width instead of halving it, and a parameter-free shortcut adds
+the block's input, each channel repeated and spread over the 2x2 (or 2x2x2 with time) cells
+it grows into (`DupShortcut`). And its last conv gives `3 p^2` channels, the p x p pixels of
+each output position (`unpatchify`), so a latent is `2**(levels - 1) * p` pixels wide (16).
+
 diffusers decodes one latent frame at a time and carries each causal convolution's last two
 input frames over to the next frame. That cache is exact: a convolution over the whole
 sequence with the same causal padding (two zero frames in front, none behind) gives the
@@ -36,10 +43,10 @@ import numpy as np
 from tree_grpo_jax.models.base import ModelLoadError, cast_floats
 from tree_grpo_jax.weights import convert, files
 
-# Config fields the decoder does not read, with the one value it implements (the Wan2.2
-# VAE's residual up blocks and patching are other architectures; Qwen-Image's
+# Config fields the decoder does not read, with the one value it implements (Qwen-Image's
 # `input_channels` is the pixels' channels, which its decoder gives back).
-FIXED = {"is_residual": False, "patch_size": None, "out_channels": 3, "input_channels": 3}
+FIXED = {"input_channels": 3}
+RGB = 3
 # The diffusers classes of this network; a config without `_class_name` is taken as Wan's.
 CLASS_NAMES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 _PREFIXES = ("decoder.", "post_quant_conv.")
@@ -71,6 +78,13 @@ class CausalVAEConfig:
     temperal_downsample: tuple[bool, ...] = (False, True, True)
     latents_mean: tuple[float, ...] = ()
     latents_std: tuple[float, ...] = ()
+    is_residual: bool = False  # Wan2.2's residual up blocks
+    patch_size: int | None = None  # Wan2.2's p x p pixels per output position
+    out_channels: int = RGB  # the last conv's: 3 p^2
+
+    @property
+    def patch(self) -> int:
+        return self.patch_size or 1
 
     @property
     def dim(self) -> int:
@@ -85,7 +99,7 @@ class CausalVAEConfig:
 
     @property
     def spatial_factor(self) -> int:
-        return 2 ** (len(self.dim_mult) - 1)
+        return 2 ** (len(self.dim_mult) - 1) * self.patch
 
     @property
     def temporal_factor(self) -> int:
@@ -115,6 +129,11 @@ def vae_config(config: dict, where: Path | str = "the VAE config") -> CausalVAEC
             )
     if any(s == 0 for s in c.latents_std):
         raise ModelLoadError(f"{where} has a zero in latents_std; every channel's must be > 0.")
+    if c.patch < 1 or c.out_channels != RGB * c.patch**2:
+        raise ModelLoadError(
+            f"{where} has out_channels {c.out_channels} for patch_size {c.patch_size}; the "
+            f"decoder gives 3 channels per pixel of each p x p patch, {RGB * c.patch**2}."
+        )
     return c
 
 
@@ -241,10 +260,12 @@ class Resample(nn.Module):
 
     mode: str
     dtype: Any = jnp.float32
+    out_features: int | None = None  # half the channels unless given (Wan2.2: all of them)
 
     @nn.compact
     def __call__(self, x, first: bool):
         b, t, h, w, c = x.shape
+        out = self.out_features or c // 2
         if self.mode == "upsample3d":
             head, rest = (x[:, :1], x[:, 1:]) if first else (x[:, :0], x)
             n = rest.shape[1]  # zero for a first chunk of one frame: the conv keeps its zeros
@@ -255,10 +276,10 @@ class Resample(nn.Module):
             x = jnp.concatenate([head.astype(rest.dtype), rest], axis=1)
         t = x.shape[1]
         x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)  # nearest-exact, factor 2
-        x = nn.Conv(c // 2, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, name="resample_1")(
+        x = nn.Conv(out, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, name="resample_1")(
             x.reshape(b * t, 2 * h, 2 * w, c)
         )
-        return x.reshape(b, t, 2 * h, 2 * w, c // 2)
+        return x.reshape(b, t, 2 * h, 2 * w, out)
 
 
 class UpBlock(nn.Module):
@@ -276,6 +297,52 @@ class UpBlock(nn.Module):
         if self.upsample_mode is not None:
             x = Resample(self.upsample_mode, self.dtype, name="upsamplers_0")(x, first)
         return x
+
+
+def dup_shortcut(x, out_dim: int, time_factor: int, first: bool):
+    """`DupUp3D`, the residual up block's shortcut: [B, T, H, W, C] -> [B, T ft, 2H, 2W,
+    out_dim] without weights. Each input channel is repeated so that the repeats fill, in
+    order, output channel o's ft x 2 x 2 cells (time, row, column); a chunk that starts the
+    video drops its first ft - 1 frames, as the upsampler passes the first frame alone."""
+    b, t, h, w, c = x.shape
+    cells = time_factor * 4
+    x = jnp.repeat(x, out_dim * cells // c, axis=-1)
+    x = x.reshape(b, t, h, w, out_dim, time_factor, 2, 2)
+    x = jnp.transpose(x, (0, 1, 5, 2, 6, 3, 7, 4))
+    x = x.reshape(b, t * time_factor, 2 * h, 2 * w, out_dim)
+    return x[:, time_factor - 1 :] if first else x
+
+
+class ResidualUpBlock(nn.Module):
+    """`WanResidualUpBlock` (Wan2.2): residual blocks, then an upsampler that keeps the
+    width (if any), plus the input through `dup_shortcut`."""
+
+    out_dim: int
+    num_res_blocks: int
+    upsample_mode: str | None
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, first: bool):
+        shortcut = x
+        for i in range(self.num_res_blocks + 1):
+            x = ResidualBlock(self.out_dim, self.dtype, name=f"resnets_{i}")(x)
+        if self.upsample_mode is None:
+            return x
+        x = Resample(self.upsample_mode, self.dtype, self.out_dim, name="upsampler")(x, first)
+        time_factor = 2 if self.upsample_mode == "upsample3d" else 1
+        return x + dup_shortcut(shortcut, self.out_dim, time_factor, first).astype(x.dtype)
+
+
+def unpatchify(x, patch: int):
+    """[B, T, H, W, 3 p^2] -> [B, T, pH, pW, 3]: channel `c p^2 + i p + j` is pixel (j, i) of
+    its position's patch (row j, column i), as diffusers' `unpatchify` orders them."""
+    if patch == 1:
+        return x
+    b, t, h, w, _ = x.shape
+    x = x.reshape(b, t, h, w, RGB, patch, patch)  # (..., c, i: column, j: row)
+    x = jnp.transpose(x, (0, 1, 2, 6, 3, 5, 4))
+    return x.reshape(b, t, h * patch, w * patch, RGB)
 
 
 class MidBlock(nn.Module):
@@ -304,15 +371,14 @@ class Decoder3d(nn.Module):
         dims = [c.dim * u for u in (mult[-1], *mult[::-1])]
         x = CausalConv3d(dims[0], (3, 3, 3), self.dtype, name="conv_in")(x)
         x = MidBlock(self.dtype, name="mid_block")(x)
+        block = ResidualUpBlock if c.is_residual else UpBlock
         for i, out_dim in enumerate(dims[1:]):
             mode = None
             if i != len(mult) - 1:
                 mode = "upsample3d" if c.temporal_upsample[i] else "upsample2d"
-            x = UpBlock(out_dim, c.num_res_blocks, mode, self.dtype, name=f"up_blocks_{i}")(
-                x, first
-            )
+            x = block(out_dim, c.num_res_blocks, mode, self.dtype, name=f"up_blocks_{i}")(x, first)
         x = nn.silu(RMSNorm(self.dtype, name="norm_out")(x))
-        return CausalConv3d(3, (3, 3, 3), self.dtype, name="conv_out")(x)
+        return CausalConv3d(c.out_channels, (3, 3, 3), self.dtype, name="conv_out")(x)
 
 
 class CausalVAEDecoder(nn.Module):
@@ -327,7 +393,9 @@ class CausalVAEDecoder(nn.Module):
     @nn.compact
     def __call__(self, z, first: bool = True):
         z = CausalConv3d(self.config.z_dim, (1, 1, 1), self.dtype, name="post_quant_conv")(z)
-        return Decoder3d(self.config, self.dtype, name="decoder")(z, first)
+        return unpatchify(
+            Decoder3d(self.config, self.dtype, name="decoder")(z, first), self.config.patch
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -114,10 +114,26 @@ def _copy_tree(source: Path, target: Path) -> None:
             shutil.copyfile(entry, target / entry.name)
 
 
+def checked_parts(params, denoisers: Sequence[Denoiser], dtype: str) -> dict:
+    """{component: numpy params} of one denoiser's params, or of several (a pipeline with
+    two experts) whose params are {component: params}; ValueError naming what is missing."""
+    if len(denoisers) == 1:
+        return {denoisers[0].component: checked_numpy(params, denoisers[0], dtype)}
+    names = [d.component for d in denoisers]
+    if not isinstance(params, Mapping) or set(unwrap_params(params)) != set(names):
+        held = sorted(unwrap_params(params)) if isinstance(params, Mapping) else []
+        raise ValueError(
+            f"the params hold {held or 'no named parts'}, but this pipeline has "
+            f"{' and '.join(names)}: one tree each."
+        )
+    params = unwrap_params(params)
+    return {d.component: checked_numpy(params[d.component], d, dtype) for d in denoisers}
+
+
 def export_pipeline(
     params,
     base: Path,
-    denoiser: Denoiser,
+    denoiser: Denoiser | Sequence[Denoiser],
     out_dir,
     dtype: str = "float32",
     overwrite: bool = False,
@@ -126,7 +142,8 @@ def export_pipeline(
     link_base: bool = False,
     card: str | None = None,
 ) -> Path:
-    """A whole pipeline folder: the base model's components with the denoiser replaced.
+    """A whole pipeline folder: the base model's components with the denoiser replaced
+    (or the denoisers, each its own part of `params`).
 
     Everything is checked first (the params against the denoiser, the export folder, which
     must not overlap the base folder or any of `sources`); the folder is then built beside
@@ -138,11 +155,12 @@ def export_pipeline(
     """
     out = Path(out_dir).expanduser()
     check_out_dir(base, out, overwrite, sources)
-    params = checked_numpy(params, denoiser, dtype)
+    denoisers = (denoiser,) if isinstance(denoiser, Denoiser) else tuple(denoiser)
+    parts = checked_parts(params, denoisers, dtype)
 
     def fill(staging: Path) -> None:
         for entry in sorted(Path(base).iterdir()):
-            if entry.name == denoiser.component or entry.name.startswith("."):
+            if entry.name in parts or entry.name.startswith("."):
                 continue
             if card is not None and entry.name == CARD_FILE:
                 continue  # the base model's card does not describe this model
@@ -153,7 +171,8 @@ def export_pipeline(
                 _copy_tree(entry, staging / entry.name)
             else:
                 shutil.copyfile(entry, staging / entry.name)
-        _write(params, denoiser, staging)
+        for part in denoisers:
+            _write(parts[part.component], part, staging)
         if card is not None:
             (staging / CARD_FILE).write_text(card, encoding="utf-8")
 

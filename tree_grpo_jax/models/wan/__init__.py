@@ -1,5 +1,6 @@
-"""Wan2.1 text-to-video (diffusers' `WanPipeline` layout: Wan-AI/Wan2.1-T2V-1.3B-Diffusers
-and -14B-Diffusers) in Flax.
+"""Wan2.1 and Wan2.2 text-to-video (diffusers' `WanPipeline` layout: Wan-AI/Wan2.1-T2V-1.3B-
+Diffusers, -14B-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers with Wan2.2's VAE, and
+Wan-AI/Wan2.2-T2V-A14B-Diffusers with two experts switching at `boundary_ratio`) in Flax.
 
 transformer   `WanTransformer3DModel` in Flax with diffusers' parameter names: 3D patches,
               rotary embeddings over frames, rows and columns, blocks scanned
@@ -11,7 +12,7 @@ load          the folder, the schedule (the scheduler's flow_shift, or a static 
               [B, 1 + 4 (F - 1), 8h, 8w, 3] in [0, 1]) is `models.causal_vae`, shared with
               Qwen-Image
 export        what Wan's denoiser is, for `models.export` (full folders and PEFT LoRAs)
-builtin       Wan2.1-T2V-1.3B's and -14B's JSON configs, for planning without their files
+builtin       the Wan2.1 and Wan2.2 releases' JSON configs, for planning without their files
 abstract      the model as shapes, for `python -m tree_grpo_jax.plan`
 family        the family's record (`model.name="wan"`, options in `model.wan`)
 

@@ -1,6 +1,7 @@
-"""Wan2.1 as shapes, for planning: from a folder's JSON configs alone, or from the releases'
-own (`builtin:wan-1.3b`, `builtin:wan-14b`), through the loader's config checks and module
-builders.
+"""Wan2.1 and Wan2.2 as shapes, for planning: from a folder's JSON configs alone, or from the
+releases' own (`builtin:wan-1.3b`, `builtin:wan-14b`, `builtin:wan2.2-ti2v-5b`,
+`builtin:wan2.2-t2v-a14b`), through the loader's config checks and module builders. A
+two-expert folder's params are both experts', as the loader's.
 
 The conditioning is umT5's states: `t5_max_length` tokens as wide as the transformer's
 `text_dim`. A sample is one video's latents [F, h, w, 16], channels last; the decoder
@@ -9,6 +10,7 @@ planned is the Wan VAE's, giving [B, T, H, W, 3].
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,8 +23,10 @@ from tree_grpo_jax.models.wan.builtin import RELEASES
 
 TRANSFORMER, VAE, SCHEDULER = components.PIPELINE_CONFIGS
 TEXT = "text_encoder/config.json"
+INDEX = "model_index.json"
+LOW_NOISE = "transformer_2/config.json"
 HINT = (
-    "point --config.model.path at a diffusers-layout Wan2.1 text-to-video folder (its JSON "
+    "point --config.model.path at a diffusers-layout Wan text-to-video folder (its JSON "
     f"files are enough), or use {' or '.join('builtin:' + n for n in RELEASES)}"
 )
 
@@ -36,7 +40,9 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     """What `load.load_wan(path, dtype, **options)` would load, as shapes; reads JSON files
     only."""
     options = load.load_options(**options)
-    configs = read_configs(path, components.PIPELINE_CONFIGS, (TEXT,), RELEASES, HINT)
+    configs = read_configs(
+        path, components.PIPELINE_CONFIGS, (TEXT, INDEX, LOW_NOISE), RELEASES, HINT
+    )
     found = configs.files
     config, vae_config = found[TRANSFORMER], found[VAE]
     load.check_channels(config, vae_config, Path(configs.where))
@@ -49,16 +55,30 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     decode, decode_params = load.abstract_decoder(
         vae_config, configs.path(VAE), dtype, options.decode_batch_size
     )
-    return components.abstract_model(
+    boundary = load.boundary_of(found.get(INDEX), configs.path(INDEX))
+    denoise = load.make_denoise(transformer)
+    if boundary is not None:
+        if LOW_NOISE not in found:
+            raise ModelLoadError(
+                f"model folder {configs.where} sets boundary_ratio but has no {LOW_NOISE}; {HINT}."
+            )
+        load.check_experts(config, found[LOW_NOISE], Path(configs.where))
+        denoise = load.make_expert_denoise(transformer, boundary * schedule.num_train_timesteps)
+    planned = components.abstract_model(
         configs,
         transformer,
         dtype,
         options,
         sample_shape=shape,
-        denoise=load.make_denoise(transformer),
+        denoise=denoise,
         cond_shape=(options.t5_max_length, transformer.text_dim),
         schedule_config=schedule,
         decode=decode,
         decode_params=decode_params,
         media=media.VIDEO,
     )
+    if boundary is None:
+        return planned
+    # Two experts of one shape: the params hold both, as the loaded model's do.
+    both = {name: planned.params for name in load.EXPERTS}
+    return dataclasses.replace(planned, params=both)

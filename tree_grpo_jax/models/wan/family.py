@@ -1,5 +1,6 @@
-"""The Wan2.1 family's record: `model.name = "wan"` loads a diffusers Wan2.1 text-to-video
-folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers)."""
+"""The Wan family's record: `model.name = "wan"` loads a diffusers Wan2.1 or Wan2.2
+text-to-video folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers,
+Wan-AI/Wan2.2-TI2V-5B-Diffusers, Wan-AI/Wan2.2-T2V-A14B-Diffusers)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ FAMILY = registry.register(
     registry.pipeline_family(
         "wan",
         options,
-        path_hint="a diffusers-layout Wan2.1 text-to-video folder (or a hub id)",
+        path_hint="a diffusers-layout Wan2.1 or Wan2.2 text-to-video folder (or a hub id)",
         # The projections of every block's self- and cross-attention (`attn1`, `attn2`):
         # `to_q`, `to_k`, `to_v`, `to_out.0` as diffusers' PEFT names them and Flow-Factory's
         # Wan examples list them, matched as path endings as PEFT matches them. Flow-Factory's

@@ -25,6 +25,16 @@ folder's shift (Wan's own guidance: 3.0 at 480p, 5.0 at 720p). The pipeline hand
 transformer UniPC's timesteps rounded down to integers; here they are `1000 * sigma` unrounded,
 as the GRPO codes' Euler schedulers give them.
 
+Wan2.2 folders load the same way. Wan2.2-TI2V-5B's VAE is Wan2.2's (48 latent channels, 16
+pixels per latent: `causal_vae`), and its pipeline's `expand_timesteps` gives every token the
+step's timestep in text-to-video, which is the one timestep a row here. Wan2.2-T2V-A14B's
+`model_index.json` sets `boundary_ratio` and the folder holds a second transformer,
+`transformer_2/`: the params are then `{"transformer": high-noise expert, "transformer_2":
+low-noise expert}` and the denoiser picks each row's expert by its timestep
+(`make_expert_denoise`). UniPC hands the pipeline's experts integer timesteps; a `1000 * sigma`
+within one of the boundary may fall on the other side here (not at the releases' settings).
+tests/parity/test_wan22_pipeline.py measures both layouts against WanPipeline.
+
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
 sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
@@ -56,7 +66,7 @@ from tree_grpo_jax.models.base import (
 from tree_grpo_jax.models.wan import family, transformer
 from tree_grpo_jax.weights import files
 
-POINT = "point --config.model.path at a local diffusers-layout Wan2.1 text-to-video folder"
+POINT = "point --config.model.path at a local diffusers-layout Wan text-to-video folder"
 # Prompts encoded ahead so that umT5 can be released (4 MB each at 512 tokens in bfloat16).
 MAX_PREPARED_PROMPTS = 1024
 UNIPC = "UniPCMultistepScheduler"
@@ -165,10 +175,72 @@ def schedule_config(config: dict, where: Path, static_shift: float = 0.0) -> Wan
 
 
 def vae_factors(vae_config: dict) -> tuple[int, int]:
-    """(pixels per latent, frames per latent frame) as WanPipeline computes them from
-    `temperal_downsample`: 2 ** levels and 2 ** (levels that halve time); (8, 4) for Wan2.1."""
-    down = vae_config.get("temperal_downsample", [False, True, True])
-    return 2 ** len(down), 2 ** sum(bool(d) for d in down)
+    """(pixels per latent, frames per latent frame) of the VAE's decoder: 2 ** levels times
+    its pixel patch, and 2 ** (levels that double time); (8, 4) for Wan2.1, (16, 4) for
+    Wan2.2's VAE (WanPipeline reads the same numbers from the config's
+    `scale_factor_spatial` and `scale_factor_temporal`)."""
+    try:
+        c = causal_vae.vae_config(vae_config)
+    except ModelLoadError:  # its own check says what is wrong, where the decoder is built
+        c = causal_vae.CausalVAEConfig()
+    return c.spatial_factor, c.temporal_factor
+
+
+# ---------------------------------------------------------------------------------------------
+# Wan2.2-T2V-A14B's two experts: `transformer/` denoises the high-noise steps and
+# `transformer_2/` the low-noise ones, switching at `boundary_ratio` (model_index.json).
+
+EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the params' two keys
+
+
+def boundary_of(model_index: dict | None, where: Path) -> float | None:
+    """The pipeline's `boundary_ratio` (None: one transformer throughout), checked."""
+    ratio = (model_index or {}).get("boundary_ratio")
+    if ratio is None:
+        return None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ModelLoadError(
+            f"{where} has boundary_ratio {ratio!r}; it must be a number in (0, 1); {POINT}."
+        )
+    return float(ratio)
+
+
+def check_experts(high: dict, low: dict, where: Path) -> None:
+    """The experts are applied by one module: their configs must agree."""
+    ignored = {"_name_or_path", "_diffusers_version"}
+    differ = sorted(k for k in (set(high) | set(low)) - ignored if high.get(k) != low.get(k))
+    if differ:
+        raise ModelLoadError(
+            f"{where}'s transformer/ and transformer_2/ configs differ in {', '.join(differ)}; "
+            f"the two experts must share one architecture; {POINT}."
+        )
+
+
+def make_expert_denoise(module, boundary_timestep: float):
+    """The denoiser of two experts, params `{"transformer": high, "transformer_2": low}`:
+    a row whose timestep is >= `boundary_timestep` (boundary_ratio * num_train_timesteps)
+    goes through the high-noise expert, the others through the low-noise one, as
+    WanPipeline picks per step. When every row is on one side (a rollout's tree level, whose
+    rows share a step, or a minibatch drawn from one side) only that expert runs
+    (`lax.cond`); a minibatch mixing both sides runs both on all rows and keeps each row's
+    own, twice one expert's compute (forward and backward)."""
+    one = make_denoise(module)
+
+    def denoise(params, x, t, cond):
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
+        high = t >= boundary_timestep
+
+        def run(name):
+            return lambda: one(params[name], x, t, cond)
+
+        def mixed():
+            pick = high.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.where(pick, run(EXPERTS[0])(), run(EXPERTS[1])())
+
+        low_or_mixed = lambda: jax.lax.cond(jnp.any(high), mixed, run(EXPERTS[1]))  # noqa: E731
+        return jax.lax.cond(jnp.all(high), run(EXPERTS[0]), low_or_mixed)
+
+    return denoise
 
 
 def check_channels(transformer_config: dict, vae_config: dict, where: Path) -> None:
@@ -309,8 +381,18 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     check_channels(transformer_config, vae_config, root)
     shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
     schedule = schedule_config(*TRANSFORMER.scheduler(folders), options.shift)
+    index = root / "model_index.json"
+    boundary = boundary_of(files.read_json(index, POINT) if index.is_file() else None, index)
     loaded = TRANSFORMER.load_from(folders, dtype, options)
     module = loaded[0]
+    denoise = make_denoise(module)
+    if boundary is not None:  # Wan2.2-T2V-A14B: the low-noise expert beside the high-noise one
+        low = files.component_dir(root, EXPERTS[1], ("config.json",), POINT)
+        check_experts(transformer_config, files.read_json(low / "config.json", POINT), root)
+        _, low_params, _ = TRANSFORMER.load(low, dtype, **options.module_options())
+        params = {EXPERTS[0]: loaded[1], EXPERTS[1]: low_params}
+        loaded = (module, params, transformer_config)
+        denoise = make_expert_denoise(module, boundary * schedule.num_train_timesteps)
     decoder, decoder_params, _ = causal_vae.load_decoder(folders["vae"], dtype, POINT)
     decode_latents = causal_vae.decode_fn(decoder, vae_config, dtype, options.decode_batch_size)
     encoder = load_text_encoder(
@@ -319,7 +401,7 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     return WanModel(
         **components.model_fields(root, loaded, vae_config, encoder, options),
         sample_shape=shape,
-        denoise=make_denoise(module),
+        denoise=denoise,
         decode=Decoder(decode_latents, decoder_params),
         schedule_config=schedule,
         prepare_prompts=functools.partial(encoder.encode_ahead, limit=MAX_PREPARED_PROMPTS),
