@@ -44,6 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
 from tree_grpo_jax.models import components, decoder_prompts, decoder_text
 from tree_grpo_jax.models.base import Decoder, ModelLoadError, cast_floats
@@ -297,6 +298,85 @@ def check_latent_channels(transformer_config: dict, vae_config: dict, where: Pat
 FOLDER = components.ImageFolder(
     TRANSFORMER, check_latent_channels, sample_shape, image_tokens, schedule_config
 )
+
+
+# Reference images (editing): the pipelines shrink one of more pixels to this area (LANCZOS),
+# then crop it about its centre to a multiple of a packed latent.
+MAX_REFERENCE_AREA = 1024 * 1024
+
+
+def reference_pixels(image: np.ndarray, multiple: int) -> np.ndarray:
+    """One reference image [H, W, 3] uint8 -> [h, w, 3] float32 in [-1, 1] as the pipelines
+    prepare it: shrunk to MAX_REFERENCE_AREA pixels when larger, then centre-cropped to
+    multiples of `multiple` pixels (a packed latent's side)."""
+    picture = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
+    width, height = picture.size
+    if width * height > MAX_REFERENCE_AREA:
+        scale = np.sqrt(MAX_REFERENCE_AREA / (width * height))
+        picture = picture.resize(
+            (int(width * scale), int(height * scale)), Image.Resampling.LANCZOS
+        )
+        width, height = picture.size
+    kept_width, kept_height = width // multiple * multiple, height // multiple * multiple
+    if not kept_width or not kept_height:
+        raise ValueError(
+            f"a reference image of {width}x{height} pixels is smaller than one packed latent "
+            f"({multiple}x{multiple})."
+        )
+    left, top = (width - kept_width) // 2, (height - kept_height) // 2
+    picture = picture.crop((left, top, left + kept_width, top + kept_height))
+    return np.asarray(picture, np.float32) / np.float32(255.0) * 2.0 - 1.0
+
+
+def reference_ids(grids: list[tuple[int, int]]) -> np.ndarray:
+    """[sum(rows * columns), 4] float32 ids of reference images with these patch grids, in
+    order: image i at time `transformer.reference_time(i)` (`_prepare_image_ids`)."""
+    return np.concatenate(
+        [
+            transformer.image_ids(rows, columns, transformer.reference_time(i))
+            for i, (rows, columns) in enumerate(grids)
+        ]
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReferenceEncoder:
+    """The pipelines' `prepare_image_latents` for one prompt: its reference images
+    ([H, W, 3] uint8 each) -> (tokens [M, 4 * latent], ids [M, 4]) float32, each image's
+    normalised patch latents row-major, one image after another."""
+
+    module: vae.Flux2VAEEncoder
+    params: dict
+    multiple: int  # pixels per packed latent
+
+    @functools.cached_property
+    def _encode(self):
+        return jax.jit(lambda params, pixels: self.module.apply({"params": params}, pixels))
+
+    def __call__(self, images) -> tuple[np.ndarray, np.ndarray]:
+        tokens, grids = [], []
+        for image in images:
+            pixels = reference_pixels(image, self.multiple)
+            grid = np.asarray(self._encode(self.params, jnp.asarray(pixels)[None])[0])
+            rows, columns, features = grid.shape
+            tokens.append(grid.reshape(rows * columns, features).astype(np.float32))
+            grids.append((rows, columns))
+        return np.concatenate(tokens), reference_ids(grids)
+
+
+def load_reference_encoder(folder: Path, dtype=jnp.float32) -> ReferenceEncoder:
+    """The `vae/` folder's encoder half as a `ReferenceEncoder`."""
+    where = folder / "config.json"
+    config = files.read_json(where, POINT)
+    vae_module(config, where, dtype)  # the class and the shared fields, checked
+    try:
+        module = vae.encoder_from_config(config, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
+    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
+    with convert.weights_of(folder, POINT):
+        params = vae.encoder_params_from_state_dict(state, module)
+    return ReferenceEncoder(module, cast_floats(params, dtype), vae_scale_factor(config) * PATCH)
 
 
 def vae_module(vae_config: dict, where: Path, dtype) -> vae.Flux2VAEDecoder:
