@@ -22,6 +22,12 @@ the empty prompt is the package's sampling guidance). The conditioning is one ar
 prompt, [text_max_length, joint_attention_dim]: the three stacked hidden states of every
 token, padding included, as both pipelines hand the transformer all of them.
 
+Editing (`reference_images` > 0): each prompt's input images are the pipelines' `image=`
+references, prepared and encoded as `prepare_image_latents` does (`ReferenceEncoder`), and
+carried as rows after the text states in the prompt's conditioning (`EditConditioning`);
+`denoise` gives them to the transformer as extra image tokens and keeps the noisy tokens'
+output.
+
 The schedule is the pipelines': N sigmas `linspace(1, 1/N, N)` shifted by
 `exp(mu) / (exp(mu) + 1/sigma - 1)` with the empirical mu of FLUX.2's sampling code, a
 function of the image's token count and of N (`compute_empirical_mu`), then 0; the folder's
