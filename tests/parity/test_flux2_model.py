@@ -365,7 +365,7 @@ def test_the_plan_shapes_are_the_loaded_models(flux2_klein_folder, models):
 )
 def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind, models, tmp_path):
     """launch/tiny_folders.py's folders (written without torch) hold the fixtures'
-    architecture: the transformer loads in diffusers' class with every key, the text encoder
+    architecture: the transformer and the whole VAE load in diffusers' classes with every key, the text encoder
     and VAE decoder in our loader with the fixture's shapes, and the text path is the
     variant's."""
     import json
@@ -394,3 +394,8 @@ def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind
     assert written.encode_prompts(["a cat"]).shape == fixture.encode_prompts(["a cat"]).shape
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == PIPELINES[variant]
+    # the whole VAE, encoder included: diffusers' class reads every key
+    from diffusers import AutoencoderKLFlux2
+
+    _, info = AutoencoderKLFlux2.from_pretrained(str(folder / "vae"), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
