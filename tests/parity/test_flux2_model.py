@@ -365,9 +365,9 @@ def test_the_plan_shapes_are_the_loaded_models(flux2_klein_folder, models):
 )
 def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind, models, tmp_path):
     """launch/tiny_folders.py's folders (written without torch) hold the fixtures'
-    architecture: the transformer and the whole VAE load in diffusers' classes with every key, the text encoder
-    and VAE decoder in our loader with the fixture's shapes, and the text path is the
-    variant's."""
+    architecture: the transformer and the whole VAE load in diffusers' classes with every
+    key, the text encoder and VAE decoder in our loader with the fixture's shapes, and the
+    text path is the variant's."""
     import json
 
     from diffusers import Flux2Transformer2DModel
