@@ -527,8 +527,9 @@ def write_qwenimage(root: pathlib.Path, rng) -> None:
 
 
 def write_flux2_vae(root: pathlib.Path, config: dict, rng) -> None:
-    """AutoencoderKLFlux2's decoder half (the post-quant conv, the decoder, the batch-norm
-    statistics of the patch channels), the part the library runs."""
+    """AutoencoderKLFlux2 whole: the encoder and its quant conv (reference images of an
+    edit), the post-quant conv and the decoder, and the batch-norm statistics of the patch
+    channels."""
     import jax
     import numpy as np
 
@@ -536,14 +537,17 @@ def write_flux2_vae(root: pathlib.Path, config: dict, rng) -> None:
     from tree_grpo_jax.weights import convert
 
     full = diffusers_config("AutoencoderKLFlux2", config)
-    module = vae.module_from_config(full)
-    shapes = convert.shapes_of(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    shapes = {}
+    for module in (vae.module_from_config(full), vae.encoder_from_config(full)):
+        tree = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+        shapes.update(convert.shapes_of(tree))
     flat = random_params({k: v for k, v in shapes.items() if len(k) > 1}, rng)
     state = pytorch_state(flat, convert.DIFFUSERS_LIST_NAMES, renames=_VAE_ATTENTION)
     (features,) = shapes[("running_mean",)]
     noise = rng.standard_normal((2, features)).astype(np.float32)
     state["bn.running_mean"] = 0.5 * noise[0]
     state["bn.running_var"] = 1.0 + 0.5 * np.abs(noise[1])  # positive, as a variance is
+    state["bn.num_batches_tracked"] = np.zeros((), np.int64)  # the buffer diffusers keeps
     write_json(root / "vae" / "config.json", full)
     save_weights(root / "vae", "diffusion_pytorch_model", state)
 

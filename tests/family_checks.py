@@ -41,7 +41,9 @@ def train_one_iteration_without_torch(config, workdir, overrides, released):
         "import runpy, sys; sys.modules['torch'] = None; "
         "runpy.run_module('tree_grpo_jax.main', run_name='__main__')"
     )
-    flags = [f"--config={config}", f"--workdir={workdir}", *ONE_ITERATION, *overrides]
+    given = {flag.split("=")[0] for flag in overrides}  # an override replaces a default flag
+    defaults = [flag for flag in ONE_ITERATION if flag.split("=")[0] not in given]
+    flags = [f"--config={config}", f"--workdir={workdir}", *defaults, *overrides]
     run = subprocess.run(
         [sys.executable, "-c", no_torch, *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,

@@ -142,6 +142,66 @@ def test_deterministic_sampler_equals_the_pipeline(variant, models, pipes):
     assert np.abs(expected - expected_noise).max() > 0.1  # the steps moved them
 
 
+EDIT_SIDE = 64  # the pipelines take references of at least 64 pixels a side
+
+
+@pytest.fixture(scope="module")
+def editing_models(request):
+    def make(variant):
+        return load_flux2(
+            str(_folder(request, variant)),
+            text_max_length=TEXT_TOKENS[variant],
+            resolution=RESOLUTION,
+            reference_images=1,
+            reference_resolution=EDIT_SIDE,
+        )
+
+    return _per_variant(make)
+
+
+@pytest.mark.parametrize("variant", ["dev", "klein"])
+def test_editing_sampler_equals_the_pipeline(variant, editing_models, models, pipes):
+    """One reference image (the pipelines' `image=`): our deterministic sampler over the
+    editing conditioning (text, then the reference rows) against the pipeline's latents."""
+    from PIL import Image
+
+    model, pipe = editing_models(variant), pipes(variant)
+    assert model.takes_input_images and model.input_image_size == (EDIT_SIDE, EDIT_SIDE)
+    picture = np.random.default_rng(5).integers(0, 256, (EDIT_SIDE, EDIT_SIDE, 3), np.uint8)
+    noise = np.random.default_rng(0).standard_normal((3, *model.sample_shape)).astype("f4")
+    with torch.no_grad():
+        expected = pipe(
+            prompt=list(PROMPTS),
+            image=Image.fromarray(picture),
+            height=RESOLUTION,
+            width=RESOLUTION,
+            num_inference_steps=4,
+            guidance_scale=GUIDANCE[variant],
+            latents=torch.from_numpy(noise),
+            output_type="latent",
+            max_sequence_length=TEXT_TOKENS[variant],
+        ).images.numpy()
+    schedule = model.make_schedule(4, Sampling())
+    cond = model.encode_prompts(PROMPTS, input_images=[[picture]] * len(PROMPTS))
+    assert cond.shape == (3, TEXT_TOKENS[variant] + (EDIT_SIDE // 4) ** 2, TEXT_WIDTH)
+    got = rollout.sample_deterministic(
+        model.denoise, model.params, cond, jnp.asarray(noise), schedule
+    )
+    plain = rollout.sample_deterministic(
+        model.denoise, model.params, models(variant).encode_prompts(PROMPTS), jnp.asarray(noise),
+        schedule,
+    )  # fmt: skip
+    if variant == "klein":
+        got, plain = _denormalised(pipe, np.asarray(got)), _denormalised(pipe, np.asarray(plain))
+    else:
+        got, plain = np.asarray(latent_tokens(got)), np.asarray(latent_tokens(plain))
+    scale = np.abs(expected).max()
+    diff = np.abs(got - expected).max()
+    print(f"{variant} editing sampler max abs difference {diff:.2e}, latents up to {scale:.2f}")
+    assert diff <= 1e-5 * max(1.0, scale), diff
+    assert np.abs(plain - expected).max() > 1e-2  # the reference image changed the result
+
+
 def _denormalised(pipe, latents):
     """[B, 4C, h, w] -> [B, C, 2h, 2w]: the batch-norm statistics undone and the patches
     unpacked by the pipeline's own code."""
@@ -305,9 +365,9 @@ def test_the_plan_shapes_are_the_loaded_models(flux2_klein_folder, models):
 )
 def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind, models, tmp_path):
     """launch/tiny_folders.py's folders (written without torch) hold the fixtures'
-    architecture: the transformer loads in diffusers' class with every key, the text encoder
-    and VAE decoder in our loader with the fixture's shapes, and the text path is the
-    variant's."""
+    architecture: the transformer and the whole VAE load in diffusers' classes with every
+    key, the text encoder and VAE decoder in our loader with the fixture's shapes, and the
+    text path is the variant's."""
     import json
 
     from diffusers import Flux2Transformer2DModel
@@ -334,3 +394,8 @@ def test_the_torch_free_tiny_folders_are_the_fixtures_architecture(variant, kind
     assert written.encode_prompts(["a cat"]).shape == fixture.encode_prompts(["a cat"]).shape
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == PIPELINES[variant]
+    # the whole VAE, encoder included: diffusers' class reads every key
+    from diffusers import AutoencoderKLFlux2
+
+    _, info = AutoencoderKLFlux2.from_pretrained(str(folder / "vae"), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))

@@ -142,3 +142,89 @@ def test_unsupported_configs_are_one_sentence():
         flux2_vae.module_from_config(dict(TINY, mid_block_add_attention=False))
     with pytest.raises(ValueError, match="patch_size"):
         flux2_vae.module_from_config(dict(TINY, patch_size=[1, 1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder and the pipelines' reference latents (editing).
+
+
+def _pipeline_references(model, images: list[np.ndarray]):
+    """Flux2Pipeline's path from reference pictures to (tokens [1, M, C], ids [1, M, 4]):
+    `__call__`'s resizing and cropping, then its `prepare_image_latents` (the VAE encoded
+    with `sample_mode="argmax"`, patched, normalised, ids from `_prepare_image_ids`)."""
+    import types
+
+    from diffusers import Flux2Pipeline
+    from PIL import Image
+
+    scale = 2 ** (len(model.config.block_out_channels) - 1)
+    processor = diffusers.pipelines.flux2.image_processor.Flux2ImageProcessor(
+        vae_scale_factor=scale * 2
+    )
+    pictures = []
+    for array in images:
+        picture = Image.fromarray(array)
+        width, height = picture.size
+        if width * height > 1024 * 1024:
+            picture = processor._resize_to_target_area(picture, 1024 * 1024)
+            width, height = picture.size
+        multiple = scale * 2
+        width, height = width // multiple * multiple, height // multiple * multiple
+        pictures.append(
+            processor.preprocess(picture, height=height, width=width, resize_mode="crop")
+        )
+    pipe = types.SimpleNamespace(
+        vae=model,
+        _prepare_image_ids=Flux2Pipeline._prepare_image_ids,
+        _pack_latents=Flux2Pipeline._pack_latents,
+        _patchify_latents=Flux2Pipeline._patchify_latents,
+    )
+    pipe._encode_vae_image = functools.partial(Flux2Pipeline._encode_vae_image, pipe)
+    with torch.no_grad():
+        tokens, ids = Flux2Pipeline.prepare_image_latents(
+            pipe, pictures, 1, None, torch.device("cpu"), torch.float32
+        )
+    return tokens[0].numpy(), ids[0].numpy()
+
+
+def _pictures(count: int):
+    rng = np.random.default_rng(7)
+    # sizes that are not multiples of 4 pixels (cropped), of two grids
+    sizes = [(42, 53), (36, 30)][:count]
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def _reference_encoder():
+    from tree_grpo_jax.models.flux2.load import ReferenceEncoder
+
+    model = reference()
+    module = flux2_vae.encoder_from_config(dict(model.config))
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    params = flux2_vae.encoder_params_from_state_dict(state, module)
+    return ReferenceEncoder(module, params, multiple=4)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_reference_tokens_and_ids_match_the_pipeline(count):
+    images = _pictures(count)
+    their_tokens, their_ids = _pipeline_references(reference(), images)
+    tokens, ids = _reference_encoder()(images)
+    assert tokens.shape == their_tokens.shape and ids.shape == their_ids.shape
+    scale = np.abs(their_tokens).max()
+    error = np.abs(tokens - their_tokens).max() / scale
+    print(f"{count} reference(s), {len(tokens)} tokens: max error / max |token| {error:.2e}")
+    np.testing.assert_allclose(tokens, their_tokens, rtol=RTOL, atol=RTOL * scale)
+    np.testing.assert_array_equal(ids, their_ids.astype(np.float32))
+    assert set(np.unique(ids[:, 0])) == {10.0 * (i + 1) for i in range(count)}
+    # the statistics are applied: the normalised tokens are not the raw means
+    assert np.abs(tokens.mean(axis=0)).max() < np.abs(their_tokens).max()
+
+
+def test_the_encoder_converter_reads_the_encoder_half():
+    module = _reference_encoder().module
+    state = {k: v.numpy() for k, v in reference().state_dict().items()}
+    params = flux2_vae.encoder_params_from_state_dict(state, module)
+    assert set(params) == {"encoder", "quant_conv", "running_mean", "running_var"}
+    state.pop("quant_conv.weight")
+    with pytest.raises(ParamTreeMismatch, match="missing.*quant_conv/kernel"):
+        flux2_vae.encoder_params_from_state_dict(state, module)

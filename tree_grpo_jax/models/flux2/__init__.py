@@ -5,12 +5,13 @@ transformer   `Flux2Transformer2DModel` in Flax with diffusers' parameter names,
               position ids, `transformer/config.json` reading, state-dict conversion both
               ways, and the released transformer configs (FLUX.2-dev, FLUX.2-klein 4B, 9B)
 vae           `AutoencoderKLFlux2`'s decoder with the pipeline's batch-norm statistics and
-              2x2 patch unpacking
+              2x2 patch unpacking, and its encoder for reference images
 text          the pipelines' prompt preparation: Mistral Small 3.1 (dev) and Qwen3 (klein)
               hidden states of three layers side by side, and their text position ids
 load          the folder (dev or klein, told apart by the text encoder), the schedule with
               the pipelines' empirical mu, the denoiser on [B, 128, h, w] patch latents,
-              the cached prompt states, the VAE decode and `load_flux2` -> `Flux2Model`
+              the cached prompt states, the VAE decode, reference images (editing) and
+              `load_flux2` -> `Flux2Model`
 export        what FLUX.2's denoiser is, for `models.export`
 abstract      the model as shapes, for `python -m tree_grpo_jax.plan`
 builtin       the releases' JSON configs (`builtin:flux2-dev`, `-klein-4b`, `-klein-9b`)

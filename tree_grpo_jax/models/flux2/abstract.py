@@ -3,7 +3,8 @@ config checks and module builders; or from the releases' own (`builtin:flux2-dev
 `builtin:flux2-klein-4b`, `builtin:flux2-klein-9b`).
 
 The conditioning is what the text encoder's cache gives the denoiser: `text_max_length`
-tokens of three stacked hidden states, as wide as the transformer's `joint_attention_dim`.
+tokens of three stacked hidden states, as wide as the transformer's `joint_attention_dim`;
+an editing model's (`reference_images` > 0) has a row per reference token after them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def abstract_flux2(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     shape, schedule = load.FOLDER.plan_sampling(configs, options)
     vae_config = configs.files[components.VAE_CONFIG]
     vae = load.vae_module(vae_config, configs.path(components.VAE_CONFIG), dtype)
+    references = 0  # editing: rows of reference tokens after the text (load.EditConditioning)
+    if options.reference_images:
+        side = load.reference_side(options, vae_config)
+        per_image = (side // (load.vae_scale_factor(vae_config) * load.PATCH)) ** 2
+        references = options.reference_images * per_image
     return components.abstract_model(
         configs,
         transformer,
@@ -57,8 +63,9 @@ def abstract_flux2(path: str, dtype=jnp.float32, **options) -> AbstractModel:
             transformer,
             load.guidance_of(transformer, options),
             float(schedule.num_train_timesteps),
+            text_tokens=options.text_max_length if references else None,
         ),
-        cond_shape=(options.text_max_length, width),
+        cond_shape=(options.text_max_length + references, width),
         schedule_config=schedule,
         decode=load.image_decoder(vae, options.decode_batch_size),
         decode_params=load.decoder_shapes(vae, dtype),

@@ -32,6 +32,20 @@ SETTINGS = {
         note="Flux2Pipeline's default guidance_scale",
     ),
     "resolution": registry.square_resolution_setting(multiple=16),
+    "reference_images": Setting(
+        0,
+        "input images each prompt edits from, as the pipelines' image= references (0: "
+        "text-to-image); every prompt names exactly this many",
+        low=0,
+        note="0: no input images",
+    ),
+    "reference_resolution": Setting(
+        0,
+        "the side in pixels of every input image (square, a multiple of 16, at most 1024)",
+        low=0,
+        high=1024,
+        note="0: the resolution",
+    ),
     "shift": registry.static_shift_setting(
         "> 0: a static sigma shift instead of the pipelines' empirical mu (from the image's "
         "tokens and the step count)"

@@ -22,6 +22,12 @@ the empty prompt is the package's sampling guidance). The conditioning is one ar
 prompt, [text_max_length, joint_attention_dim]: the three stacked hidden states of every
 token, padding included, as both pipelines hand the transformer all of them.
 
+Editing (`reference_images` > 0): each prompt's input images are the pipelines' `image=`
+references, prepared and encoded as `prepare_image_latents` does (`ReferenceEncoder`), and
+carried as rows after the text states in the prompt's conditioning (`EditConditioning`);
+`denoise` gives them to the transformer as extra image tokens and keeps the noisy tokens'
+output.
+
 The schedule is the pipelines': N sigmas `linspace(1, 1/N, N)` shifted by
 `exp(mu) / (exp(mu) + 1/sigma - 1)` with the empirical mu of FLUX.2's sampling code, a
 function of the image's token count and of N (`compute_empirical_mu`), then 0; the folder's
@@ -39,11 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
 from tree_grpo_jax.models import components, decoder_prompts, decoder_text
 from tree_grpo_jax.models.base import Decoder, ModelLoadError, cast_floats
@@ -222,15 +230,21 @@ def latent_tokens(x: jax.Array) -> jax.Array:
     return jnp.transpose(x.reshape(batch, channels, rows * columns), (0, 2, 1))
 
 
-def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0):
+def make_denoise(
+    module, guidance: float | None, timestep_scale: float = 1000.0, text_tokens: int | None = None
+):
     """`(params, x [B, C, h, w], t [B] (sigma * timestep_scale), cond [B, L, D],
     references=None) -> velocity [B, C, h, w]`, as the FLUX.2 pipelines call their
     transformer (without classifier-free guidance). `references`, when given, is
     (tokens [B, M, C], ids [B, M, 4]) of more image tokens the transformer attends to
-    after the latent's (the pipelines' reference images), their outputs dropped."""
+    after the latent's (the pipelines' reference images), their outputs dropped. With
+    `text_tokens`, a `cond` longer than that carries them itself: its rows past the text are
+    `reference_rows`."""
 
     def denoise(params, x, t, cond, references=None):
         batch, _, rows, columns = x.shape
+        if text_tokens is not None and cond.shape[1] > text_tokens and references is None:
+            cond, references = split_references(cond, text_tokens, module.in_channels)
         sigma = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (batch,)) / timestep_scale
         tokens = latent_tokens(x.astype(module.dtype))
         ids = jnp.broadcast_to(
@@ -253,6 +267,90 @@ def make_denoise(module, guidance: float | None, timestep_scale: float = 1000.0)
         return latent.astype(x.dtype)
 
     return denoise
+
+
+# ---------------------------------------------------------------------------------------------
+# Editing: reference images inside the conditioning array.
+#
+# The package hands the denoiser one array per prompt, [L, D], of one length for every prompt.
+# An editing model's array is the prompt's text states [text_max_length, D] followed by one
+# row per reference token: its C latent channels, then its 4 position ids (time, row, column,
+# 0), then zeros (D >= C + 4: 7680 >= 132 for klein 4B). The number of reference rows is
+# fixed by the model's settings (`reference_images` square images of `reference_resolution`
+# pixels each, `input_image_size`), so every prompt's array has the same length and the
+# denoiser splits it at `text_max_length`, a constant of the model.
+
+ID_COLUMNS = transformer.ID_AXES
+
+
+def reference_rows(tokens: np.ndarray, ids: np.ndarray, width: int) -> np.ndarray:
+    """Reference tokens [M, C] and their ids [M, 4] as M conditioning rows [M, width]."""
+    count, channels = tokens.shape
+    if channels + ID_COLUMNS > width:
+        raise ValueError(
+            f"the conditioning is {width} wide, too narrow for {channels} reference channels "
+            f"and {ID_COLUMNS} ids."
+        )
+    rows = np.zeros((count, width), np.float32)
+    rows[:, :channels], rows[:, channels : channels + ID_COLUMNS] = tokens, ids
+    return rows
+
+
+def split_references(cond: jax.Array, text_tokens: int, channels: int):
+    """cond [B, text_tokens + M, D] -> (text [B, text_tokens, D], (tokens [B, M, channels],
+    ids [B, M, 4] float32)), the inverse of appending `reference_rows`."""
+    rows = cond[:, text_tokens:]
+    ids = rows[..., channels : channels + ID_COLUMNS].astype(jnp.float32)
+    return cond[:, :text_tokens], (rows[..., :channels], ids)
+
+
+@dataclasses.dataclass(eq=False)
+class EditConditioning:
+    """An editing model's `encode_prompts(prompts, input_images=None)`: each prompt's text
+    states, then the `reference_rows` of its `count` input images (exactly that many, each
+    `side` x `side` pixels). Without `input_images` (a run's checks, the empty prompt of
+    guidance) the reference rows are zeros. A few recent images' tokens are kept."""
+
+    text: Flux2TextEncoder
+    references: ReferenceEncoder
+    count: int
+    side: int
+    width: int
+    kept: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.count * (self.side // self.references.multiple) ** 2
+
+    def image_rows(self, images) -> np.ndarray:
+        if len(images) != self.count:
+            raise ValueError(
+                f"the model edits from {self.count} input image(s) per prompt "
+                f"(model.flux2.reference_images), but a prompt names {len(images)}."
+            )
+        images = [np.asarray(image, np.uint8) for image in images]
+        for image in images:
+            if image.shape[:2] != (self.side, self.side):
+                raise ValueError(
+                    f"an input image is {image.shape[1]}x{image.shape[0]} pixels; the model "
+                    f"takes {self.side}x{self.side} (model.flux2.reference_resolution)."
+                )
+        key = hashlib.sha256(b"".join(image.tobytes() for image in images)).hexdigest()
+        if key not in self.kept:
+            if len(self.kept) >= KEPT_REFERENCES:
+                self.kept.pop(next(iter(self.kept)))
+            self.kept[key] = reference_rows(*self.references(images), self.width)
+        return self.kept[key]
+
+    def __call__(self, prompts, input_images=None) -> jax.Array:
+        text = np.asarray(self.text.conditioning(prompts), np.float32)
+        rows = np.zeros((len(text), self.rows, text.shape[-1]), np.float32)
+        for i, images in enumerate(input_images or ()):
+            rows[i] = self.image_rows(images)
+        return jnp.asarray(np.concatenate([text, rows], axis=1))
+
+
+KEPT_REFERENCES = 64  # prompts' reference rows kept: a batch's few distinct rows re-encode once
 
 
 def vae_scale_factor(vae_config: dict) -> int:
@@ -297,6 +395,85 @@ def check_latent_channels(transformer_config: dict, vae_config: dict, where: Pat
 FOLDER = components.ImageFolder(
     TRANSFORMER, check_latent_channels, sample_shape, image_tokens, schedule_config
 )
+
+
+# Reference images (editing): the pipelines shrink one of more pixels to this area (LANCZOS),
+# then crop it about its centre to a multiple of a packed latent.
+MAX_REFERENCE_AREA = 1024 * 1024
+
+
+def reference_pixels(image: np.ndarray, multiple: int) -> np.ndarray:
+    """One reference image [H, W, 3] uint8 -> [h, w, 3] float32 in [-1, 1] as the pipelines
+    prepare it: shrunk to MAX_REFERENCE_AREA pixels when larger, then centre-cropped to
+    multiples of `multiple` pixels (a packed latent's side)."""
+    picture = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
+    width, height = picture.size
+    if width * height > MAX_REFERENCE_AREA:
+        scale = np.sqrt(MAX_REFERENCE_AREA / (width * height))
+        picture = picture.resize(
+            (int(width * scale), int(height * scale)), Image.Resampling.LANCZOS
+        )
+        width, height = picture.size
+    kept_width, kept_height = width // multiple * multiple, height // multiple * multiple
+    if not kept_width or not kept_height:
+        raise ValueError(
+            f"a reference image of {width}x{height} pixels is smaller than one packed latent "
+            f"({multiple}x{multiple})."
+        )
+    left, top = (width - kept_width) // 2, (height - kept_height) // 2
+    picture = picture.crop((left, top, left + kept_width, top + kept_height))
+    return np.asarray(picture, np.float32) / np.float32(255.0) * 2.0 - 1.0
+
+
+def reference_ids(grids: list[tuple[int, int]]) -> np.ndarray:
+    """[sum(rows * columns), 4] float32 ids of reference images with these patch grids, in
+    order: image i at time `transformer.reference_time(i)` (`_prepare_image_ids`)."""
+    return np.concatenate(
+        [
+            transformer.image_ids(rows, columns, transformer.reference_time(i))
+            for i, (rows, columns) in enumerate(grids)
+        ]
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReferenceEncoder:
+    """The pipelines' `prepare_image_latents` for one prompt: its reference images
+    ([H, W, 3] uint8 each) -> (tokens [M, 4 * latent], ids [M, 4]) float32, each image's
+    normalised patch latents row-major, one image after another."""
+
+    module: vae.Flux2VAEEncoder
+    params: dict
+    multiple: int  # pixels per packed latent
+
+    @functools.cached_property
+    def _encode(self):
+        return jax.jit(lambda params, pixels: self.module.apply({"params": params}, pixels))
+
+    def __call__(self, images) -> tuple[np.ndarray, np.ndarray]:
+        tokens, grids = [], []
+        for image in images:
+            pixels = reference_pixels(image, self.multiple)
+            grid = np.asarray(self._encode(self.params, jnp.asarray(pixels)[None])[0])
+            rows, columns, features = grid.shape
+            tokens.append(grid.reshape(rows * columns, features).astype(np.float32))
+            grids.append((rows, columns))
+        return np.concatenate(tokens), reference_ids(grids)
+
+
+def load_reference_encoder(folder: Path, dtype=jnp.float32) -> ReferenceEncoder:
+    """The `vae/` folder's encoder half as a `ReferenceEncoder`."""
+    where = folder / "config.json"
+    config = files.read_json(where, POINT)
+    vae_module(config, where, dtype)  # the class and the shared fields, checked
+    try:
+        module = vae.encoder_from_config(config, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {str(e).rstrip('.')}; {POINT}.") from None
+    state = files.read_weights(folder, "diffusion_pytorch_model", POINT)
+    with convert.weights_of(folder, POINT):
+        params = vae.encoder_params_from_state_dict(state, module)
+    return ReferenceEncoder(module, cast_floats(params, dtype), vae_scale_factor(config) * PATCH)
 
 
 def vae_module(vae_config: dict, where: Path, dtype) -> vae.Flux2VAEDecoder:
@@ -345,6 +522,9 @@ class Flux2Model(components.TransformerModel):
 
     variant: str  # DEV or KLEIN: the text path
     guidance: float | None  # the distilled guidance scale `denoise` passes (None: klein)
+    # Editing (model.flux2.reference_images > 0): each prompt's input images condition it.
+    takes_input_images: bool = False
+    input_image_size: tuple[int, int] | None = None
 
 
 def guidance_of(module, options) -> float | None:
@@ -366,10 +546,42 @@ def load_flux2(path: str, dtype=jnp.float32, **options) -> Flux2Model:
         opened.root, dtype, max_length=options.text_max_length, width=module.joint_attention_dim
     )
     guidance = guidance_of(module, options)
+    fields = opened.model_fields(encoder, options)
+    editing = {}
+    if options.reference_images:
+        side = reference_side(options, opened.vae_config)
+        fields["encode_prompts"] = EditConditioning(
+            encoder,
+            load_reference_encoder(opened.folders["vae"], dtype),
+            count=options.reference_images,
+            side=side,
+            width=module.joint_attention_dim,
+        )
+        editing = dict(takes_input_images=True, input_image_size=(side, side))
     return Flux2Model(
-        **opened.model_fields(encoder, options),
-        denoise=make_denoise(module, guidance, float(opened.schedule.num_train_timesteps)),
+        **fields,
+        denoise=make_denoise(
+            module,
+            guidance,
+            float(opened.schedule.num_train_timesteps),
+            text_tokens=options.text_max_length if editing else None,
+        ),
         decode=decode,
         variant=encoder.variant,
         guidance=guidance,
+        **editing,
     )
+
+
+def reference_side(options, vae_config: dict) -> int:
+    """The side in pixels of an editing model's input images: `reference_resolution`, or
+    the output's `resolution` when 0; a multiple of a packed latent, at most 1024 (larger
+    references the pipelines shrink)."""
+    side = int(options.reference_resolution or options.resolution or DEFAULT_RESOLUTION)
+    multiple = vae_scale_factor(vae_config) * PATCH
+    if side % multiple or side * side > MAX_REFERENCE_AREA:
+        raise ModelLoadError(
+            f"model.flux2.reference_resolution {side} must be a multiple of {multiple} pixels "
+            "and at most 1024."
+        )
+    return side

@@ -9,10 +9,15 @@ running statistics (`bn.running_mean`, `bn.running_var`, its `batch_norm_eps`), 
 VAE keeps but never applies itself. Before decoding, the pipeline undoes that normalisation,
 unpacks the patches and decodes; the image processor maps [-1, 1] to [0, 1].
 
+`Flux2VAEEncoder` is the way in, for the reference images an edit starts from: the
+encoder's latent mean (the pipelines encode with `sample_mode="argmax"`), patched 2x2 and
+normalised by the same statistics (`_encode_vae_image`).
+
 `Flux2VAEDecoder` does all of it from the normalised patch grid (channels-last), and `decode`
 is the pipeline's last step, `(params, latents [B, 128, h, w]) -> images [B, 16h, 16w, 3]` in
 [0, 1] for the released four-level VAE. `params_from_state_dict` reads diffusers' state dict
-(the decoder, the post-quant conv and the two statistics; the encoder is left out).
+(the decoder, the post-quant conv and the two statistics; the encoder is left out),
+`encoder_params_from_state_dict` the encoder's half (encoder, quant conv, statistics).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tree_grpo_jax.models import patches
-from tree_grpo_jax.models.autoencoder_kl import UP_BLOCK, Decoder
+from tree_grpo_jax.models.autoencoder_kl import DOWN_BLOCK, UP_BLOCK, Decoder, Encoder
 from tree_grpo_jax.weights import convert
 
 PATCH = patches.LATENT_PATCH
@@ -55,8 +60,10 @@ FLUX2_DEV_VAE = {
     "use_quant_conv": True,
 }
 
-# State-dict prefixes the decoder reads; the encoder, quant conv and BN counter are not.
-_DECODER_PREFIXES = ("decoder.", "post_quant_conv.", "bn.running_mean", "bn.running_var")
+# State-dict prefixes each half reads (the BN counter is read by neither).
+_STATISTICS = ("bn.running_mean", "bn.running_var")
+_DECODER_PREFIXES = ("decoder.", "post_quant_conv.", *_STATISTICS)
+_ENCODER_PREFIXES = ("encoder.", "quant_conv.", *_STATISTICS)
 
 
 class Flux2VAEDecoder(nn.Module):
@@ -107,6 +114,72 @@ class Flux2VAEDecoder(nn.Module):
         return self.init({"params": rng}, patched)["params"]
 
 
+class Flux2VAEEncoder(nn.Module):
+    """Images [B, H, W, in] in [-1, 1] (H, W multiples of 2 * 2^(n-1)) -> normalised patch
+    latents [B, H / 2^n, W / 2^n, 4 * latent] (channels-last): the encoder's mean through
+    the quant conv, 2x2 patches (`patches.pack_latents`' channel order), minus the batch-norm
+    running mean over sqrt(var + eps), as the pipelines' `_encode_vae_image` gives them."""
+
+    latent_channels: int = 32
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    norm_num_groups: int = 32
+    use_quant_conv: bool = True
+    batch_norm_eps: float = 1e-4
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images):
+        features = PATCH * PATCH * self.latent_channels
+        moments = Encoder(
+            out_channels=2 * self.latent_channels,  # mean and log-variance
+            block_out_channels=tuple(self.block_out_channels),
+            layers_per_block=self.layers_per_block,
+            groups=self.norm_num_groups,
+            dtype=self.dtype,
+            name="encoder",
+        )(images.astype(self.dtype))
+        if self.use_quant_conv:
+            moments = nn.Conv(
+                2 * self.latent_channels, (1, 1), padding="VALID", dtype=self.dtype,
+                name="quant_conv",
+            )(moments)  # fmt: skip
+        mean = moments[..., : self.latent_channels]
+        batch, height, width, _ = mean.shape
+        tokens = patches.pack_latents(jnp.transpose(mean, (0, 3, 1, 2)))
+        grid = tokens.reshape(batch, height // PATCH, width // PATCH, features)
+        running_mean = self.param("running_mean", nn.initializers.zeros, (features,))
+        running_var = self.param("running_var", nn.initializers.ones, (features,))
+        std = jnp.sqrt(running_var + self.batch_norm_eps).astype(grid.dtype)
+        return (grid - running_mean.astype(grid.dtype)) / std
+
+    def init_weights(self, rng: jax.Array) -> dict:
+        side = PATCH * 2 ** (len(self.block_out_channels) - 1)
+        return self.init({"params": rng}, jnp.zeros((1, side, side, 3)))["params"]
+
+
+def encoder_from_config(config: Mapping, dtype=jnp.float32) -> Flux2VAEEncoder:
+    """The encoder half an `AutoencoderKLFlux2` config describes (checked as
+    `module_from_config` checks it; the released encoders take RGB)."""
+    decoder = module_from_config(config, dtype)
+    config = dict(config)
+    widths = config.get("block_out_channels", Flux2VAEEncoder.block_out_channels)
+    blocks = config.get("down_block_types", [DOWN_BLOCK] * len(widths))
+    if len(blocks) != len(widths) or any(b != DOWN_BLOCK for b in blocks):
+        raise ValueError(f"down_block_types {list(blocks)!r} are not one {DOWN_BLOCK} per width.")
+    if config.get("in_channels", 3) != 3:
+        raise ValueError(f"the VAE takes {config['in_channels']} image channels, not RGB.")
+    return Flux2VAEEncoder(
+        latent_channels=decoder.latent_channels,
+        block_out_channels=tuple(widths),
+        layers_per_block=decoder.layers_per_block,
+        norm_num_groups=decoder.norm_num_groups,
+        use_quant_conv=config.get("use_quant_conv", True),
+        batch_norm_eps=decoder.batch_norm_eps,
+        dtype=dtype,
+    )
+
+
 def module_from_config(config: Mapping, dtype=jnp.float32) -> Flux2VAEDecoder:
     """The decoder an `AutoencoderKLFlux2` config describes (diffusers' defaults where a field
     is absent). ValueError (one sentence) for a variant it does not implement."""
@@ -142,6 +215,16 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], module: Flux2VAEDeco
     `convert.ParamTreeMismatch` names missing, unexpected and mis-shaped tensors."""
     kept = {k: v for k, v in state.items() if k.startswith(_DECODER_PREFIXES)}
     # The statistics sit at the top of our tree, not under `bn`.
+    kept = {k.removeprefix("bn."): v for k, v in kept.items()}
+    shapes = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    return convert.pytorch_to_flax(kept, convert.shapes_of(shapes))
+
+
+def encoder_params_from_state_dict(
+    state: Mapping[str, np.ndarray], module: Flux2VAEEncoder
+) -> dict:
+    """The encoder half of diffusers' `AutoencoderKLFlux2` state dict as `module`'s params."""
+    kept = {k: v for k, v in state.items() if k.startswith(_ENCODER_PREFIXES)}
     kept = {k.removeprefix("bn."): v for k, v in kept.items()}
     shapes = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
     return convert.pytorch_to_flax(kept, convert.shapes_of(shapes))
