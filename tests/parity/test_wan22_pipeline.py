@@ -494,3 +494,31 @@ def test_first_frame_rows_pack_and_unpack():
     np.testing.assert_array_equal(np.asarray(got_text), text)
     np.testing.assert_array_equal(np.asarray(got_first), first)
     assert np.asarray(given).tolist() == [True, False]
+
+
+def test_the_torch_free_ti2v_vae_holds_the_encoder(folder22, tmp_path):
+    """launch/tiny_folders.py's wan22 VAE (written without torch) holds the keys and shapes
+    of diffusers' `AutoencoderKLWan`, the encoder's included, but the temporal time convs
+    that a lone first frame never reaches."""
+    import importlib.util
+    from pathlib import Path
+
+    from tree_grpo_jax.weights import files
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tiny_folders", root / "launch/tiny_folders.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.main([f"--out={tmp_path}", "--kinds=wan22"])["wan22"]
+
+    def shapes(path):
+        return {
+            k: v.shape for k, v in files.read_weights(path, "diffusion_pytorch_model", "").items()
+        }
+
+    theirs = shapes(folder22 / "vae")
+    expected = {
+        k: v for k, v in theirs.items() if not (k.startswith("encoder.") and ".time_conv." in k)
+    }
+    assert any(k.startswith("encoder.") for k in expected)
+    assert shapes(written / "vae") == expected
