@@ -35,6 +35,13 @@ low-noise expert}` and the denoiser picks each row's expert by its timestep
 within one of the boundary may fall on the other side here (not at the releases' settings).
 tests/parity/test_wan22_pipeline.py measures both layouts against WanPipeline.
 
+A TI2V folder (`expand_timesteps`) with `image_to_video` takes input images: each prompt's
+one image is the video's first frame, as `WanImageToVideoPipeline` with `expand_timesteps`
+animates it. The image is encoded by the VAE's encoder (`causal_vae.load_encoder`) and packed
+after the text rows of the prompt's conditioning (`pack_first_frames`); the denoiser holds it
+as the first latent frame at timestep 0 (`make_first_frame_denoise`), and the guidance's
+empty prompt is the text rows only (`unconditional_rows`), so both passes see the image.
+
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
 sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
