@@ -19,6 +19,11 @@ Module and attribute names are diffusers' PyTorch names with list indices merged
 with no table, and `transformer_weights` converts both ways, the blocks scanned or not. The
 file has no buffers (diffusers' rotary tables are not saved).
 
+For Wan2.2-TI2V's image to video, `clean_first_frame` gives the first latent frame's tokens
+timestep 0 and the others the row's timestep, as diffusers' per-token timesteps
+(`expand_timesteps`) do: the modulations are computed for both timesteps and each token takes
+its own (`per_token`), not one set per token.
+
 Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`. As diffusers
 keeps them in float32 (`_keep_in_fp32_modules`), the norms, modulations, residual sums of
 the gated branches, the timestep embedding and the rotations are computed in float32; the
