@@ -419,7 +419,9 @@ def write_flux(root: pathlib.Path, rng) -> None:
 
 
 # The Wan VAE decoder's module lists; its RMS norms' `gamma` keep PyTorch's broadcast shape.
-_WAN_VAE_LISTS = frozenset({"up_blocks", "resnets", "attentions", "upsamplers", "resample"})
+_WAN_VAE_LISTS = frozenset(
+    {"up_blocks", "down_blocks", "resnets", "attentions", "upsamplers", "resample"}
+)
 
 
 def write_umt5(root, rng, **config) -> None:
@@ -441,14 +443,20 @@ def write_umt5(root, rng, **config) -> None:
     save_weights(root / "text_encoder", "model", pytorch_state(flat, ()))
 
 
-def write_causal_vae(root: pathlib.Path, pt_class: str, config: dict, rng) -> None:
+def write_causal_vae(
+    root: pathlib.Path, pt_class: str, config: dict, rng, encoder: bool = False
+) -> None:
     """The causal VAE's decoder and post-quant conv (`AutoencoderKLWan`, or Qwen-Image's
-    `AutoencoderKLQwenImage`, the same decoder), under its PyTorch names."""
+    `AutoencoderKLQwenImage`, the same decoder), under its PyTorch names; with `encoder`,
+    the encoder and quant conv that encode an image-to-video model's first frame."""
     from tree_grpo_jax.models import causal_vae
     from tree_grpo_jax.weights import convert
 
     full = diffusers_config(pt_class, config)
     shapes = convert.shapes_of(causal_vae.decoder_shapes(causal_vae.decoder_module(full)))
+    if encoder:  # the first-frame encoder too (its temporal time convs never run on it)
+        module = causal_vae.encoder_module(full)
+        shapes.update(convert.shapes_of(causal_vae.encoder_shapes(module)))
     flat = random_params(shapes, rng)
     state = pytorch_state({k: v for k, v in flat.items() if k[-1] != "scale"}, _WAN_VAE_LISTS)
     for path, value in flat.items():
@@ -472,7 +480,9 @@ def write_wan(root: pathlib.Path, rng, table: dict = WAN) -> None:
     if table["model_index"].get(EXPERTS[1], [None])[0] is not None:
         low = dataclasses.replace(TRANSFORMER, folder=EXPERTS[1])
         write_denoiser(root, low, table["transformer"], rng)
-    write_causal_vae(root, "AutoencoderKLWan", table["vae"], rng)
+    # TI2V (expand_timesteps) encodes each prompt's input image: its VAE's encoder too.
+    ti2v = bool(table["model_index"].get("expand_timesteps"))
+    write_causal_vae(root, "AutoencoderKLWan", table["vae"], rng, encoder=ti2v)
     write_scheduler(root, "UniPCMultistepScheduler", table["scheduler"])
     write_model_index(root, table["model_index"])
 

@@ -1,6 +1,7 @@
 """Wan2.2 through the command line on the weights-free tiny folders that launch/tiny_folders.py
-writes (`wan22`: TI2V-5B's layout; `wan22-moe`: T2V-A14B's two experts), torch blocked: one
-BranchGRPO iteration of configs/wan_branchgrpo.py each (shrunk by overrides) and the export,
+writes (`wan22`: TI2V-5B's layout, image to video from a prompt file naming a PNG;
+`wan22-moe`: T2V-A14B's two experts), torch blocked: one BranchGRPO iteration of
+configs/wan_branchgrpo.py each (shrunk by overrides) and the export,
 which diffusers' WanPipeline loads (with `transformer_2` for the experts) holding the trained
 weights. (tests/parity/test_wan22_pipeline.py checks the numbers against diffusers.)"""
 
@@ -29,10 +30,21 @@ def runs(tmp_path_factory):
         runpy.run_path("launch/tiny_folders.py", run_name="__main__")
         from in_process import run_main
         from tree_grpo_jax.cli import export
+        import numpy as np
+        from PIL import Image
+        # TI2V animates each prompt's image: a prompt file naming a small PNG beside it.
+        pixels = np.random.default_rng(0).integers(0, 256, (20, 36, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save("{tmp}/first.png")
+        rows = [{{"prompt": p, "image": "first.png"}} for p in ("a cat", "a dog")]
+        with open("{tmp}/prompts.jsonl", "w") as f:
+            f.write("\\n".join(json.dumps(r) for r in rows) + "\\n")
         status = {{}}
         for kind in {KINDS!r}:
+            prompts = "{tmp}/prompts.jsonl" if kind == "wan22" else "digits"
+            shrink = [a for a in {SHRINK!r} if not a.startswith("--config.prompts.source=")]
             result = run_main(
-                *{BRANCH!r}, *{SHRINK!r}, "--config.train.iterations=1",
+                *{BRANCH!r}, *shrink, "--config.prompts.source=" + prompts,
+                "--config.train.iterations=1",
                 "--config.model.path={tmp}/tiny/" + kind, "--workdir={tmp}/run-" + kind,
             )
             status[kind] = [result.returncode, result.stdout[-1500:], result.stderr[-3000:]]
@@ -72,6 +84,7 @@ def test_an_iteration_trains_and_the_export_loads_in_the_pipeline(runs, kind):
     options = dict(resolution=(16, 32), num_frames=9, t5_max_length=8)
     exported = load_wan(str(exported_dir), **options)
     base = load_wan(str(tmp / "tiny" / kind), **options)
+    assert exported.takes_input_images == base.takes_input_images == (kind == "wan22")
     trained = Checkpointer(str(tmp / f"run-{kind}" / "checkpoints"), read_only=True)
     trained = trained.restore_params()
     for a, b in zip(jax.tree_util.tree_leaves(exported.params), jax.tree_util.tree_leaves(trained)):

@@ -386,3 +386,139 @@ def test_bad_two_expert_folders_are_one_sentence(written_moe, tmp_path, change, 
         with pytest.raises(ModelLoadError, match=words) as info:
             loader(str(broken), **options)
         assert "\n" not in str(info.value) and str(info.value).endswith(".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Image to video on TI2V-5B's layout: `WanImageToVideoPipeline` with `expand_timesteps` (the
+# path diffusers takes for TI2V-5B given an image).
+
+
+def _i2v_pipeline_latents(pipe, image, noise, sigmas, guidance):
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from PIL import Image
+
+    i2v = WanImageToVideoPipeline(
+        tokenizer=pipe.tokenizer,
+        text_encoder=pipe.text_encoder,
+        vae=pipe.vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        transformer=pipe.transformer,
+        expand_timesteps=True,
+    )
+    i2v.scheduler.set_timesteps = functools.partial(
+        i2v.scheduler.set_timesteps, sigmas=list(sigmas[:-1])
+    )
+    with torch.no_grad():
+        out = i2v(
+            image=Image.fromarray(image),
+            prompt=PROMPTS,
+            negative_prompt="",
+            height=RESOLUTION_22[0],
+            width=RESOLUTION_22[1],
+            num_frames=NUM_FRAMES,
+            num_inference_steps=len(sigmas) - 1,
+            guidance_scale=guidance,
+            latents=_channels_first(noise),
+            output_type="latent",
+            max_sequence_length=T5_TOKENS,
+        ).frames
+    return _channels_last(out)
+
+
+@pytest.fixture(scope="module")
+def ti2v(folder22):
+    model = load_wan(
+        str(folder22), resolution=RESOLUTION_22, num_frames=NUM_FRAMES, t5_max_length=T5_TOKENS
+    )
+    return model, _pipe(folder22)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guidance", [1.0, 5.0])
+def test_image_to_video_sampler_equals_the_pipeline(ti2v, guidance):
+    """The first frame given (an image of another size, resized as the pipeline does): its
+    latents held as the first latent frame, its tokens at timestep 0, the guidance's
+    unconditional pass sharing it; the deterministic sampler ends on the pipeline's latents,
+    the first frame included."""
+    model, pipe = ti2v
+    assert model.takes_input_images and model.unconditional_rows == T5_TOKENS
+    image = np.random.default_rng(5).integers(0, 256, (40, 24, 3), dtype=np.uint8)
+    noise = np.random.default_rng(0).standard_normal((2, *LATENTS_22)).astype("f4")
+    schedule = model.make_schedule(4, Sampling())
+    sigmas = np.asarray(schedule.sigmas, np.float64)
+    expected = _i2v_pipeline_latents(pipe, image, noise, sigmas, guidance)
+    cond = model.encode_prompts(PROMPTS, input_images=[[image], [image]])
+    assert cond.shape[1] > T5_TOKENS  # the first frame's rows follow the text's
+    uncond = model.encode_prompts([""])[0][: model.unconditional_rows]
+    got = np.asarray(
+        rollout.sample_deterministic(
+            model.denoise,
+            model.params,
+            cond,
+            jnp.asarray(noise),
+            schedule,
+            uncond=uncond if guidance != 1.0 else None,
+            guidance_scale=guidance,
+        )
+    )
+    diff = np.abs(got - expected).max()
+    scale = np.abs(expected).max()
+    print(f"I2V sampler, guidance {guidance}: max abs difference {diff:.2e} (up to {scale:.2f})")
+    assert diff <= 1e-5 * max(1.0, scale), diff
+    # The image shaped every frame: text-to-video from the same noise differs.
+    text_only = _ours(model, noise, schedule, 5.0) if guidance != 1.0 else None
+    if text_only is None:
+        text_only = np.asarray(
+            rollout.sample_deterministic(
+                model.denoise, model.params, model.encode_prompts(PROMPTS), jnp.asarray(noise),
+                schedule,
+            )
+        )  # fmt: skip
+    assert np.abs(expected[:, 1:] - text_only[:, 1:]).max() > 0.05
+    assert np.abs(expected[:, 0] - expected[:, 1]).max() > 0.05
+
+
+def test_first_frame_rows_pack_and_unpack():
+    from tree_grpo_jax.models.wan.load import (
+        first_frame_rows,
+        pack_first_frames,
+        unpack_first_frames,
+    )
+
+    rng = np.random.default_rng(0)
+    text = rng.standard_normal((2, 3, 10)).astype("f4")
+    first = rng.standard_normal((2, 2, 2, 3)).astype("f4")
+    cond = pack_first_frames(text, first, [1.0, 0.0])
+    assert first_frame_rows((2, 2, 3), 10) == 2 and cond.shape == (2, 5, 10)
+    got_text, got_first, given = unpack_first_frames(jnp.asarray(cond), 3, (2, 2, 3))
+    np.testing.assert_array_equal(np.asarray(got_text), text)
+    np.testing.assert_array_equal(np.asarray(got_first), first)
+    assert np.asarray(given).tolist() == [True, False]
+
+
+def test_the_torch_free_ti2v_vae_holds_the_encoder(folder22, tmp_path):
+    """launch/tiny_folders.py's wan22 VAE (written without torch) holds the keys and shapes
+    of diffusers' `AutoencoderKLWan`, the encoder's included, but the temporal time convs
+    that a lone first frame never reaches."""
+    import importlib.util
+    from pathlib import Path
+
+    from tree_grpo_jax.weights import files
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tiny_folders", root / "launch/tiny_folders.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.main([f"--out={tmp_path}", "--kinds=wan22"])["wan22"]
+
+    def shapes(path):
+        return {
+            k: v.shape for k, v in files.read_weights(path, "diffusion_pytorch_model", "").items()
+        }
+
+    theirs = shapes(folder22 / "vae")
+    expected = {
+        k: v for k, v in theirs.items() if not (k.startswith("encoder.") and ".time_conv." in k)
+    }
+    assert any(k.startswith("encoder.") for k in expected)
+    assert shapes(written / "vae") == expected

@@ -1,7 +1,10 @@
-"""The Wan2.1 VAE decoder (models/causal_vae.py) against diffusers' `AutoencoderKLWan` built tiny
-and random in PyTorch and saved as a `vae/` folder: the same videos from the same latents
-(de-normalised as WanPipeline does, decoded frame by frame with diffusers' causal cache), the
-frame count rule, and bad folders in one sentence."""
+"""The Wan2.1 and Wan2.2 VAE decoders and first-frame encoders (models/causal_vae.py) against
+diffusers' `AutoencoderKLWan` built tiny and random in PyTorch and saved as a `vae/` folder:
+the same videos from the same latents (de-normalised as WanPipeline does, decoded frame by
+frame with diffusers' causal cache), the frame count rule, and bad folders in one sentence.
+The encoders: images resized and scaled as the image-to-video pipelines do, encoded to the
+latent distribution's mode and normalised with the folder's statistics, as
+`WanImageToVideoPipeline.prepare_latents` does."""
 
 import json
 
@@ -156,14 +159,14 @@ def wan22_vae(tmp_path_factory):
     perturb(model, torch.Generator().manual_seed(1))
     path = tmp_path_factory.mktemp("wan22_vae") / "vae"
     model.eval().save_pretrained(path, safe_serialization=True)
-    return model, causal_vae.load_decoder(path, jnp.float32, HINT)
+    return model, causal_vae.load_decoder(path, jnp.float32, HINT), path
 
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_wan22_decode_equals_diffusers(wan22_vae, chunked):
     """The residual, patched decoder: 3 latent frames of 3 x 2 latents -> 9 frames of
     48 x 32 pixels (16 per latent), frame by frame and all at once."""
-    torch_vae, (module, params, config) = wan22_vae
+    torch_vae, (module, params, config), _ = wan22_vae
     assert (config.spatial_factor, config.temporal_factor) == (16, 4)
     latents = np.random.default_rng(7).standard_normal((2, 3, 3, 2, Z_DIM)).astype("f4")
     expected = decode_reference(torch_vae, latents)
@@ -187,3 +190,68 @@ def test_wan22_out_channels_must_fit_the_patch(tmp_path):
     stats = {"latents_mean": [0.0] * Z_DIM, "latents_std": [1.0] * Z_DIM}
     with pytest.raises(ModelLoadError, match=r"out_channels 3 for patch_size 2; .* 12\.$"):
         causal_vae.vae_config({**TINY_22, **stats, "out_channels": 3}, tmp_path / "config.json")
+
+
+def encode_reference(torch_vae, images: list[np.ndarray], height: int, width: int) -> np.ndarray:
+    """diffusers' first-frame latents [B, h, w, z] (channels last): the pipeline's
+    preprocessing (PIL images, resized to height x width, in [-1, 1]), `vae.encode`'s mode,
+    normalised with the config's statistics."""
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    pil = [Image.fromarray(i) for i in images]
+    pixels = VideoProcessor(vae_scale_factor=8).preprocess(pil, height=height, width=width)
+    with torch.no_grad():
+        mode = torch_vae.encode(pixels.float().unsqueeze(2)).latent_dist.mode()
+    c = torch_vae.config
+    mean = torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    return ((mode - mean) * inv_std)[:, :, 0].permute(0, 2, 3, 1).numpy()
+
+
+def _images(seed: int, height: int, width: int, count: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def _check_encoder(torch_vae, folder, height, width, image_size, latent_shape):
+    module, params, config = causal_vae.load_encoder(folder, jnp.float32, HINT)
+    images = _images(3, *image_size)
+    expected = encode_reference(torch_vae, images, height, width)
+    pixels = np.stack([causal_vae.image_to_pixels(i, height, width) for i in images])
+    got = np.asarray(causal_vae.encode_fn(module, config)(params, jnp.asarray(pixels)))
+    assert got.shape == expected.shape == (2, *latent_shape)
+    diff = np.abs(got - expected).max()
+    print(f"encoder {image_size} -> {height}x{width}: max abs difference {diff:.2e}")
+    assert diff <= 1e-5 * np.abs(expected).max(), diff
+    assert np.abs(expected[0] - expected[1]).mean() > 1e-2 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("image_size", [(32, 32), (40, 24)])
+def test_encode_equals_diffusers(torch_vae, folder, image_size):
+    """Wan2.1's encoder (flat down blocks, 8 pixels per latent), the image at the video's
+    size and resized to it."""
+    _check_encoder(torch_vae, folder, 32, 32, image_size, (4, 4, Z_DIM))
+
+
+@pytest.mark.parametrize("image_size", [(48, 32), (37, 50)])
+def test_wan22_encode_equals_diffusers(wan22_vae, image_size):
+    """Wan2.2's encoder (residual down blocks with the averaging shortcut, 2x2 pixel
+    patches, 16 pixels per latent)."""
+    torch_vae, _, path = wan22_vae
+    _check_encoder(torch_vae, path, 48, 32, image_size, (3, 2, Z_DIM))
+
+
+def test_encoder_weights_are_required(wan22_vae, tmp_path):
+    """A folder saved with its decoder only is one sentence."""
+    from safetensors.numpy import load_file, save_file
+
+    _, _, path = wan22_vae
+    broken = tmp_path / "vae"
+    broken.mkdir()
+    (broken / "config.json").write_text((path / "config.json").read_text())
+    state = load_file(path / "diffusion_pytorch_model.safetensors")
+    decoder_only = {k: v for k, v in state.items() if not k.startswith(("encoder.", "quant_conv."))}
+    save_file(decoder_only, broken / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"holds no VAE encoder weights .*; point model"):
+        causal_vae.load_encoder(broken, jnp.float32, HINT)

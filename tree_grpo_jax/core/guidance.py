@@ -40,15 +40,19 @@ def guided_prediction(
 ) -> jax.Array:
     """`pred_u + w * (pred_c - pred_u)`, or the plain conditional prediction if `uncond` is None.
 
-    x: [B, *S]; t: [B]; cond: [B, L, D]; uncond: [L, D], the empty prompt's embedding.
-    Conditional and unconditional rows go through the denoiser as one batch of 2B.
+    x: [B, *S]; t: [B]; cond: [B, L, D]; uncond: [L', D], the empty prompt's embedding.
+    Conditional and unconditional rows go through the denoiser as one batch of 2B. With
+    L' < L, each unconditional row takes its prompt's rows past L' (what a family conditions
+    on besides the text, as a first frame to animate: the empty prompt keeps the image).
     """
     chex.assert_rank(cond, 3)
     chex.assert_equal_shape_prefix([x, t, cond], 1)
     if uncond is None:
         return denoise_fn(params, x, t, cond)
     chex.assert_rank(uncond, 2)
-    uncond = jnp.broadcast_to(uncond.astype(cond.dtype), cond.shape)
+    rows = uncond.shape[0]
+    uncond = jnp.broadcast_to(uncond.astype(cond.dtype), (cond.shape[0], rows, cond.shape[2]))
+    uncond = jnp.concatenate([uncond, cond[:, rows:]], axis=1)
     both = denoise_fn(
         params,
         jnp.concatenate([x, x]),

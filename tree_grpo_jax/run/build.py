@@ -511,6 +511,8 @@ def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainSt
     guidance = config.sampling.guidance_scale != 1.0
     empty = guidance or objective.loss_reads_empty_prompt(config)
     empty = np.asarray(model.encode_prompts([""])[0]) if empty else None
+    shared = getattr(model, "unconditional_rows", None)  # the rest: each prompt's own
+    empty = empty[:shared] if empty is not None and shared else empty
     uncond, loss_uncond = (empty, None) if guidance else (None, empty)
 
     adapter = _make_adapter(config, model, mesh)

@@ -4,8 +4,9 @@ releases' own (`builtin:wan-1.3b`, `builtin:wan-14b`, `builtin:wan2.2-ti2v-5b`,
 two-expert folder's params are both experts', as the loader's.
 
 The conditioning is umT5's states: `t5_max_length` tokens as wide as the transformer's
-`text_dim`. A sample is one video's latents [F, h, w, 16], channels last; the decoder
-planned is the Wan VAE's, giving [B, T, H, W, 3].
+`text_dim`, followed, for a TI2V folder taking images, by the first frame's rows
+(`load.pack_first_frames`). A sample is one video's latents [F, h, w, C], channels last;
+the decoder planned is the Wan VAE's, giving [B, T, H, W, 3].
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     )
     boundary = load.boundary_of(found.get(INDEX), configs.path(INDEX))
     denoise = load.make_denoise(transformer)
+    cond_rows = options.t5_max_length
+    if load.is_ti2v(found.get(INDEX)) and options.image_to_video:
+        denoise = load.make_first_frame_denoise(
+            transformer, options.t5_max_length, float(schedule.num_train_timesteps)
+        )
+        cond_rows += load.first_frame_rows(shape[1:], transformer.text_dim)
     if boundary is not None:
         if LOW_NOISE not in found:
             raise ModelLoadError(
@@ -71,7 +78,7 @@ def abstract_wan(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         options,
         sample_shape=shape,
         denoise=denoise,
-        cond_shape=(options.t5_max_length, transformer.text_dim),
+        cond_shape=(cond_rows, transformer.text_dim),
         schedule_config=schedule,
         decode=decode,
         decode_params=decode_params,

@@ -1,6 +1,7 @@
 """The Wan family's record: `model.name = "wan"` loads a diffusers Wan2.1 or Wan2.2
 text-to-video folder (`WanPipeline`: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers,
-Wan-AI/Wan2.2-TI2V-5B-Diffusers, Wan-AI/Wan2.2-T2V-A14B-Diffusers)."""
+Wan-AI/Wan2.2-TI2V-5B-Diffusers, Wan-AI/Wan2.2-T2V-A14B-Diffusers); TI2V-5B also animates
+each prompt's input image (`WanImageToVideoPipeline` with `expand_timesteps`)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ SETTINGS = {
         note="WanPipeline's max_sequence_length",
     ),
     "decode_batch_size": Setting(1, "videos through the VAE decoder at once", low=1),
+    "image_to_video": Setting(
+        True,
+        "with a Wan2.2-TI2V folder (expand_timesteps): each prompt's input image is the "
+        "video's first frame (False: text-to-video from the same folder)",
+    ),
 }
 options = defaults_of(SETTINGS)
 

@@ -35,6 +35,13 @@ low-noise expert}` and the denoiser picks each row's expert by its timestep
 within one of the boundary may fall on the other side here (not at the releases' settings).
 tests/parity/test_wan22_pipeline.py measures both layouts against WanPipeline.
 
+A TI2V folder (`expand_timesteps`) with `image_to_video` takes input images: each prompt's
+one image is the video's first frame, as `WanImageToVideoPipeline` with `expand_timesteps`
+animates it. The image is encoded by the VAE's encoder (`causal_vae.load_encoder`) and packed
+after the text rows of the prompt's conditioning (`pack_first_frames`); the denoiser holds it
+as the first latent frame at timestep 0 (`make_first_frame_denoise`), and the guidance's
+empty prompt is the text rows only (`unconditional_rows`), so both passes see the image.
+
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
 sharded): the deterministic sampler (4 and 20 steps, the pipeline's scheduler swapped for
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -123,6 +131,12 @@ class WanModel(components.TransformerModel):
 
     media: str = media.VIDEO
     num_frames: int  # the video frames `decode` gives (4k + 1)
+    # Wan2.2-TI2V with `image_to_video`: `encode_prompts(prompts, input_images=...)` makes
+    # each prompt's input image the first frame (`pack_first_frames`).
+    takes_input_images: bool = False
+    # Then the empty prompt's embedding for guidance is the text rows only: the
+    # unconditional pass keeps each prompt's first frame (`core.guidance`).
+    unconditional_rows: int | None = None
 
 
 def build_transformer(config: dict, dtype, **options):
@@ -241,6 +255,108 @@ def make_expert_denoise(module, boundary_timestep: float):
         return jax.lax.cond(jnp.all(high), run(EXPERTS[0]), low_or_mixed)
 
     return denoise
+
+
+# ---------------------------------------------------------------------------------------------
+# Wan2.2-TI2V-5B's image-to-video (`WanImageToVideoPipeline` with `expand_timesteps`): the
+# first latent frame is the encoded image, its tokens get timestep 0, and the pipeline puts
+# the image's latents back in place of that frame before every call and at the end.
+
+
+def first_frame_rows(frame_shape: Sequence[int], width: int) -> int:
+    """Rows of `width` values that a prompt's conditioning gains for its first frame: a flag
+    (1: an image was given) then the frame's h * w * z latents, zero-padded to whole rows."""
+    return -(-(1 + math.prod(frame_shape)) // width)
+
+
+def pack_first_frames(text, first, given) -> np.ndarray:
+    """A TI2V prompt's conditioning: the text states [P, L, D] followed by
+    `first_frame_rows` rows that hold, in order, the flag `given` [P] (1.0 or 0.0) and the
+    first frame's normalised latents `first` [P, h, w, z], row-major, then zeros."""
+    text = np.asarray(text, np.float32)
+    count, _, width = text.shape
+    rows = first_frame_rows(first.shape[1:], width)
+    flat = np.zeros((count, rows * width), np.float32)
+    flat[:, 0] = np.asarray(given, np.float32)
+    flat[:, 1 : 1 + math.prod(first.shape[1:])] = np.asarray(first, np.float32).reshape(count, -1)
+    return np.concatenate([text, flat.reshape(count, rows, width)], axis=1)
+
+
+def unpack_first_frames(cond, text_length: int, frame_shape: Sequence[int]):
+    """`pack_first_frames` undone on device: (text [B, L, D], first [B, h, w, z], given
+    [B] bool)."""
+    batch = cond.shape[0]
+    flat = cond[:, text_length:].reshape(batch, -1).astype(jnp.float32)
+    first = flat[:, 1 : 1 + math.prod(frame_shape)].reshape(batch, *frame_shape)
+    return cond[:, :text_length], first, flat[:, 0] > 0.5
+
+
+def make_first_frame_denoise(module, text_length: int, timestep_scale: float):
+    """The TI2V denoiser: conditioning packed by `pack_first_frames`. In a row whose prompt
+    gave an image, the transformer sees the image's latents as the first frame with timestep
+    0 on its tokens (whatever x holds there), as the pipeline calls it; the other frames'
+    velocity is the transformer's. The first frame's velocity is `(x - image) / sigma`, the
+    flow whose clean sample is the image: an Euler step to sigma' keeps that frame at
+    `image + sigma' / sigma (x - image)`, so the deterministic sampler ends (sigma' = 0) on
+    the image, as the pipeline's final re-imposition does, and no parameter reaches that
+    frame (its loss terms are constant). Rows without an image are text-to-video."""
+
+    def denoise(params, x, t, cond):
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
+        text, first, given = unpack_first_frames(cond, text_length, x.shape[2:])
+        clean = given.reshape(-1, 1, 1, 1)
+        x_in = x.at[:, 0].set(jnp.where(clean, first.astype(x.dtype), x[:, 0]))
+        out = module.apply(
+            {"params": params},
+            x_in.astype(module.dtype),
+            t,
+            text.astype(module.dtype),
+            clean_first_frame=given,
+        ).astype(jnp.float32)
+        sigma = jnp.maximum(t / timestep_scale, 1e-6).reshape(-1, 1, 1, 1)
+        towards_image = (x[:, 0].astype(jnp.float32) - first) / sigma
+        out = out.at[:, 0].set(jnp.where(clean, towards_image, out[:, 0]))
+        return out.astype(x.dtype)
+
+    return denoise
+
+
+def is_ti2v(model_index: dict | None) -> bool:
+    """Whether the pipeline is Wan2.2-TI2V's: `expand_timesteps` in model_index.json."""
+    return bool((model_index or {}).get("expand_timesteps", False))
+
+
+def make_encode_prompts(text_conditioning, encode_images, frame_shape, resolution):
+    """`encode_prompts(prompts, input_images=None)` of a TI2V model: the text states and,
+    per prompt, its input image (at most one: the first frame) resized to `resolution` and
+    encoded by `encode_images` (pixels [N, H, W, 3] in [-1, 1] -> latents [N, h, w, z]),
+    packed by `pack_first_frames`. A prompt without an image is text-to-video."""
+    height, width = resolution
+
+    def encode_prompts(prompts, input_images=None):
+        prompts = list(prompts)
+        text = np.asarray(text_conditioning(prompts))
+        first = np.zeros((len(prompts), *frame_shape), np.float32)
+        given = np.zeros(len(prompts), np.float32)
+        images = list(input_images) if input_images is not None else [[]] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} input image lists for {len(prompts)} prompts.")
+        rows = [i for i, row in enumerate(images) if len(row)]
+        for i in rows:
+            if len(images[i]) > 1:
+                raise ValueError(
+                    f"prompt {prompts[i]!r} names {len(images[i])} input images; Wan2.2-TI2V "
+                    "starts a video from one (its first frame)."
+                )
+        if rows:
+            pixels = np.stack(
+                [causal_vae.image_to_pixels(images[i][0], height, width) for i in rows]
+            )
+            first[rows] = np.asarray(encode_images(pixels))
+            given[rows] = 1.0
+        return jnp.asarray(pack_first_frames(text, first, given))
+
+    return encode_prompts
 
 
 def check_channels(transformer_config: dict, vae_config: dict, where: Path) -> None:
@@ -382,10 +498,16 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     shape = sample_shape(transformer_config, vae_config, options.resolution, options.num_frames)
     schedule = schedule_config(*TRANSFORMER.scheduler(folders), options.shift)
     index = root / "model_index.json"
-    boundary = boundary_of(files.read_json(index, POINT) if index.is_file() else None, index)
+    model_index = files.read_json(index, POINT) if index.is_file() else None
+    boundary = boundary_of(model_index, index)
     loaded = TRANSFORMER.load_from(folders, dtype, options)
     module = loaded[0]
     denoise = make_denoise(module)
+    first_frame = is_ti2v(model_index) and options.image_to_video
+    if first_frame:
+        denoise = make_first_frame_denoise(
+            module, options.t5_max_length, float(schedule.num_train_timesteps)
+        )
     if boundary is not None:  # Wan2.2-T2V-A14B: the low-noise expert beside the high-noise one
         low = files.component_dir(root, EXPERTS[1], ("config.json",), POINT)
         check_experts(transformer_config, files.read_json(low / "config.json", POINT), root)
@@ -398,8 +520,19 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     encoder = load_text_encoder(
         root, dtype, t5_max_length=options.t5_max_length, width=module.text_dim
     )
+    fields = components.model_fields(root, loaded, vae_config, encoder, options)
+    if first_frame:
+        image_encoder, image_params, _ = causal_vae.load_encoder(folders["vae"], dtype, POINT)
+        encode_images = functools.partial(
+            causal_vae.encode_fn(image_encoder, vae_config), image_params
+        )
+        fields["encode_prompts"] = make_encode_prompts(
+            encoder.conditioning, encode_images, shape[1:], family.resolution_of(options.resolution)
+        )
     return WanModel(
-        **components.model_fields(root, loaded, vae_config, encoder, options),
+        **fields,
+        takes_input_images=first_frame,
+        unconditional_rows=options.t5_max_length if first_frame else None,
         sample_shape=shape,
         denoise=denoise,
         decode=Decoder(decode_latents, decoder_params),

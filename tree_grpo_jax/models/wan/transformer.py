@@ -19,6 +19,11 @@ Module and attribute names are diffusers' PyTorch names with list indices merged
 with no table, and `transformer_weights` converts both ways, the blocks scanned or not. The
 file has no buffers (diffusers' rotary tables are not saved).
 
+For Wan2.2-TI2V's image to video, `clean_first_frame` gives the first latent frame's tokens
+timestep 0 and the others the row's timestep, as diffusers' per-token timesteps
+(`expand_timesteps`) do: the modulations are computed for both timesteps and each token takes
+its own (`per_token`), not one set per token.
+
 Activations run in `dtype` (float32 or bfloat16) with float32 `param_dtype`. As diffusers
 keeps them in float32 (`_keep_in_fp32_modules`), the norms, modulations, residual sums of
 the gated branches, the timestep embedding and the rotations are computed in float32; the
@@ -225,8 +230,9 @@ class WanTransformerBlock(Block):
         self.ffn = FeedForward(dim=self.dim, inner_dim=self.ffn_dim, **self.dtypes)
 
     def __call__(self, hidden_states, context, modulation, rope):
-        table = self.scale_shift_table.astype(jnp.float32) + modulation
-        shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(table, MODULATIONS, axis=1)
+        shift, scale, gate, c_shift, c_scale, c_gate = per_token(
+            self.scale_shift_table.astype(jnp.float32), modulation
+        )
         x32 = hidden_states.astype(jnp.float32)
         normed = layer_norm(x32, self.eps) * (1 + scale) + shift
         attended = self.attn1(normed.astype(self.dtype), rope)
@@ -239,6 +245,21 @@ class WanTransformerBlock(Block):
         normed = layer_norm(x32, self.eps) * (1 + c_scale) + c_shift
         fed = self.ffn(normed.astype(self.dtype)).astype(jnp.float32)
         return (x32 + fed * c_gate).astype(self.dtype)
+
+
+def per_token(table, modulation):
+    """The modulation vectors `table + modulation` split along axis 1, [B, 1, dim] each; or,
+    for `modulation = (at_t, at_zero, clean)` (the first frame's tokens at timestep 0),
+    [B, N, dim] each: token n takes `at_zero`'s where `clean` [B, N, 1] is set. Two rows of
+    vectors and a mask instead of N rows: the same values as a timestep per token."""
+    if not isinstance(modulation, tuple):
+        return jnp.split(table + modulation, table.shape[1], axis=1)
+    at_t, at_zero, clean = modulation
+    pieces = zip(
+        jnp.split(table + at_t, table.shape[1], axis=1),
+        jnp.split(table + at_zero, table.shape[1], axis=1),
+    )
+    return [jnp.where(clean, zero, t) for t, zero in pieces]
 
 
 class WanTransformer(DiT):
@@ -360,7 +381,10 @@ class WanTransformer(DiT):
             )
         return grid
 
-    def __call__(self, hidden_states, timestep, encoder_hidden_states):
+    def __call__(self, hidden_states, timestep, encoder_hidden_states, clean_first_frame=None):
+        """`clean_first_frame` [B] bool (None: no row): in those rows the tokens of the first
+        latent frame get timestep 0 and the others `timestep`, as Wan2.2-TI2V-5B's
+        image-to-video pipeline (`expand_timesteps`) gives the frame it was handed."""
         chex.assert_rank([hidden_states, encoder_hidden_states], [5, 3])
         chex.assert_axis_dimension(hidden_states, 4, self.in_channels)
         chex.assert_axis_dimension(encoder_hidden_states, 2, self.text_dim)
@@ -375,10 +399,23 @@ class WanTransformer(DiT):
         temb, modulation, context = self.condition_embedder(
             timestep, encoder_hidden_states.astype(self.dtype)
         )
+        out_modulation = temb.astype(jnp.float32)[:, None]
+        if clean_first_frame is not None:
+            if self.patch_size[0] != 1:
+                raise ValueError(
+                    "a clean first frame needs one latent frame per token frame (patch_size "
+                    f"[1, ...]), not {list(self.patch_size)}."
+                )
+            zero_temb, zero_modulation, _ = self.condition_embedder(
+                jnp.zeros_like(timestep), encoder_hidden_states[:, :1].astype(self.dtype)
+            )
+            first = jnp.arange(math.prod(grid)) < grid[1] * grid[2]
+            clean = (jnp.asarray(clean_first_frame, bool).reshape(batch, 1) & first)[..., None]
+            modulation = (modulation, zero_modulation, clean)
+            out_modulation = (out_modulation, zero_temb.astype(jnp.float32)[:, None], clean)
         (tokens,) = run_stack(self.blocks, (tokens,), context, modulation, rope)
 
-        table = self.scale_shift_table.astype(jnp.float32) + temb.astype(jnp.float32)[:, None]
-        shift, scale = table[:, 0:1], table[:, 1:2]
+        shift, scale = per_token(self.scale_shift_table.astype(jnp.float32), out_modulation)
         normed = layer_norm(tokens.astype(jnp.float32), self.eps) * (1 + scale) + shift
         out = self.proj_out(normed.astype(self.dtype))
         return unpatchify(out, grid, tuple(self.patch_size))
