@@ -449,14 +449,14 @@ def write_causal_vae(
     """The causal VAE's decoder and post-quant conv (`AutoencoderKLWan`, or Qwen-Image's
     `AutoencoderKLQwenImage`, the same decoder), under its PyTorch names; with `encoder`,
     the encoder and quant conv that encode an image-to-video model's first frame."""
-    from tree_grpo_jax.models import causal_vae
+    from tree_grpo_jax.models import causal_vae, causal_vae_encoder
     from tree_grpo_jax.weights import convert
 
     full = diffusers_config(pt_class, config)
     shapes = convert.shapes_of(causal_vae.decoder_shapes(causal_vae.decoder_module(full)))
     if encoder:  # the first-frame encoder too (its temporal time convs never run on it)
-        module = causal_vae.encoder_module(full)
-        shapes.update(convert.shapes_of(causal_vae.encoder_shapes(module)))
+        module = causal_vae_encoder.encoder_module(full)
+        shapes.update(convert.shapes_of(causal_vae_encoder.encoder_shapes(module)))
     flat = random_params(shapes, rng)
     state = pytorch_state({k: v for k, v in flat.items() if k[-1] != "scale"}, _WAN_VAE_LISTS)
     for path, value in flat.items():

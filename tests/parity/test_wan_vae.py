@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tree_grpo_jax.models import causal_vae
+from tree_grpo_jax.models import causal_vae, causal_vae_encoder
 from tree_grpo_jax.models.base import ModelLoadError
 
 torch = pytest.importorskip("torch")
@@ -215,11 +215,11 @@ def _images(seed: int, height: int, width: int, count: int = 2) -> list[np.ndarr
 
 
 def _check_encoder(torch_vae, folder, height, width, image_size, latent_shape):
-    module, params, config = causal_vae.load_encoder(folder, jnp.float32, HINT)
+    module, params, config = causal_vae_encoder.load_encoder(folder, jnp.float32, HINT)
     images = _images(3, *image_size)
     expected = encode_reference(torch_vae, images, height, width)
-    pixels = np.stack([causal_vae.image_to_pixels(i, height, width) for i in images])
-    got = np.asarray(causal_vae.encode_fn(module, config)(params, jnp.asarray(pixels)))
+    pixels = np.stack([causal_vae_encoder.image_to_pixels(i, height, width) for i in images])
+    got = np.asarray(causal_vae_encoder.encode_fn(module, config)(params, jnp.asarray(pixels)))
     assert got.shape == expected.shape == (2, *latent_shape)
     diff = np.abs(got - expected).max()
     print(f"encoder {image_size} -> {height}x{width}: max abs difference {diff:.2e}")
@@ -254,4 +254,4 @@ def test_encoder_weights_are_required(wan22_vae, tmp_path):
     decoder_only = {k: v for k, v in state.items() if not k.startswith(("encoder.", "quant_conv."))}
     save_file(decoder_only, broken / "diffusion_pytorch_model.safetensors")
     with pytest.raises(ModelLoadError, match=r"holds no VAE encoder weights .*; point model"):
-        causal_vae.load_encoder(broken, jnp.float32, HINT)
+        causal_vae_encoder.load_encoder(broken, jnp.float32, HINT)

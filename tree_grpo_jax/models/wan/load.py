@@ -37,10 +37,11 @@ tests/parity/test_wan22_pipeline.py measures both layouts against WanPipeline.
 
 A TI2V folder (`expand_timesteps`) with `image_to_video` takes input images: each prompt's
 one image is the video's first frame, as `WanImageToVideoPipeline` with `expand_timesteps`
-animates it. The image is encoded by the VAE's encoder (`causal_vae.load_encoder`) and packed
-after the text rows of the prompt's conditioning (`pack_first_frames`); the denoiser holds it
-as the first latent frame at timestep 0 (`make_first_frame_denoise`), and the guidance's
-empty prompt is the text rows only (`unconditional_rows`), so both passes see the image.
+animates it. The image is encoded by the VAE's encoder (`causal_vae_encoder.load_encoder`)
+and packed after the text rows of the prompt's conditioning (`pack_first_frames`); the
+denoiser holds it as the first latent frame at timestep 0 (`make_first_frame_denoise`), and
+the guidance's empty prompt is the text rows only (`unconditional_rows`), so both passes see
+the image.
 
 Measured against diffusers' PyTorch WanPipeline on a tiny random folder
 (tests/parity/test_wan_pipeline.py, float32 on CPU, its transformer stored in bfloat16 and
@@ -64,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_grpo_jax.models import causal_vae, components, media, text_encoders
+from tree_grpo_jax.models import causal_vae, causal_vae_encoder, components, media, text_encoders
 from tree_grpo_jax.models.base import (
     Decoder,
     FlowSigmasScheduleConfig,
@@ -350,7 +351,7 @@ def make_encode_prompts(text_conditioning, encode_images, frame_shape, resolutio
                 )
         if rows:
             pixels = np.stack(
-                [causal_vae.image_to_pixels(images[i][0], height, width) for i in rows]
+                [causal_vae_encoder.image_to_pixels(images[i][0], height, width) for i in rows]
             )
             first[rows] = np.asarray(encode_images(pixels))
             given[rows] = 1.0
@@ -522,9 +523,11 @@ def load_wan(path: str, dtype=jnp.float32, **options) -> WanModel:
     )
     fields = components.model_fields(root, loaded, vae_config, encoder, options)
     if first_frame:
-        image_encoder, image_params, _ = causal_vae.load_encoder(folders["vae"], dtype, POINT)
+        image_encoder, image_params, _ = causal_vae_encoder.load_encoder(
+            folders["vae"], dtype, POINT
+        )
         encode_images = functools.partial(
-            causal_vae.encode_fn(image_encoder, vae_config), image_params
+            causal_vae_encoder.encode_fn(image_encoder, vae_config), image_params
         )
         fields["encode_prompts"] = make_encode_prompts(
             encoder.conditioning, encode_images, shape[1:], family.resolution_of(options.resolution)
