@@ -308,7 +308,8 @@ def test_a_huge_override_value_is_quoted_shortened(tmp_path, field, value):
     line = one_error_line(
         run_main("--config=configs/tiny.py", f"--config.{field}={value}", f"--workdir={workdir}")
     )
-    assert len(line) < 300, len(line)
+    # (the list of known rewards after the quoted name grows with the registry)
+    assert len(line.split("; known rewards:")[0]) < 300, len(line)
     assert value[:30] in line, line
     quoted = {"train.iterations": f"--config.{field}={value}"}.get(field, f"'{value}")
     assert f"({len(quoted):,} characters)" in line, line
