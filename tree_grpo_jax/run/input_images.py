@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tree_grpo_jax.errors import ConfigError, UserError, echo, reason
+from tree_grpo_jax.errors import WORD_LIMIT, ConfigError, UserError, echo, reason
 
 # What an empty `prompts.image_field` looks for, in this order; "none" turns images off.
 IMAGE_FIELDS = ("image", "images", "input_image", "input_images")
@@ -55,7 +55,7 @@ def shown_url(url: str) -> str:
     host = parts.hostname or ""
     if parts.port:
         host = f"{host}:{parts.port}"
-    return echo(f"{parts.scheme}://{host}{parts.path}")
+    return echo(f"{parts.scheme}://{host}{parts.path}", limit=WORD_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,8 @@ class InputImage:
 
     @property
     def shown(self) -> str:
-        return shown_url(self.location) if self.is_url else echo(self.location)
+        # whole up to the length of a word any message keeps: a path's end names the file
+        return shown_url(self.location) if self.is_url else echo(self.location, limit=WORD_LIMIT)
 
     def pixels(self) -> np.ndarray:
         return _pixels(self.location)
