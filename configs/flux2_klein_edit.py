@@ -28,5 +28,4 @@ def get_config():
     c.prompts.source = "edits.jsonl"  # a prompt file with an image field; replace it
     c.prompts.eval_source = ""
     c.rewards = "input_similarity"
-    c.reward_models = type(c.reward_models)()  # no scorer weights to read
     return c

@@ -255,6 +255,12 @@ RANGE_CASES = [
     ("model.flux2.guidance", -1.0, "model.flux2.guidance must be >= 0"),
     ("model.flux2.resolution", -1, "model.flux2.resolution must be >= 0"),
     ("model.flux2.shift", -1.0, "model.flux2.shift must be >= 0"),
+    ("model.flux2.reference_images", -1, "model.flux2.reference_images must be >= 0"),
+    (
+        "model.flux2.reference_resolution",
+        2048,
+        "model.flux2.reference_resolution must be in [0, 1024]",
+    ),
     ("prompts.batch_size", 0, "prompts.batch_size must be at least 1"),
     ("prompts.eval_count", 0, "prompts.eval_count must be at least 1"),
     ("sampling.num_steps", 1, "sampling.num_steps must be at least 2"),

@@ -278,12 +278,13 @@ def _discover() -> None:
 
 
 def families() -> tuple[ModelFamily, ...]:
+    """The registered families by name: the same order whichever a process imported first."""
     _discover()
-    return tuple(f for f in _FAMILIES.values() if f.model_names)
+    return tuple(sorted((f for f in _FAMILIES.values() if f.model_names), key=lambda f: f.name))
 
 
 def model_names() -> tuple[str, ...]:
-    """Every model.name some family loads, in registration order."""
+    """Every model.name some family loads, family by family."""
     return tuple(n for f in families() for n in f.model_names)
 
 
