@@ -96,3 +96,38 @@ def make_tiny_wan_folder(path, seed: int = 0, table: dict = WAN) -> Path:
     UniPCMultistepScheduler(**table["scheduler"]).save_pretrained(path / "scheduler")
     (path / "model_index.json").write_text(json.dumps(table["model_index"], indent=2))
     return path
+
+
+def image_to_video_latents(
+    pipe, image, noise, sigmas, *, prompts, resolution, num_frames, tokens, guidance=1.0
+):
+    """What `WanImageToVideoPipeline` (`pipe`, with `expand_timesteps`) ends on for the first
+    frame `image` (uint8 HWC, resized by the pipeline) and channels-last `noise`: diffusers'
+    Euler scheduler on our `sigmas` (shift 1) in place of the release's UniPC solver, so the
+    deterministic sampler's steps are the same. Returned channels-last."""
+    import functools
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from PIL import Image
+
+    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    euler.set_timesteps = functools.partial(euler.set_timesteps, sigmas=list(sigmas[:-1]))
+    pipe.scheduler, original = euler, pipe.scheduler
+    try:
+        with torch.no_grad():
+            out = pipe(
+                image=Image.fromarray(image),
+                prompt=prompts,
+                negative_prompt="",
+                height=resolution[0],
+                width=resolution[1],
+                num_frames=num_frames,
+                num_inference_steps=len(sigmas) - 1,
+                guidance_scale=guidance,
+                latents=torch.from_numpy(noise.copy()).permute(0, 4, 1, 2, 3),
+                output_type="latent",
+                max_sequence_length=tokens,
+            ).frames
+    finally:
+        pipe.scheduler = original
+    return out.permute(0, 2, 3, 4, 1).numpy()

@@ -104,3 +104,39 @@ def test_an_iteration_trains_and_the_export_loads_in_the_pipeline(runs, kind):
     assert (pipe.transformer_2 is not None) == (kind == "wan22-moe")
     if kind == "wan22":
         assert pipe.config.expand_timesteps and pipe.vae.config.is_residual
+        _animates_in_the_image_to_video_pipeline(exported, exported_dir, tmp / "first.png")
+
+
+def _animates_in_the_image_to_video_pipeline(exported, exported_dir, first_frame):
+    """The TI2V export in diffusers' `WanImageToVideoPipeline`: the trained weights animate
+    the prompt file's image as our deterministic sampler does."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+    from wan_fixtures import image_to_video_latents
+
+    from tree_grpo_jax.core import rollout
+    from tree_grpo_jax.models.base import Sampling
+
+    pipe = WanImageToVideoPipeline.from_pretrained(str(exported_dir), torch_dtype=torch.float32)
+    assert pipe.config.expand_timesteps
+    image = np.asarray(Image.open(first_frame))
+    prompts = ["a cat", "a dog"]
+    noise = np.random.default_rng(0).standard_normal((2, *exported.sample_shape)).astype("f4")
+    schedule = exported.make_schedule(3, Sampling())
+    expected = image_to_video_latents(
+        pipe, image, noise, np.asarray(schedule.sigmas, np.float64), prompts=prompts,
+        resolution=(16, 32), num_frames=9, tokens=8,
+    )  # fmt: skip
+    got = rollout.sample_deterministic(
+        exported.denoise,
+        exported.params,
+        exported.encode_prompts(prompts, input_images=[[image], [image]]),
+        jnp.asarray(noise),
+        schedule,
+    )
+    np.testing.assert_allclose(
+        np.asarray(got), expected, atol=1e-5 * max(1, np.abs(expected).max())
+    )

@@ -394,35 +394,21 @@ def test_bad_two_expert_folders_are_one_sentence(written_moe, tmp_path, change, 
 
 
 def _i2v_pipeline_latents(pipe, image, noise, sigmas, guidance):
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-    from PIL import Image
+    from diffusers import WanImageToVideoPipeline
+    from wan_fixtures import image_to_video_latents
 
     i2v = WanImageToVideoPipeline(
         tokenizer=pipe.tokenizer,
         text_encoder=pipe.text_encoder,
         vae=pipe.vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        scheduler=pipe.scheduler,
         transformer=pipe.transformer,
         expand_timesteps=True,
     )
-    i2v.scheduler.set_timesteps = functools.partial(
-        i2v.scheduler.set_timesteps, sigmas=list(sigmas[:-1])
-    )
-    with torch.no_grad():
-        out = i2v(
-            image=Image.fromarray(image),
-            prompt=PROMPTS,
-            negative_prompt="",
-            height=RESOLUTION_22[0],
-            width=RESOLUTION_22[1],
-            num_frames=NUM_FRAMES,
-            num_inference_steps=len(sigmas) - 1,
-            guidance_scale=guidance,
-            latents=_channels_first(noise),
-            output_type="latent",
-            max_sequence_length=T5_TOKENS,
-        ).frames
-    return _channels_last(out)
+    return image_to_video_latents(
+        i2v, image, noise, sigmas, prompts=PROMPTS, resolution=RESOLUTION_22,
+        num_frames=NUM_FRAMES, tokens=T5_TOKENS, guidance=guidance,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
