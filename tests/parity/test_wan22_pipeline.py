@@ -88,6 +88,26 @@ def _pipeline_latents(pipe, noise, resolution, sigmas, guidance):
     return _channels_last(out)
 
 
+def _torch_expert(pipe, name, x, t, context):
+    """The pipeline's expert `name` (transformer or transformer_2) on channels-last `x`."""
+    with torch.no_grad():
+        out = getattr(pipe, name)(
+            hidden_states=_channels_first(x),
+            timestep=torch.from_numpy(t),
+            encoder_hidden_states=torch.from_numpy(context),
+        ).sample
+    return _channels_last(out)
+
+
+def _each_row_equals_its_expert(got, pipe, x, t, context):
+    """Row i of `got` is what expert EXPERTS[i] gives on row i (rows on both sides)."""
+    for row, name in enumerate(EXPERTS):
+        rows = slice(row, row + 1)
+        expected = _torch_expert(pipe, name, x[rows], t[rows], context[rows])[0]
+        scale = max(1.0, np.abs(expected).max())
+        np.testing.assert_allclose(got[row], expected, atol=1e-5 * scale)
+
+
 def _ours(model, noise, schedule, guidance):
     return np.asarray(
         rollout.sample_deterministic(
@@ -189,18 +209,7 @@ def test_a_mixed_batch_takes_each_rows_expert(moe):
     t = np.array([930.0, 210.0, 875.0], "f4")  # high, low, high (the boundary is inclusive)
     context = rng.standard_normal((3, 5, TEXT_WIDTH)).astype("f4")
     got = np.asarray(jax.jit(model.denoise)(model.params, x, t, context))
-    with torch.no_grad():
-        outs = {
-            name: _channels_last(
-                getattr(pipe, name)(
-                    hidden_states=_channels_first(x),
-                    timestep=torch.from_numpy(t),
-                    encoder_hidden_states=torch.from_numpy(context),
-                ).sample
-            )
-            for name in EXPERTS
-        }
-    high, low = outs["transformer"], outs["transformer_2"]
+    high, low = (_torch_expert(pipe, name, x, t, context) for name in EXPERTS)
     expected = np.stack([high[0], low[1], high[2]])
     scale = max(1.0, np.abs(expected).max())
     np.testing.assert_allclose(got, expected, atol=1e-5 * scale)
@@ -237,17 +246,7 @@ def test_the_two_expert_export_loads_in_the_pipeline(folder_moe, moe, tmp_path):
     t = np.array([930.0, 210.0], "f4")
     context = rng.standard_normal((2, 5, TEXT_WIDTH)).astype("f4")
     got = np.asarray(jax.jit(model.denoise)(params, x, t, context))
-    with torch.no_grad():
-        for row, name in enumerate(EXPERTS):
-            expected = _channels_last(
-                getattr(loaded, name)(
-                    hidden_states=_channels_first(x[row : row + 1]),
-                    timestep=torch.from_numpy(t[row : row + 1]),
-                    encoder_hidden_states=torch.from_numpy(context[row : row + 1]),
-                ).sample
-            )[0]
-            scale = max(1.0, np.abs(expected).max())
-            np.testing.assert_allclose(got[row], expected, atol=1e-5 * scale)
+    _each_row_equals_its_expert(got, loaded, x, t, context)
 
 
 @pytest.mark.parametrize("name, billions", [("wan2.2-ti2v-5b", 5.0), ("wan2.2-t2v-a14b", 28.6)])
@@ -333,17 +332,7 @@ def test_a_lora_on_both_experts_merges_and_exports(folder_moe, moe, tmp_path):
     on_folder = lora.merge(family.export.base_params(str(folder_moe)), factors, 4.0, 2)
     out = export.export_pipeline(on_folder, base_folder, denoiser, tmp_path / "merged")
     loaded = WanPipeline.from_pretrained(str(out), torch_dtype=torch.float32)
-    with torch.no_grad():
-        for row, name in enumerate(EXPERTS):
-            expected = _channels_last(
-                getattr(loaded, name)(
-                    hidden_states=_channels_first(x[row : row + 1]),
-                    timestep=torch.from_numpy(t[row : row + 1]),
-                    encoder_hidden_states=torch.from_numpy(context[row : row + 1]),
-                ).sample
-            )[0]
-            scale = max(1.0, np.abs(expected).max())
-            np.testing.assert_allclose(merged[row], expected, atol=1e-5 * scale)
+    _each_row_equals_its_expert(merged, loaded, x, t, context)
 
 
 @pytest.fixture(scope="module")
