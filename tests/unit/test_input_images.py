@@ -199,10 +199,13 @@ def test_a_download_past_its_deadline_is_one_sentence(tmp_path, monkeypatch):
         ("scheme", "with the scheme 'ftp'; an input image is a path or an http(s) URL"),
         ("unnamed", "has no 'picture' image field (its fields: 'prompt', 'image')"),
         ("two fields", "has several image fields 'image', 'images'"),
+        ("folder", "input image '{d}/images' is a folder, not an image file."),
+        ("bomb", "red.png' has more than 20 pixels, more than PIL opens"),
     ],
 )
-def test_bad_input_is_one_sentence(folder, case, said):
+def test_bad_input_is_one_sentence(folder, case, said, monkeypatch):
     (folder / "images" / "text.png").write_text("not an image")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # red.png's 48 pixels: over twice it
     rows = {
         "missing": [{"prompt": "a", "image": "images/gone.png"}],
         "unreadable": [{"prompt": "a", "image": "images/text.png"}],
@@ -212,6 +215,8 @@ def test_bad_input_is_one_sentence(folder, case, said):
         "scheme": [{"prompt": "a", "image": "ftp://host/x.png"}],
         "unnamed": [{"prompt": "a", "image": "images/red.png"}],
         "two fields": [{"prompt": "a", "image": "images/red.png", "images": []}],
+        "folder": [{"prompt": "a", "image": "images"}],
+        "bomb": [{"prompt": "a", "image": "images/red.png"}],
     }[case]
     source = _jsonl(folder / "bad.jsonl", rows)
     kwargs = {"image_field": "picture"} if case == "unnamed" else {}

@@ -91,6 +91,11 @@ def _pixels(location: str) -> np.ndarray:
             out = np.asarray(image.convert("RGB"), np.uint8)
     except FileNotFoundError:
         raise InputImageError(f"input image {ref.shown} does not exist.") from None
+    except Image.DecompressionBombError:  # PIL refuses it before decoding a pixel
+        raise InputImageError(
+            f"input image {ref.shown} has more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, "
+            "more than PIL opens (a decompression bomb or a mistake); resize it first."
+        ) from None
     except OSError as e:  # PIL's UnidentifiedImageError and a truncated file are OSErrors
         raise InputImageError(
             f"input image {ref.shown} cannot be read as an image ({reason(e)})."
@@ -315,6 +320,8 @@ def check_input_images(rows: Sequence[Sequence[InputImage]], rule: SizeRule | No
             if ref.location in seen:
                 continue
             seen.add(ref.location)
+            if not ref.is_url and os.path.isdir(ref.location):
+                raise InputImageError(f"input image {ref.shown} is a folder, not an image file.")
             if not ref.is_url and not os.path.isfile(ref.location):
                 raise InputImageError(
                     f"input image {ref.shown} does not exist; paths are read relative to the "
