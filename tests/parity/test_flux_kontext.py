@@ -18,6 +18,7 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
+import family_checks  # noqa: E402
 from flux_fixtures import RESOLUTION  # noqa: E402
 
 from tree_grpo_jax.models import patches  # noqa: E402
@@ -156,3 +157,60 @@ def test_bad_inputs_are_one_sentence(model, kontext_folder):
         reference_rows(np.zeros((4, 64)), np.zeros((4, 3)), 32)
     plan = abstract_flux(str(kontext_folder), **OPTIONS)
     assert plan.cond_shape == (T5_TOKENS + 1 + (SIDE // 4) ** 2, 67)
+
+
+def _prompt_file(folder):
+    (folder / "digits").mkdir()
+    lines = []
+    for prompt, value in ROWS:
+        Image.fromarray(_digit(value)).save(folder / "digits" / f"{value}.png")
+        lines.append(json.dumps({"prompt": prompt, "image": f"digits/{value}.png"}))
+    path = folder / "edits.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_an_editing_iteration_and_the_export_edit_in_the_kontext_pipeline(
+    model, kontext_folder, tmp_path
+):
+    from diffusers import FluxKontextPipeline
+
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    settings = {k: v for k, v in OPTIONS.items() if k != "guidance"}  # the config's 2.5
+    overrides = [
+        f"--config.model.path={kontext_folder}",
+        *(f"--config.model.flux.{k}={v}" for k, v in settings.items()),
+        "--config.model.flux.shift=0",  # the folder's dynamic shifting, as the pipeline's
+        f"--config.prompts.source={_prompt_file(tmp_path)}",
+        "--config.eval.num_steps=0",
+        "--config.tree.window=2",
+        "--config.tree.split_steps=(0,1)",
+        "--config.train.rows_per_minibatch=2",
+    ]
+    family_checks.train_one_iteration_without_torch(
+        "configs/flux_kontext_edit.py",
+        workdir,
+        overrides,
+        released="prompts encoded ahead; T5 released",
+    )
+    trained = family_checks.export_the_trained_params(workdir, out, model.params)
+    assert json.loads((out / "model_index.json").read_text())["_class_name"] == (
+        "FluxKontextPipeline"
+    )
+
+    pipe = FluxKontextPipeline.from_pretrained(str(out), torch_dtype=torch.float32)
+    digit = _digit(3)
+    noise = np.random.default_rng(1).standard_normal((1, *model.sample_shape)).astype("f4")
+    expected = _pipeline_latents(pipe, ROWS[0][0], digit, noise)
+    cond = model.encode_prompts([ROWS[0][0]], input_images=[[digit]])
+    schedule = model.make_schedule(3, Sampling())
+    got, before = (
+        np.asarray(
+            rollout.sample_deterministic(model.denoise, p, cond, jnp.asarray(noise), schedule)
+        )
+        for p in (trained, model.params)
+    )
+    diff, moved = np.abs(got - expected).max(), np.abs(got - before).max()
+    print(f"edited latents max abs difference {diff:.2e} (up to {np.abs(expected).max():.2f};"
+          f" the iteration moved them by {moved:.2e})")  # fmt: skip
+    assert diff <= 1e-5 * max(1.0, np.abs(expected).max()) and moved > 100 * diff
