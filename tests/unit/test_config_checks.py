@@ -239,6 +239,12 @@ RANGE_CASES = [
     ("model.flux.guidance", -1.0, "model.flux.guidance must be >= 0"),
     ("model.flux.t5_max_length", 600, "model.flux.t5_max_length must be in [0, 512]"),
     ("model.flux.resolution", -1, "model.flux.resolution must be >= 0"),
+    ("model.flux.reference_images", 2, "model.flux.reference_images must be in [0, 1]"),
+    (
+        "model.flux.reference_resolution",
+        4096,
+        "model.flux.reference_resolution must be in [0, 2048]",
+    ),
     ("model.wan.num_frames", 0, "model.wan.num_frames must be a positive integer 4k + 1"),
     ("model.wan.num_frames", 80, "model.wan.num_frames must be 4k + 1"),
     ("model.wan.shift", -1.0, "model.wan.shift must be >= 0"),

@@ -1,10 +1,13 @@
-"""The VAE decoder of the flow families (SD3 / 3.5 and FLUX.1): `models.autoencoder_kl`'s
+"""The VAE of the flow families (SD3 / 3.5 and FLUX.1): `models.autoencoder_kl`'s
 `AutoencoderKL` (diffusers' of that name) with 16 latent channels and no quant convs, from a
 diffusers `vae/` folder.
 
-Only the decoder is read and run. Latents are unscaled as the pipelines do before decoding,
-`z / scaling_factor + shift_factor` with the folder's factors (SD3.5: 1.5305 and 0.0609;
-FLUX.1: 0.3611 and 0.1159), and the images come back in [0, 1].
+The decoder is read and run to decode; the encoder only for editing (FLUX.1-Kontext's
+reference images, `load_encode`), which takes the latent Gaussian's mean as the pipeline's
+`sample_mode="argmax"` does and scales it `(z - shift_factor) * scaling_factor`. Latents
+are unscaled as the pipelines do before decoding, `z / scaling_factor + shift_factor` with
+the folder's factors (SD3.5: 1.5305 and 0.0609; FLUX.1: 0.3611 and 0.1159), and the images
+come back in [0, 1].
 """
 
 from __future__ import annotations
@@ -47,6 +50,34 @@ def load_decoder(folder: Path, dtype, hint: str):
     reference = convert.shapes_of(decoder_shapes(module))
     params = convert.folder_to_flax(folder, state, reference, hint)
     return module, cast_floats(params, dtype), config
+
+
+def encoder_shapes(module, dtype=jnp.float32) -> dict:
+    """The encoder's params as ShapeDtypeStructs in `dtype` (nothing is computed)."""
+    init = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    return jax.eval_shape(lambda e: cast_floats({"encoder": e}, dtype), init["encoder"])
+
+
+def load_encode(folder: Path, dtype, hint: str):
+    """`(encode, encoder params)` of a `vae/` folder (its decoder is not read):
+    `encode(params, images [B, H, W, 3] in [-1, 1]) -> latents [B, C, H / 8, W / 8]`,
+    jitted, the encoder's mean shifted and scaled by the folder's factors."""
+    config = files.read_json(folder / "config.json", hint)
+    module = vae_module(config, folder / "config.json", dtype)
+    state = files.read_weights(folder, "diffusion_pytorch_model", hint)
+    state = {k: v for k, v in state.items() if k.startswith("encoder.")}
+    reference = convert.shapes_of(encoder_shapes(module))
+    params = convert.folder_to_flax(folder, state, reference, hint)
+    scaling = float(config.get("scaling_factor", 0.18215))
+    shift = float(config.get("shift_factor") or 0.0)
+
+    @jax.jit
+    def encode(params, images):
+        mean, _ = module.apply({"params": params}, images.astype(dtype), method="encode")
+        latents = (mean.astype(jnp.float32) - shift) * scaling
+        return jnp.transpose(latents, (0, 3, 1, 2))
+
+    return encode, cast_floats(params, dtype)
 
 
 def decode_fn(module, config: dict, batch_size: int, dtype):

@@ -4,7 +4,8 @@ module builders.
 
 The conditioning is what `text_encoders.pack_conditioning` makes of the text encoders' outputs:
 `t5_max_length` T5 tokens, then CLIP-L's pooled vector as one more token, every token as
-wide as the transformer's `joint_attention_dim`.
+wide as the transformer's `joint_attention_dim`; an editing model's (`reference_images` > 0)
+has a row per reference token after them (`edit`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from tree_grpo_jax.models import autoencoder, components
 from tree_grpo_jax.models.abstract import AbstractModel, read_configs
 from tree_grpo_jax.models.base import ModelLoadError
-from tree_grpo_jax.models.flux import load
+from tree_grpo_jax.models.flux import edit, load
 from tree_grpo_jax.models.flux.builtin import RELEASES
 
 TRANSFORMER, VAE, SCHEDULER = components.PIPELINE_CONFIGS
@@ -46,6 +47,9 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
     vae_config = configs.files[VAE]
     vae = autoencoder.vae_module(vae_config, configs.path(VAE), dtype)
     width = max(transformer.joint_attention_dim, transformer.pooled_projection_dim)
+    references = edit.reference_tokens(options, load.vae_scale_factor(vae_config))
+    if references:
+        width = edit.conditioning_width(transformer)
     return components.abstract_model(
         configs,
         transformer,
@@ -53,9 +57,11 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         options,
         sample_shape=shape,
         denoise=load.make_denoise(
-            transformer, float(options.guidance) if transformer.guidance_embeds else None
+            transformer,
+            float(options.guidance) if transformer.guidance_embeds else None,
+            text_rows=length + 1 if references else None,
         ),
-        cond_shape=(length + 1, width),
+        cond_shape=(length + 1 + references, width),
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
         decode_params=autoencoder.decoder_shapes(vae, dtype),

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from pathlib import Path
 
 import jax
@@ -53,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from tree_grpo_jax.models import components, decoder_prompts, decoder_text
+from tree_grpo_jax.models import components, decoder_prompts, decoder_text, references
 from tree_grpo_jax.models.base import Decoder, ModelLoadError, cast_floats
 from tree_grpo_jax.models.flux2 import family, text, transformer, vae
 from tree_grpo_jax.models.text_encoders import read_config
@@ -270,87 +269,18 @@ def make_denoise(
 
 
 # ---------------------------------------------------------------------------------------------
-# Editing: reference images inside the conditioning array.
-#
-# The package hands the denoiser one array per prompt, [L, D], of one length for every prompt.
-# An editing model's array is the prompt's text states [text_max_length, D] followed by one
-# row per reference token: its C latent channels, then its 4 position ids (time, row, column,
-# 0), then zeros (D >= C + 4: 7680 >= 132 for klein 4B). The number of reference rows is
-# fixed by the model's settings (`reference_images` square images of `reference_resolution`
-# pixels each, `input_image_size`), so every prompt's array has the same length and the
-# denoiser splits it at `text_max_length`, a constant of the model.
+# Editing: reference images inside the conditioning array (`models.references`): the
+# prompt's text states [text_max_length, D], then one row per reference token, its C latent
+# channels, its 4 position ids (time, row, column, 0) and zeros (7680 >= 132 for klein 4B).
 
 ID_COLUMNS = transformer.ID_AXES
-
-
-def reference_rows(tokens: np.ndarray, ids: np.ndarray, width: int) -> np.ndarray:
-    """Reference tokens [M, C] and their ids [M, 4] as M conditioning rows [M, width]."""
-    count, channels = tokens.shape
-    if channels + ID_COLUMNS > width:
-        raise ValueError(
-            f"the conditioning is {width} wide, too narrow for {channels} reference channels "
-            f"and {ID_COLUMNS} ids."
-        )
-    rows = np.zeros((count, width), np.float32)
-    rows[:, :channels], rows[:, channels : channels + ID_COLUMNS] = tokens, ids
-    return rows
+reference_rows = references.reference_rows
+EditConditioning = references.EditConditioning
 
 
 def split_references(cond: jax.Array, text_tokens: int, channels: int):
-    """cond [B, text_tokens + M, D] -> (text [B, text_tokens, D], (tokens [B, M, channels],
-    ids [B, M, 4] float32)), the inverse of appending `reference_rows`."""
-    rows = cond[:, text_tokens:]
-    ids = rows[..., channels : channels + ID_COLUMNS].astype(jnp.float32)
-    return cond[:, :text_tokens], (rows[..., :channels], ids)
-
-
-@dataclasses.dataclass(eq=False)
-class EditConditioning:
-    """An editing model's `encode_prompts(prompts, input_images=None)`: each prompt's text
-    states, then the `reference_rows` of its `count` input images (exactly that many, each
-    `side` x `side` pixels). Without `input_images` (a run's checks, the empty prompt of
-    guidance) the reference rows are zeros. A few recent images' tokens are kept."""
-
-    text: Flux2TextEncoder
-    references: ReferenceEncoder
-    count: int
-    side: int
-    width: int
-    kept: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        return self.count * (self.side // self.references.multiple) ** 2
-
-    def image_rows(self, images) -> np.ndarray:
-        if len(images) != self.count:
-            raise ValueError(
-                f"the model edits from {self.count} input image(s) per prompt "
-                f"(model.flux2.reference_images), but a prompt names {len(images)}."
-            )
-        images = [np.asarray(image, np.uint8) for image in images]
-        for image in images:
-            if image.shape[:2] != (self.side, self.side):
-                raise ValueError(
-                    f"an input image is {image.shape[1]}x{image.shape[0]} pixels; the model "
-                    f"takes {self.side}x{self.side} (model.flux2.reference_resolution)."
-                )
-        key = hashlib.sha256(b"".join(image.tobytes() for image in images)).hexdigest()
-        if key not in self.kept:
-            if len(self.kept) >= KEPT_REFERENCES:
-                self.kept.pop(next(iter(self.kept)))
-            self.kept[key] = reference_rows(*self.references(images), self.width)
-        return self.kept[key]
-
-    def __call__(self, prompts, input_images=None) -> jax.Array:
-        text = np.asarray(self.text.conditioning(prompts), np.float32)
-        rows = np.zeros((len(text), self.rows, text.shape[-1]), np.float32)
-        for i, images in enumerate(input_images or ()):
-            rows[i] = self.image_rows(images)
-        return jnp.asarray(np.concatenate([text, rows], axis=1))
-
-
-KEPT_REFERENCES = 64  # prompts' reference rows kept: a batch's few distinct rows re-encode once
+    """`references.split_references` with FLUX.2's 4 id columns."""
+    return references.split_references(cond, text_tokens, channels, ID_COLUMNS)
 
 
 def vae_scale_factor(vae_config: dict) -> int:
@@ -556,6 +486,7 @@ def load_flux2(path: str, dtype=jnp.float32, **options) -> Flux2Model:
             count=options.reference_images,
             side=side,
             width=module.joint_attention_dim,
+            settings="model.flux2",
         )
         editing = dict(takes_input_images=True, input_image_size=(side, side))
     return Flux2Model(
