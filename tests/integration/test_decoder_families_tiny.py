@@ -1,11 +1,11 @@
-"""Z-Image, Qwen-Image and FLUX.2-klein editing through the command lines on the
-weights-free tiny folders that launch/tiny_folders.py writes, torch blocked throughout: one
-TreeGRPO iteration of the config (shrunk by overrides; the editing one from a prompt file
-naming an input image per row), then `sample`, which draws the run's own last eval pictures
-bit for bit at the folder's resolution, and `evaluate`, whose base and step-1 rows are the
-run's two evaluations.
-(tests/parity/test_{zimage,qwenimage}_model.py and test_flux2_*.py check the numbers against
-diffusers.)"""
+"""Z-Image, Qwen-Image and the two editing families (FLUX.2-klein, FLUX.1-Kontext) through
+the command lines on the weights-free tiny folders that launch/tiny_folders.py writes, torch
+blocked throughout: one TreeGRPO iteration of the config (shrunk by overrides; the editing
+ones from a prompt file naming an input image per row), then `sample`, which draws the run's
+own last eval pictures bit for bit at the folder's resolution, and `evaluate`, whose base
+and step-1 rows are the run's two evaluations.
+(tests/parity/test_{zimage,qwenimage}_model.py, test_flux2_*.py and test_flux_kontext.py
+check the numbers against diffusers.)"""
 
 import json
 import os
@@ -18,11 +18,13 @@ import pytest
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# config -> (tiny folder kind, settings section, the folder's own side in pixels, reward)
+# config -> (tiny folder kind, settings section, the folder's own side in pixels, reward,
+# the text length setting)
 CASES = {
-    "zimage_treegrpo": ("zimage", "zimage", 32, "jpeg_compressibility"),  # 2 px a latent
-    "qwenimage_treegrpo": ("qwenimage", "qwenimage", 64, "jpeg_compressibility"),  # 8 px
-    "flux2_klein_edit": ("flux2-klein", "flux2", 32, "input_similarity"),  # 2 px
+    "zimage_treegrpo": ("zimage", "zimage", 32, "jpeg_compressibility", "text_max_length"),
+    "qwenimage_treegrpo": ("qwenimage", "qwenimage", 64, "jpeg_compressibility", "text_max_length"),
+    "flux2_klein_edit": ("flux2-klein", "flux2", 32, "input_similarity", "text_max_length"),
+    "flux_kontext_edit": ("flux", "flux", 32, "input_similarity", "t5_max_length"),
 }
 EVAL_PROMPTS = 2
 
@@ -39,14 +41,14 @@ def _edits(folder, side: int):
 
 
 def shrink(config: str, folder, prompts) -> list[str]:
-    _, section, side, reward = CASES[config]
+    _, section, side, reward, text_length = CASES[config]
     return [
         f"--config=configs/{config}.py",
         f"--config.model.path={folder}",
         "--config.model.compute_dtype=float32",
         "--config.model.remat=False",
         f"--config.model.{section}.resolution={side}",
-        f"--config.model.{section}.text_max_length=40",
+        f"--config.model.{section}.{text_length}=40",
         f"--config.rewards={reward}",
         *([f"--config.prompts.source={prompts}"] if prompts else []),
         "--config.prompts.batch_size=1",
@@ -67,7 +69,7 @@ def run(request, tmp_path_factory):
     """The family's tiny folder written, one iteration trained, then `sample` and `evaluate`
     on the run, in one Python with torch blocked."""
     config = request.param
-    kind, _, side, _ = CASES[config]
+    kind, _, side, *_ = CASES[config]
     tmp = tmp_path_factory.mktemp(config)
     folder, workdir = tmp / "tiny" / kind, tmp / "run"
     prompts = _edits(tmp, side) if config.endswith("_edit") else None
@@ -122,7 +124,7 @@ def test_sample_draws_the_runs_last_eval_pictures(run):
 @pytest.mark.slow
 def test_evaluate_agrees_with_the_runs_evaluations(run):
     config, tmp, workdir, status = run
-    _, _, side, reward_name = CASES[config]
+    _, _, side, reward_name, _ = CASES[config]
     assert status["evaluate"][0] == 0, status["evaluate"][1]
     table = json.loads((tmp / "evaluation" / "evaluation.json").read_text())
     assert [r["label"] for r in table["rows"]] == ["base", "step 1"]
