@@ -107,3 +107,24 @@ def test_every_relative_link_resolves(page):
 
 def test_the_docs_are_there():
     assert len(PAGES) > 10
+
+
+def test_the_plan_page_lists_every_builtin_release():
+    """docs/plan.md's table names each `builtin:` release of each family, no more."""
+    import importlib
+
+    from tree_grpo_jax.models import registry
+
+    listed = set()
+    for line in (ROOT / "docs" / "plan.md").read_text().splitlines():
+        if line.startswith("| `") and "`builtin:`" not in line:
+            listed.update(re.findall(r"`([a-z0-9.-]+)`", line.split("|")[2]))
+    known = set()
+    for family in registry.families():
+        try:
+            module = importlib.import_module(f"tree_grpo_jax.models.{family.name}.builtin")
+        except ModuleNotFoundError:
+            continue  # sd keeps its releases in models/sd15
+        known.update(module.RELEASES)
+    known.update(importlib.import_module("tree_grpo_jax.models.sd15.builtin").RELEASES)
+    assert listed == known, (sorted(listed - known), sorted(known - listed))

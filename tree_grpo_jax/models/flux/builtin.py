@@ -1,6 +1,7 @@
 """FLUX.1-dev's and FLUX.1-schnell's JSON configs as data: `model.path=builtin:flux-dev` (or
-`builtin:flux-schnell`) plans a run on the public releases (black-forest-labs/FLUX.1-dev,
-black-forest-labs/FLUX.1-schnell) without any of their files.
+`builtin:flux-schnell`, `builtin:flux-kontext-dev`) plans a run on the public releases
+(black-forest-labs/FLUX.1-dev, black-forest-labs/FLUX.1-schnell, the editing
+black-forest-labs/FLUX.1-Kontext-dev) without any of their files.
 
 The values are the releases' own `transformer/config.json` (19 double-stream and 38
 single-stream blocks of width 3072, 24 heads of 128; dev embeds the distilled guidance
@@ -64,4 +65,12 @@ FLUX_SCHNELL = _release(
     {**_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False},
 )
 
-RELEASES = {"flux-dev": FLUX_DEV, "flux-schnell": FLUX_SCHNELL}
+# FLUX.1-Kontext-dev is FLUX.1-dev's architecture (its transformer loads into the same class
+# with the same config; its VAE and text encoders are dev's): the editing is in the tokens.
+FLUX_KONTEXT_DEV = _release("black-forest-labs/FLUX.1-Kontext-dev", _TRANSFORMER, _SCHEDULER)
+
+RELEASES = {
+    "flux-dev": FLUX_DEV,
+    "flux-schnell": FLUX_SCHNELL,
+    "flux-kontext-dev": FLUX_KONTEXT_DEV,
+}
