@@ -4,8 +4,6 @@ with the `input_similarity` reward, one TreeGRPO iteration in a process without 
 the exported folder in diffusers' Flux2KleinPipeline sampling with an input image (`image=`)
 what our sampler gives with the trained params."""
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,14 +13,15 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import Sampling
 
 torch = pytest.importorskip("torch")
+import edit_fixtures  # noqa: E402
 import family_checks  # noqa: E402
+from edit_fixtures import ROWS  # noqa: E402
 from flux2_fixtures import RESOLUTION  # noqa: E402
 
 from tree_grpo_jax.models.flux2.load import load_flux2  # noqa: E402
 
 TEXT_TOKENS = 64
 SIDE = 64  # the input images' side: the pipeline takes references of 64 pixels and more
-ROWS = [("make the digit bold", 3), ("turn the digit upside down", 7)]
 
 
 def _digit(value: int) -> np.ndarray:
@@ -30,17 +29,6 @@ def _digit(value: int) -> np.ndarray:
     picture = Image.new("L", (SIDE // 4, SIDE // 4))
     ImageDraw.Draw(picture).text((4, 2), str(value), fill=255)
     return np.asarray(picture.resize((SIDE, SIDE), Image.Resampling.NEAREST).convert("RGB"))
-
-
-def _prompt_file(folder):
-    (folder / "digits").mkdir()
-    lines = []
-    for prompt, value in ROWS:
-        Image.fromarray(_digit(value)).save(folder / "digits" / f"{value}.png")
-        lines.append(json.dumps({"prompt": prompt, "image": f"digits/{value}.png"}))
-    path = folder / "edits.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def test_an_editing_iteration_and_the_export_edits_in_the_pipeline(flux2_klein_folder, tmp_path):
@@ -56,7 +44,7 @@ def test_an_editing_iteration_and_the_export_edits_in_the_pipeline(flux2_klein_f
     overrides = [
         f"--config.model.path={flux2_klein_folder}",
         *(f"--config.model.flux2.{k}={v}" for k, v in options.items()),
-        f"--config.prompts.source={_prompt_file(tmp_path)}",
+        f"--config.prompts.source={edit_fixtures.prompt_file(tmp_path, _digit)}",
         "--config.rewards=input_similarity",
         "--config.eval.num_steps=0",
         "--config.tree.window=1",

@@ -18,7 +18,9 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
+import edit_fixtures  # noqa: E402
 import family_checks  # noqa: E402
+from edit_fixtures import ROWS  # noqa: E402
 from flux_fixtures import RESOLUTION  # noqa: E402
 
 from tree_grpo_jax.models import patches  # noqa: E402
@@ -29,7 +31,6 @@ T5_TOKENS = 16
 SIDE = 32  # the input images: 8x8 reference tokens with the tiny VAE (2 px a latent)
 LATENT = RESOLUTION // 2
 GUIDANCE = 2.5
-ROWS = [("make the digit bold", 3), ("turn the digit upside down", 7)]
 OPTIONS = dict(
     t5_max_length=T5_TOKENS,
     resolution=RESOLUTION,
@@ -159,17 +160,6 @@ def test_bad_inputs_are_one_sentence(model, kontext_folder):
     assert plan.cond_shape == (T5_TOKENS + 1 + (SIDE // 4) ** 2, 67)
 
 
-def _prompt_file(folder):
-    (folder / "digits").mkdir()
-    lines = []
-    for prompt, value in ROWS:
-        Image.fromarray(_digit(value)).save(folder / "digits" / f"{value}.png")
-        lines.append(json.dumps({"prompt": prompt, "image": f"digits/{value}.png"}))
-    path = folder / "edits.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_an_editing_iteration_and_the_export_edit_in_the_kontext_pipeline(
     model, kontext_folder, tmp_path
 ):
@@ -181,7 +171,7 @@ def test_an_editing_iteration_and_the_export_edit_in_the_kontext_pipeline(
         f"--config.model.path={kontext_folder}",
         *(f"--config.model.flux.{k}={v}" for k, v in settings.items()),
         "--config.model.flux.shift=0",  # the folder's dynamic shifting, as the pipeline's
-        f"--config.prompts.source={_prompt_file(tmp_path)}",
+        f"--config.prompts.source={edit_fixtures.prompt_file(tmp_path, _digit)}",
         "--config.eval.num_steps=0",
         "--config.tree.window=2",
         "--config.tree.split_steps=(0,1)",
