@@ -159,34 +159,46 @@ def editing_models(request):
     return _per_variant(make)
 
 
-@pytest.mark.parametrize("variant", ["dev", "klein"])
-def test_editing_sampler_equals_the_pipeline(variant, editing_models, models, pipes):
+@pytest.mark.parametrize("variant, cfg", [("dev", 1.0), ("klein", 1.0), ("klein", 4.0)])
+def test_editing_sampler_equals_the_pipeline(variant, cfg, editing_models, models, pipes):
     """One reference image (the pipelines' `image=`): our deterministic sampler over the
-    editing conditioning (text, then the reference rows) against the pipeline's latents."""
+    editing conditioning (text, then the reference rows) against the pipeline's latents.
+    With classifier-free guidance (`cfg`, klein base's: the folder is marked undistilled
+    for it) the empty prompt's pass keeps the prompt's reference, as the pipeline's does."""
     from PIL import Image
 
     model, pipe = editing_models(variant), pipes(variant)
     assert model.takes_input_images and model.input_image_size == (EDIT_SIDE, EDIT_SIDE)
+    assert model.unconditional_rows == TEXT_TOKENS[variant]
     picture = np.random.default_rng(5).integers(0, 256, (EDIT_SIDE, EDIT_SIDE, 3), np.uint8)
     noise = np.random.default_rng(0).standard_normal((3, *model.sample_shape)).astype("f4")
-    with torch.no_grad():
-        expected = pipe(
-            prompt=list(PROMPTS),
-            image=Image.fromarray(picture),
-            height=RESOLUTION,
-            width=RESOLUTION,
-            num_inference_steps=4,
-            guidance_scale=GUIDANCE[variant],
-            latents=torch.from_numpy(noise),
-            output_type="latent",
-            max_sequence_length=TEXT_TOKENS[variant],
-        ).images.numpy()
+    distilled = pipe.config.get("is_distilled")
+    if cfg != 1.0:
+        pipe.register_to_config(is_distilled=False)
+    try:
+        with torch.no_grad():
+            expected = pipe(
+                prompt=list(PROMPTS),
+                image=Image.fromarray(picture),
+                height=RESOLUTION,
+                width=RESOLUTION,
+                num_inference_steps=4,
+                guidance_scale=GUIDANCE[variant] if cfg == 1.0 else cfg,
+                latents=torch.from_numpy(noise),
+                output_type="latent",
+                max_sequence_length=TEXT_TOKENS[variant],
+            ).images.numpy()
+    finally:
+        if cfg != 1.0:
+            pipe.register_to_config(is_distilled=distilled)
     schedule = model.make_schedule(4, Sampling())
     cond = model.encode_prompts(PROMPTS, input_images=[[picture]] * len(PROMPTS))
     assert cond.shape == (3, TEXT_TOKENS[variant] + (EDIT_SIDE // 4) ** 2, TEXT_WIDTH)
+    uncond = model.encode_prompts([""])[0][: model.unconditional_rows] if cfg != 1.0 else None
     got = rollout.sample_deterministic(
-        model.denoise, model.params, cond, jnp.asarray(noise), schedule
-    )
+        model.denoise, model.params, cond, jnp.asarray(noise), schedule, uncond=uncond,
+        guidance_scale=cfg,
+    )  # fmt: skip
     plain = rollout.sample_deterministic(
         model.denoise, model.params, models(variant).encode_prompts(PROMPTS), jnp.asarray(noise),
         schedule,

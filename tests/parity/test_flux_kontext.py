@@ -96,10 +96,12 @@ def test_reference_tokens_and_ids_equal_prepare_latents(model, pipe):
     assert not rows[:, 67:].any()
 
 
-def _pipeline_latents(pipe, prompt, digit, noise, steps=3):
+def _pipeline_latents(pipe, prompt, digit, noise, steps=3, true_cfg=1.0):
     packed = np.array(patches.pack_latents(jnp.asarray(noise)))
+    cfg = dict(negative_prompt="", true_cfg_scale=true_cfg) if true_cfg != 1.0 else {}
     with torch.no_grad():
         out = pipe(
+            **cfg,
             prompt=prompt,
             image=Image.fromarray(digit),
             height=RESOLUTION,
@@ -140,6 +142,38 @@ def test_the_sampler_with_an_input_image_equals_the_kontext_pipeline(model, pipe
     apart = np.abs(text_only - expected).max()
     print(f"edited latents max abs difference {diff:.2e}, relative {diff / scale:.2e} (up to "
           f"{scale:.2f}; text-to-image from the same noise is {apart:.2e} away)")  # fmt: skip
+    assert diff <= 1e-5 * max(1.0, scale) and apart > 100 * diff
+
+
+def test_true_guidance_keeps_the_input_image_in_the_empty_prompts_pass(model, pipe):
+    """The pipeline's true classifier-free guidance feeds the image latents to both passes:
+    the package's guidance (`sampling.guidance_scale`) against the empty prompt's text rows
+    (`unconditional_rows`) keeps each prompt's reference rows there too."""
+    digit = _digit(3)
+    noise = np.random.default_rng(1).standard_normal((1, *model.sample_shape)).astype("f4")
+    expected = _pipeline_latents(pipe, ROWS[0][0], digit, noise, true_cfg=3.0)
+    schedule = model.make_schedule(3, Sampling())
+    cond = model.encode_prompts([ROWS[0][0]], input_images=[[digit]])
+    empty = model.encode_prompts([""])[0]
+    assert model.unconditional_rows == T5_TOKENS + 1
+    got, blank = (
+        np.asarray(
+            rollout.sample_deterministic(
+                model.denoise,
+                model.params,
+                cond,
+                jnp.asarray(noise),
+                schedule,
+                uncond=uncond,
+                guidance_scale=3.0,
+            )  # fmt: skip
+        )
+        for uncond in (empty[: model.unconditional_rows], empty)
+    )
+    diff, scale = np.abs(got - expected).max(), np.abs(expected).max()
+    apart = np.abs(blank - expected).max()
+    print(f"true CFG 3 with an input image: {diff:.2e} (up to {scale:.2f}); with blank "
+          f"references in the empty prompt's pass {apart:.2e}")  # fmt: skip
     assert diff <= 1e-5 * max(1.0, scale) and apart > 100 * diff
 
 

@@ -64,6 +64,10 @@ class FluxModel(components.TransformerModel):
     # Editing (model.flux.reference_images > 0): each prompt's input image conditions it.
     takes_input_images: bool = False
     input_image_size: tuple[int, int] | None = None
+    # Editing: the guidance's empty prompt is the text rows only (T5's and the pooled one), so
+    # the unconditional pass keeps each prompt's reference rows, as the pipeline's true CFG
+    # feeds both passes the image latents.
+    unconditional_rows: int | None = None
 
 
 def schedule_config(
@@ -203,8 +207,10 @@ def load_flux(path: str, dtype=jnp.float32, **options) -> FluxModel:
             width=edit.conditioning_width(module),
             settings="model.flux",
         )
-        editing = dict(takes_input_images=True, input_image_size=(side, side))
         text_rows = encoders.t5_max_length + 1
+        editing = dict(
+            takes_input_images=True, input_image_size=(side, side), unconditional_rows=text_rows
+        )
     return FluxModel(
         **fields,
         denoise=make_denoise(

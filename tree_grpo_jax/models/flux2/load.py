@@ -455,6 +455,9 @@ class Flux2Model(components.TransformerModel):
     # Editing (model.flux2.reference_images > 0): each prompt's input images condition it.
     takes_input_images: bool = False
     input_image_size: tuple[int, int] | None = None
+    # Editing: the guidance's empty prompt is the text rows only, so the unconditional pass
+    # keeps each prompt's reference rows, as the pipelines feed both passes the references.
+    unconditional_rows: int | None = None
 
 
 def guidance_of(module, options) -> float | None:
@@ -488,7 +491,11 @@ def load_flux2(path: str, dtype=jnp.float32, **options) -> Flux2Model:
             width=module.joint_attention_dim,
             settings="model.flux2",
         )
-        editing = dict(takes_input_images=True, input_image_size=(side, side))
+        editing = dict(
+            takes_input_images=True,
+            input_image_size=(side, side),
+            unconditional_rows=options.text_max_length,
+        )
     return Flux2Model(
         **fields,
         denoise=make_denoise(
