@@ -1,9 +1,12 @@
 """Devices, the mesh, where arrays live and how processes share them.
 
-One mesh with axes ('data', 'fsdp'). Batches split their leading axis over both axes.
-Parameters and optimizer state shard over 'fsdp' along their largest dimension that the
-axis divides, and stay replicated when no dimension does. With fsdp = 1 this is plain data
-parallelism; with data = 1 it is fully sharded.
+One mesh with axes ('data', 'fsdp', 'sequence'). Batches split their leading axis over
+'data' and 'fsdp' (`BATCH_AXES`). Parameters and optimizer state shard over 'fsdp' along their
+largest dimension that the axis divides, and stay replicated when no dimension does. With
+fsdp = 1 this is plain data parallelism; with data = 1 it is fully sharded. 'sequence' (size 1
+unless `mesh.sequence` asks for more) splits one sample's tokens over devices inside the DiT
+families' denoisers (`run.denoiser`); everything else is replicated over it. It is the
+innermost axis, so a sample's devices are neighbours (one host, the fastest links).
 
 With several processes (hosts), each holds the rows of the global batch that live on its
 devices: `global_batch` assembles host-local rows into one global array, `local_rows` takes
@@ -24,6 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
+SEQUENCE_AXIS = "sequence"
+MESH_AXES = (*BATCH_AXES, SEQUENCE_AXIS)
 
 
 def maybe_initialize_distributed() -> None:
@@ -51,9 +56,20 @@ def describes_a_job() -> bool:
     return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or tpu_hosts not in ("", "localhost")
 
 
-def mesh_shape(data: int, fsdp: int, num_devices: int | None = None) -> tuple[int, int]:
-    """Resolves -1 (all remaining devices) and checks the product; raises one sentence."""
+def mesh_shape(
+    data: int, fsdp: int, num_devices: int | None = None, sequence: int = 1
+) -> tuple[int, int]:
+    """(data, fsdp) with -1 resolved over the devices `sequence` leaves (each sample's tokens
+    take `sequence` of them), the product checked; raises one sentence."""
     n = num_devices or jax.device_count()
+    if sequence < 1 or n % sequence:
+        raise ValueError(
+            f"mesh.sequence={sequence} does not divide the {n} available device(s); set it to "
+            f"a divisor of {n}."
+        )
+    n //= sequence
+    where = f"the {n} device(s) mesh.sequence={sequence} leaves" if sequence > 1 else None
+    where = where or f"the {n} available device(s)"
     if data == -1 and fsdp == -1:
         raise ValueError("only one of mesh.data and mesh.fsdp may be -1.")
     # -1 takes the devices the other axis leaves; name the axis that does not divide them
@@ -61,7 +77,7 @@ def mesh_shape(data: int, fsdp: int, num_devices: int | None = None) -> tuple[in
     for axis, size, other in (("fsdp", fsdp, data), ("data", data, fsdp)):
         if other == -1 and size >= 1 and n % size:
             raise ValueError(
-                f"mesh.{axis}={size} does not divide the {n} available device(s), so "
+                f"mesh.{axis}={size} does not divide {where}, so "
                 f"mesh.{'data' if axis == 'fsdp' else 'fsdp'}=-1 has no size; set "
                 f"mesh.{axis} to a divisor of {n}."
             )
@@ -70,17 +86,44 @@ def mesh_shape(data: int, fsdp: int, num_devices: int | None = None) -> tuple[in
     if fsdp == -1:
         fsdp = n // data if data > 0 and n % data == 0 else 0
     if data < 1 or fsdp < 1 or data * fsdp != n:
+        shape = f"data={data} x fsdp={fsdp}" + (f" x sequence={sequence}" if sequence > 1 else "")
         raise ValueError(
-            f"a mesh of data={data} x fsdp={fsdp} does not cover the {n} available device(s)."
+            f"a mesh of {shape} does not cover the {n * sequence} available device(s)."
         )
     return data, fsdp
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-    """A ('data', 'fsdp') mesh over `devices` (default: all of them)."""
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, sequence: int = 1) -> Mesh:
+    """A ('data', 'fsdp', 'sequence') mesh over `devices` (default: all of them)."""
     devices = list(jax.devices() if devices is None else devices)
-    data, fsdp = mesh_shape(data, fsdp, len(devices))
-    return Mesh(np.asarray(devices).reshape(data, fsdp), BATCH_AXES)
+    data, fsdp = mesh_shape(data, fsdp, len(devices), sequence)
+    return Mesh(np.asarray(devices).reshape(data, fsdp, sequence), MESH_AXES)
+
+
+def config_mesh(config, devices=None) -> Mesh:
+    """The mesh `config.mesh` describes over `devices` (default: all of them)."""
+    m = config.mesh
+    sequence = m.get("sequence", 1)
+    local = jax.local_device_count()
+    if multi_process() and local % sequence:  # every process passes whole rows
+        raise ValueError(
+            f"mesh.sequence={sequence} must divide each host's {local} devices: a sample's "
+            "devices stay on one host."
+        )
+    return make_mesh(m.data, m.fsdp, devices, sequence)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes as a run reports them: 'sequence' only where it splits."""
+    sizes = {axis: int(mesh.shape[axis]) for axis in BATCH_AXES}
+    if sequence_size(mesh) > 1:
+        sizes[SEQUENCE_AXIS] = sequence_size(mesh)
+    return sizes
+
+
+def sequence_size(mesh: Mesh) -> int:
+    """Devices one sample's tokens are split over (1 on a mesh without the axis)."""
+    return int(mesh.shape.get(SEQUENCE_AXIS, 1))
 
 
 def local_mesh(mesh: Mesh) -> Mesh:
@@ -89,8 +132,10 @@ def local_mesh(mesh: Mesh) -> Mesh:
     if not multi_process():
         return mesh
     devices = jax.local_devices()
-    fsdp = mesh.shape["fsdp"] if len(devices) % mesh.shape["fsdp"] == 0 else 1
-    return make_mesh(-1, fsdp, devices)
+    sequence = sequence_size(mesh)
+    sequence = sequence if len(devices) % sequence == 0 else 1
+    fsdp = mesh.shape["fsdp"] if (len(devices) // sequence) % mesh.shape["fsdp"] == 0 else 1
+    return make_mesh(-1, fsdp, devices, sequence)
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:

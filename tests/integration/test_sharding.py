@@ -33,6 +33,15 @@ def test_mesh_shape_resolves_and_rejects():
         sharding.mesh_shape(-1, 3, num_devices=8)
     with pytest.raises(ValueError, match=r"^mesh.data=3 does not divide the 8 available"):
         sharding.mesh_shape(3, -1, num_devices=8)
+    # 'sequence' takes its devices first; data and fsdp share what it leaves
+    assert sharding.mesh_shape(-1, 2, num_devices=8, sequence=2) == (2, 2)
+    assert sharding.mesh_shape(1, -1, num_devices=8, sequence=4) == (1, 2)
+    with pytest.raises(ValueError, match=r"^mesh.sequence=3 does not divide the 8 available"):
+        sharding.mesh_shape(-1, 1, num_devices=8, sequence=3)
+    with pytest.raises(ValueError, match=r"^mesh.fsdp=3 does not divide the 4 device\(s\) mesh"):
+        sharding.mesh_shape(-1, 3, num_devices=8, sequence=2)
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=2 x sequence=4 does not cover the 8"):
+        sharding.mesh_shape(2, 2, num_devices=8, sequence=4)
 
 
 @pytest.mark.slow

@@ -358,6 +358,7 @@ RANGE_CASES = [
     ("checkpoint.keep", 0, "checkpoint.keep must be at least 1"),
     ("mesh.data", 0, "mesh.data must be -1 (every remaining device) or at least 1"),
     ("mesh.fsdp", -2, "mesh.fsdp must be -1 (every remaining device) or at least 1"),
+    ("mesh.sequence", 0, "mesh.sequence must be at least 1"),
     # the 2026 methods' sections (checked whatever the method)
     ("awm.advantage_max", -1.0, "awm.advantage_max must be positive"),
     ("awm.ema_beta", -1.0, "awm.ema_beta must be >= 0"),
@@ -433,6 +434,16 @@ def test_every_number_of_the_base_has_a_range_case():
         ({"tree__method": "grpo", "tree__split_steps": (-1,)}, "tree.split_steps must be step"),
         ({"tree__method": "grpo", "tree__window_start": -1}, "tree.window_start must be >= 0"),
         ({"mesh__data": -1, "mesh__fsdp": -1}, "only one of mesh.data and mesh.fsdp may be -1"),
+        (  # a family without transformer blocks has no tokens to split over devices
+            {"mesh__sequence": 2},
+            "mesh.sequence=2 splits each sample's tokens over devices in the transformer (DiT) "
+            "families, and model.name='tiny' has no token blocks; set mesh.sequence=1.",
+        ),
+        (
+            {"model__name": "sd", "model__path": "/models/sd15", "mesh__sequence": 4},
+            "mesh.sequence=4 splits each sample's tokens over devices in the transformer (DiT) "
+            "families, and model.name='sd' has no token blocks",
+        ),
         (
             {"tree__method": "diffusion_nft", "sampling__guidance_scale": 4.5},
             "diffusion_nft samples and trains the conditional velocity without guidance",

@@ -93,6 +93,11 @@ def test_the_suggested_mesh_divides_the_weights_and_keeps_the_rest():
     plan4 = dataclasses.replace(plan, devices=4, mesh={"data": 4, "fsdp": 1})
     on_four = fit.suggest(plan4, _config(), _targets("b200")[0], 4096)
     assert (on_four.devices, on_four.fsdp) == (4, 4)
+    # mesh.sequence keeps its devices: fsdp shares what it leaves, and so do the batches
+    paired = dataclasses.replace(plan, devices=4, mesh={"data": 2, "fsdp": 1, "sequence": 2})
+    s = fit.suggest(paired, _config(), h100, 4096)
+    assert (s.devices, s.fsdp) == (16, 8)
+    assert s.flags == ("--devices=16", "--config.mesh.fsdp=8", "--config.prompts.batch_size=8")
 
 
 def test_no_mesh_when_the_rest_alone_is_too_big():

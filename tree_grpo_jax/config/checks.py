@@ -159,6 +159,24 @@ def _check_model(m) -> None:
             require(sentence is None, sentence)
 
 
+def _check_sequence(config) -> None:
+    """mesh.sequence > 1 splits tokens inside transformer blocks: a family without them
+    (a UNet, the tiny models) has nothing to split."""
+    sequence = config.mesh.get("sequence", 1)
+    if sequence == 1:
+        return
+    try:
+        family = model_registry.family_of(config.model.name)
+    except ValueError:  # the model section's check names it
+        return
+    require(
+        family.token_blocks,
+        f"mesh.sequence={sequence} splits each sample's tokens over devices in the transformer "
+        f"(DiT) families, and model.name={config.model.name!r} has no token blocks; set "
+        "mesh.sequence=1.",
+    )
+
+
 def _check_prompts(p) -> None:
     require(bool(p.source), "prompts.source must name a prompt set or file.")
     field, category = p.field, p.category_field
@@ -231,6 +249,7 @@ def _check_outputs(config) -> None:
         not (config.mesh.data == -1 and config.mesh.fsdp == -1),
         "only one of mesh.data and mesh.fsdp may be -1.",
     )
+    _check_sequence(config)
     require(
         not config.log.wandb_project or importlib.util.find_spec("wandb") is not None,
         f"log.wandb_project is {config.log.wandb_project!r} but wandb is not installed; "

@@ -478,8 +478,13 @@ SHARED = {
         "enabled": Setting(True, "a second run starts warm"),
         "dir": Setting("", '"" = $TREE_GRPO_JAX_COMPILE_CACHE or ~/.cache/tree_grpo_jax/jax'),
     },
-    # Devices: mesh axes.
-    "mesh": {"data": _mesh_axis(-1), "fsdp": _mesh_axis(1)},
+    # Devices: mesh axes. data x fsdp x sequence covers the devices; `sequence` splits each
+    # sample's tokens over that many devices in the DiT families (docs/devices-and-hosts.md).
+    "mesh": {
+        "data": _mesh_axis(-1),
+        "fsdp": _mesh_axis(1),
+        "sequence": _at_least(1, 1, "devices one sample's tokens are split over (DiT families)"),
+    },
     "log": {
         "progress": Setting(True, "the progress line and the eval lines"),
         "tensorboard": Setting(True, "TensorBoard event files beside metrics.jsonl"),

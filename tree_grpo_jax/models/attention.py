@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tree_grpo_jax.models import base
+
 BACKENDS = ("xla", "blockwise", "cudnn", "pallas", "auto")
 DEFAULT_BLOCK = 512  # keys per block: [heads, Lq, 512] float32 scores at a time
 # Above this many scores per head (Lq * Lk), "auto" leaves XLA's materialised softmax
@@ -97,7 +99,17 @@ def attention(
     block_size: int = DEFAULT_BLOCK,
 ) -> jax.Array:
     """Softmax(q k^T / sqrt(d) [masked]) v over [batch, length, heads, head_dim] arrays;
-    `mask` broadcasts to [batch, heads, Lq, Lk], True where a query may attend a key."""
+    `mask` broadcasts to [batch, heads, Lq, Lk], True where a query may attend a key.
+    Where the run splits tokens over devices (`base.sequence_layout`), each device attends
+    every token for a slice of the heads in between."""
+    layout = base.attention_layout()
+    if layout is None:
+        return _attend(query, key, value, backend, mask, block_size)
+    query, key, value = (layout.heads(x) for x in (query, key, value))
+    return layout.tokens(_attend(query, key, value, backend, mask, block_size))
+
+
+def _attend(query, key, value, backend, mask, block_size):
     backend = resolve(backend, jax.default_backend(), query.shape[1], key.shape[1])
     if backend == "xla":
         return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")

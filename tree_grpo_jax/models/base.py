@@ -254,6 +254,45 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return x if constrain is None else constrain(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """How `models.attention.attention` lays out its [B, L, heads, head_dim] arrays when a
+    run splits each sample's tokens over devices (`mesh.sequence`): the blocks hold a slice
+    of the tokens, attention needs every token, so q, k and v go to `heads` (every token, a
+    slice of the heads) and the output back to `tokens`; the compiler moves the data between
+    the two with all-to-alls."""
+
+    heads: Callable[[jax.Array], jax.Array]
+    tokens: Callable[[jax.Array], jax.Array]
+
+
+_SEQUENCE_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("sequence_layout", default=None)
+
+
+@contextlib.contextmanager
+def sequence_layout(layout: SequenceLayout | None):
+    """Within it, `attention_layout()` is `layout` (set by the run around its denoiser)."""
+    token = _SEQUENCE_LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _SEQUENCE_LAYOUT.reset(token)
+
+
+def attention_layout() -> SequenceLayout | None:
+    """The run's `SequenceLayout`, or None where tokens are not split."""
+    return _SEQUENCE_LAYOUT.get()
+
+
+def attention_heads(model) -> int | None:
+    """The attention heads of a transformer model's blocks (None: not a transformer)."""
+    module = getattr(model, "transformer", None)
+    for field in ("num_attention_heads", "n_heads"):
+        if isinstance(getattr(module, field, None), int):
+            return getattr(module, field)
+    return None
+
+
 def training_denoise(model, remat) -> DenoiseFn:
     """The denoiser the train step differentiates: with `remat` (model.remat, not "none"),
     the backward pass recomputes the forward, block by block where the model does that

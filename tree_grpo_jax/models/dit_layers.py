@@ -412,7 +412,8 @@ def run_stack(blocks: Mapping, carry: tuple, *inputs) -> tuple:
             carry, _ = block(carry, *inputs)
         else:
             out = block(*carry, *inputs)
-            carry = out if isinstance(out, tuple) else (out,)
+            # as a scanned run's carry: the run's row layout between blocks (`row_layout`)
+            carry = tuple(constrain_rows(o) for o in (out if isinstance(out, tuple) else (out,)))
     return carry
 
 

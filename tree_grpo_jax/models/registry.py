@@ -93,6 +93,9 @@ class ModelFamily:
     # features [B, D]: what the family's diversity measure compares when no CLIP is
     # configured; None: pixels
     image_features: Callable[[], Callable] | None = None
+    # its denoiser is a transformer whose blocks carry [B, tokens, width] and attend through
+    # `models.attention`: `mesh.sequence` may split one sample's tokens over devices
+    token_blocks: bool = False
     # the config fields of the package's default run, when it is this family's (dotted path ->
     # value: the tiny family's model, prompts and reward); one family at most says them
     default_run: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -165,7 +168,7 @@ def pipeline_family(
         options=options,
         export=deferred_export("transformer", f"{package}.export", list_names),
         abstract=path_loader(f"{package}.abstract:abstract_{name}", taken, remat=True),
-        **fields,
+        **{"token_blocks": True, **fields},
     )
 
 

@@ -130,9 +130,10 @@ def _multiple(value: int, of: int) -> int:
     return -(-value // of) * of
 
 
-def _flags(config, devices: int, fsdp: int) -> tuple[str, ...]:
+def _flags(config, devices: int, fsdp: int, sequence: int = 1) -> tuple[str, ...]:
     """What to add to the command line to plan `devices` at `fsdp`: the mesh, and the batches
-    the devices must divide (`build.check_batches`) raised to the next multiple."""
+    the batch shards (devices / `sequence`) must divide (`build.check_batches`) raised to the
+    next multiple."""
     flags = [f"--devices={devices}", f"--config.mesh.fsdp={fsdp}"]
     if config.mesh.data != -1:
         flags.append("--config.mesh.data=-1")
@@ -140,8 +141,8 @@ def _flags(config, devices: int, fsdp: int) -> tuple[str, ...]:
         ("prompts.batch_size", config.prompts.batch_size),
         ("train.rows_per_minibatch", config.train.rows_per_minibatch),
     ):
-        if value % devices:
-            flags.append(f"--config.{field}={_multiple(value, devices)}")
+        if value % (devices // sequence):
+            flags.append(f"--config.{field}={_multiple(value, devices // sequence)}")
     return tuple(flags)
 
 
@@ -159,6 +160,7 @@ def suggest(plan, config, target: Target, max_devices: int) -> Suggestion:
     smallest `mesh.fsdp`, at which every program's estimated total fits `target`'s usable
     memory (module docstring: how it is estimated)."""
     fsdp, devices = plan.mesh["fsdp"], plan.devices
+    sequence = plan.mesh.get("sequence", 1)  # kept: data x fsdp share what it leaves
     parts = [(p.total - divided(plan, p), divided(plan, p)) for p in plan.programs]
     largest = max(plan.programs, key=lambda p: p.total)
     sharded = divided(plan, largest)
@@ -169,9 +171,10 @@ def suggest(plan, config, target: Target, max_devices: int) -> Suggestion:
 
     count = devices
     while count <= max_devices:
-        for new_fsdp in (f for f in range(fsdp, count + 1) if count % f == 0):
+        shares = count // sequence
+        for new_fsdp in (f for f in range(fsdp, shares + 1) if shares % f == 0):
             if estimate(new_fsdp) <= target.usable:
-                flags = _flags(config, count, new_fsdp)
+                flags = _flags(config, count, new_fsdp, sequence)
                 return Suggestion(target, count, new_fsdp, estimate(new_fsdp), sharded, rest, flags)
         count *= 2
     return Suggestion(target, 0, 0, 0.0, sharded, rest, ())

@@ -84,7 +84,7 @@ class MemoryPlan:
     model: str  # where the shapes came from
     platform: str  # the devices' platform ("cpu" for simulated devices)
     devices: int
-    mesh: dict[str, int]  # {"data": d, "fsdp": f}
+    mesh: dict[str, int]  # {"data": d, "fsdp": f} (and "sequence": s where s > 1)
     training: str  # one line: full fine-tuning or LoRA, dtypes, remat
     parameters: int  # the denoiser's
     trained_parameters: int
@@ -403,7 +403,7 @@ def plan_memory(
     chosen = _chosen(only)
     devices = list(jax.devices() if devices is None else devices)
     try:
-        mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+        mesh = sharding.config_mesh(config, devices)
     except ValueError as e:
         raise cfg.ConfigError(str(e)) from None
     build.check_batches(config, mesh)
@@ -436,7 +436,7 @@ def plan_memory(
         model=model.source,
         platform=platform,
         devices=len(devices),
-        mesh={"data": mesh.shape["data"], "fsdp": mesh.shape["fsdp"]},
+        mesh=sharding.mesh_sizes(mesh),
         training=_training(config, trainer),
         parameters=count(model.params),
         trained_parameters=count(state.params),

@@ -22,7 +22,7 @@ from tree_grpo_jax.errors import PromptError, first_line, reason
 from tree_grpo_jax.evaluation import diversity
 from tree_grpo_jax.models import media as media_kinds
 from tree_grpo_jax.models import registry as model_registry
-from tree_grpo_jax.models.base import DTYPES, TextToImageModel, cast_floats
+from tree_grpo_jax.models.base import DTYPES, TextToImageModel, attention_heads, cast_floats
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.rewards.base import RewardShapeError, RewardUnavailable
 from tree_grpo_jax.run import denoiser, precompile, reuse, scoring
@@ -139,6 +139,26 @@ def _host_available() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def check_sequence(config, model) -> None:
+    """mesh.sequence > 1 gives each device a slice of every attention's heads: the model's
+    heads must divide by it (the family itself was checked with the config)."""
+    sequence = config.mesh.get("sequence", 1)
+    if sequence == 1:
+        return
+    heads = attention_heads(model)
+    if heads is None:
+        raise cfg.ConfigError(
+            f"mesh.sequence={sequence} splits tokens inside a transformer's blocks, and model "
+            f"{model.name!r} has none; set mesh.sequence=1."
+        )
+    if heads % sequence:
+        raise cfg.ConfigError(
+            f"mesh.sequence={sequence} gives each device a slice of the attention heads, and "
+            f"model {model.name!r} has {heads}, which it does not divide; set mesh.sequence to "
+            f"a divisor of {heads}."
+        )
 
 
 def check_media(model: TextToImageModel, rewards) -> None:
@@ -419,6 +439,7 @@ def _check_model_and_prompts(config, model, method, reward, eval_rewards, prompt
     encoders prepared for them first). Returns the eval prompts, `prompts.eval_count` of
     `eval_set` in turn, listed only once their count has passed the size check."""
     objective = method.objective
+    check_sequence(config, model)
     sentence = objective.check_model(config, model)
     if sentence is not None:
         raise cfg.ConfigError(sentence)
@@ -487,7 +508,7 @@ def _initial_state(config, model, mesh, objective, adapter):
 def build(config, workdir, reward_weights, model=None) -> tuple[Trainer, TrainState]:
     """`setup` on a config already checked (`reward_weights`: what `config.validate` parsed)."""
     sharding.maybe_initialize_distributed()
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+    mesh = sharding.config_mesh(config)
     check_batches(config, mesh)
     method = methods.get(config.tree.method)
     # Rewards score the images where they were decoded: each process has its own copy.

@@ -418,7 +418,7 @@ def _reporting(trainer: Trainer, state, spec, start: int):
     if c.log.progress and primary:
         print(
             f"{spec.describe()} | {c.prompts.batch_size} prompts x {spec.leaves} leaves | "
-            f"model {trainer.model.name} | mesh {dict(trainer.mesh.shape)} | "
+            f"model {trainer.model.name} | mesh {sharding.mesh_sizes(trainer.mesh)} | "
             f"workdir {trainer.workdir}",
             flush=True,
         )

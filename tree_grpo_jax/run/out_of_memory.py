@@ -141,7 +141,7 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
     bf16 = _Setting("model.compute_dtype", "bfloat16")
     moments = _Setting("train.optimizer_state_dtype", "bfloat16", "Adam's moments")
     lora = _Setting("lora.rank", 32, "LoRA: only low-rank factors trained, and in Adam")
-    devices = jax.device_count()
+    devices = jax.device_count() // c.mesh.get("sequence", 1)  # what data x fsdp share
     fsdp = _Setting("mesh.fsdp", devices, f"the weights sharded over the {devices} devices")
     chunk = _Setting("reward_options.chunk_size", _half(c.reward_options.chunk_size))
     on_host = getattr(getattr(trainer, "reward", None), "on_host", False)

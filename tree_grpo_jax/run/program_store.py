@@ -411,7 +411,7 @@ def start_early(config) -> None:
     if name in _early:
         return
     try:
-        mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp)
+        mesh = sharding.config_mesh(config)
     except ValueError:  # a mesh these devices cannot form: the run's build says so
         return
     if may_store(config, mesh):
