@@ -282,9 +282,10 @@ def gpu_notes() -> list[str]:
 def table(plan, config_path: str, verdicts, suggestions) -> str:
     kind = "simulated CPU" if FORCE_DEVICES in os.environ.get("XLA_FLAGS", "") else plan.platform
     where = f"{kind} device{'s' if plan.devices > 1 else ''}"
+    mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
     lines = [
         f"memory plan of {config_path}: {plan.model}",
-        f"{plan.devices} {where}, mesh data={plan.mesh['data']} x fsdp={plan.mesh['fsdp']}; "
+        f"{plan.devices} {where}, mesh {mesh}; "
         f"{plan.training}; {plan.trained_parameters:,} trained of {plan.parameters:,} "
         f"denoiser parameters; samples {list(plan.sample_shape)}, conditioning "
         f"{list(plan.cond_shape)} per prompt",
