@@ -11,6 +11,8 @@ torch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -98,36 +100,42 @@ def make_tiny_wan_folder(path, seed: int = 0, table: dict = WAN) -> Path:
     return path
 
 
-def image_to_video_latents(
-    pipe, image, noise, sigmas, *, prompts, resolution, num_frames, tokens, guidance=1.0
-):
-    """What `WanImageToVideoPipeline` (`pipe`, with `expand_timesteps`) ends on for the first
-    frame `image` (uint8 HWC, resized by the pipeline) and channels-last `noise`: diffusers'
-    Euler scheduler on our `sigmas` (shift 1) in place of the release's UniPC solver, so the
-    deterministic sampler's steps are the same. Returned channels-last."""
-    import functools
-
+@contextlib.contextmanager
+def euler_scheduler(pipe, sigmas):
+    """Within it `pipe` samples with diffusers' Euler scheduler on our `sigmas` (shift 1:
+    taken as they are) in place of its own (the release's UniPC multistep solver), so its
+    steps are the deterministic sampler's."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from PIL import Image
 
     euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
     euler.set_timesteps = functools.partial(euler.set_timesteps, sigmas=list(sigmas[:-1]))
     pipe.scheduler, original = euler, pipe.scheduler
     try:
-        with torch.no_grad():
-            out = pipe(
-                image=Image.fromarray(image),
-                prompt=prompts,
-                negative_prompt="",
-                height=resolution[0],
-                width=resolution[1],
-                num_frames=num_frames,
-                num_inference_steps=len(sigmas) - 1,
-                guidance_scale=guidance,
-                latents=torch.from_numpy(noise.copy()).permute(0, 4, 1, 2, 3),
-                output_type="latent",
-                max_sequence_length=tokens,
-            ).frames
+        yield pipe
     finally:
         pipe.scheduler = original
+
+
+def image_to_video_latents(
+    pipe, image, noise, sigmas, *, prompts, resolution, num_frames, tokens, guidance=1.0
+):
+    """What `WanImageToVideoPipeline` (`pipe`, with `expand_timesteps`) ends on for the first
+    frame `image` (uint8 HWC, resized by the pipeline) and channels-last `noise`, with the
+    Euler scheduler on our `sigmas` (`euler_scheduler`). Returned channels-last."""
+    from PIL import Image
+
+    with euler_scheduler(pipe, sigmas), torch.no_grad():
+        out = pipe(
+            image=Image.fromarray(image),
+            prompt=prompts,
+            negative_prompt="",
+            height=resolution[0],
+            width=resolution[1],
+            num_frames=num_frames,
+            num_inference_steps=len(sigmas) - 1,
+            guidance_scale=guidance,
+            latents=torch.from_numpy(noise.copy()).permute(0, 4, 1, 2, 3),
+            output_type="latent",
+            max_sequence_length=tokens,
+        ).frames
     return out.permute(0, 2, 3, 4, 1).numpy()

@@ -6,8 +6,6 @@ against `vae.decode`, the experts' per-row choice against each PyTorch expert, t
 through `WanPipeline.from_pretrained` (with `transformer_2`), and the built-in releases'
 parameter counts against diffusers' classes built on the meta device."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,29 +60,22 @@ def _channels_last(x):
 
 
 def _pipeline_latents(pipe, noise, resolution, sigmas, guidance):
-    """The pipeline's sampler with diffusers' Euler scheduler on our sigmas (shift 1), in
-    place of its UniPC multistep solver."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    """The pipeline's sampler with the Euler scheduler on our sigmas (`euler_scheduler`)."""
+    from wan_fixtures import euler_scheduler
 
-    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-    euler.set_timesteps = functools.partial(euler.set_timesteps, sigmas=list(sigmas[:-1]))
-    pipe.scheduler, original = euler, pipe.scheduler
-    try:
-        with torch.no_grad():
-            out = pipe(
-                PROMPTS,
-                negative_prompt="",
-                height=resolution[0],
-                width=resolution[1],
-                num_frames=NUM_FRAMES,
-                num_inference_steps=len(sigmas) - 1,
-                guidance_scale=guidance,
-                latents=_channels_first(noise),
-                output_type="latent",
-                max_sequence_length=T5_TOKENS,
-            ).frames
-    finally:
-        pipe.scheduler = original
+    with euler_scheduler(pipe, sigmas), torch.no_grad():
+        out = pipe(
+            PROMPTS,
+            negative_prompt="",
+            height=resolution[0],
+            width=resolution[1],
+            num_frames=NUM_FRAMES,
+            num_inference_steps=len(sigmas) - 1,
+            guidance_scale=guidance,
+            latents=_channels_first(noise),
+            output_type="latent",
+            max_sequence_length=T5_TOKENS,
+        ).frames
     return _channels_last(out)
 
 

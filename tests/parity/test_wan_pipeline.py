@@ -5,7 +5,6 @@ one, the prompts against `WanPipeline.encode_prompt`, the deterministic sampler 
 exported folder through `WanPipeline.from_pretrained`, a LoRA through `load_lora_weights`,
 the plan's shapes and bad folders."""
 
-import functools
 import json
 import shutil
 
@@ -18,7 +17,13 @@ from tree_grpo_jax.core import rollout
 from tree_grpo_jax.models.base import ModelLoadError, Sampling
 
 torch = pytest.importorskip("torch")
-from wan_fixtures import LATENT_CHANNELS, NUM_FRAMES, RESOLUTION, TEXT_WIDTH  # noqa: E402
+from wan_fixtures import (  # noqa: E402
+    LATENT_CHANNELS,
+    NUM_FRAMES,
+    RESOLUTION,
+    TEXT_WIDTH,
+    euler_scheduler,
+)
 
 from tree_grpo_jax.models.wan.load import WanScheduleConfig, load_wan  # noqa: E402
 
@@ -125,41 +130,26 @@ def test_text_equals_encode_prompt(model, pipe):
     assert np.abs(ours[0] - ours[1]).max() > 1e-3
 
 
-def _euler_pipe(pipe, sigmas):
-    """The pipeline with diffusers' Euler scheduler on our sigmas (shift 1: taken as they
-    are), in place of its UniPC multistep solver."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-    euler.set_timesteps = functools.partial(euler.set_timesteps, sigmas=list(sigmas[:-1]))
-    pipe.scheduler, original = euler, pipe.scheduler
-    return original
-
-
 @pytest.mark.parametrize("guidance", [1.0, 5.0])
 def test_deterministic_sampler_equals_the_pipeline(model, pipe, guidance):
     """Unguided, and with the configs' guidance 5 against the empty negative prompt (the
     pipeline's default), which the run's unconditional prompt is."""
     noise = np.random.default_rng(0).standard_normal((3, *LATENTS)).astype("f4")
     schedule = model.make_schedule(4, Sampling())
-    original = _euler_pipe(pipe, np.asarray(schedule.sigmas, np.float64))
-    try:
-        with torch.no_grad():
-            expected = pipe(
-                PROMPTS,
-                negative_prompt="",
-                height=RESOLUTION[0],
-                width=RESOLUTION[1],
-                num_frames=NUM_FRAMES,
-                num_inference_steps=4,
-                guidance_scale=guidance,
-                latents=_channels_first(noise),
-                output_type="latent",
-                max_sequence_length=T5_TOKENS,
-            ).frames
-        expected = _channels_last(expected)
-    finally:
-        pipe.scheduler = original
+    with euler_scheduler(pipe, np.asarray(schedule.sigmas, np.float64)), torch.no_grad():
+        expected = pipe(
+            PROMPTS,
+            negative_prompt="",
+            height=RESOLUTION[0],
+            width=RESOLUTION[1],
+            num_frames=NUM_FRAMES,
+            num_inference_steps=4,
+            guidance_scale=guidance,
+            latents=_channels_first(noise),
+            output_type="latent",
+            max_sequence_length=T5_TOKENS,
+        ).frames
+    expected = _channels_last(expected)
     got = rollout.sample_deterministic(
         model.denoise,
         model.params,
