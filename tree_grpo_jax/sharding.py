@@ -1,12 +1,14 @@
 """Devices, the mesh, where arrays live and how processes share them.
 
 One mesh with axes ('data', 'fsdp', 'sequence'). Batches split their leading axis over
-'data' and 'fsdp' (`BATCH_AXES`). Parameters and optimizer state shard over 'fsdp' along their
-largest dimension that the axis divides, and stay replicated when no dimension does. With
-fsdp = 1 this is plain data parallelism; with data = 1 it is fully sharded. 'sequence' (size 1
+'data' and 'fsdp' (`BATCH_AXES`). Parameters and optimizer state shard over 'fsdp' and
+'sequence' together along their largest dimension that the axes divide (over 'fsdp' alone
+where none does, replicated where 'fsdp' divides none either). With fsdp = 1 and sequence
+= 1 this is plain data parallelism; with data = 1 it is fully sharded. 'sequence' (size 1
 unless `mesh.sequence` asks for more) splits one sample's tokens over devices inside the DiT
-families' denoisers (`run.denoiser`); everything else is replicated over it. It is the
-innermost axis, so a sample's devices are neighbours (one host, the fastest links).
+families' denoisers (`run.denoiser`); its devices hold the same rows, and split the weights
+between them as ZeRO does. It is the innermost axis, so a sample's devices are neighbours
+(one host, the fastest links).
 
 With several processes (hosts), each holds the rows of the global batch that live on its
 devices: `global_batch` assembles host-local rows into one global array, `local_rows` takes
@@ -138,24 +140,30 @@ def local_mesh(mesh: Mesh) -> Mesh:
     return make_mesh(-1, fsdp, devices, sequence)
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
-    """Shards the largest dimension that `fsdp_size` divides; replicated if none does."""
-    if fsdp_size == 1:
-        return P()
-    candidates = [d for d in range(len(shape)) if shape[d] % fsdp_size == 0]
-    if not candidates:
-        return P()
-    dim = max(candidates, key=lambda d: shape[d])
-    spec = [None] * len(shape)
-    spec[dim] = "fsdp"
-    return P(*spec)
+def fsdp_spec(shape: tuple[int, ...], fsdp_size: int, sequence_size: int = 1) -> P:
+    """Shards the largest dimension that the weight axes divide: 'fsdp' and 'sequence'
+    together (`fsdp_size * sequence_size` ways), else 'fsdp' alone; replicated if none does."""
+    options = [("fsdp", fsdp_size)]
+    if sequence_size > 1:
+        options.insert(0, (("fsdp", SEQUENCE_AXIS), fsdp_size * sequence_size))
+    for axes, size in options:
+        candidates = [d for d in range(len(shape)) if size > 1 and shape[d] % size == 0]
+        if candidates:
+            dim = max(candidates, key=lambda d: shape[d])
+            spec = [None] * len(shape)
+            spec[dim] = axes
+            return P(*spec)
+    return P()
 
 
 def param_shardings(mesh: Mesh, tree):
-    """NamedShardings for a pytree of arrays (params or optimizer state)."""
-    fsdp_size = mesh.shape["fsdp"]
+    """NamedShardings for a pytree of arrays (params or optimizer state): over 'fsdp' and
+    'sequence' (`fsdp_spec`). A sample's devices on 'sequence' hold different tokens and
+    the same weights, so they split the weights between them as the 'fsdp' devices do, and
+    each layer is gathered where it runs."""
+    fsdp_size, sequence = mesh.shape["fsdp"], sequence_size(mesh)
     return jax.tree_util.tree_map(
-        lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), fsdp_size)), tree
+        lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), fsdp_size, sequence)), tree
     )
 
 

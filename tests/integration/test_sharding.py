@@ -21,6 +21,13 @@ def test_fsdp_rule_shards_largest_divisible_dimension():
     assert sharding.fsdp_spec((128, 6), 4) == sharding.P("fsdp", None)
     assert sharding.fsdp_spec((3, 5), 4) == sharding.P()
     assert sharding.fsdp_spec((64,), 1) == sharding.P()
+    # with a sequence axis the weights split over 'fsdp' and 'sequence' together ...
+    both = ("fsdp", "sequence")
+    assert sharding.fsdp_spec((64, 128), 4, 2) == sharding.P(None, both)
+    assert sharding.fsdp_spec((6, 128), 1, 2) == sharding.P(None, both)
+    # ... over 'fsdp' alone where their product divides no dimension, else replicated
+    assert sharding.fsdp_spec((12, 6), 4, 2) == sharding.P("fsdp", None)
+    assert sharding.fsdp_spec((3, 5), 4, 2) == sharding.P()
 
 
 def test_mesh_shape_resolves_and_rejects():

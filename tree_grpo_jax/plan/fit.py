@@ -2,7 +2,8 @@
 accelerator's memory (`accelerators.py`) and each `--device_memory` size, one verdict
 each; and, when none fits, an estimate of the mesh that would (`suggest`).
 
-The estimate scales what `mesh.fsdp` divides and keeps the rest as it is (ZeRO-3's
+The estimate scales what `mesh.fsdp` divides (with `mesh.sequence` held, the weight axes
+are fsdp x sequence: `sharding.fsdp_spec`) and keeps the rest as it is (ZeRO-3's
 accounting). The run lays the denoiser's weights and their optimizer state out with
 `sharding.param_shardings` (the memory plan's `trained params`, `optimizer state`, `old
 policy`, `LoRA base` and `KL reference`), and a train step's gradients and new optimizer
