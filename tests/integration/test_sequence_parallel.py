@@ -58,6 +58,30 @@ def test_heads_the_sequence_axis_does_not_divide_are_one_sentence(folder):
     )
 
 
+def test_the_plan_reads_wans_attention_arrays_off_its_denoiser(folder):
+    """The time plan's all-to-all bytes of one Wan row (`plan.sequence_traffic`), against the
+    tiny transformer's config by hand."""
+    from configs import wan_branchgrpo
+    from tree_grpo_jax.plan import sequence_traffic
+
+    config = wan_branchgrpo.get_config()
+    config.model.path = str(folder)
+    config.model.wan.resolution = (16, 32)
+    config.model.wan.num_frames = 9
+    config.model.wan.t5_max_length = 8
+    model = registry.abstract_model(config.model)
+    frames, height, width, _ = model.sample_shape
+    assert (frames, height, width) == (3, 4, 8)
+    tokens = frames * (height // 2) * (width // 2)  # patches of 1 x 2 x 2: 24
+    text, wide, layers, item = 8, 2 * 8, 2, 2  # T5 tokens, heads x head_dim, blocks, bfloat16
+    # each block: self-attention's q, k, v over the tokens, cross-attention's q over the tokens
+    # and its k, v over the text; an output over the tokens from each
+    to_heads = layers * (4 * tokens + 2 * text) * wide * item
+    to_tokens = layers * 2 * tokens * wide * item
+    ex = sequence_traffic.exchange(model, 2, 1)
+    assert (ex.to_heads, ex.to_tokens, ex.attention_calls) == (to_heads, to_tokens, 4)
+
+
 @pytest.fixture(scope="module")
 def flux_folder(tmp_path_factory):
     from launch import tiny_folders

@@ -120,6 +120,15 @@ def test_the_gpu_scripts_start_the_run_with_the_flags(tmp_path, script, env):
 
 
 @pytest.mark.parametrize("script", ["gpu.sh", "multihost_gpu.sh"])
+def test_the_gpu_scripts_pass_a_sequence_size_through(tmp_path, script):
+    env = {**MULTIHOST, "WORKDIR": "/shared/a"} if script == "multihost_gpu.sh" else {}
+    assert not any("mesh.sequence" in a for a in launch(tmp_path, script, env)["argv"])
+    seen = launch(tmp_path, script, {**env, "SEQUENCE": "4"})
+    assert "--config.mesh.sequence=4" in seen["argv"]
+    assert seen["argv"][-1] == "--config.seed=3"  # the command line's own flags come last
+
+
+@pytest.mark.parametrize("script", ["gpu.sh", "multihost_gpu.sh"])
 def test_the_gpu_scripts_keep_the_users_own_settings(tmp_path, script):
     mine = f"--xla_dump_to=/tmp/hlo {NAMES[-1]}=false"
     env = {"XLA_FLAGS": mine, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}

@@ -4,7 +4,8 @@ and a roofline estimate of their time, before any weight is read.
     python -m tree_grpo_jax.plan --config=configs/sd35m.py [--devices=8] \\
         [--config.mesh.fsdp=4] [--config.lora.rank=32] [--device_memory=80,141] [--json] \\
         [--programs=rollout,train_step,evaluate,decode] [--accelerator=h100,tpu-v5p] \\
-        [--efficiency=0.4] [--compare=grpo,treegrpo | --compare=configs/a.py,configs/b.py]
+        [--efficiency=0.4] [--interconnect=450] \\
+        [--compare=grpo,treegrpo | --compare=configs/a.py,configs/b.py]
 
 The run's programs (the rollout, the train step, evaluation and the decode of one iteration's
 leaves) are compiled from abstract shapes on the run's mesh and XLA's memory analysis of one
@@ -103,6 +104,14 @@ BANDWIDTH = cli.define(
     "One accelerator's memory bandwidth in TB/s, replacing its data sheet's.",
     metavar="TB_PER_S",
 )
+INTERCONNECT = cli.define(
+    PARSER,
+    "interconnect",
+    None,
+    "One accelerator's device-to-device bandwidth in GB/s one way, replacing its data sheet's "
+    "(mesh.sequence's all-to-alls).",
+    metavar="GB_PER_S",
+)
 EFFICIENCY = cli.define(
     PARSER,
     "efficiency",
@@ -185,8 +194,9 @@ def device_count(text: str) -> int:
 
 
 def figure(flag, text: str | None) -> float | None:
-    """`--peak_tflops` or `--bandwidth` as a number (None when not given); one sentence for
-    anything but a finite positive one (plan/accelerators.py checks the range)."""
+    """`--peak_tflops`, `--bandwidth` or `--interconnect` as a number (None when not given);
+    one sentence for anything but a finite positive one (plan/accelerators.py checks the
+    range)."""
     if text is None:
         return None
     value = _float(text)
@@ -370,14 +380,17 @@ def as_json(plan, config_path: str, sizes_gb, verdicts, suggestions) -> dict:
 
 
 def time_devices() -> list:
-    """The accelerators of `--accelerator`, `--peak_tflops` and `--bandwidth`; one sentence
-    for a name or figure that is not one."""
+    """The accelerators of `--accelerator`, `--peak_tflops`, `--bandwidth` and
+    `--interconnect`; one sentence for a name or figure that is not one."""
     names = ACCELERATOR.value
-    figures = (figure(PEAK_TFLOPS, PEAK_TFLOPS.value), figure(BANDWIDTH, BANDWIDTH.value))
+    figures = tuple(figure(f, f.value) for f in (PEAK_TFLOPS, BANDWIDTH, INTERCONNECT))
     if not names:
         _fail("--accelerator needs a name, e.g. --accelerator=h100.")
-    if len(names) > 1 and figures != (None, None):
-        _fail("--peak_tflops and --bandwidth replace one accelerator's figures: name one.")
+    if len(names) > 1 and figures != (None, None, None):
+        _fail(
+            "--peak_tflops, --bandwidth and --interconnect replace one accelerator's figures: "
+            "name one."
+        )
     try:
         return [accelerators.accelerator(name, *figures) for name in dict.fromkeys(names)]
     except ValueError as e:
@@ -471,7 +484,7 @@ def main(argv=None) -> None:
         costs = {p.name: p.cost for p in plan.programs}
         times = [
             time_plan.plan_time(
-                run_config, costs, plan.devices, a, fraction, plan.platform != "cpu"
+                run_config, costs, plan.devices, a, fraction, plan.platform != "cpu", plan.exchange
             )
             for a in targets
         ]

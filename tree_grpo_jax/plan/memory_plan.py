@@ -44,6 +44,7 @@ from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry as model_registry
 from tree_grpo_jax.models.base import remat_mode
+from tree_grpo_jax.plan import sequence_traffic
 from tree_grpo_jax.plan.program_cost import ProgramCost, program_cost
 from tree_grpo_jax.rewards import registry as reward_registry
 from tree_grpo_jax.run import build, memory, scoring
@@ -94,6 +95,7 @@ class MemoryPlan:
     resident: dict[str, int]  # per-device bytes of what lives across programs
     not_planned: tuple[str, ...]
     notes: tuple[str, ...] = ()  # how the figures were compiled
+    exchange: sequence_traffic.Exchange | None = None  # mesh.sequence's attention arrays
 
     @property
     def largest(self) -> ProgramMemory:
@@ -189,6 +191,23 @@ def eval_arguments(trainer):
         trainer.uncond,
         c.sampling.guidance_scale,
     )
+
+
+def _exchange(trainer, model, eval_args) -> sequence_traffic.Exchange | None:
+    """The denoiser's all-to-alls over mesh.sequence (None where it is 1), with the
+    evaluation's denoiser rows: each sample at every step, twice with guidance, and again
+    through the reference with the eval KL."""
+    mesh = trainer.mesh
+    ex = sequence_traffic.exchange(
+        model, sharding.sequence_size(mesh), sharding.num_batch_shards(mesh)
+    )
+    if ex is None:
+        return None
+    c = trainer.config
+    steps = c.eval.num_steps or c.sampling.num_steps
+    with_kl = trainer.evaluator.kl_reference is not None
+    rows = eval_args[0].shape[0] * steps * (2 if trainer.guidance else 1) * (1 + with_kl)
+    return dataclasses.replace(ex, evaluate_rows=float(rows))
 
 
 def _descriptions(trainer, eval_args) -> dict[str, str]:
@@ -446,4 +465,5 @@ def plan_memory(
         resident=resident,
         not_planned=_not_planned(config, model, measured, [p[0] for p in programs]),
         notes=(CPU_NOTE,) if options else (),
+        exchange=_exchange(trainer, model, eval_args),
     )

@@ -10,8 +10,10 @@ bound the estimate. An iteration runs the rollout and the
 decode once, the train step once per minibatch of every inner epoch (or `accumulate` once per
 minibatch and `apply` once per update) and the evaluation every `eval.every` iterations; the
 train step's count is averaged over the run's iterations, since a sliding window or pruning
-changes the rows each one trains. Not counted: reward scoring (its models are not compiled),
-the host's work between programs, and communication between devices.
+changes the rows each one trains. With `mesh.sequence` > 1 each denoiser call's all-to-alls
+(`sequence_traffic`) take their bytes at the interconnect's bandwidth, added to the program's
+time (not assumed overlapped with its compute). Not counted: reward scoring (its models are
+not compiled), the host's work between programs, and other communication between devices.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from collections.abc import Mapping
 
 from tree_grpo_jax import methods
 from tree_grpo_jax.core import rollout, transitions
+from tree_grpo_jax.models.base import remat_mode
 from tree_grpo_jax.plan.accelerators import DEFAULT_EFFICIENCY, Accelerator
 from tree_grpo_jax.plan.program_cost import ProgramCost
+from tree_grpo_jax.plan.sequence_traffic import Exchange, bytes_per_device
 
 # ---------------------------------------------------------------------------------------------
 # How often each program runs in one iteration.
@@ -70,6 +74,37 @@ def calls_per_iteration(config) -> dict[str, float]:
     }
 
 
+def denoiser_rows(config, evaluate_rows: float = 0.0) -> dict[str, tuple[float, float]]:
+    """Per program call, the denoiser rows of the whole batch (every device's), forward and of
+    those differentiated, averaged over the run's iterations as the method counts them."""
+    method = methods.get(config.tree.method)
+    counts = [method.training_counts(config, i) for i in _iterations(config)]
+
+    def mean(key: str) -> float:
+        return sum(c.get(key, c["train_forward_rows"]) for c in counts) / len(counts)
+
+    minibatch = config.train.rows_per_minibatch / max(mean("train_rows"), 1e-9)
+    step = (minibatch * mean("train_forward_rows"), minibatch * mean("train_grad_rows"))
+    return {
+        "rollout": (mean("rollout_rows") * config.prompts.batch_size, 0.0),
+        "train_step": step,
+        "accumulate": step,
+        "evaluate": (evaluate_rows, 0.0),
+    }
+
+
+def exchanged_bytes(config, ex: Exchange | None) -> dict[str, float]:
+    """Bytes one device sends per call of each program over `mesh.sequence` (none without
+    an `Exchange`)."""
+    if ex is None:
+        return {}
+    remat = remat_mode(config.model.remat)
+    return {
+        name: bytes_per_device(ex, rows, grads, remat)
+        for name, (rows, grads) in denoiser_rows(config, ex.evaluate_rows).items()
+    }
+
+
 def _iterations(config) -> range:
     return range(max(1, min(int(config.train.iterations), 10_000)))
 
@@ -100,8 +135,10 @@ class ProgramTime:
     bytes_accessed: float
     compute_s: float  # one call at the peak FLOP rate
     memory_s: float  # one call at the full bandwidth
-    estimate_s: float  # one call: the bound over the efficiency
+    estimate_s: float  # one call: the bound over the efficiency, and the communication
     bytes_counted: bool = True  # False: the bytes are a CPU compile's, not the target's
+    communication_bytes: float = 0.0  # one call, sent by one device over mesh.sequence
+    communication_s: float = 0.0  # one call at the interconnect's bandwidth (0: not known)
 
     @property
     def bound(self) -> str:
@@ -122,10 +159,19 @@ class TimePlan:
     iterations: int
     programs: tuple[ProgramTime, ...]
     not_counted: tuple[str, ...]
+    sequence: int = 1  # mesh.sequence: >1, the programs' communication is counted
 
     @property
     def seconds_per_iteration(self) -> float:
         return sum(p.per_iteration_s for p in self.programs)
+
+    @property
+    def communication_per_iteration(self) -> tuple[float, float]:
+        """(bytes one device sends over mesh.sequence, seconds at the interconnect)."""
+        return (
+            sum(p.calls * p.communication_bytes for p in self.programs),
+            sum(p.calls * p.communication_s for p in self.programs),
+        )
 
     @property
     def flops_per_iteration(self) -> float:
@@ -149,11 +195,14 @@ def program_time(
     device: Accelerator,
     efficiency: float,
     bytes_counted: bool = True,
+    communication_bytes: float = 0.0,
 ) -> ProgramTime:
-    """One program's time per call: the roofline bound over `efficiency`; without
-    `bytes_counted`, the compute time alone."""
+    """One program's time per call: the roofline bound over `efficiency` (without
+    `bytes_counted`, the compute time alone), plus `communication_bytes` at the interconnect's
+    full bandwidth (where it is known)."""
     compute = cost.flops / device.peak_flops
     memory = cost.bytes_accessed / device.bandwidth
+    link = communication_bytes / device.interconnect if device.interconnect else 0.0
     return ProgramTime(
         name=name,
         calls=calls,
@@ -161,8 +210,10 @@ def program_time(
         bytes_accessed=cost.bytes_accessed,
         compute_s=compute,
         memory_s=memory,
-        estimate_s=(max(compute, memory) if bytes_counted else compute) / efficiency,
+        estimate_s=(max(compute, memory) if bytes_counted else compute) / efficiency + link,
         bytes_counted=bytes_counted,
+        communication_bytes=communication_bytes,
+        communication_s=link,
     )
 
 
@@ -173,17 +224,21 @@ def plan_time(
     device: Accelerator,
     efficiency: float = DEFAULT_EFFICIENCY,
     bytes_counted: bool = True,
+    exchange: Exchange | None = None,
 ) -> TimePlan:
     """The time plan of one iteration of `config` from its programs' `costs` (one device).
     `bytes_counted`: the costs come from a compile for the target itself, so their bytes
     bound the time too; a CPU compile's bytes are not a GPU's or TPU's (the CPU fuses far
     less, and the plan turns its loop-invariant code motion off), so they are shown but the
-    estimate is the FLOPs alone."""
+    estimate is the FLOPs alone. `exchange`: the denoiser's all-to-alls over mesh.sequence."""
     calls = calls_per_iteration(config)
+    sent = exchanged_bytes(config, exchange)
     if "rollout" in costs:
         costs = {**costs, "rollout": rollout_cost(config, costs["rollout"])}
     programs = tuple(
-        program_time(name, cost, calls[name], device, efficiency, bytes_counted)
+        program_time(
+            name, cost, calls[name], device, efficiency, bytes_counted, sent.get(name, 0.0)
+        )
         for name, cost in costs.items()
         if calls.get(name)
     )
@@ -195,6 +250,16 @@ def plan_time(
         "the host's work between programs",
         "communication between devices",
     ]
+    if exchange is not None:
+        not_counted[-1] = (
+            "communication between devices other than mesh.sequence's all-to-alls (fsdp's "
+            "weight gathers, the gradients' reduction)"
+        )
+        if not device.interconnect:
+            not_counted.append(
+                "the time of mesh.sequence's all-to-alls (no interconnect bandwidth for "
+                "this accelerator: give --interconnect)"
+            )
     if missing:
         not_counted.insert(0, f"{', '.join(missing)} (not compiled)")
     if not bytes_counted:
@@ -216,4 +281,5 @@ def plan_time(
         iterations=int(config.train.iterations),
         programs=programs,
         not_counted=tuple(not_counted),
+        sequence=1 if exchange is None else exchange.sequence,
     )

@@ -36,19 +36,45 @@ def _device_line(plan: TimePlan) -> str:
     )
 
 
+def _communication_line(plan: TimePlan) -> str:
+    """What mesh.sequence's all-to-alls add to an iteration, and how."""
+    sent, secs = plan.communication_per_iteration
+    link = plan.accelerator.interconnect
+    at = (
+        f"{seconds(secs)} at {link / 1e9:g} GB/s one way (interconnect), added to the compute "
+        "(not assumed overlapped)"
+        if link
+        else "no time given (no interconnect bandwidth: --interconnect=GB_PER_S gives one)"
+    )
+    return (
+        f"communication: mesh.sequence={plan.sequence}'s all-to-alls of attention's q, k, v "
+        f"and output send {sent / 1e9:.3g} GB per device per iteration (forward, backward "
+        f"and remat's recompute), {at}"
+    )
+
+
 def table(plan: TimePlan, unfit: str = "") -> str:
     """One accelerator's block: each program per call and per iteration, then the run; the
-    run's hours withheld when it does not fit the accelerator (`unfit` says why)."""
+    run's hours withheld when it does not fit the accelerator (`unfit` says why). With
+    mesh.sequence > 1, each call's all-to-all traffic and time are columns of their own, and
+    are included in its seconds."""
+    split = plan.sequence > 1
+    comm = f"  {'comm GB':>9}  {'comm s':>9}" if split else ""
     lines = [
         f"time per iteration on {_device_line(plan)} ({ESTIMATE}; per device):",
         f"{'program':<11}  {'calls/iter':>10}  {'TFLOP/call':>10}  {'GB/call':>9}  "
-        f"{'bound':>7}  {'per call':>9}  {'per iter':>9}",
+        f"{'bound':>7}{comm}  {'per call':>9}  {'per iter':>9}",
     ]
     for p in plan.programs:
         moved = f"{p.bytes_accessed / 1e9:.2f}" if p.bytes_counted else "-"  # a CPU's: not shown
+        sent = (
+            f"  {p.communication_bytes / 1e9:>9.3g}  {seconds(p.communication_s):>9}"
+            if split
+            else ""
+        )
         lines.append(
             f"{p.name:<11}  {p.calls:>10.2f}  {tera(p.flops):>10}  "
-            f"{moved:>9}  {p.bound:>7}  {seconds(p.estimate_s):>9}  "
+            f"{moved:>9}  {p.bound:>7}{sent}  {seconds(p.estimate_s):>9}  "
             f"{seconds(p.per_iteration_s):>9}"
         )
     where = f"{plan.devices} device{'s' if plan.devices > 1 else ''}"
@@ -64,6 +90,7 @@ def table(plan: TimePlan, unfit: str = "") -> str:
             f"{hours(plan.hours)} on {where}, {plan.device_hours:.3g} device-hours ({ESTIMATE})"
         )
     lines += [
+        *([_communication_line(plan)] if split else []),
         f"one iteration: {tera(plan.flops_per_iteration)} TFLOP per device, {run}",
         "not counted: " + "; ".join(plan.not_counted) + ".",
     ]
@@ -87,11 +114,16 @@ def as_json(plan: TimePlan, runnable: bool | None = None) -> dict:
                 "memory_seconds": p.memory_s,
                 "bound": p.bound,
                 "bytes_counted": p.bytes_counted,
+                "communication_bytes": p.communication_bytes,
+                "communication_seconds": p.communication_s,
                 "estimate_seconds": p.estimate_s,
                 "seconds_per_iteration": p.per_iteration_s,
             }
             for p in plan.programs
         },
+        "sequence": plan.sequence,
+        "communication_bytes_per_iteration": plan.communication_per_iteration[0],
+        "communication_seconds_per_iteration": plan.communication_per_iteration[1],
         "flops_per_iteration": plan.flops_per_iteration,
         "seconds_per_iteration": plan.seconds_per_iteration,
         "runnable": runnable,
