@@ -14,7 +14,9 @@ head_dim], and gives the same values with any backend:
   large (`AUTO_BLOCKWISE_SCORES`), xla below that.
 `resolve` says which backend a platform will run, `plan_backend` which one a memory plan
 compiles in place of a kernel its platform lacks, and `check_platform` refuses such a kernel
-to a run.
+to a run. Where a run splits each sample's tokens over devices and the split does not divide
+the heads, `attention` runs `ring_attention` (the blockwise maths, the key/value slices
+passed from device to device) in place of the backend.
 """
 
 from __future__ import annotations
