@@ -258,12 +258,21 @@ def constrain_rows(x: jax.Array) -> jax.Array:
 class SequenceLayout:
     """How `models.attention.attention` lays out its [B, L, heads, head_dim] arrays when a
     run splits each sample's tokens over devices (`mesh.sequence`): the blocks hold a slice
-    of the tokens, attention needs every token, so q, k and v go to `heads` (every token, a
-    slice of the heads) and the output back to `tokens`; the compiler moves the data between
-    the two with all-to-alls."""
+    of the tokens, attention needs every token. Where the axis divides the heads, q, k and v
+    go to `heads` (every token, a slice of the heads) and the output back to `tokens`; the
+    compiler moves the data between the two with all-to-alls (Ulysses). Otherwise each
+    device keeps its queries and the keys and values travel around the `axis` of `mesh`
+    (ring attention); None for both leaves that case to the compiler."""
 
     heads: Callable[[jax.Array], jax.Array]
     tokens: Callable[[jax.Array], jax.Array]
+    mesh: jax.sharding.Mesh | None = None
+    axis: str | None = None
+
+    @property
+    def size(self) -> int:
+        """The devices a sample's tokens are split over."""
+        return self.mesh.shape[self.axis]
 
 
 _SEQUENCE_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("sequence_layout", default=None)

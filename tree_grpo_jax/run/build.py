@@ -142,22 +142,17 @@ def _host_available() -> int | None:
 
 
 def check_sequence(config, model) -> None:
-    """mesh.sequence > 1 gives each device a slice of every attention's heads: the model's
-    heads must divide by it (the family itself was checked with the config)."""
+    """mesh.sequence > 1 splits tokens inside a transformer's blocks: the model must have
+    them (the family itself was checked with the config). Heads the axis divides are split
+    over it in attention (Ulysses), others keep every head and pass the keys around a ring
+    (`models.attention.attention`)."""
     sequence = config.mesh.get("sequence", 1)
     if sequence == 1:
         return
-    heads = attention_heads(model)
-    if heads is None:
+    if attention_heads(model) is None:
         raise cfg.ConfigError(
             f"mesh.sequence={sequence} splits tokens inside a transformer's blocks, and model "
             f"{model.name!r} has none; set mesh.sequence=1."
-        )
-    if heads % sequence:
-        raise cfg.ConfigError(
-            f"mesh.sequence={sequence} gives each device a slice of the attention heads, and "
-            f"model {model.name!r} has {heads}, which it does not divide; set mesh.sequence to "
-            f"a divisor of {heads}."
         )
 
 

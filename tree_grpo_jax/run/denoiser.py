@@ -45,9 +45,11 @@ def rows_constraint(mesh, tokens: bool = False):
 
 
 def attention_layout(mesh) -> base.SequenceLayout | None:
-    """With sequence > 1, attention's [B, L, heads, head_dim] arrays: q, k and v with every
-    token and a slice of the heads on each device, the output back to a slice of the tokens
-    (`base.SequenceLayout`); a dimension the axis does not divide is left to the compiler."""
+    """With sequence > 1, attention's [B, L, heads, head_dim] arrays (`base.SequenceLayout`):
+    q, k and v with every token and a slice of the heads on each device, the output back to
+    a slice of the tokens; where the heads do not divide, the mesh and its 'sequence' axis
+    for ring attention (`models.attention.ring_attention`). A dimension the axis does not
+    divide is left to the compiler."""
     sequence = sharding.sequence_size(mesh)
     if sequence == 1:
         return None
@@ -63,7 +65,9 @@ def attention_layout(mesh) -> base.SequenceLayout | None:
 
         return constrain
 
-    return base.SequenceLayout(heads=split(2), tokens=split(1))
+    return base.SequenceLayout(
+        heads=split(2), tokens=split(1), mesh=mesh, axis=sharding.SEQUENCE_AXIS
+    )
 
 
 def laid_out(denoise_fn: DenoiseFn, mesh) -> DenoiseFn:
