@@ -1,22 +1,17 @@
 """`mesh.sequence`: each sample's tokens split over devices in the DiT families (Ulysses).
 The Wan and FLUX.1 denoisers on simulated CPU devices equal one device's, output and
 gradient, with all-to-alls in their programs and a share of the FLOPs on each device; a Wan
-iteration through the command line with sequence 2 ends where one device's does; a model
-whose heads the axis does not divide, or a family without transformer blocks, is one
-sentence."""
+iteration through the command line with sequence 2 ends where one device's does. (Heads
+the axis does not divide: tests/integration/test_ring_attention.py.)"""
 
 import json
 import os
 import subprocess
 import sys
 
-import ml_collections
 import pytest
 
-from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
-from tree_grpo_jax.models import registry
-from tree_grpo_jax.run import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sequence_parallel.py")
@@ -29,57 +24,11 @@ def folder(tmp_path_factory):
     return tiny_folders.write_folder("wan", tmp_path_factory.mktemp("tiny") / "wan")
 
 
-def _mesh_config(sequence: int):
-    return ml_collections.ConfigDict({"mesh": {"data": -1, "fsdp": 1, "sequence": sequence}})
-
-
 def test_a_mesh_without_sequence_keeps_its_batch_axes():
     mesh = sharding.make_mesh(1, 1)
     assert mesh.axis_names == ("data", "fsdp", "sequence")
     assert sharding.sequence_size(mesh) == 1 and sharding.num_batch_shards(mesh) == 1
     assert sharding.mesh_sizes(mesh) == {"data": 1, "fsdp": 1}  # as a run reports it
-
-
-def test_heads_the_sequence_axis_does_not_divide_are_one_sentence(folder):
-    from configs import wan_branchgrpo
-
-    config = wan_branchgrpo.get_config()
-    config.model.path = str(folder)
-    config.model.wan.resolution = (16, 32)  # what the tiny transformer places
-    config.model.wan.num_frames = 9
-    config.model.wan.t5_max_length = 8
-    model = registry.load_model(config.model)
-    build.check_sequence(_mesh_config(2), model)  # 2 heads, 2 devices a sample: one head each
-    with pytest.raises(cfg.ConfigError) as e:
-        build.check_sequence(_mesh_config(4), model)
-    assert str(e.value) == (
-        f"mesh.sequence=4 gives each device a slice of the attention heads, and model "
-        f"{model.name!r} has 2, which it does not divide; set mesh.sequence to a divisor of 2."
-    )
-
-
-def test_the_plan_reads_wans_attention_arrays_off_its_denoiser(folder):
-    """The time plan's all-to-all bytes of one Wan row (`plan.sequence_traffic`), against the
-    tiny transformer's config by hand."""
-    from configs import wan_branchgrpo
-    from tree_grpo_jax.plan import sequence_traffic
-
-    config = wan_branchgrpo.get_config()
-    config.model.path = str(folder)
-    config.model.wan.resolution = (16, 32)
-    config.model.wan.num_frames = 9
-    config.model.wan.t5_max_length = 8
-    model = registry.abstract_model(config.model)
-    frames, height, width, _ = model.sample_shape
-    assert (frames, height, width) == (3, 4, 8)
-    tokens = frames * (height // 2) * (width // 2)  # patches of 1 x 2 x 2: 24
-    text, wide, layers, item = 8, 2 * 8, 2, 2  # T5 tokens, heads x head_dim, blocks, bfloat16
-    # each block: self-attention's q, k, v over the tokens, cross-attention's q over the tokens
-    # and its k, v over the text; an output over the tokens from each
-    to_heads = layers * (4 * tokens + 2 * text) * wide * item
-    to_tokens = layers * 2 * tokens * wide * item
-    ex = sequence_traffic.exchange(model, 2, 1)
-    assert (ex.to_heads, ex.to_tokens, ex.attention_calls) == (to_heads, to_tokens, 4)
 
 
 @pytest.fixture(scope="module")
