@@ -13,6 +13,7 @@ import sys
 import ml_collections
 import pytest
 
+from tests.integration.test_wan import shrunk
 from tree_grpo_jax import config as cfg
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry
@@ -108,27 +109,12 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
         assert r["flops_share"] < 1.4 / devices, r
 
 
-RUN = [
-    "--config=configs/wan_branchgrpo.py",
-    "--config.tree.split_steps=(0,1)",
-    "--config.model.compute_dtype=float32",
-    "--config.model.remat=False",
-    "--config.model.wan.resolution=(16,32)",
-    "--config.model.wan.num_frames=9",
-    "--config.model.wan.t5_max_length=8",
-    "--config.rewards=digit_probability",  # smooth: a JPEG size would flip on rounding
-    "--config.prompts.source=digits",
-    "--config.prompts.batch_size=1",
-    "--config.prompts.eval_count=1",
-    "--config.sampling.num_steps=3",
-    "--config.train.rows_per_minibatch=4",
-    "--config.train.grad_accumulation=1",
-    "--config.train.learning_rate=1e-3",
+# test_wan's shrunk run, one iteration and a smooth reward (a JPEG size would flip on rounding)
+RUN = shrunk(
+    "--config.rewards=digit_probability",
     "--config.train.iterations=1",
-    "--config.eval.every=0",
-    "--config.log.tensorboard=False",
     "--config.compile_cache.enabled=False",
-]
+)
 
 
 def _train(folder, workdir, devices: int, *overrides):
