@@ -1,9 +1,9 @@
 """`mesh.sequence`: each sample's tokens split over devices in the DiT families (Ulysses).
-The Wan and FLUX.1 denoisers on simulated CPU devices equal one device's, output and
-gradient, with all-to-alls in their programs and a share of the FLOPs on each device; a Wan
-iteration through the command line with sequence 2 ends where one device's does; a model
-whose heads the axis does not divide, or a family without transformer blocks, is one
-sentence."""
+The Wan, FLUX.1, SD3, FLUX.2 (klein), Qwen-Image and Z-Image tiny denoisers on simulated CPU
+devices equal one device's, output and gradient, with all-to-alls in their programs and a
+share of the FLOPs on each device; a Wan iteration through the command line with sequence 2
+ends where one device's does; a model whose heads the axis does not divide, or a family
+without transformer blocks, is one sentence."""
 
 import json
 import os
@@ -59,15 +59,28 @@ def test_heads_the_sequence_axis_does_not_divide_are_one_sentence(folder):
     )
 
 
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
-    from launch import tiny_folders
-
-    return tiny_folders.write_folder("flux", tmp_path_factory.mktemp("tiny") / "flux")
+# family -> (its tiny folder's kind, the (data, fsdp, sequence) meshes each case compares)
+SPLIT = [(1, 1, 2), (1, 2, 2)]
+FAMILIES = {
+    "wan": (
+        "wan",
+        {"wan_tiny_folder": [*SPLIT, (2, 1, 2)], "wan_four_heads": [(1, 1, 4), (1, 2, 2)]},
+    ),
+    "flux": ("flux", {"flux_tiny_folder": SPLIT}),
+    "sd3": ("sd35", {"sd3_tiny_folder": SPLIT}),
+    "flux2": ("flux2-klein", {"flux2_tiny_folder": SPLIT}),
+    "qwenimage": ("qwenimage", {"qwenimage_tiny_folder": SPLIT}),
+    "zimage": ("zimage", {"zimage_tiny_folder": SPLIT}),
+}
 
 
 @pytest.mark.slow
-def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dit_denoisers_with_tokens_split_equal_one_device(family, tmp_path):
+    from launch import tiny_folders
+
+    kind, cases = FAMILIES[family]
+    folder = tiny_folders.write_folder(kind, tmp_path / kind)
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
@@ -75,7 +88,7 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
         "PYTHONPATH": ROOT,  # this checkout's package and its configs
     }
     out = subprocess.run(
-        [sys.executable, SCRIPT, str(folder), str(flux_folder)],
+        [sys.executable, SCRIPT, family, str(folder)],
         env=env,
         capture_output=True,
         text=True,
@@ -84,22 +97,15 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    for r in results:
+        print(json.dumps(r))  # the measured differences, for the record (pytest -s)
     meshes = {(r["case"], tuple(r["mesh"])) for r in results}
-    assert meshes == {
-        ("wan_tiny_folder", (1, 1, 2)),
-        ("wan_tiny_folder", (1, 2, 2)),
-        ("wan_tiny_folder", (2, 1, 2)),
-        ("wan_four_heads", (1, 1, 4)),
-        ("wan_four_heads", (1, 2, 2)),
-        ("flux_tiny_folder", (1, 1, 2)),
-        ("flux_tiny_folder", (1, 2, 2)),
-    }
+    assert meshes == {(case, mesh) for case, listed in cases.items() for mesh in listed}
     for r in results:
         assert r["rows_differ"]  # the rows are not copies of one another
-        # float32 reordering, nothing more: FLUX.1's largest is its timestep embedder's
-        # kernel (4e-3 of 98), as large on a 2-device mesh that splits nothing (float32
-        # sin and cos of timesteps near 900 computed by another program); a wrong layout
-        # would differ by the gradients' own size
+        # float32 reordering, nothing more (measured: outputs to 5e-6, gradients to 2.3e-5
+        # of their largest, FLUX.2's 1.5e-3 of 64); a wrong layout would differ by the
+        # gradients' own size
         assert r["out_diff"] < 1e-5 * r["out_scale"], r
         assert r["grad_diff"] < 5e-5 * r["grad_scale"], r
         # the compiler moved tokens to heads and back (forward, and gradient)
