@@ -3,7 +3,8 @@ and optimizer, each prompt starting from one input image, as Flux2KleinPipeline'
 reference does (its VAE latents sit beside the noisy ones as extra image tokens, at time
 10; the transformer's output for them is dropped).
 
-The prompts are a file whose rows name the image to edit and the instruction
+The editing settings are configs/flux_kontext_edit.py's `editing_settings`. The prompts
+are a file whose rows name the image to edit and the instruction
 (docs/models/flux2.md, "Editing"), e.g. a .jsonl of
 
     {"prompt": "make the digit bold", "image": "digits/three.png"}
@@ -17,15 +18,10 @@ python -m tree_grpo_jax.main --config=configs/flux2_klein_edit.py \
     --config.model.path=/path/to/FLUX.2-klein-4B --config.prompts.source=/path/to/edits.jsonl
 """
 
-from configs import flux2_klein_treegrpo
+from configs import flux2_klein_treegrpo, flux_kontext_edit
 
 
 def get_config():
     c = flux2_klein_treegrpo.get_config()
     c.name = "flux2_klein_edit"
-    c.model.flux2.reference_images = 1  # each row names one input image
-    c.model.flux2.reference_resolution = 0  # the input images are 384 px squares, as the output
-    c.prompts.source = "edits.jsonl"  # a prompt file with an image field; replace it
-    c.prompts.eval_source = ""
-    c.rewards = "input_similarity"
-    return c
+    return flux_kontext_edit.editing_settings(c, c.model.flux2)

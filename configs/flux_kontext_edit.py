@@ -31,8 +31,15 @@ def get_config():
     c.name = "flux_kontext_edit"
     c.model.path = "black-forest-labs/FLUX.1-Kontext-dev"
     c.model.flux.guidance = 2.5  # the model card's scale (the pipeline's default is 3.5)
-    c.model.flux.reference_images = 1  # each row names one input image
-    c.model.flux.reference_resolution = 0  # the input images are 720 px squares, as the output
+    return editing_settings(c, c.model.flux)
+
+
+def editing_settings(c, family):
+    """One input image a prompt on config `c`, `family` its model's section (`c.model.flux`,
+    `c.model.flux2`): the input images as large as the output, an edits file for prompts
+    and the input-similarity reward (configs/flux2_klein_edit.py takes them too)."""
+    family.reference_images = 1  # each row names one input image
+    family.reference_resolution = 0  # the input images are squares of the output's side
     c.prompts.source = "edits.jsonl"  # a prompt file with an image field; replace it
     c.prompts.eval_source = ""
     c.rewards = "input_similarity"

@@ -1,8 +1,9 @@
 """`mesh.sequence`: each sample's tokens split over devices in the DiT families (Ulysses).
-The Wan and FLUX.1 denoisers on simulated CPU devices equal one device's, output and
-gradient, with all-to-alls in their programs and a share of the FLOPs on each device; a Wan
-iteration through the command line with sequence 2 ends where one device's does. (Heads
-the axis does not divide: tests/integration/test_ring_attention.py.)"""
+The Wan, FLUX.1, SD3, FLUX.2 (klein), Qwen-Image and Z-Image tiny denoisers on simulated CPU
+devices equal one device's, output and gradient, with all-to-alls in their programs and a
+share of the FLOPs on each device; a Wan iteration through the command line with sequence 2
+ends where one device's does. (Heads the axis does not divide:
+tests/integration/test_ring_attention.py.)"""
 
 import json
 import os
@@ -11,7 +12,9 @@ import sys
 
 import pytest
 
+from tests.integration.test_wan import shrunk
 from tree_grpo_jax import sharding
+from tree_grpo_jax.models import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sequence_parallel.py")
@@ -31,15 +34,52 @@ def test_a_mesh_without_sequence_keeps_its_batch_axes():
     assert sharding.mesh_sizes(mesh) == {"data": 1, "fsdp": 1}  # as a run reports it
 
 
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
-    from launch import tiny_folders
+def test_the_plan_reads_wans_attention_arrays_off_its_denoiser(folder):
+    """The time plan's all-to-all bytes of one Wan row (`plan.sequence_traffic`), against the
+    tiny transformer's config by hand."""
+    from configs import wan_branchgrpo
+    from tree_grpo_jax.plan import sequence_traffic
 
-    return tiny_folders.write_folder("flux", tmp_path_factory.mktemp("tiny") / "flux")
+    config = wan_branchgrpo.get_config()
+    config.model.path = str(folder)
+    config.model.wan.resolution = (16, 32)
+    config.model.wan.num_frames = 9
+    config.model.wan.t5_max_length = 8
+    model = registry.abstract_model(config.model)
+    frames, height, width, _ = model.sample_shape
+    assert (frames, height, width) == (3, 4, 8)
+    tokens = frames * (height // 2) * (width // 2)  # patches of 1 x 2 x 2: 24
+    text, wide, layers, item = 8, 2 * 8, 2, 2  # T5 tokens, heads x head_dim, blocks, bfloat16
+    # each block: self-attention's q, k, v over the tokens, cross-attention's q over the tokens
+    # and its k, v over the text; an output over the tokens from each
+    to_heads = layers * (4 * tokens + 2 * text) * wide * item
+    to_tokens = layers * 2 * tokens * wide * item
+    ex = sequence_traffic.exchange(model, 2, 1)
+    assert (ex.to_heads, ex.to_tokens, ex.attention_calls) == (to_heads, to_tokens, 4)
+
+
+# family -> (its tiny folder's kind, the (data, fsdp, sequence) meshes each case compares)
+SPLIT = [(1, 1, 2), (1, 2, 2)]
+FAMILIES = {
+    "wan": (
+        "wan",
+        {"wan_tiny_folder": [*SPLIT, (2, 1, 2)], "wan_four_heads": [(1, 1, 4), (1, 2, 2)]},
+    ),
+    "flux": ("flux", {"flux_tiny_folder": SPLIT}),
+    "sd3": ("sd35", {"sd3_tiny_folder": SPLIT}),
+    "flux2": ("flux2-klein", {"flux2_tiny_folder": SPLIT}),
+    "qwenimage": ("qwenimage", {"qwenimage_tiny_folder": SPLIT}),
+    "zimage": ("zimage", {"zimage_tiny_folder": SPLIT}),
+}
 
 
 @pytest.mark.slow
-def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dit_denoisers_with_tokens_split_equal_one_device(family, tmp_path):
+    from launch import tiny_folders
+
+    kind, cases = FAMILIES[family]
+    folder = tiny_folders.write_folder(kind, tmp_path / kind)
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
@@ -47,7 +87,7 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
         "PYTHONPATH": ROOT,  # this checkout's package and its configs
     }
     out = subprocess.run(
-        [sys.executable, SCRIPT, str(folder), str(flux_folder)],
+        [sys.executable, SCRIPT, family, str(folder)],
         env=env,
         capture_output=True,
         text=True,
@@ -56,22 +96,15 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    for r in results:
+        print(json.dumps(r))  # the measured differences, for the record (pytest -s)
     meshes = {(r["case"], tuple(r["mesh"])) for r in results}
-    assert meshes == {
-        ("wan_tiny_folder", (1, 1, 2)),
-        ("wan_tiny_folder", (1, 2, 2)),
-        ("wan_tiny_folder", (2, 1, 2)),
-        ("wan_four_heads", (1, 1, 4)),
-        ("wan_four_heads", (1, 2, 2)),
-        ("flux_tiny_folder", (1, 1, 2)),
-        ("flux_tiny_folder", (1, 2, 2)),
-    }
+    assert meshes == {(case, mesh) for case, listed in cases.items() for mesh in listed}
     for r in results:
         assert r["rows_differ"]  # the rows are not copies of one another
-        # float32 reordering, nothing more: FLUX.1's largest is its timestep embedder's
-        # kernel (4e-3 of 98), as large on a 2-device mesh that splits nothing (float32
-        # sin and cos of timesteps near 900 computed by another program); a wrong layout
-        # would differ by the gradients' own size
+        # float32 reordering, nothing more (measured: outputs to 5e-6, gradients to 2.3e-5
+        # of their largest, FLUX.2's 1.5e-3 of 64); a wrong layout would differ by the
+        # gradients' own size
         assert r["out_diff"] < 1e-5 * r["out_scale"], r
         assert r["grad_diff"] < 5e-5 * r["grad_scale"], r
         # the compiler moved tokens to heads and back (forward, and gradient)
@@ -81,27 +114,12 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(folder, flux_folder):
         assert r["flops_share"] < 1.4 / devices, r
 
 
-RUN = [
-    "--config=configs/wan_branchgrpo.py",
-    "--config.tree.split_steps=(0,1)",
-    "--config.model.compute_dtype=float32",
-    "--config.model.remat=False",
-    "--config.model.wan.resolution=(16,32)",
-    "--config.model.wan.num_frames=9",
-    "--config.model.wan.t5_max_length=8",
-    "--config.rewards=digit_probability",  # smooth: a JPEG size would flip on rounding
-    "--config.prompts.source=digits",
-    "--config.prompts.batch_size=1",
-    "--config.prompts.eval_count=1",
-    "--config.sampling.num_steps=3",
-    "--config.train.rows_per_minibatch=4",
-    "--config.train.grad_accumulation=1",
-    "--config.train.learning_rate=1e-3",
+# test_wan's shrunk run, one iteration and a smooth reward (a JPEG size would flip on rounding)
+RUN = shrunk(
+    "--config.rewards=digit_probability",
     "--config.train.iterations=1",
-    "--config.eval.every=0",
-    "--config.log.tensorboard=False",
     "--config.compile_cache.enabled=False",
-]
+)
 
 
 def _train(folder, workdir, devices: int, *overrides):

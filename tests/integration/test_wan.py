@@ -37,6 +37,14 @@ SHRINK = [
     "--config.log.tensorboard=False",
 ]
 BRANCH = ["--config=configs/wan_branchgrpo.py", "--config.tree.split_steps=(0,1)"]
+
+
+def shrunk(*overrides) -> list[str]:
+    """The shrunk BranchGRPO run's flags with `overrides` in place of SHRINK's own."""
+    replaced = {o.split("=")[0] for o in overrides}
+    return [*BRANCH, *(a for a in SHRINK if a.split("=")[0] not in replaced), *overrides]
+
+
 NFT = ["--config=configs/wan_nft.py", "--config.tree.group_size=2", "--config.lora.rank=2"]
 
 
@@ -179,10 +187,7 @@ def folder(tmp_path_factory):
 
 def _run_on(folder, tmp_path, *overrides):
     """The shrunk BranchGRPO run on `folder` with `overrides` in place of SHRINK's own."""
-    replaced = {o.split("=")[0] for o in overrides}
-    shrink = [a for a in SHRINK if a.split("=")[0] not in replaced]
-    args = [*BRANCH, *shrink, *overrides, f"--config.model.path={folder}"]
-    return run_main(*args, f"--workdir={tmp_path}/r")
+    return run_main(*shrunk(*overrides), f"--config.model.path={folder}", f"--workdir={tmp_path}/r")
 
 
 @pytest.mark.parametrize(

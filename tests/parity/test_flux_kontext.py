@@ -117,27 +117,23 @@ def _pipeline_latents(pipe, prompt, digit, noise, steps=3, true_cfg=1.0):
     return np.asarray(patches.unpack_latents(jnp.asarray(out), LATENT, LATENT))
 
 
+def _sample(model, cond, noise, **guidance) -> np.ndarray:
+    """Our deterministic sampler over 3 steps from `noise`, as the pipeline runs."""
+    schedule = model.make_schedule(3, Sampling())
+    return np.asarray(
+        rollout.sample_deterministic(
+            model.denoise, model.params, cond, jnp.asarray(noise), schedule, **guidance
+        )
+    )
+
+
 def test_the_sampler_with_an_input_image_equals_the_kontext_pipeline(model, pipe, kontext_folder):
     digit = _digit(7)
     noise = np.random.default_rng(0).standard_normal((1, *model.sample_shape)).astype("f4")
     expected = _pipeline_latents(pipe, ROWS[1][0], digit, noise)
-    schedule = model.make_schedule(3, Sampling())
-    cond = model.encode_prompts([ROWS[1][0]], input_images=[[digit]])
-    got = np.asarray(
-        rollout.sample_deterministic(
-            model.denoise, model.params, cond, jnp.asarray(noise), schedule
-        )
-    )
+    got = _sample(model, model.encode_prompts([ROWS[1][0]], input_images=[[digit]]), noise)
     plain = load_flux(str(kontext_folder), **{**OPTIONS, "reference_images": 0})
-    text_only = np.asarray(
-        rollout.sample_deterministic(
-            plain.denoise,
-            plain.params,
-            plain.encode_prompts([ROWS[1][0]]),
-            jnp.asarray(noise),
-            plain.make_schedule(3, Sampling()),
-        )
-    )
+    text_only = _sample(plain, plain.encode_prompts([ROWS[1][0]]), noise)
     diff, scale = np.abs(got - expected).max(), np.abs(expected).max()
     apart = np.abs(text_only - expected).max()
     print(f"edited latents max abs difference {diff:.2e}, relative {diff / scale:.2e} (up to "
@@ -152,22 +148,11 @@ def test_true_guidance_keeps_the_input_image_in_the_empty_prompts_pass(model, pi
     digit = _digit(3)
     noise = np.random.default_rng(1).standard_normal((1, *model.sample_shape)).astype("f4")
     expected = _pipeline_latents(pipe, ROWS[0][0], digit, noise, true_cfg=3.0)
-    schedule = model.make_schedule(3, Sampling())
     cond = model.encode_prompts([ROWS[0][0]], input_images=[[digit]])
     empty = model.encode_prompts([""])[0]
     assert model.unconditional_rows == T5_TOKENS + 1
     got, blank = (
-        np.asarray(
-            rollout.sample_deterministic(
-                model.denoise,
-                model.params,
-                cond,
-                jnp.asarray(noise),
-                schedule,
-                uncond=uncond,
-                guidance_scale=3.0,
-            )  # fmt: skip
-        )
+        _sample(model, cond, noise, uncond=uncond, guidance_scale=3.0)
         for uncond in (empty[: model.unconditional_rows], empty)
     )
     diff, scale = np.abs(got - expected).max(), np.abs(expected).max()

@@ -1,24 +1,33 @@
 """A DiT denoiser with each sample's tokens split over a 'sequence' mesh axis, as the run
 lays it out (`run.denoiser.laid_out`), against the same denoiser on one device: the output of
-one call and the gradient of a loss through it. Wan: the tiny folder's transformer (2 heads:
-sequence 2, alone and beside fsdp 2 or data 2) and a 4-head transformer of the same width with
-random weights (sequence 4); FLUX.1: the tiny folder's (2 heads, joint text and image
-attention; sequence 2). Prints one JSON line per case: the largest differences, the scale of
-what was compared, the all-to-alls in the compiled programs and a device's share of the
-FLOPs. Run with XLA_FLAGS=--xla_force_host_platform_device_count=4; arguments: the tiny Wan
-folder, then (optional) the tiny FLUX.1 folder."""
+one call and the gradient of a loss through it, for one family's tiny folder (launch/
+tiny_folders.py; 2 heads each: sequence 2, alone and beside fsdp 2, and Wan beside data 2
+too). Wan adds a 4-head transformer of the same width with random weights (sequence 4).
+Prints one JSON line per case: the largest differences, the scale of what was compared, the
+all-to-alls in the compiled programs, a device's share of the FLOPs and the seconds the case
+took. Run with XLA_FLAGS=--xla_force_host_platform_device_count=4; arguments: the family
+(a key of FAMILIES), then its tiny folder."""
 
 import dataclasses
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import flux_branchgrpo, wan_branchgrpo
+from configs import (
+    flux2_klein_treegrpo,
+    flux_branchgrpo,
+    qwenimage_grpo,
+    sd35m,
+    wan_branchgrpo,
+    zimage_grpo,
+)
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry
+from tree_grpo_jax.models.base import attention_heads
 from tree_grpo_jax.models.wan import load as wan_load
 from tree_grpo_jax.run import denoiser
 
@@ -27,18 +36,24 @@ ROWS = 4
 
 PROMPTS = ["a red cube", "two cats on a sofa", "a lighthouse at night", "a bowl of soup"]
 
+# family -> (its config, its settings section, settings that keep the tokens few)
+FAMILIES = {
+    "wan": (wan_branchgrpo, "wan", dict(resolution=(16, 32), num_frames=9, t5_max_length=8)),
+    "flux": (flux_branchgrpo, "flux", dict(resolution=64, t5_max_length=8)),  # 16 + 8 tokens
+    "sd3": (sd35m, "sd3", dict(sample_size=8, t5_max_length=8)),  # 16 + 77 + 8 tokens
+    "flux2": (flux2_klein_treegrpo, "flux2", dict(resolution=32, text_max_length=40)),
+    "qwenimage": (qwenimage_grpo, "qwenimage", dict(resolution=64, text_max_length=40)),
+    "zimage": (zimage_grpo, "zimage", dict(resolution=32, text_max_length=40)),
+}
+# (data, fsdp, sequence): the tiny transformers' 2 heads split over sequence 2
+MESHES = [(1, 1, 2), (1, 2, 2)]
+
 
 def tiny_model(family: str, folder: str):
     """The tiny folder's model at a size with few tokens, float32."""
-    if family == "wan":
-        config = wan_branchgrpo.get_config()
-        config.model.wan.resolution = (16, 32)  # the tiny VAE: 4 px per latent, 24 tokens
-        config.model.wan.num_frames = 9  # 3 latent frames
-        config.model.wan.t5_max_length = 8
-    else:
-        config = flux_branchgrpo.get_config()
-        config.model.flux.resolution = 64  # 16 image tokens
-        config.model.flux.t5_max_length = 8  # 8 text tokens beside them
+    module, section, settings = FAMILIES[family]
+    config = module.get_config()
+    config.model[section].update(settings)
     config.model.path = folder
     config.model.compute_dtype = "float32"
     config.model.remat = False
@@ -85,6 +100,7 @@ def compare(name, denoise, params, model, meshes):
     out_1, grads_1, _, flops_1 = compute(denoise, params, *data, one)
     grad_scale = max(float(np.max(np.abs(g))) for g in jax.tree_util.tree_leaves(grads_1))
     for data_size, fsdp, sequence in meshes:
+        start = time.perf_counter()
         devices = jax.devices()[: data_size * fsdp * sequence]
         mesh = sharding.make_mesh(data_size, fsdp, devices, sequence)
         out, grads, all_to_alls, flops = compute(denoise, params, *data, mesh)
@@ -104,28 +120,27 @@ def compare(name, denoise, params, model, meshes):
                     # a device's share of the forward's FLOPs (one device's: 1)
                     "flops_share": flops / flops_1,
                     "rows_differ": bool(np.max(np.abs(out_1[0] - out_1[1])) > 1e-3),
+                    "seconds": time.perf_counter() - start,
                 }
             ),
             flush=True,
         )
 
 
-def main():
+def main(family: str, folder: str):
     assert jax.device_count() == 4, jax.device_count()
-    model = tiny_model("wan", sys.argv[1])
-    module = model.transformer
-    assert module.num_attention_heads == 2, module.num_attention_heads
-    meshes = [(1, 1, 2), (1, 2, 2), (2, 1, 2)]
-    compare("wan_tiny_folder", model.denoise, model.params, model, meshes)
-    # 4 heads of the same width: mesh.sequence=4 gives each device one.
-    four = dataclasses.replace(module, num_attention_heads=4, attention_head_dim=8)
-    params = four.init_weights(jax.random.PRNGKey(1))
-    compare("wan_four_heads", wan_load.make_denoise(four), params, model, [(1, 1, 4), (1, 2, 2)])
-    if len(sys.argv) > 2:
-        flux = tiny_model("flux", sys.argv[2])
-        assert flux.transformer.num_attention_heads == 2
-        compare("flux_tiny_folder", flux.denoise, flux.params, flux, [(1, 1, 2), (1, 2, 2)])
+    model = tiny_model(family, folder)
+    heads = attention_heads(model)
+    assert heads == 2, heads
+    meshes = [*MESHES, (2, 1, 2)] if family == "wan" else MESHES
+    compare(f"{family}_tiny_folder", model.denoise, model.params, model, meshes)
+    if family == "wan":  # 4 heads of the same width: mesh.sequence=4 gives each device one
+        four = dataclasses.replace(model.transformer, num_attention_heads=4, attention_head_dim=8)
+        params = four.init_weights(jax.random.PRNGKey(1))
+        compare(
+            "wan_four_heads", wan_load.make_denoise(four), params, model, [(1, 1, 4), (1, 2, 2)]
+        )
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

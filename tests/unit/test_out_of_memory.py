@@ -20,10 +20,10 @@ def _in(module: str, source: str):
     return namespace
 
 
-def _raised(call) -> str:
+def _raised(call, config=None) -> str:
     with pytest.raises(jax.errors.JaxRuntimeError) as info:
         call()
-    return str(out_of_memory(info.value, base_config()))
+    return str(out_of_memory(info.value, config or base_config()))
 
 
 def _named(sentence: str) -> set:
@@ -54,3 +54,18 @@ def test_a_compile_names_its_program():
     text = _raised(lambda: precompile["compile_one"]("train step"))
     assert text.startswith("the device ran out of memory (1.50GiB) in the train step while "), text
     assert {"train.rows_per_minibatch", "model.remat"} <= _named(text), text
+
+
+@pytest.mark.parametrize("devices, rows, lower", [(1, 0, 8), (1, 6, 3), (4, 0, 8), (8, 24, 8)])
+def test_fewer_denoise_rows_stay_a_multiple_of_the_batch_shards(monkeypatch, devices, rows, lower):
+    monkeypatch.setattr(jax, "device_count", lambda: devices)
+    rollout = _in(
+        "tree_grpo_jax.run.trainer",
+        "def _rollout_program(self=None):\n    raise jax.errors.JaxRuntimeError(ERROR)\n",
+    )
+    c = base_config()
+    c.sampling.denoise_rows = rows
+    text = _raised(rollout["_rollout_program"], c)
+    assert f"sampling.denoise_rows={lower}" in text, text
+    c.sampling.denoise_rows = devices  # one row a device: nothing lower to offer
+    assert "sampling.denoise_rows" not in _raised(rollout["_rollout_program"], c)

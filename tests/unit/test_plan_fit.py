@@ -56,12 +56,13 @@ class _Plan:
     programs: tuple
 
 
-def _config(batch=4, rows=8, data=-1):
+def _config(batch=4, rows=8, data=-1, denoise_rows=0):
     return ml_collections.ConfigDict(
         dict(
             mesh=dict(data=data, fsdp=1),
             prompts=dict(batch_size=batch),
             train=dict(rows_per_minibatch=rows),
+            sampling=dict(denoise_rows=denoise_rows),
         )
     )
 
@@ -87,6 +88,11 @@ def test_the_suggested_mesh_divides_the_weights_and_keeps_the_rest():
         "--config.prompts.batch_size=8",
     )
     assert "8 devices at mesh.fsdp=8 need about 53.75 GiB per device" in s.sentence()
+    # denoise_rows (0: a whole level, kept) raised to a multiple of the batch shards too
+    assert fit.suggest(plan, _config(denoise_rows=2), h100, 4096).flags[-1] == (
+        "--config.sampling.denoise_rows=8"
+    )
+    assert fit.suggest(plan, _config(denoise_rows=16), h100, 4096).flags == s.flags
     # a mesh.data set by hand is freed for the new fsdp
     assert "--config.mesh.data=-1" in fit.suggest(plan, _config(data=2), h100, 4096).flags
     # on the planned devices when fsdp suffices there: 430 / f GiB <= 135e9 bytes at f = 4

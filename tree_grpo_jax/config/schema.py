@@ -186,7 +186,8 @@ SAMPLING = {
         0,
         "rows through the denoiser at once in the rollout and the evaluation (a level's rows, "
         "the conditional and unconditional ones both with guidance, go in chunks of this many: "
-        "less activation memory, the same numbers); 0: all of them at once",
+        "less activation memory, the same numbers), a multiple of the batch shards (mesh data "
+        "x fsdp); 0: all of them at once",
         note="0: every row at once",
     ),
 }

@@ -35,39 +35,36 @@ def vae_module(config: dict, where: Path, dtype) -> AutoencoderKL:
     return module_from_config(config, where, dtype, FIXED)
 
 
-def decoder_shapes(module, dtype=jnp.float32) -> dict:
-    """The decoder's params as ShapeDtypeStructs in `dtype` (nothing is computed)."""
+def part_shapes(module, part: str, dtype=jnp.float32) -> dict:
+    """The params of the VAE's `part` ("encoder" or "decoder") as ShapeDtypeStructs in
+    `dtype` (nothing is computed)."""
     init = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
-    return jax.eval_shape(lambda d: cast_floats({"decoder": d}, dtype), init["decoder"])
+    return jax.eval_shape(lambda p: cast_floats({part: p}, dtype), init[part])
+
+
+def _read_part(folder: Path, dtype, hint: str, part: str):
+    """`(module, params of `part`, config)` of a `vae/` folder; the other part is never
+    read (its tensors are dropped before conversion)."""
+    config = files.read_json(folder / "config.json", hint)
+    module = vae_module(config, folder / "config.json", dtype)
+    state = files.read_weights(folder, "diffusion_pytorch_model", hint)
+    state = {k: v for k, v in state.items() if k.startswith(f"{part}.")}
+    reference = convert.shapes_of(part_shapes(module, part))
+    params = convert.folder_to_flax(folder, state, reference, hint)
+    return module, params, config
 
 
 def load_decoder(folder: Path, dtype, hint: str):
     """`(module, decoder params, config)` of a `vae/` folder; the encoder is never read."""
-    config = files.read_json(folder / "config.json", hint)
-    module = vae_module(config, folder / "config.json", dtype)
-    state = files.read_weights(folder, "diffusion_pytorch_model", hint)
-    state = {k: v for k, v in state.items() if k.startswith("decoder.")}
-    reference = convert.shapes_of(decoder_shapes(module))
-    params = convert.folder_to_flax(folder, state, reference, hint)
+    module, params, config = _read_part(folder, dtype, hint, "decoder")
     return module, cast_floats(params, dtype), config
-
-
-def encoder_shapes(module, dtype=jnp.float32) -> dict:
-    """The encoder's params as ShapeDtypeStructs in `dtype` (nothing is computed)."""
-    init = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
-    return jax.eval_shape(lambda e: cast_floats({"encoder": e}, dtype), init["encoder"])
 
 
 def load_encode(folder: Path, dtype, hint: str):
     """`(encode, encoder params)` of a `vae/` folder (its decoder is not read):
     `encode(params, images [B, H, W, 3] in [-1, 1]) -> latents [B, C, H / 8, W / 8]`,
     jitted, the encoder's mean shifted and scaled by the folder's factors."""
-    config = files.read_json(folder / "config.json", hint)
-    module = vae_module(config, folder / "config.json", dtype)
-    state = files.read_weights(folder, "diffusion_pytorch_model", hint)
-    state = {k: v for k, v in state.items() if k.startswith("encoder.")}
-    reference = convert.shapes_of(encoder_shapes(module))
-    params = convert.folder_to_flax(folder, state, reference, hint)
+    module, params, config = _read_part(folder, dtype, hint, "encoder")
     scaling = float(config.get("scaling_factor", 0.18215))
     shift = float(config.get("shift_factor") or 0.0)
 

@@ -412,8 +412,10 @@ def run_stack(blocks: Mapping, carry: tuple, *inputs) -> tuple:
             carry, _ = block(carry, *inputs)
         else:
             out = block(*carry, *inputs)
-            # as a scanned run's carry: the run's row layout between blocks (`row_layout`)
-            carry = tuple(constrain_rows(o) for o in (out if isinstance(out, tuple) else (out,)))
+            # as a scanned run's carry: the run's row layout between blocks (`row_layout`);
+            # a stream a block ends (SD3's last block returns no text) stays None
+            outs = out if isinstance(out, tuple) else (out,)
+            carry = tuple(o if o is None else constrain_rows(o) for o in outs)
     return carry
 
 

@@ -141,8 +141,9 @@ def _flags(config, devices: int, fsdp: int, sequence: int = 1) -> tuple[str, ...
     for field, value in (
         ("prompts.batch_size", config.prompts.batch_size),
         ("train.rows_per_minibatch", config.train.rows_per_minibatch),
+        ("sampling.denoise_rows", config.sampling.denoise_rows),  # 0: a whole level
     ):
-        if value % (devices // sequence):
+        if value and value % (devices // sequence):
             flags.append(f"--config.{field}={_multiple(value, devices // sequence)}")
     return tuple(flags)
 

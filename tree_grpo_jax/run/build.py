@@ -54,13 +54,25 @@ def check_batches(config, mesh) -> None:
     per_process = shards // jax.process_count()
     batch = config.prompts.batch_size
     if batch % per_process:
-        lower, upper = batch // per_process * per_process, (batch // per_process + 1) * per_process
-        works = f"{lower} or {upper}" if lower else f"{upper}"
         raise cfg.ConfigError(
             f"prompts.batch_size ({batch}{', per process' if sharding.multi_process() else ''}) "
             f"must be a multiple of the {per_process} devices the rollout is split over "
-            f"(mesh data x fsdp); {works} would work."
+            f"(mesh data x fsdp); {_would_work(batch, per_process)} would work."
         )
+    # A chunk of the global batch's rows that the devices do not divide is not split: every
+    # device would compute all of its rows.
+    rows = config.sampling.denoise_rows
+    if rows > 0 and rows % shards:
+        raise cfg.ConfigError(
+            f"sampling.denoise_rows ({rows}) must be 0 or a multiple of the {shards} devices "
+            f"the batch is split over (mesh data x fsdp); {_would_work(rows, shards)} would work."
+        )
+
+
+def _would_work(value: int, of: int) -> str:
+    """The multiples of `of` either side of `value` (the one above when none is below)."""
+    lower, upper = value // of * of, (value // of + 1) * of
+    return f"{lower} or {upper}" if lower else f"{upper}"
 
 
 def check_sizes(config, spec, sample_shape, objective: methods.Objective, image_shape=None) -> None:

@@ -129,9 +129,12 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
     eval_count = _Setting("prompts.eval_count", _half(c.prompts.eval_count))
     per_prompt = c.eval.samples_per_prompt
     eval_samples = _Setting("eval.samples_per_prompt", _half(per_prompt))
-    denoise = _Setting("sampling.denoise_rows", 8, "rows through the denoiser at once")
-    if c.sampling.denoise_rows not in (0, None):
-        denoise = _Setting("sampling.denoise_rows", _half(c.sampling.denoise_rows))
+    devices = jax.device_count() // c.mesh.get("sequence", 1)  # what data x fsdp share
+    # denoise_rows stays a multiple of the batch shards (`build.check_batches`)
+    denoise_rows = c.sampling.denoise_rows or 0
+    fewer = -(-8 // devices) * devices if not denoise_rows else _half(denoise_rows)
+    fewer = max(devices, fewer // devices * devices)
+    denoise = _Setting("sampling.denoise_rows", fewer, "rows through the denoiser at once")
     minibatch = _Setting(
         "train.rows_per_minibatch",
         _half(rows),
@@ -141,7 +144,6 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
     bf16 = _Setting("model.compute_dtype", "bfloat16")
     moments = _Setting("train.optimizer_state_dtype", "bfloat16", "Adam's moments")
     lora = _Setting("lora.rank", 32, "LoRA: only low-rank factors trained, and in Adam")
-    devices = jax.device_count() // c.mesh.get("sequence", 1)  # what data x fsdp share
     fsdp = _Setting("mesh.fsdp", devices, f"the weights sharded over the {devices} devices")
     chunk = _Setting("reward_options.chunk_size", _half(c.reward_options.chunk_size))
     on_host = getattr(getattr(trainer, "reward", None), "on_host", False)
@@ -155,7 +157,7 @@ def _settings(program: str | None, evaluating: bool, config, trainer) -> list[_S
         "prompts.batch_size": c.prompts.batch_size > 1,
         "prompts.eval_count": c.prompts.eval_count > 1,
         "eval.samples_per_prompt": per_prompt > 1,
-        "sampling.denoise_rows": c.sampling.denoise_rows != 1,
+        "sampling.denoise_rows": denoise_rows != devices,
         "train.rows_per_minibatch": rows > 1,
         "model.remat": remat_mode(c.model.remat) == "none",
         "model.compute_dtype": c.model.compute_dtype == "float32",

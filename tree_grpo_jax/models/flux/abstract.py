@@ -64,5 +64,5 @@ def abstract_flux(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         cond_shape=(length + 1 + references, width),
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
-        decode_params=autoencoder.decoder_shapes(vae, dtype),
+        decode_params=autoencoder.part_shapes(vae, "decoder", dtype),
     )

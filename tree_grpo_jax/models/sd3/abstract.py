@@ -86,5 +86,5 @@ def abstract_sd3(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         cond_shape=conditioning_shape(config, clip_tokens, options.t5_max_length),
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, found[VAE], options.decode_batch_size, dtype),
-        decode_params=autoencoder.decoder_shapes(vae, dtype),
+        decode_params=autoencoder.part_shapes(vae, "decoder", dtype),
     )

@@ -42,5 +42,5 @@ def abstract_zimage(path: str, dtype=jnp.float32, **options) -> AbstractModel:
         cond_shape=(options.text_max_length, width + 1),
         schedule_config=schedule,
         decode=autoencoder.decode_fn(vae, vae_config, options.decode_batch_size, dtype),
-        decode_params=autoencoder.decoder_shapes(vae, dtype),
+        decode_params=autoencoder.part_shapes(vae, "decoder", dtype),
     )
