@@ -115,7 +115,7 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(family, tmp_path):
 
 
 # test_wan's shrunk run, one iteration and a smooth reward (a JPEG size would flip on rounding)
-RUN = shrunk(
+RUN = (
     "--config.rewards=digit_probability",
     "--config.train.iterations=1",
     "--config.compile_cache.enabled=False",
@@ -129,7 +129,7 @@ def _train(folder, workdir, devices: int, *overrides):
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": ROOT,
     }
-    args = [*RUN, f"--config.model.path={folder}", f"--workdir={workdir}", *overrides]
+    args = [*shrunk(*RUN, *overrides), f"--config.model.path={folder}", f"--workdir={workdir}"]
     out = subprocess.run(
         [sys.executable, "-m", "tree_grpo_jax.main", *args],
         env=env,
@@ -144,19 +144,38 @@ def _train(folder, workdir, devices: int, *overrides):
     return out.stdout + out.stderr, train
 
 
+# name -> (the split run's mesh, flags both runs share)
+ITERATIONS = {
+    "sequence 2": ({"data": 1, "fsdp": 1, "sequence": 2}, []),
+    # 12 tokens a video and 2 heads: sequence 4 attends by the ring, beside fsdp 2
+    "fsdp 2 x sequence 4": (
+        {"data": 1, "fsdp": 2, "sequence": 4},
+        ["--config.model.wan.resolution=(32,32)", "--config.prompts.batch_size=2"],
+    ),
+    "LoRA, data 2 x sequence 2": (
+        {"data": 2, "fsdp": 1, "sequence": 2},
+        ["--config.lora.rank=2", "--config.prompts.batch_size=2"],
+    ),
+}
+
+
 @pytest.mark.slow
-def test_a_wan_iteration_with_sequence_2_ends_where_one_device_does(folder, tmp_path):
-    """The whole run (rollout, decode, rewards, train step, checkpoint) on a mesh with
-    'sequence' 2: the same rewards and loss, and the same weights up to Adam's reading of
+@pytest.mark.parametrize("case", sorted(ITERATIONS))
+def test_a_wan_iteration_with_tokens_split_ends_where_one_device_does(case, folder, tmp_path):
+    """The whole run (rollout, decode, rewards, train step, checkpoint) on a mesh with a
+    'sequence' axis: the same rewards and loss, and the same weights up to Adam's reading of
     float32 noise in gradients near zero, as one device."""
     import jax
     import numpy as np
 
     from tree_grpo_jax.run.checkpoint import Checkpointer
 
-    _, one = _train(folder, tmp_path / "one", 1)
-    said, split = _train(folder, tmp_path / "split", 2, "--config.mesh.sequence=2")
-    assert "mesh {'data': 1, 'fsdp': 1, 'sequence': 2}" in said
+    mesh, shared = ITERATIONS[case]
+    devices = mesh["data"] * mesh["fsdp"] * mesh["sequence"]
+    split_flags = [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()]
+    _, one = _train(folder, tmp_path / "one", 1, *shared)
+    said, split = _train(folder, tmp_path / "split", devices, *shared, *split_flags)
+    assert f"mesh {mesh}" in said
     # the rollout's rewards, the loss and the gradient's norm: float32 rounding apart
     for key, rel in (("train/reward_mean", 1e-5), ("train/loss", 1e-3), ("train/grad_norm", 1e-5)):
         assert split[key] == pytest.approx(one[key], rel=rel), key
