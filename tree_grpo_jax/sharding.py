@@ -20,6 +20,7 @@ placements and copies.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -165,6 +166,17 @@ def param_shardings(mesh: Mesh, tree):
     return jax.tree_util.tree_map(
         lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), fsdp_size, sequence)), tree
     )
+
+
+def row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
+    """The axes `rows` rows split over for work done row by row outside the denoiser (the
+    decode): every axis where the mesh's devices divide them, a 'sequence' axis's devices
+    included (they hold the same rows and would otherwise each do them all); else the batch
+    axes where those divide them; else None."""
+    for axes in (MESH_AXES, BATCH_AXES) if sequence_size(mesh) > 1 else (BATCH_AXES,):
+        if rows % math.prod(mesh.shape[a] for a in axes) == 0:
+            return axes
+    return None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -74,11 +74,13 @@ def test_train_step_on_8_devices_matches_one_device():
 
 
 @pytest.mark.slow
-def test_each_device_decodes_its_own_rows(sd3_folder):
+@pytest.mark.parametrize("sequence", [1, 2])
+def test_each_device_decodes_its_own_rows(sd3_folder, sequence):
     """The trainer's decode (`Trainer.device_decode`) of a loaded SD3 VAE on 4 simulated
     devices: each device holds and decodes a quarter of the rows, at a quarter of one device's
-    FLOPs, with the same images; the model's `decode` jitted on the same split rows computes
-    every row on every device (its loop over rows gathers them)."""
+    FLOPs, with the same images, also where a 'sequence' axis of 2 gives two devices the same
+    rows of a batch; the model's `decode` jitted on the batch's split rows computes every row
+    on every device (its loop over rows gathers them)."""
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
@@ -86,7 +88,7 @@ def test_each_device_decodes_its_own_rows(sd3_folder):
         "PYTHONPATH": ROOT,
     }
     out = subprocess.run(
-        [sys.executable, DECODE_SCRIPT, str(sd3_folder)],
+        [sys.executable, DECODE_SCRIPT, str(sd3_folder), str(sequence)],
         env=env,
         capture_output=True,
         text=True,

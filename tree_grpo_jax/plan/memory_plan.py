@@ -230,16 +230,20 @@ def _descriptions(trainer, eval_args) -> dict[str, str]:
 
 
 def decode_program(trainer, tree):
-    """The run's decode of the leaves (`scoring.device_decoder`: each device its own rows)."""
+    """The run's decode of the leaves (`scoring.on_each_device`: each device its own rows,
+    over the 'sequence' axis too where the rows divide every device)."""
     mesh, model = trainer.mesh, trainer.model
     leaves = tree.leaves
-    latents = _shaped((math.prod(leaves.shape[:2]), *leaves.shape[2:]), mesh)
-    latents = latents.update(dtype=leaves.dtype)
+    rows = math.prod(leaves.shape[:2])
+    axes = sharding.row_axes(mesh, rows) or sharding.BATCH_AXES
+    split = NamedSharding(mesh, P(axes))
+    latents = jax.ShapeDtypeStruct((rows, *leaves.shape[2:]), leaves.dtype, sharding=split)
     params = jax.tree_util.tree_map(
         lambda x: x.update(sharding=sharding.replicated(mesh)), model.decode_params
     )
-    what = f"{latents.shape[0]} leaves{_layout(mesh)}"
-    return scoring.device_decoder(model.decode, mesh).lower(params, latents), what
+    devices = math.prod(mesh.shape[a] for a in axes)
+    what = f"{rows} leaves" + (f", split over {devices} devices" if devices > 1 else "")
+    return scoring.device_decoder(model.decode, mesh, axes).lower(params, latents), what
 
 
 # ---------------------------------------------------------------------------------------------

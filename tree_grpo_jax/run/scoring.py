@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tree_grpo_jax import sharding
@@ -75,29 +76,29 @@ def chunk_count(per_group: int, asked: int) -> int:
     return next(n for n in range(asked, 0, -1) if per_group % n == 0)
 
 
-@functools.cache  # one program per decoder and mesh, however often a trainer is made
-def device_decoder(apply: Callable, mesh) -> Callable:
+@functools.cache  # one program per decoder, mesh and layout, however often a trainer is made
+def device_decoder(apply: Callable, mesh, axes: tuple = sharding.BATCH_AXES) -> Callable:
     """`apply(params, latents)` jitted for `params` on every device and the latents' rows split
-    over `mesh`'s batch axes, each device decoding its own rows with its copy of the weights."""
-    rows = P(sharding.BATCH_AXES)
+    over `mesh`'s `axes`, each device decoding its own rows with its copy of the weights."""
+    rows = P(axes)
     return jax.jit(jax.shard_map(apply, mesh=mesh, in_specs=(P(), rows), out_specs=rows))
 
 
 def on_each_device(decode: Callable, mesh) -> Callable:
     """`decode` of latents [N, ...] run on `mesh` (a process's own devices), each device
-    decoding its N / devices rows: when `decode` is a `models.base.Decoder` (its weights are
+    decoding its rows (`sharding.row_axes`: N over every device where they divide it, a
+    'sequence' axis's included): when `decode` is a `models.base.Decoder` (its weights are
     placed on every device once, here) and the devices divide N; else `decode` itself."""
     if not isinstance(decode, Decoder):
         return decode
-    program = device_decoder(decode.apply, mesh)
     params = jax.device_put(decode.params, sharding.replicated(mesh))
-    split = sharding.batch_sharding(mesh)
-    shards = sharding.num_batch_shards(mesh)
 
     def run(latents):
-        if latents.shape[0] % shards:
+        axes = sharding.row_axes(mesh, latents.shape[0])
+        if axes is None:
             return decode(latents)
-        return program(params, jax.device_put(latents, split))
+        split = NamedSharding(mesh, P(axes))
+        return device_decoder(decode.apply, mesh, axes)(params, jax.device_put(latents, split))
 
     return run
 
