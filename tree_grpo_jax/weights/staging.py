@@ -74,7 +74,6 @@ def write_staged(out: Path, fill) -> Path:
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     if staging.exists():  # left by an earlier, killed export of this process id
         shutil.rmtree(staging)
-    staging.mkdir()
 
     def stopped() -> None:  # a signal ends the process: the half-built folder goes
         # Renamed first: the main thread may still be writing into it, and a new file can
@@ -88,9 +87,10 @@ def write_staged(out: Path, fill) -> Path:
             shutil.rmtree(doomed, ignore_errors=True)
 
     try:
-        # One cleanup from the first file to the swap: a stop between the two still removes
-        # the staging folder (after the swap it finds nothing to remove).
+        # One cleanup from the folder's making to the swap: a stop between the two still
+        # removes the staging folder (after the swap it finds nothing to remove).
         with interrupts.on_stop(stopped):
+            staging.mkdir()  # inside: a stop just after it still removes it
             fill(staging)
             with interrupts.critical():  # the swap itself is never cut in half
                 if out.is_dir():
