@@ -76,7 +76,9 @@ def get_config():
     c.prompts.eval_count = 8
     c.sampling.flow_sde = "flow_grpo"
     c.sampling.noise_level = 1.2
-    c.sampling.denoise_rows = 8  # their 4 images per device at once, each with its CFG pair
+    # rows of the whole batch at a time: their 4 images per GPU with their CFG pairs on one
+    # device (on N devices, a multiple of N: N x 8 keeps 4 images a device)
+    c.sampling.denoise_rows = 8
     c.tree.method = "grpo"
     c.tree.group_size = 16
     c.advantage.clip = 5.0
