@@ -6,38 +6,20 @@ equals `jax.nn.dot_product_attention` on one device, output and gradients, throu
 collective permutes and no all-to-all; a 3-head Wan denoiser with sequence 2 equals one
 device's (slow). A model whose heads the axis does not divide is no longer refused."""
 
-import json
 import os
-import subprocess
-import sys
 
 import ml_collections
 import pytest
 
+from tests import simulated_devices
 from tree_grpo_jax.models import registry
 from tree_grpo_jax.run import build
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "ring_attention.py")
+SCRIPT = os.path.join(simulated_devices.ROOT, "tests", "scripts", "ring_attention.py")
 
 
 def _run_script(*args):
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": ROOT,  # this checkout's package and its configs
-    }
-    out = subprocess.run(
-        [sys.executable, SCRIPT, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return simulated_devices.json_lines([SCRIPT, *args], devices=4)
 
 
 def test_ring_attention_equals_one_device_output_and_gradients():

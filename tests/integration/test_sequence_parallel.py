@@ -7,17 +7,15 @@ tests/integration/test_ring_attention.py.)"""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests import simulated_devices
 from tests.integration.test_wan import shrunk
 from tree_grpo_jax import sharding
 from tree_grpo_jax.models import registry
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "sequence_parallel.py")
+SCRIPT = os.path.join(simulated_devices.ROOT, "tests", "scripts", "sequence_parallel.py")
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +78,7 @@ def test_dit_denoisers_with_tokens_split_equal_one_device(family, tmp_path):
 
     kind, cases = FAMILIES[family]
     folder = tiny_folders.write_folder(kind, tmp_path / kind)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": ROOT,  # this checkout's package and its configs
-    }
-    out = subprocess.run(
-        [sys.executable, SCRIPT, family, str(folder)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    results = simulated_devices.json_lines([SCRIPT, family, str(folder)], devices=4)
     for r in results:
         print(json.dumps(r))  # the measured differences, for the record (pytest -s)
     meshes = {(r["case"], tuple(r["mesh"])) for r in results}
@@ -123,22 +106,8 @@ RUN = (
 
 
 def _train(folder, workdir, devices: int, *overrides):
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": ROOT,
-    }
     args = [*shrunk(*RUN, *overrides), f"--config.model.path={folder}", f"--workdir={workdir}"]
-    out = subprocess.run(
-        [sys.executable, "-m", "tree_grpo_jax.main", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = simulated_devices.run(["-m", "tree_grpo_jax.main", *args], devices)
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = next(m for m in metrics if "train/loss" in m)
     return out.stdout + out.stderr, train

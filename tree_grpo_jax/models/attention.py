@@ -296,15 +296,15 @@ def _blockwise_bwd(block, residuals, d_out):
         d_out,
         jnp.zeros(query.shape, jnp.float32),
     )
-    return (
-        d_query.astype(query.dtype),
-        d_key.astype(key.dtype),
-        d_value.astype(value.dtype),
-        None,
-    )
+    return (*_cast_like((d_query, d_key, d_value), (query, key, value)), None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def _cast_like(gradients, inputs) -> tuple:
+    """Gradients accumulated in float32, each in its input's dtype."""
+    return tuple(g.astype(x.dtype) for g, x in zip(gradients, inputs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,12 +412,7 @@ def _ring_bwd(block, axis, size, residuals, d_out):
     (d_query, held, d_held), _ = jax.lax.scan(visit, start, jnp.arange(size - 1))
     d_query, d_held = gradients(d_query, held, d_held, size - 1)
     d_key, d_value = _pass_on(d_held, axis, size)
-    return (
-        d_query.astype(query.dtype),
-        d_key.astype(key.dtype),
-        d_value.astype(value.dtype),
-        None,
-    )
+    return (*_cast_like((d_query, d_key, d_value), (query, key, value)), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
