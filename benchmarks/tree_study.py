@@ -86,6 +86,12 @@ BMIX_TREES2 = (("tree.num_trees", 2), ("tree.split_steps", (0, 2, 4)))  # 2 tree
 LR2 = (("train.learning_rate", 2e-4),)
 LR3 = (("train.learning_rate", 3e-4),)
 NODES = (("advantage.node_rewards", "branch_points"), ("advantage.node_mix", 0.5))
+
+
+def nodes_at(mix: float, where: str = "branch_points") -> tuple:
+    return (("advantage.node_rewards", where), ("advantage.node_mix", mix))
+
+
 REPLAY = (("train.replay", 1),)
 ONE_UPDATE = (("train.updates_per_iteration", 1),)  # however many minibatches the rows fill
 EPOCHS2 = (("train.inner_epochs", 2), ("train.clip_range", 1e-2))  # the second update acts
@@ -236,6 +242,40 @@ SETTINGS: dict[str, Setting] = {
         LR3 + (("advantage.node_rewards", "all_steps"),),
         label="grpo, Stepwise-Flow-GRPO credit, lr 3e-4",
     ),
+    # the trees per image: how much of an edge's credit is its gain (the mix), node values
+    # at every stochastic step, a larger step, and DiffusionNFT's loss on the tree's leaves
+    # at one sigma each (its rows per image near a tree's)
+    "branchgrpo_mix_nodes075_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + nodes_at(0.75),
+        label="branchgrpo_mix + node rewards, mix 0.75, lr 3e-4",
+    ),
+    "branchgrpo_mix_nodes1_lr3e-4": Setting(
+        "branchgrpo_mix", LR3 + nodes_at(1.0), label="branchgrpo_mix + node rewards, mix 1, lr 3e-4"
+    ),
+    "branchgrpo_mix_allsteps_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + nodes_at(0.5, "all_steps"),
+        label="branchgrpo_mix + node rewards at every stochastic step, lr 3e-4",
+    ),
+    "branchgrpo_mix_allsteps1_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + nodes_at(1.0, "all_steps"),
+        label="branchgrpo_mix + node rewards at every stochastic step, mix 1, lr 3e-4",
+    ),
+    "treegrpo_nodes1_lr3e-4": Setting(
+        "treegrpo", LR3 + nodes_at(1.0), label="treegrpo + node rewards, mix 1, lr 3e-4"
+    ),
+    "branchgrpo_mix_nodes_lr6e-4": Setting(
+        "branchgrpo_mix",
+        (("train.learning_rate", 6e-4), *NODES),
+        label="branchgrpo_mix + node rewards, lr 6e-4",
+    ),
+    "diffusion_nft_tree_lr3e-4_1sigma": Setting(
+        "diffusion_nft_tree",
+        LR3 + (("diffusion_nft.timestep_fraction", 0.1),),
+        label="diffusion_nft on the tree, lr 3e-4, 1 sigma per sample",
+    ),
 }
 
 GROUPS = {
@@ -376,6 +416,26 @@ GROUPS = {
         "branchgrpo_mix_nodes_lr3e-4",
         "branchgrpo_mix_replay1u_lr3e-4",
     ),
+    # the trees per image and per reward call: the credit group's references and its best
+    # tree beside the node-credit mix sweep, node values at every stochastic step, a larger
+    # step and DiffusionNFT on the tree's leaves (`--reuse` takes the runs the credit group
+    # already has, same mode and settings)
+    "per_image": (
+        "grpo_lr3e-4",
+        "grpo_stepwise_lr3e-4",
+        "mixgrpo_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "awm_lr3e-4",
+        "treegrpo_nodes_lr3e-4",
+        "treegrpo_nodes1_lr3e-4",
+        "branchgrpo_mix_nodes_lr3e-4",
+        "branchgrpo_mix_nodes075_lr3e-4",
+        "branchgrpo_mix_nodes1_lr3e-4",
+        "branchgrpo_mix_allsteps_lr3e-4",
+        "branchgrpo_mix_allsteps1_lr3e-4",
+        "branchgrpo_mix_nodes_lr6e-4",
+        "diffusion_nft_tree_lr3e-4_1sigma",
+    ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
 FLOW_GROUPS = {
@@ -384,6 +444,7 @@ FLOW_GROUPS = {
     "nft_screen": "flow",
     "methods": "flow1",
     "credit": "flow3",
+    "per_image": "flow3",
 }
 
 MODES = {
@@ -529,6 +590,40 @@ def resumed(old: dict, names, seeds) -> tuple[dict, list]:
             if not kept:
                 todo.append((seed, name))
     return curves, todo
+
+
+MODE_FIELDS = ("model", "iterations", "num_steps", "prompts", "eval_count")  # what a run depends on
+
+
+def reused_runs(path: str, payload: dict, done: dict) -> dict:
+    """`done` ({reward: {"curves": {setting: runs}}}) with the runs of the study at `path`
+    of the settings `payload` runs (same definition, same mode), per reward and seed where
+    `done` has none. A setting or mode that differs is not taken; one line says what is."""
+    try:
+        with open(path) as f:
+            other = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reuse {path}: cannot read it as a study's JSON ({e}).") from None
+    mode, theirs = payload["mode"], other.get("mode", {})
+    differs = [k for k in MODE_FIELDS if mode.get(k) != theirs.get(k)]
+    if differs:
+        raise SystemExit(f"--reuse {path}: its mode differs in {', '.join(differs)}.")
+    names = [
+        n for n, s in payload["settings"].items() if other.get("settings", {}).get(n) == _plain(s)
+    ]
+    out = {r: {"curves": dict(b.get("curves", {}))} for r, b in done.items()}
+    taken = 0
+    for reward, block in other.get("rewards", {}).items():
+        if reward not in mode["rewards"]:
+            continue
+        curves = out.setdefault(reward, {"curves": {}})["curves"]
+        for name in names:
+            have = {r["seed"] for r in curves.get(name, [])}
+            new = [r for r in block["curves"].get(name, []) if r["seed"] not in have]
+            curves[name] = curves.get(name, []) + new
+            taken += len(new)
+    log(f"[reuse] {taken} runs of {', '.join(names) or 'no setting'} from {path}")
+    return out
 
 
 def train_for_images(pr: training.PresetRun, seed: int, iterations: int, max_s: float) -> dict:
@@ -953,6 +1048,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--tag", default=None, help="names the output files (default: the group)")
     p.add_argument("--resume", action="store_true", help="keep the runs its JSON already has")
+    p.add_argument(
+        "--reuse",
+        default=None,
+        metavar="JSON",
+        help="take the runs another study's JSON has of this group's settings (the same mode "
+        "and settings; runs are deterministic on one machine), e.g. the credit group's",
+    )
     p.add_argument("--replot", default=None, metavar="JSON", help="tables and plots from a JSON")
     p.add_argument(
         "--depth-spread",
@@ -1022,6 +1124,8 @@ def main(argv=None) -> dict:
     if args.resume and os.path.exists(os.path.join(out, f"tree_study_{tag}.json")):
         with open(os.path.join(out, f"tree_study_{tag}.json")) as f:
             done = json.load(f)["rewards"]
+    if args.reuse:
+        done = reused_runs(args.reuse, payload, done)
     # a resumed file keeps every reward it had until this invocation reruns it (those it does
     # not run, `--rewards`, for good): a run stopped before a later reward loses none of its
     payload["rewards"] = dict(done)

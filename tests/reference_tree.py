@@ -315,13 +315,15 @@ def width_pruning_reference(forest, spec: TreeSpec, advantage_of, mode: str, rat
 
 
 def recorded_values(tree: Tree, node_values) -> dict[int, np.ndarray]:
-    """step index -> [P, n] node values of that step's parents, for every recorded step."""
+    """step index -> [P, n] node values of that step's parents, for every recorded step
+    (a step whose values are all NaN was not scored: it is left out)."""
     out = {}
     for seg, values in zip(tree.segments, node_values):
         if values is None:
             continue
         for t, step in enumerate(np.asarray(seg.steps)):
-            out[int(step)] = np.asarray(values[t], np.float64)
+            if not np.all(np.isnan(values[t])):
+                out[int(step)] = np.asarray(values[t], np.float64)
     return out
 
 

@@ -3,6 +3,8 @@ against Tweedie's formula in float64 numpy, the node values, per-edge gain credi
 masks, the kept leaves' credit and the saved rows against brute-force loops over explicit
 nodes (reference_tree.py), and one training iteration of the tiny tree with them on."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -181,6 +183,39 @@ def test_node_values_pass_through_unrecorded_chains_to_the_leaves():
     assert ref.node_value(leaf_edge, recorded) == leaf_edge.reward
 
 
+def test_a_mixed_segment_scores_only_its_stochastic_steps():
+    """BranchGRPO-Mix with all_steps: the trainer decodes the estimates of the steps its
+    window makes stochastic (`node_scoring.estimates`), lays NaN at the others, and the
+    credit of the edge above such a step takes the value below it, down to the leaf's
+    reward (the loop over explicit nodes with those steps unrecorded)."""
+    from tree_grpo_jax.run import node_scoring
+
+    spec = ts.branchgrpo_mix(7, (0, 4), 2, window=2, window_start=ts.FAMILY)
+    rng = np.random.default_rng(7)
+    tree = ref.random_tree(spec, 2, rng, 1)
+    x0 = [rng.normal(size=(*s.parents.shape[:3], 3)).astype(np.float32) for s in tree.segments]
+    tree = dataclasses.replace(
+        tree, segments=tuple(dataclasses.replace(s, x0_hats=x) for s, x in zip(tree.segments, x0))
+    )
+    estimates, shapes = node_scoring.estimates(tree)
+    active = [np.asarray(s.active, bool) for s in tree.segments]
+    scored = sum(int(a.sum()) * s.parents.shape[2] for a, s in zip(active, tree.segments))
+    assert 0 < scored < sum(s.parents.shape[0] * s.parents.shape[2] for s in tree.segments)
+    assert estimates.shape == (2, scored, 3)
+    # a reward that reads the estimate: each scored parent's value is its own first pixel
+    values = node_scoring.per_segment(estimates[..., 0], shapes)
+    for a, x, v in zip(active, x0, values):
+        np.testing.assert_array_equal(v[a], x[a][..., 0])
+        assert np.isnan(v[~a]).all()
+    rewards = rng.normal(size=(2, spec.leaves)).astype(np.float32)
+    forest = ref.build_forest(spec, tree, rewards, 1)
+    gains = ref.node_gain_reference(forest, ref.recorded_values(tree, values))
+    got = adv.node_gain_advantages(tree, jnp.asarray(rewards), values)
+    for node in ref.edges(forest):
+        np.testing.assert_allclose(ref.edge_value(got, tree, node), gains[node], atol=1e-4)
+    assert np.all(np.isfinite(np.concatenate([np.ravel(g) for g in got])))
+
+
 def test_constant_node_values_and_rewards_give_zero_gain_credit():
     spec = ts.treegrpo(5, window=2, k=3, window_start=1)
     tree = ref.random_tree(spec, 2, np.random.default_rng(0))
@@ -318,6 +353,10 @@ def test_the_tiny_tree_decodes_fifteen_node_estimates_per_prompt():
     assert (
         methods.get("branchgrpo").training_counts(c)["node_decodes"] == 1 + 2 + 2 + 2 + 4 + 4
     )  # steps 0..5
+    # BranchGRPO-Mix's: the steps outside its window are deterministic, so not scored
+    c.tree.method, c.sampling.num_steps, c.tree.split_steps = "branchgrpo_mix", 10, (0, 2, 4, 6)
+    c.tree.window, c.tree.window_start = 4, 0
+    assert methods.get("branchgrpo_mix").training_counts(c)["node_decodes"] == 1 + 2 + 2 + 4 + 4 + 8
 
 
 @pytest.mark.parametrize(

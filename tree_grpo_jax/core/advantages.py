@@ -504,14 +504,18 @@ def branchgrpo_advantages(
 # parent of an SDE step, one child). ODE steps pass values through: a segment's last
 # children are the next segment's parents, or the leaves.
 
-NodeValues = tuple  # per segment: [T, P, n] rewards of the parents' x0 estimates, or None
+NodeValues = tuple  # per segment: [T, P, n] rewards of the parents' x0 estimates (NaN: not
+# scored), or None
 NODE_REWARDS = ("none", "all_steps", "branch_points")
 
 
 def edge_end_values(
     tree: Tree, rewards: jax.Array, node_values: NodeValues
 ) -> list[tuple[jax.Array, jax.Array]]:
-    """Per segment, (parent values [T, P, n], child values [T, P, n * k]) of its edges."""
+    """Per segment, (parent values [T, P, n], child values [T, P, n * k]) of its edges. A
+    node without a value of its own (a segment's None, or NaN: a step of a mixed segment
+    outside the window, not scored) takes the value below it: its only child's, and so on
+    down to the leaf's reward (exact across a deterministic step)."""
     if len(node_values) != len(tree.segments):
         raise ValueError(f"{len(node_values)} node-value arrays for {len(tree.segments)} segments.")
     below = jnp.asarray(rewards, jnp.float32)
@@ -522,7 +526,12 @@ def edge_end_values(
         parents, children = [], []
         for t in reversed(range(seg.num_steps)):
             chex.assert_shape(below, seg.log_probs.shape[1:])
-            parent = below if values is None else jnp.asarray(values[t], jnp.float32)
+            if values is None:
+                parent = below
+            else:
+                value = jnp.asarray(values[t], jnp.float32)
+                # a BRANCH step is always stochastic, so always scored
+                parent = value if seg.k > 1 else jnp.where(jnp.isnan(value), below, value)
             parents.insert(0, parent)
             children.insert(0, below)
             below = parent

@@ -75,18 +75,20 @@ def check(method, config: ml_collections.ConfigDict, spec) -> str | None:
     return None
 
 
-def counts(method, config: ml_collections.ConfigDict, spec) -> dict:
+def counts(config: ml_collections.ConfigDict, spec) -> dict:
     """Per prompt, the x0 estimates node rewards decode and score each iteration beside
-    the leaves (the parents of the rollout's recorded steps; no extra denoiser rows), and
+    the leaves (the parents of the tree's stochastic steps, or of its BRANCH steps; no
+    extra denoiser rows), and
     where node pruning's count follows from the tree (`pruning.planned_node_pruning`)
     the nodes it drops and the rollout rows a sampler that stopped them would save (the
     static rollout still runs them): empty when off. `spec`: the plain tree."""
     o = config.advantage
     if o.node_rewards == "none":
         return {}
-    blocks = method.run_spec(config).segment_blocks  # the rollout's (a family's) segments
     per_prompt = sum(
-        b.num_steps * b.nodes_in for b in blocks if o.node_rewards == "all_steps" or b.step.k > 1
+        b.num_steps * b.nodes_in
+        for b in spec.segment_blocks
+        if o.node_rewards == "all_steps" or b.step.k > 1
     )
     counts = {"node_decodes": per_prompt, "node_reward_calls": per_prompt}
     planned = pruning.planned_node_pruning(

@@ -162,7 +162,7 @@ class Method:
             counts["replayed_rows"] = sum(p["train_rows"] for p in past)
             for name in ("trained_edges", "train_rows", "train_forward_rows", "train_grad_rows"):
                 counts[name] += sum(p[name] for p in past)
-        nodes = node_credit.counts(self, config, spec)
+        nodes = node_credit.counts(config, spec)
         return {"spec": spec.describe(), "leaves": spec.leaves, **counts, **nodes}
 
 

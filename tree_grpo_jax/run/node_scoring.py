@@ -21,33 +21,41 @@ from tree_grpo_jax.methods import node_credit
 from tree_grpo_jax.run import scoring
 
 
-def estimates(tree: Tree) -> tuple[np.ndarray | None, list[tuple[int, int] | None]]:
-    """(every kept x0 estimate [P, M, *S] prompt by prompt, each segment's (T, n) or None
-    where it kept none); (None, ...) when no segment kept any."""
+def estimates(tree: Tree) -> tuple[np.ndarray | None, list[tuple[np.ndarray, int] | None]]:
+    """(every kept x0 estimate of a stochastic step [P, M, *S] prompt by prompt, each
+    segment's (which of its T steps were scored [T] bool, n) or None where it kept none);
+    (None, ...) when no segment kept any. A mixed segment's steps outside the window are
+    deterministic and trained on no edge: their estimates are not scored (the credit takes
+    the exact value below them, `advantages.edge_end_values`)."""
     parts, shapes = [], []
     for seg in tree.segments:
         if seg.x0_hats is None:
             shapes.append(None)
             continue
-        x0 = np.asarray(seg.x0_hats)  # [T, P, n, *S]
+        scored = np.asarray(seg.active, bool)
+        x0 = np.asarray(seg.x0_hats)[scored]  # [T scored, P, n, *S]
         t, p, n = x0.shape[:3]
         parts.append(np.swapaxes(x0, 0, 1).reshape(p, t * n, *x0.shape[3:]))
-        shapes.append((t, n))
+        shapes.append((scored, n))
     if not parts:
         return None, shapes
     return np.concatenate(parts, axis=1), shapes
 
 
 def per_segment(values: np.ndarray, shapes) -> tuple:
-    """[P, M] rewards in `estimates`' order -> per segment [T, P, n] (None where none)."""
+    """[P, M] rewards in `estimates`' order -> per segment [T, P, n], NaN at the steps not
+    scored (None where the segment kept none)."""
     out, at = [], 0
     for shape in shapes:
         if shape is None:
             out.append(None)
             continue
-        t, n = shape
+        scored, n = shape
+        t = int(scored.sum())
         block = values[:, at : at + t * n].reshape(values.shape[0], t, n)
-        out.append(np.ascontiguousarray(np.swapaxes(block, 0, 1), np.float32))
+        full = np.full((len(scored), values.shape[0], n), np.nan, np.float32)
+        full[scored] = np.swapaxes(block, 0, 1)
+        out.append(full)
         at += t * n
     return tuple(out)
 
@@ -85,11 +93,9 @@ def node_metrics(trainer, sampled) -> dict:
     scores = sampled.node_values
     if scores is None:
         return {}
-    kept = [v for v in scores.per_segment if v is not None]
-    metrics = {
-        "node_reward_mean": float(np.mean(np.concatenate([v.ravel() for v in kept]))),
-        "node_decodes": int(sum(v.size for v in kept)),
-    }
+    kept = np.concatenate([v.ravel() for v in scores.per_segment if v is not None])
+    kept = kept[~np.isnan(kept)]
+    metrics = {"node_reward_mean": float(np.mean(kept)), "node_decodes": int(kept.size)}
     if scores.survival is not None:
         _, decisions = scores.survival
         plain = sampled.spec.at(sampled.window_start)
