@@ -271,6 +271,23 @@ SETTINGS: dict[str, Setting] = {
         (("train.learning_rate", 6e-4), *NODES),
         label="branchgrpo_mix + node rewards, lr 6e-4",
     ),
+    # the gains with no estimate scored: a split's parent valued at its children's mean,
+    # backed up from the leaves (node_rewards="leaf_means", one decode per image)
+    "branchgrpo_mix_leafmeans_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + nodes_at(0.5, "leaf_means"),
+        label="branchgrpo_mix + leaf-mean gains, lr 3e-4",
+    ),
+    "branchgrpo_mix_leafmeans1_lr3e-4": Setting(
+        "branchgrpo_mix",
+        LR3 + nodes_at(1.0, "leaf_means"),
+        label="branchgrpo_mix + leaf-mean gains, mix 1, lr 3e-4",
+    ),
+    "treegrpo_leafmeans1_lr3e-4": Setting(
+        "treegrpo",
+        LR3 + nodes_at(1.0, "leaf_means"),
+        label="treegrpo + leaf-mean gains, mix 1, lr 3e-4",
+    ),
     "diffusion_nft_tree_lr3e-4_1sigma": Setting(
         "diffusion_nft_tree",
         LR3 + (("diffusion_nft.timestep_fraction", 0.1),),
@@ -435,6 +452,9 @@ GROUPS = {
         "branchgrpo_mix_allsteps1_lr3e-4",
         "branchgrpo_mix_nodes_lr6e-4",
         "diffusion_nft_tree_lr3e-4_1sigma",
+        "treegrpo_leafmeans1_lr3e-4",
+        "branchgrpo_mix_leafmeans_lr3e-4",
+        "branchgrpo_mix_leafmeans1_lr3e-4",
     ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
@@ -737,6 +757,8 @@ def summarize(curves: dict, mode: dict, references: tuple = ()) -> dict:
         }
         counted = all("rows" in p for r in results for p in r["curve"])  # older runs: none
         s["rows"] = stats([r["curve"][-1]["rows"] for r in results]) if counted else None
+        last = results[0]["curve"][-1]
+        s["decodes_per_image"] = last.get("decodes", 0) / last["images"] if counted else None
         for base, target in out["targets"].items():
             img, img_seeds = _crossing(results, "images", target, common)
             sec, sec_seeds = _crossing(results, "time", target)
@@ -827,7 +849,23 @@ def table(summary: dict, labels: dict) -> str:
 
 # groups whose report adds a cost table against references of their own (ratios above 1:
 # the setting needs fewer images than the reference)
-COST_REFERENCES = {"credit": ("grpo_lr3e-4", "mixgrpo_lr3e-4", "diffusion_nft_lr3e-4")}
+COST_REFERENCES = {
+    "credit": ("grpo_lr3e-4", "mixgrpo_lr3e-4", "diffusion_nft_lr3e-4"),
+    "per_image": (
+        "grpo_lr3e-4",
+        "mixgrpo_lr3e-4",
+        "diffusion_nft_lr3e-4",
+        "awm_lr3e-4",
+        "grpo_stepwise_lr3e-4",
+    ),
+}
+SHORT = {
+    "grpo_lr3e-4": "grpo",
+    "mixgrpo_lr3e-4": "mixgrpo",
+    "diffusion_nft_lr3e-4": "nft",
+    "awm_lr3e-4": "awm",
+    "grpo_stepwise_lr3e-4": "stepwise",
+}
 
 
 def cost_table(summary: dict, labels: dict, references: tuple) -> str:
@@ -835,13 +873,12 @@ def cost_table(summary: dict, labels: dict, references: tuple) -> str:
     reward the images, forward-row equivalents and decodes scored (leaves and node
     estimates) it needs (median curve) with each reference's images over its own, seed by
     seed (median over the seeds both reached)."""
-    short = {"grpo_lr3e-4": "grpo", "mixgrpo_lr3e-4": "mixgrpo", "diffusion_nft_lr3e-4": "nft"}
     refs = [r for r in references if r in summary["settings"]]
     head = ["| setting | final reward |"]
     for target in ("gap50", "gap80"):
-        head.append(f" images to {target[3:]}% | rows to {target[3:]}% | decodes |")
-        head.extend(f" {short.get(r, r)} / it ({target[3:]}%) |" for r in refs)
-    lines = ["".join(head), "|" + "---|" * (2 + 2 * (3 + len(refs)))]
+        head.append(f" images to {target[3:]}% | rows to {target[3:]}% | decodes | rows + calls |")
+        head.extend(f" {SHORT.get(r, r)} / it ({target[3:]}%) |" for r in refs)
+    lines = ["".join(head), "|" + "---|" * (2 + 2 * (4 + len(refs)))]
     for name, s in summary["settings"].items():
         cells = [f"| {labels.get(name, name)} | {fmt_stats(s['final_reward'], 4)} |"]
         for target in ("gap50", "gap80"):
@@ -850,11 +887,66 @@ def cost_table(summary: dict, labels: dict, references: tuple) -> str:
             images = "-" if t["images"] is None else f"{t['images']:.0f} ({reached})"
             cells.append(
                 f" {images} | {_f(t.get('rows'), '.0f')} | {_f(t.get('decodes'), '.0f')} |"
+                f" {_f(_priced(t), '.0f')} |"
             )
             for r in refs:
                 ratio = t.get(f"per_seed_images_ratio_vs_{r}")
                 cells.append(f" {_f(ratio and ratio['median'], '.2f')} |")
         lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def _priced(to: dict) -> float | None:
+    """Forward-row equivalents to a target with each decode and reward call priced like one
+    forward row (a served judge or a detector costs about a denoiser pass)."""
+    if to.get("rows") is None or to.get("decodes") is None:
+        return None
+    return to["rows"] + to["decodes"]
+
+
+def verdict(summaries: dict, references: tuple) -> dict:
+    """Per setting that is no reference: the rewards on which its median curve needs fewer
+    images than every reference to 50% and to 80% of the way (a reference that never gets
+    there counts as needing more), its decodes per image, and per reward and target the
+    fewest times fewer forward rows than any reference it needs (None where it or every
+    reference does not get there). `summaries`: {reward: `summarize`'s output}."""
+    out = {}
+    for reward, summary in summaries.items():
+        for name, s in summary["settings"].items():
+            if name in references or name == "grpo":
+                continue
+            v = out.setdefault(name, {"fewer_images": {"gap50": [], "gap80": []}, "rows": {}})
+            v["decodes_per_image"] = s.get("decodes_per_image")
+            for target in ("gap50", "gap80"):
+                mine = s["to"][target]
+                theirs = [summary["settings"][r]["to"][target] for r in references]
+                reached = [t for t in theirs if t["images"] is not None]
+                if mine["images"] is not None and all(
+                    mine["images"] < t["images"] for t in reached
+                ):
+                    v["fewer_images"][target].append(reward)
+                rows = [
+                    t["rows"] / mine["rows"] for t in reached if t.get("rows") and mine.get("rows")
+                ]
+                v["rows"].setdefault(target, {})[reward] = min(rows) if rows else None
+    return out
+
+
+def verdict_table(summaries: dict, references: tuple, labels: dict) -> str:
+    """The per-image verdict as a table: rewards won at 50% and 80%, decodes per image, and
+    the fewest times fewer forward rows than a reference, reward by reward."""
+    rewards = list(summaries)
+    v = verdict(summaries, references)
+    head = "| setting | decodes / image | fewer images than every reference: 50% | 80% |"
+    head += "".join(f" rows: fewest x fewer ({r}, 50%) |" for r in rewards)
+    lines = [head, "|" + "---|" * (4 + len(rewards))]
+    for name, x in v.items():
+        wins = [", ".join(x["fewer_images"][t]) or "none" for t in ("gap50", "gap80")]
+        ratios = [_f(x["rows"]["gap50"].get(r), ".2f") for r in rewards]
+        lines.append(
+            f"| {labels.get(name, name)} | {_f(x['decodes_per_image'], '.2f')} | {wins[0]} | "
+            f"{wins[1]} |" + "".join(f" {c} |" for c in ratios)
+        )
     return "\n".join(lines)
 
 
@@ -1021,6 +1113,13 @@ def report(payload: dict, out: str, group: str) -> str:
             parts.append(
                 f"#### {reward}: cost to 50% and 80%\n\n" + cost_table(summary, labels, references)
             )
+    references = COST_REFERENCES.get(group, ())
+    summaries = {r: b["summary"] for r, b in payload["rewards"].items() if "summary" in b}
+    if references and summaries:
+        parts.append(
+            "### Per image: fewer images than every reference, at how many decodes and rows\n\n"
+            + verdict_table(summaries, references, labels)
+        )
     text = "\n\n".join(parts)
     with open(os.path.join(out, f"tree_study_{group}.md"), "w") as f:
         f.write(text + "\n")

@@ -329,13 +329,12 @@ def recorded_values(tree: Tree, node_values) -> dict[int, np.ndarray]:
 
 def node_value(node: Node, recorded: dict[int, np.ndarray]) -> float:
     """A node's value: the reward of its x0 estimate where its step recorded one, a leaf's
-    reward, else its only child's value."""
+    reward, else the mean of its children's values (its only child's on a chain)."""
     if node.depth in recorded:
         return float(recorded[node.depth][node.prompt, node.index])
     if not node.children:
         return node.reward
-    assert len(node.children) == 1, "an unrecorded node with several children"
-    return node_value(node.children[0], recorded)
+    return statistics.fmean(node_value(child, recorded) for child in node.children)
 
 
 def _normalized(values: list[float], ddof: int, floor: float) -> list[float]:

@@ -319,11 +319,18 @@ def test_study_report_uses_the_seeds_every_setting_has_finished(tmp_path):
     # the cost table: grpo's images over the tree's, seed by seed, to 50% (80%: 2.4 of a
     # gain of 2.0 is reached by the tree alone)
     lines = tree_study.cost_table(summary, {}, ("grpo", "absent")).splitlines()
-    assert lines[0].count("|") == lines[1].count("|") == 2 + 2 * 4 + 1
+    assert lines[0].count("|") == lines[1].count("|") == 2 + 2 * 5 + 1
     tree = next(line for line in lines if line.startswith("| treegrpo"))
     cells = [c.strip() for c in tree.strip("|").split("|")]
-    assert cells[2:6] == ["96 (1/1)", "1500", "96", "2.00"]
-    assert cells[6] == "154 (1/1)" and cells[9] == "-"  # grpo never reaches 80%
+    # rows + calls: each of the 96 decodes priced like a forward row
+    assert cells[2:7] == ["96 (1/1)", "1500", "96", "1596", "2.00"]
+    assert cells[7] == "154 (1/1)" and cells[11] == "-"  # grpo never reaches 80%
+    # the verdict: fewer images than every reference that gets there (grpo never reaches
+    # 80%, so the tree alone does), half of grpo's rows to 50%, one decode per image
+    verdict = tree_study.verdict({"r": summary}, ("grpo",))
+    assert verdict["treegrpo"]["fewer_images"] == {"gap50": ["r"], "gap80": ["r"]}
+    assert verdict["treegrpo"]["rows"]["gap50"] == {"r": 2.0}
+    assert verdict["treegrpo"]["decodes_per_image"] == 1.0
 
 
 def test_a_resumed_study_keeps_the_runs_of_seeds_it_does_not_rerun():
@@ -341,3 +348,35 @@ def test_a_resumed_study_keeps_the_runs_of_seeds_it_does_not_rerun():
     assert sorted(r["seed"] for r in curves["treegrpo"]) == [0, 1, 2]
     assert curves["new"] == [] and "dropped" not in curves
     assert todo == [(2, "grpo"), (2, "new")]
+
+
+def test_reuse_takes_only_runs_of_the_same_settings_and_mode(tmp_path):
+    """`--reuse`: runs of a setting defined alike in another study's file join this one's
+    (seeds it already has are kept as they are); a setting defined otherwise, or a file of
+    another mode, gives none; an unreadable file is one sentence."""
+    import json
+
+    from benchmarks import tree_study
+
+    mode = {"model": "tiny_flow", "iterations": 16, "rewards": ["r"]}
+    payload = {"mode": mode, "settings": {"a": {"preset": "grpo"}, "b": {"preset": "treegrpo"}}}
+    other = {
+        "mode": {**mode, "budget": 3000.0, "rewards": ["r", "s"]},
+        "settings": {"a": {"preset": "grpo"}, "b": {"preset": "mixgrpo"}},
+        "rewards": {
+            "r": {"curves": {"a": [{"seed": 0}, {"seed": 1}], "b": [{"seed": 0}]}},
+            "s": {"curves": {"a": [{"seed": 0}]}},  # a reward this study does not run
+        },
+    }
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(other))
+    done = {"r": {"curves": {"a": [{"seed": 1, "mine": True}]}}}
+    got = tree_study.reused_runs(str(path), payload, done)
+    assert got["r"]["curves"]["a"] == [{"seed": 1, "mine": True}, {"seed": 0}]
+    assert "b" not in got["r"]["curves"] and "s" not in got
+    path.write_text(json.dumps({**other, "mode": {**mode, "iterations": 8}}))
+    with pytest.raises(SystemExit, match="its mode differs in iterations"):
+        tree_study.reused_runs(str(path), payload, {})
+    path.write_text("{trunc")
+    with pytest.raises(SystemExit, match="cannot read it as a study's JSON"):
+        tree_study.reused_runs(str(path), payload, {})

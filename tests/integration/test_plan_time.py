@@ -101,10 +101,10 @@ def test_compare_counts_rows_per_leaf_and_ratios():
         f"{ROLLOUT_ROWS_PER_PROMPT / LEAVES:.2f}",
         f"{TRAIN_ROWS_PER_PROMPT / LEAVES:.2f}",
     ]
-    assert tree[6] == "1.00"
+    assert tree[4] == "1.00" and tree[7] == tree[9] == "1.00"  # one reward call per leaf
     # grpo (configs/tiny.py's group of 16 chains): every chain rolls and trains all 4 steps
     assert flat[1:4] == ["16", "4.00", "4.00"]
-    assert float(flat[6]) > 1  # more rows per iteration than the tree's
+    assert float(flat[7]) > 1  # more rows per iteration than the tree's
 
 
 def test_compare_of_config_files_keeps_each_files_settings():

@@ -121,6 +121,8 @@ CASES = [  # (method, spec, window start, x0 kept)
     ("branchgrpo", ts.branchgrpo(6, split_steps=(1, 3), k=3, num_trees=2), 0, "all_steps"),
     ("branchgrpo_mix", ts.branchgrpo_mix(7, (0, 4), 2, window=2, window_start=ts.FAMILY), 1,
      "all_steps"),
+    ("treegrpo", ts.treegrpo(6, 3, 2, window_start=ts.FAMILY, num_trees=2), 1, "leaf_means"),
+    ("branchgrpo", ts.branchgrpo(6, split_steps=(1, 3), k=3, num_trees=2), 0, "leaf_means"),
 ]  # fmt: skip
 
 
@@ -128,7 +130,7 @@ def _random_values(tree, rng, record, num_prompts):
     """Node values laid out as the trainer gives them: per segment [T, P, n], or None."""
     return tuple(
         None
-        if record == "branch_points" and seg.k == 1
+        if record == "leaf_means" or (record == "branch_points" and seg.k == 1)
         else rng.normal(size=(seg.num_steps, num_prompts, seg.parents.shape[2])).astype(np.float32)
         for seg in tree.segments
     )
@@ -365,6 +367,7 @@ def test_the_tiny_tree_decodes_fifteen_node_estimates_per_prompt():
         ("treegrpo", "node_rewards", "everywhere", "advantage.node_rewards must be one of"),
         ("treegrpo", "node_mix", 1.5, "advantage.node_mix must be in [0, 1]"),
         ("grpo", "node_rewards", "branch_points", "needs BRANCH steps"),
+        ("grpo", "node_rewards", "leaf_means", "'leaf_means' needs BRANCH steps"),
         ("diffusion_nft", "node_rewards", "all_steps", "trains none"),
         ("treegrpo", "node_pruning", "cluster", "needs node values"),
         ("treegrpo", "node_mix", 0.5, "but node rewards are off: set advantage.node_rewards"),
@@ -378,6 +381,24 @@ def test_bad_node_settings_are_refused_in_one_sentence(method, field, value, wor
     c.tree.method = method
     c.advantage[field] = value
     with pytest.raises(checks.ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        checks.validate(c)
+
+
+def test_leaf_means_decode_nothing_and_prune_nothing():
+    """node_rewards="leaf_means" backs the leaves' rewards up the tree: the rollout keeps
+    no estimate, no decode is counted, and node pruning (which needs scored estimates) is
+    refused in one sentence."""
+    from configs import tiny
+    from tree_grpo_jax.config import checks
+
+    c = tiny.get_config()
+    c.advantage.node_rewards = "leaf_means"
+    method = methods.get(c.tree.method)
+    assert "record_x0" not in method.objective.rollout_options(c)
+    assert "node_decodes" not in method.training_counts(c)
+    checks.validate(c)
+    c.advantage.node_pruning = "variance"
+    with pytest.raises(checks.ConfigError, match="'leaf_means' scores none"):
         checks.validate(c)
 
 
@@ -428,6 +449,24 @@ def test_one_small_iteration_with_node_rewards_and_pruning(tmp_path):
     assert metrics["node_saved_rollout_rows"] == planned["node_saved_rollout_rows"] * 2
     # each dropped node takes its split edge and its two children's edges out of the loss
     assert metrics["trained_edges"] == (2 + 4 + 8) * c.prompts.batch_size - 3 * dropped
+
+
+def test_one_small_iteration_with_leaf_means(tmp_path):
+    """The same small run with node_rewards="leaf_means": no estimate decoded, every edge
+    trained, a finite loss from the backed-up gains."""
+    from small_configs import small_config
+
+    from tree_grpo_jax.run import loop as train
+
+    c = small_config("treegrpo")
+    c.tree.window = 3
+    c.eval.every = 0
+    c.checkpoint.every = 0
+    c.advantage.node_rewards = "leaf_means"
+    trainer, state = train.setup(c, str(tmp_path))
+    state, metrics = trainer.iteration(state, 0)
+    assert "node_decodes" not in metrics and np.isfinite(metrics["loss"])
+    assert metrics["trained_edges"] == (2 + 4 + 8) * c.prompts.batch_size
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ program runs, the sliding window's trip counts averaged over the run."""
 import pytest
 from small_configs import small_config
 
-from tree_grpo_jax.plan import accelerators, time_plan
+from tree_grpo_jax.plan import accelerators, time_plan, time_table
 from tree_grpo_jax.plan.program_cost import Loop, ProgramCost
 
 H100 = accelerators.ACCELERATORS["h100"]
@@ -68,3 +68,21 @@ def test_accelerator_figures_and_bad_names():
     assert accelerators.accelerator("h100", peak_tflops=500.0).bandwidth == H100.bandwidth
     with pytest.raises(ValueError, match="unknown accelerator 'v100'"):
         accelerators.accelerator("v100")
+
+
+def test_node_rewards_add_decodes_and_reward_calls_priced_like_denoiser_rows():
+    """The small tree [B2 B2 O O] with guidance, 2 prompts: per prompt 4 leaves and, at the
+    branch points, 1 + 2 node estimates; the rollout runs 2 + 4 + 8 + 8 = 22 denoiser rows
+    per prompt (guidance doubles each node's). Every decode is a reward call."""
+    config = small_config("treegrpo")
+    costs = {"rollout": _cost(989e12, 0.0), "decode": _cost(1e9, 0.0)}
+    plain = time_plan.plan_time(config, costs, 1, H100, efficiency=0.5)
+    assert plain.reward_calls == 8 and plain.node_reward_calls == 0
+    assert time_plan.calls_per_iteration(config)["decode"] == 1.0
+    config.advantage.node_rewards = "branch_points"
+    assert time_plan.calls_per_iteration(config)["decode"] == pytest.approx(1 + 6 / 8)
+    plan = time_plan.plan_time(config, costs, 1, H100, efficiency=0.5)
+    assert (plan.reward_calls, plan.node_reward_calls, plan.rollout_rows) == (14, 6, 44)
+    # the rollout's 2 s over its 44 rows, 14 times
+    assert plan.reward_calls_as_rows_s == pytest.approx(14 * 2.0 / 44)
+    assert "14 per iteration (8 leaves, 6 node estimates)" in time_table.table(plan)

@@ -287,7 +287,9 @@ ADVANTAGE = {
         "none",
         "node rewards (the PPO methods): whose x0 estimates are decoded and scored by the "
         'run\'s reward besides the leaves: "none" (off), "all_steps" (the parents of every '
-        'recorded stochastic step) or "branch_points" (the parents of the BRANCH steps only)',
+        'recorded stochastic step), "branch_points" (the parents of the BRANCH steps only) or '
+        "\"leaf_means\" (none scored: a BRANCH parent's value is the mean of its children's, "
+        "backed up from the leaves' rewards; no extra decodes)",
         choices=adv.NODE_REWARDS,
     ),
     "node_mix": _fraction(

@@ -506,7 +506,13 @@ def branchgrpo_advantages(
 
 NodeValues = tuple  # per segment: [T, P, n] rewards of the parents' x0 estimates (NaN: not
 # scored), or None
-NODE_REWARDS = ("none", "all_steps", "branch_points")
+# "leaf_means": no estimate is scored; a BRANCH parent's value is its children's mean
+NODE_REWARDS = ("none", "all_steps", "branch_points", "leaf_means")
+
+
+def _children_mean(values: jax.Array, k: int) -> jax.Array:
+    """[..., n * k] -> [..., n]: each parent's mean over its k contiguous children."""
+    return jnp.mean(values.reshape(*values.shape[:-1], values.shape[-1] // k, k), axis=-1)
 
 
 def edge_end_values(
@@ -515,19 +521,18 @@ def edge_end_values(
     """Per segment, (parent values [T, P, n], child values [T, P, n * k]) of its edges. A
     node without a value of its own (a segment's None, or NaN: a step of a mixed segment
     outside the window, not scored) takes the value below it: its only child's, and so on
-    down to the leaf's reward (exact across a deterministic step)."""
+    down to the leaf's reward (exact across a deterministic step); a BRANCH parent without
+    one (node_rewards="leaf_means") takes the mean of its k children's."""
     if len(node_values) != len(tree.segments):
         raise ValueError(f"{len(node_values)} node-value arrays for {len(tree.segments)} segments.")
     below = jnp.asarray(rewards, jnp.float32)
     out = []
     for seg, values in reversed(list(zip(tree.segments, node_values))):
-        if values is None and seg.k > 1:
-            raise ValueError("a BRANCH segment needs its parents' node values.")
         parents, children = [], []
         for t in reversed(range(seg.num_steps)):
             chex.assert_shape(below, seg.log_probs.shape[1:])
             if values is None:
-                parent = below
+                parent = below if seg.k == 1 else _children_mean(below, seg.k)
             else:
                 value = jnp.asarray(values[t], jnp.float32)
                 # a BRANCH step is always stochastic, so always scored

@@ -1,5 +1,6 @@
-"""Node rewards (the rollout's x0 estimates, scored by run/node_scoring.py; their gains mix
-into a `node_credit` method's edge credit in `Method.clipped_advantages`): which methods and
+"""Node rewards (the rollout's x0 estimates, scored by run/node_scoring.py, or the leaves'
+rewards backed up the tree; their gains mix into a `node_credit` method's edge credit in
+`Method.clipped_advantages`): which methods and
 trees they apply to (`check`), node pruning's survival (once per iteration), and the decodes,
 reward calls and pruned nodes they add per prompt (`counts`)."""
 
@@ -54,13 +55,18 @@ def check(method, config: ml_collections.ConfigDict, spec) -> str | None:
         return None
     if not method.node_credit:
         return f"advantage.node_rewards credits the rollout's edges; {name} trains none."
-    if o.node_rewards == "branch_points" and not spec.branch_ks:
+    if o.node_rewards in ("branch_points", "leaf_means") and not spec.branch_ks:
         return (
-            f"advantage.node_rewards='branch_points' needs BRANCH steps; the {name} tree "
+            f"advantage.node_rewards='{o.node_rewards}' needs BRANCH steps; the {name} tree "
             "has none (use 'all_steps')."
         )
     if o.node_pruning == "none":
         return None
+    if o.node_rewards == "leaf_means":
+        return (
+            "advantage.node_pruning drops nodes by their scored x0 estimates: "
+            "node_rewards='leaf_means' scores none (use 'branch_points' or 'all_steps')."
+        )
     if method.treegrpo_leaf_credit is None or not method.treegrpo_leaf_credit(o):
         return (
             "advantage.node_pruning recomputes TreeGRPO's leaf credit over the kept leaves: "
@@ -83,7 +89,7 @@ def counts(config: ml_collections.ConfigDict, spec) -> dict:
     the nodes it drops and the rollout rows a sampler that stopped them would save (the
     static rollout still runs them): empty when off. `spec`: the plain tree."""
     o = config.advantage
-    if o.node_rewards == "none":
+    if o.node_rewards in ("none", "leaf_means"):  # leaf_means decodes nothing more
         return {}
     per_prompt = sum(
         b.num_steps * b.nodes_in

@@ -75,7 +75,7 @@ class PPOObjective(Objective):
         """The parents' step means, for GRPO-Guard's ratio; their x0 estimates, for node
         rewards."""
         options = {"record_means": True} if config.grpo_guard.enabled else {}
-        if config.advantage.node_rewards != "none":
+        if config.advantage.node_rewards in ("all_steps", "branch_points"):
             options["record_x0"] = config.advantage.node_rewards
         return options
 

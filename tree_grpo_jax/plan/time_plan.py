@@ -12,8 +12,11 @@ minibatch and `apply` once per update) and the evaluation every `eval.every` ite
 train step's count is averaged over the run's iterations, since a sliding window or pruning
 changes the rows each one trains. With `mesh.sequence` > 1 each denoiser call's all-to-alls
 (`sequence_traffic`) take their bytes at the interconnect's bandwidth, added to the program's
-time (not assumed overlapped with its compute). Not counted: reward scoring (its models are
-not compiled), the host's work between programs, and other communication between devices.
+time (not assumed overlapped with its compute). Node rewards decode the tree's x0 estimates
+beside the leaves: the decode runs once per leaf batch and once more per leaves' worth of
+estimates, and every decode is a reward call (`reward_calls`). Not counted: reward scoring's
+time (its models are not compiled; the plan prices a call like one denoiser row instead), the
+host's work between programs, and other communication between devices.
 """
 
 from __future__ import annotations
@@ -59,14 +62,27 @@ def rows_per_leaf(config) -> tuple[int, float, float]:
     return leaves, rollout_rows / leaves, train_rows / leaves
 
 
+def reward_calls(config) -> tuple[float, float]:
+    """(leaves, node estimates) decoded and scored per iteration over the whole batch,
+    averaged over the run's iterations: every one a decode and a reward call."""
+    method = methods.get(config.tree.method)
+    counts = [method.training_counts(config, i) for i in _iterations(config)]
+    prompts = config.prompts.batch_size
+    leaves = sum(c["leaves"] for c in counts) / len(counts) * prompts
+    nodes = sum(c.get("node_decodes", 0) for c in counts) / len(counts) * prompts
+    return leaves, nodes
+
+
 def calls_per_iteration(config) -> dict[str, float]:
-    """How many times each program runs in one iteration, on average over the run."""
+    """How many times each program runs in one iteration, on average over the run (the
+    decode's compiled batch is the leaves; node estimates take more of those calls)."""
     minibatches = minibatches_per_iteration(config)
     updates = config.train.updates_per_iteration
     every = config.eval.every
+    leaves, nodes = reward_calls(config)
     return {
         "rollout": 1.0,
-        "decode": 1.0,
+        "decode": 1.0 + nodes / leaves,
         "train_step": minibatches,
         "accumulate": minibatches,
         "apply": float(min(updates, math.ceil(minibatches))) if updates else 0.0,
@@ -160,10 +176,28 @@ class TimePlan:
     programs: tuple[ProgramTime, ...]
     not_counted: tuple[str, ...]
     sequence: int = 1  # mesh.sequence: >1, the programs' communication is counted
+    # per iteration, the whole batch's decodes scored (leaves and node estimates)
+    reward_calls: float = 0.0
+    node_reward_calls: float = 0.0  # of those, the node estimates'
+    rollout_rows: float = 0.0  # the rollout's denoiser rows per call, the whole batch's
 
     @property
     def seconds_per_iteration(self) -> float:
         return sum(p.per_iteration_s for p in self.programs)
+
+    @property
+    def denoiser_row_s(self) -> float:
+        """The rollout's seconds per denoiser row of the whole batch (0: no rollout)."""
+        rollout = [p for p in self.programs if p.name == "rollout"]
+        if not rollout or not self.rollout_rows:
+            return 0.0
+        return rollout[0].estimate_s / self.rollout_rows
+
+    @property
+    def reward_calls_as_rows_s(self) -> float:
+        """The iteration's reward calls priced like one denoiser row each (a served judge
+        or a detector costs about that): seconds the plan does not add to the iteration."""
+        return self.reward_calls * self.denoiser_row_s
 
     @property
     def communication_per_iteration(self) -> tuple[float, float]:
@@ -246,7 +280,8 @@ def plan_time(
     expected = ("rollout", "decode", *(steps or ("train_step",)), "evaluate")
     missing = [n for n in expected if calls[n] and n not in costs]
     not_counted = [
-        "reward scoring (its models are not compiled by the plan)",
+        "reward scoring (its models are not compiled by the plan; the reward calls line "
+        "prices them)",
         "the host's work between programs",
         "communication between devices",
     ]
@@ -274,6 +309,7 @@ def plan_time(
             f"the repeats of loops whose trip count XLA does not know in {', '.join(unknown)} "
             "(each counted once)"
         )
+    leaves, nodes = reward_calls(config)
     return TimePlan(
         accelerator=device,
         efficiency=efficiency,
@@ -282,4 +318,7 @@ def plan_time(
         programs=programs,
         not_counted=tuple(not_counted),
         sequence=1 if exchange is None else exchange.sequence,
+        reward_calls=leaves + nodes,
+        node_reward_calls=nodes,
+        rollout_rows=denoiser_rows(config)["rollout"][0],
     )

@@ -53,6 +53,21 @@ def _communication_line(plan: TimePlan) -> str:
     )
 
 
+def _reward_calls_line(plan: TimePlan) -> str:
+    """The iteration's reward calls, and what they would add priced like denoiser rows."""
+    nodes = plan.node_reward_calls
+    parts = (
+        f" ({plan.reward_calls - nodes:.0f} leaves, {nodes:.0f} node estimates)" if nodes else ""
+    )
+    priced = plan.reward_calls_as_rows_s
+    share = priced / plan.seconds_per_iteration if plan.seconds_per_iteration else 0.0
+    return (
+        f"reward calls: {plan.reward_calls:.0f} per iteration{parts}, each after a decode; "
+        f"priced like one denoiser row each they would add {seconds(priced)} "
+        f"({share:.0%} of the iteration; not in its seconds)"
+    )
+
+
 def table(plan: TimePlan, unfit: str = "") -> str:
     """One accelerator's block: each program per call and per iteration, then the run; the
     run's hours withheld when it does not fit the accelerator (`unfit` says why). With
@@ -91,6 +106,7 @@ def table(plan: TimePlan, unfit: str = "") -> str:
         )
     lines += [
         *([_communication_line(plan)] if split else []),
+        *([_reward_calls_line(plan)] if plan.reward_calls and plan.denoiser_row_s else []),
         f"one iteration: {tera(plan.flops_per_iteration)} TFLOP per device, {run}",
         "not counted: " + "; ".join(plan.not_counted) + ".",
     ]
@@ -124,6 +140,9 @@ def as_json(plan: TimePlan, runnable: bool | None = None) -> dict:
         "sequence": plan.sequence,
         "communication_bytes_per_iteration": plan.communication_per_iteration[0],
         "communication_seconds_per_iteration": plan.communication_per_iteration[1],
+        "reward_calls_per_iteration": plan.reward_calls,
+        "node_reward_calls_per_iteration": plan.node_reward_calls,
+        "reward_calls_priced_as_denoiser_rows_seconds": plan.reward_calls_as_rows_s,
         "flops_per_iteration": plan.flops_per_iteration,
         "seconds_per_iteration": plan.seconds_per_iteration,
         "runnable": runnable,
@@ -153,21 +172,28 @@ def compare_table(rows: list[Compared], devices: int) -> str:
         f"runs compared on {devices} device{'s' if devices > 1 else ''}, each at the setting "
         f"named below it, on {_device_line(first)} ({ESTIMATE}; per device):",
         f"{'run':<28}  {'leaves':>6}  {'rollout rows/leaf':>17}  {'train rows/leaf':>15}  "
-        f"{'TFLOP/iter':>10}  {'s/iter':>9}  {'ratio':>6}  {'memory':>9}",
+        f"{'calls/leaf':>10}  {'TFLOP/iter':>10}  {'s/iter':>9}  {'ratio':>6}  "
+        f"{'+ calls':>9}  {'ratio':>6}  {'memory':>9}",
     ]
-    for r in rows:
+    priced = [r.time.seconds_per_iteration + r.time.reward_calls_as_rows_s for r in rows]
+    for r, with_calls in zip(rows, priced):
         t = r.time
+        calls = t.reward_calls / max(t.reward_calls - t.node_reward_calls, 1e-9)
         lines.append(
             f"{r.name:<28}  {r.leaves:>6}  {r.rollout_rows_per_leaf:>17.2f}  "
-            f"{r.train_rows_per_leaf:>15.2f}  {tera(t.flops_per_iteration):>10}  "
+            f"{r.train_rows_per_leaf:>15.2f}  {calls:>10.2f}  {tera(t.flops_per_iteration):>10}  "
             f"{seconds(t.seconds_per_iteration):>9}  "
             f"{t.seconds_per_iteration / first.seconds_per_iteration:>6.2f}  "
+            f"{seconds(with_calls):>9}  {with_calls / priced[0]:>6.2f}  "
             f"{r.largest_total / 2**30:>5.1f} GiB{' (does not fit)' if r.runnable is False else ''}"
         )
     lines.append(
         "rows per leaf: denoiser rows of the rollout and forward rows of the train steps per "
-        "leaf, averaged over the run's iterations; ratio: seconds per iteration over the first "
-        "run's; memory: the largest program's total per device"
+        "leaf, averaged over the run's iterations; calls/leaf: decodes scored by the reward "
+        "per leaf (node rewards add the x0 estimates'); ratio: seconds per iteration over the "
+        "first run's; + calls: the seconds with every reward call priced like one denoiser "
+        "row (a served judge or a detector costs about that), and its ratio; memory: the "
+        "largest program's total per device"
         + (
             f" (does not fit: above the {first.accelerator.memory_gb:g} GB of one device, so "
             "that run's seconds are no run's)."
@@ -188,6 +214,8 @@ def compare_json(rows: list[Compared]) -> list[dict]:
             "train_rows_per_leaf": r.train_rows_per_leaf,
             "largest_total_bytes": r.largest_total,
             "ratio": r.time.seconds_per_iteration / first,
+            "reward_calls_per_leaf": r.time.reward_calls
+            / max(r.time.reward_calls - r.time.node_reward_calls, 1e-9),
             "time": as_json(r.time, r.runnable),
         }
         for r in rows

@@ -64,7 +64,12 @@ def with_node_values(trainer, sampled, batch, iteration: int):
     """`sampled` (a `trainer.Rollout`) with the rewards of its kept x0 estimates, per
     segment [T, P, n] for the global batch, and node pruning's survival of its rows (once
     per iteration; `node_credit.NodeScores`); unchanged when node rewards are off (nothing
-    kept). Decoded in parts and scored as the leaves are (`scoring.score`)."""
+    kept). Decoded in parts and scored as the leaves are (`scoring.score`). With
+    node_rewards="leaf_means" nothing is scored: every segment's values are None, and the
+    credit backs the leaves' rewards up the tree (`advantages.edge_end_values`)."""
+    if trainer.config.advantage.node_rewards == "leaf_means":
+        scores = node_credit.NodeScores((None,) * len(sampled.tree.segments))
+        return dataclasses.replace(sampled, node_values=scores)
     x0, shapes = estimates(sampled.tree)
     if x0 is None:
         return sampled
@@ -93,6 +98,8 @@ def node_metrics(trainer, sampled) -> dict:
     scores = sampled.node_values
     if scores is None:
         return {}
+    if all(v is None for v in scores.per_segment):
+        return {}  # leaf_means: nothing scored
     kept = np.concatenate([v.ravel() for v in scores.per_segment if v is not None])
     kept = kept[~np.isnan(kept)]
     metrics = {"node_reward_mean": float(np.mean(kept)), "node_decodes": int(kept.size)}
