@@ -288,6 +288,31 @@ SETTINGS: dict[str, Setting] = {
         LR3 + nodes_at(1.0, "leaf_means"),
         label="treegrpo + leaf-mean gains, mix 1, lr 3e-4",
     ),
+    # a larger step for the trees and for the references that need the fewest images
+    "branchgrpo_mix_lr6e-4": Setting(
+        "branchgrpo_mix", (("train.learning_rate", 6e-4),), label="branchgrpo_mix, lr 6e-4"
+    ),
+    "branchgrpo_mix_leafmeans_lr6e-4": Setting(
+        "branchgrpo_mix",
+        (("train.learning_rate", 6e-4), *nodes_at(0.5, "leaf_means")),
+        label="branchgrpo_mix + leaf-mean gains, lr 6e-4",
+    ),
+    "branchgrpo_mix_nodes_lr1e-3": Setting(
+        "branchgrpo_mix",
+        (("train.learning_rate", 1e-3), *NODES),
+        label="branchgrpo_mix + node rewards, lr 1e-3",
+    ),
+    "grpo_stepwise_lr6e-4": Setting(
+        "grpo",
+        (("train.learning_rate", 6e-4), ("advantage.node_rewards", "all_steps")),
+        label="grpo, Stepwise-Flow-GRPO credit, lr 6e-4",
+    ),
+    "diffusion_nft_lr6e-4": Setting(
+        "diffusion_nft", (("train.learning_rate", 6e-4),), label="diffusion_nft, lr 6e-4"
+    ),
+    "awm_lr6e-4": Setting(
+        "awm", (("train.learning_rate", 6e-4), ("train.clip_range", 1.0)), label="awm, lr 6e-4"
+    ),
     "diffusion_nft_tree_lr3e-4_1sigma": Setting(
         "diffusion_nft_tree",
         LR3 + (("diffusion_nft.timestep_fraction", 0.1),),
@@ -455,6 +480,12 @@ GROUPS = {
         "treegrpo_leafmeans1_lr3e-4",
         "branchgrpo_mix_leafmeans_lr3e-4",
         "branchgrpo_mix_leafmeans1_lr3e-4",
+        "branchgrpo_mix_lr6e-4",
+        "branchgrpo_mix_leafmeans_lr6e-4",
+        "branchgrpo_mix_nodes_lr1e-3",
+        "grpo_stepwise_lr6e-4",
+        "diffusion_nft_lr6e-4",
+        "awm_lr6e-4",
     ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
@@ -857,9 +888,15 @@ COST_REFERENCES = {
         "diffusion_nft_lr3e-4",
         "awm_lr3e-4",
         "grpo_stepwise_lr3e-4",
+        "grpo_stepwise_lr6e-4",
+        "diffusion_nft_lr6e-4",
+        "awm_lr6e-4",
     ),
 }
 SHORT = {
+    "grpo_stepwise_lr6e-4": "stepwise 6e-4",
+    "diffusion_nft_lr6e-4": "nft 6e-4",
+    "awm_lr6e-4": "awm 6e-4",
     "grpo_lr3e-4": "grpo",
     "mixgrpo_lr3e-4": "mixgrpo",
     "diffusion_nft_lr3e-4": "nft",
