@@ -956,7 +956,11 @@ def verdict(summaries: dict, references: tuple) -> dict:
             v["decodes_per_image"] = s.get("decodes_per_image")
             for target in ("gap50", "gap80"):
                 mine = s["to"][target]
-                theirs = [summary["settings"][r]["to"][target] for r in references]
+                theirs = [
+                    summary["settings"][r]["to"][target]
+                    for r in references
+                    if r in summary["settings"]
+                ]
                 reached = [t for t in theirs if t["images"] is not None]
                 if mine["images"] is not None and all(
                     mine["images"] < t["images"] for t in reached
@@ -1124,7 +1128,7 @@ def plot_costs(summary: dict, labels: dict, title: str, path: str) -> None:
 
 def report(payload: dict, out: str, group: str) -> str:
     labels = {n: s.label or n for n, s in SETTINGS.items()}
-    parts = []
+    parts, summaries = [], {}  # this report's summaries (a stored one may predate a setting)
     for reward, block in payload["rewards"].items():
         # Seed by seed in the same order for every setting (ratios pair seed s with seed s),
         # over the seeds every setting has finished (a study still running reports those)
@@ -1137,7 +1141,7 @@ def report(payload: dict, out: str, group: str) -> str:
         }
         references = COST_REFERENCES.get(group, ())
         summary = summarize(curves, payload["mode"], references)
-        block["summary"] = summary
+        block["summary"] = summaries[reward] = summary
         title = f"{reward} ({len(curves['grpo'])} seeds)"
         plot_reward(
             curves, summary, labels, title, os.path.join(out, f"tree_study_{group}_{reward}.png")
@@ -1151,7 +1155,6 @@ def report(payload: dict, out: str, group: str) -> str:
                 f"#### {reward}: cost to 50% and 80%\n\n" + cost_table(summary, labels, references)
             )
     references = COST_REFERENCES.get(group, ())
-    summaries = {r: b["summary"] for r, b in payload["rewards"].items() if "summary" in b}
     if references and summaries:
         parts.append(
             "### Per image: fewer images than every reference, at how many decodes and rows\n\n"
