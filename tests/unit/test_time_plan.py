@@ -85,4 +85,5 @@ def test_node_rewards_add_decodes_and_reward_calls_priced_like_denoiser_rows():
     assert (plan.reward_calls, plan.node_reward_calls, plan.rollout_rows) == (14, 6, 44)
     # the rollout's 2 s over its 44 rows, 14 times
     assert plan.reward_calls_as_rows_s == pytest.approx(14 * 2.0 / 44)
+    assert plan.reward_calls_per_leaf == pytest.approx(14 / 8)
     assert "14 per iteration (8 leaves, 6 node estimates)" in time_table.table(plan)

@@ -194,6 +194,12 @@ class TimePlan:
         return rollout[0].estimate_s / self.rollout_rows
 
     @property
+    def reward_calls_per_leaf(self) -> float:
+        """Decodes scored per leaf: 1, plus the node estimates' share."""
+        leaves = self.reward_calls - self.node_reward_calls
+        return self.reward_calls / leaves if leaves > 0 else 0.0
+
+    @property
     def reward_calls_as_rows_s(self) -> float:
         """The iteration's reward calls priced like one denoiser row each (a served judge
         or a detector costs about that): seconds the plan does not add to the iteration."""

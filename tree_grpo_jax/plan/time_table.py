@@ -178,10 +178,10 @@ def compare_table(rows: list[Compared], devices: int) -> str:
     priced = [r.time.seconds_per_iteration + r.time.reward_calls_as_rows_s for r in rows]
     for r, with_calls in zip(rows, priced):
         t = r.time
-        calls = t.reward_calls / max(t.reward_calls - t.node_reward_calls, 1e-9)
         lines.append(
             f"{r.name:<28}  {r.leaves:>6}  {r.rollout_rows_per_leaf:>17.2f}  "
-            f"{r.train_rows_per_leaf:>15.2f}  {calls:>10.2f}  {tera(t.flops_per_iteration):>10}  "
+            f"{r.train_rows_per_leaf:>15.2f}  {t.reward_calls_per_leaf:>10.2f}  "
+            f"{tera(t.flops_per_iteration):>10}  "
             f"{seconds(t.seconds_per_iteration):>9}  "
             f"{t.seconds_per_iteration / first.seconds_per_iteration:>6.2f}  "
             f"{seconds(with_calls):>9}  {with_calls / priced[0]:>6.2f}  "
@@ -214,8 +214,7 @@ def compare_json(rows: list[Compared]) -> list[dict]:
             "train_rows_per_leaf": r.train_rows_per_leaf,
             "largest_total_bytes": r.largest_total,
             "ratio": r.time.seconds_per_iteration / first,
-            "reward_calls_per_leaf": r.time.reward_calls
-            / max(r.time.reward_calls - r.time.node_reward_calls, 1e-9),
+            "reward_calls_per_leaf": r.time.reward_calls_per_leaf,
             "time": as_json(r.time, r.runnable),
         }
         for r in rows
