@@ -12,6 +12,8 @@
     python -m benchmarks.tree_study --group nft_screen # DiffusionNFT's learning rate, beta, tree
     python -m benchmarks.tree_study --group methods    # AWM, DGPO, GRPO-Guard beside them all
     python -m benchmarks.tree_study --group credit --resume    # node rewards, pruning, replay
+    python -m benchmarks.tree_study --group per_image --resume \
+        --reuse benchmarks/results/tree_study_credit.json  # trees per image and reward call
     python -m benchmarks.tree_study --depth-spread     # how diluted treegrpo's edge credit is
     python -m benchmarks.tree_study --smoke --out /tmp/study   # a stand-in model (~16 s CPU)
     python -m benchmarks.tree_study --replot benchmarks/results/tree_study_final.json
@@ -313,6 +315,18 @@ SETTINGS: dict[str, Setting] = {
     "awm_lr6e-4": Setting(
         "awm", (("train.learning_rate", 6e-4), ("train.clip_range", 1.0)), label="awm, lr 6e-4"
     ),
+    # the references that need the fewest images at the trees' largest step
+    "grpo_stepwise_lr1e-3": Setting(
+        "grpo",
+        (("train.learning_rate", 1e-3), ("advantage.node_rewards", "all_steps")),
+        label="grpo, Stepwise-Flow-GRPO credit, lr 1e-3",
+    ),
+    "diffusion_nft_lr1e-3": Setting(
+        "diffusion_nft", (("train.learning_rate", 1e-3),), label="diffusion_nft, lr 1e-3"
+    ),
+    "awm_lr1e-3": Setting(
+        "awm", (("train.learning_rate", 1e-3), ("train.clip_range", 1.0)), label="awm, lr 1e-3"
+    ),
     "diffusion_nft_tree_lr3e-4_1sigma": Setting(
         "diffusion_nft_tree",
         LR3 + (("diffusion_nft.timestep_fraction", 0.1),),
@@ -486,6 +500,9 @@ GROUPS = {
         "grpo_stepwise_lr6e-4",
         "diffusion_nft_lr6e-4",
         "awm_lr6e-4",
+        "grpo_stepwise_lr1e-3",
+        "diffusion_nft_lr1e-3",
+        "awm_lr1e-3",
     ),
 }
 # groups on the rectified-flow twin (configs/tiny_flow.py's model) and their modes
@@ -891,9 +908,15 @@ COST_REFERENCES = {
         "grpo_stepwise_lr6e-4",
         "diffusion_nft_lr6e-4",
         "awm_lr6e-4",
+        "grpo_stepwise_lr1e-3",
+        "diffusion_nft_lr1e-3",
+        "awm_lr1e-3",
     ),
 }
 SHORT = {
+    "grpo_stepwise_lr1e-3": "stepwise 1e-3",
+    "diffusion_nft_lr1e-3": "nft 1e-3",
+    "awm_lr1e-3": "awm 1e-3",
     "grpo_stepwise_lr6e-4": "stepwise 6e-4",
     "diffusion_nft_lr6e-4": "nft 6e-4",
     "awm_lr6e-4": "awm 6e-4",
