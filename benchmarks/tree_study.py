@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -1271,15 +1272,13 @@ def main(argv=None) -> dict:
         return spread
     smoke_dir = os.path.join(tempfile.gettempdir(), "tree_grpo_jax_benchmarks", "study_smoke")
     out = args.out or (smoke_dir if args.smoke else default_out("tree_study"))
-    os.makedirs(out, exist_ok=True)
-    if not args.smoke:
-        compile_cache.enable()  # identical train steps of different settings compile once
     payload = {
         "tag": tag,
         "mode": mode,
         "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in names},
         "machine": machine(),
-        "command": "python -m benchmarks.tree_study " + " ".join(argv or []),
+        "command": "python -m benchmarks.tree_study "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "rewards": {},
     }
     done = {}
@@ -1287,7 +1286,10 @@ def main(argv=None) -> dict:
         with open(os.path.join(out, f"tree_study_{tag}.json")) as f:
             done = json.load(f)["rewards"]
     if args.reuse:
-        done = reused_runs(args.reuse, payload, done)
+        done = reused_runs(args.reuse, payload, done)  # a bad file stops before anything is written
+    os.makedirs(out, exist_ok=True)
+    if not args.smoke:
+        compile_cache.enable()  # identical train steps of different settings compile once
     # a resumed file keeps every reward it had until this invocation reruns it (those it does
     # not run, `--rewards`, for good): a run stopped before a later reward loses none of its
     payload["rewards"] = dict(done)
