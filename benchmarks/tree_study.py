@@ -305,35 +305,32 @@ SETTINGS: dict[str, Setting] = {
         (("train.learning_rate", 1e-3), *NODES),
         label="branchgrpo_mix + node rewards, lr 1e-3",
     ),
-    "grpo_stepwise_lr6e-4": Setting(
-        "grpo",
-        (("train.learning_rate", 6e-4), ("advantage.node_rewards", "all_steps")),
-        label="grpo, Stepwise-Flow-GRPO credit, lr 6e-4",
-    ),
-    "diffusion_nft_lr6e-4": Setting(
-        "diffusion_nft", (("train.learning_rate", 6e-4),), label="diffusion_nft, lr 6e-4"
-    ),
-    "awm_lr6e-4": Setting(
-        "awm", (("train.learning_rate", 6e-4), ("train.clip_range", 1.0)), label="awm, lr 6e-4"
-    ),
-    # the references that need the fewest images at the trees' largest step
-    "grpo_stepwise_lr1e-3": Setting(
-        "grpo",
-        (("train.learning_rate", 1e-3), ("advantage.node_rewards", "all_steps")),
-        label="grpo, Stepwise-Flow-GRPO credit, lr 1e-3",
-    ),
-    "diffusion_nft_lr1e-3": Setting(
-        "diffusion_nft", (("train.learning_rate", 1e-3),), label="diffusion_nft, lr 1e-3"
-    ),
-    "awm_lr1e-3": Setting(
-        "awm", (("train.learning_rate", 1e-3), ("train.clip_range", 1.0)), label="awm, lr 1e-3"
-    ),
     "diffusion_nft_tree_lr3e-4_1sigma": Setting(
         "diffusion_nft_tree",
         LR3 + (("diffusion_nft.timestep_fraction", 0.1),),
         label="diffusion_nft on the tree, lr 3e-4, 1 sigma per sample",
     ),
 }
+
+
+def references_at(lr: str) -> dict:
+    """The references that need the fewest images per image (Stepwise-Flow-GRPO,
+    DiffusionNFT, AWM at its released clip) at learning rate `lr`, as settings."""
+    at = (("train.learning_rate", float(lr)),)
+    return {
+        f"grpo_stepwise_lr{lr}": Setting(
+            "grpo",
+            at + (("advantage.node_rewards", "all_steps"),),
+            label=f"grpo, Stepwise-Flow-GRPO credit, lr {lr}",
+        ),
+        f"diffusion_nft_lr{lr}": Setting("diffusion_nft", at, label=f"diffusion_nft, lr {lr}"),
+        f"awm_lr{lr}": Setting("awm", at + (("train.clip_range", 1.0),), label=f"awm, lr {lr}"),
+    }
+
+
+# at the trees' larger steps
+SETTINGS.update(references_at("6e-4"))
+SETTINGS.update(references_at("1e-3"))
 
 GROUPS = {
     # The wide sweep, as measured: the candidates of the time, fewer seeds (not those of

@@ -1,8 +1,8 @@
 """Node rewards (the rollout's x0 estimates, scored by run/node_scoring.py, or the leaves'
 rewards backed up the tree; their gains mix into a `node_credit` method's edge credit in
-`Method.clipped_advantages`): which methods and
-trees they apply to (`check`), node pruning's survival (once per iteration), and the decodes,
-reward calls and pruned nodes they add per prompt (`counts`)."""
+`Method.clipped_advantages`): which methods and trees they apply to (`check`), node
+pruning's survival (once per iteration), and the decodes, reward calls and pruned nodes they
+add per prompt (`counts`)."""
 
 from __future__ import annotations
 
